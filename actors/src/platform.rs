@@ -1,0 +1,191 @@
+//! The platform contract: everything the scheduler needs from hardware, and nothing more.
+//!
+//! Device memory (with a capacity), host buffers (pinned or pageable), in-order streams, events (record, wait,
+//! query, host synchronisation) and asynchronous copies. Objects are named by small copyable handles so the trait
+//! stays object-safe (`Arc<dyn Platform>`) and the hot path passes integers, not reference-counted objects.
+//!
+//! Event semantics follow CUDA: `record_event` captures the work enqueued on a stream so far; a later
+//! `stream_wait_event` makes the waiting stream wait for the event's *most recent record at the time of the wait
+//! call*; `event_query` / `event_synchronize` observe that most recent record. An event never recorded counts as
+//! complete.
+
+use std::fmt;
+
+/// A device memory allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DeviceBufferId(pub u64);
+
+/// A host memory allocation owned by the platform (pinned or pageable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostBufferId(pub u64);
+
+/// An in-order queue of device work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u32);
+
+/// A re-recordable marker in a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventId(pub u32);
+
+/// How a host buffer is backed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostMemoryKind {
+    /// Page-locked memory: the device can copy from it at full link speed, asynchronously.
+    Pinned,
+    /// Ordinary pageable memory: copies are staged by the driver and much slower.
+    Pageable,
+}
+
+/// Errors a platform reports.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlatformError {
+    /// A device allocation did not fit.
+    #[error("device out of memory: requested {requested} bytes with {in_use} of {capacity} bytes in use")]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes already allocated.
+        in_use: u64,
+        /// Device capacity.
+        capacity: u64,
+    },
+    /// A host allocation failed.
+    #[error("host allocation of {requested} bytes ({kind:?}) failed: {reason}")]
+    HostAllocFailed {
+        /// Bytes asked for.
+        requested: u64,
+        /// Pinned or pageable.
+        kind: HostMemoryKind,
+        /// What the platform said.
+        reason: String,
+    },
+    /// A copy could not be issued or failed on the device.
+    #[error("{direction} copy of {bytes} bytes failed: {reason}")]
+    CopyFailed {
+        /// `"host-to-device"` or `"device-to-host"`.
+        direction: &'static str,
+        /// Bytes in the copy.
+        bytes: u64,
+        /// What the platform said.
+        reason: String,
+    },
+    /// An event operation failed (or the work it marks failed).
+    #[error("event {event:?} failed: {reason}")]
+    EventFailed {
+        /// The event.
+        event: EventId,
+        /// What the platform said.
+        reason: String,
+    },
+    /// A handle that this platform never issued, or already freed.
+    #[error("invalid {what} handle {id}")]
+    InvalidHandle {
+        /// Kind of handle.
+        what: &'static str,
+        /// Its numeric value.
+        id: u64,
+    },
+    /// A copy range outside its buffer.
+    #[error("{what} range {offset}+{len} exceeds its buffer of {size} bytes")]
+    OutOfBounds {
+        /// Which side of the copy.
+        what: &'static str,
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Size of the buffer.
+        size: u64,
+    },
+    /// The platform cannot be used here (no device, no driver).
+    #[error("platform unavailable: {0}")]
+    Unavailable(String),
+    /// Anything else the driver reported.
+    #[error("driver error: {0}")]
+    Driver(String),
+}
+
+/// Result alias for platform calls.
+pub type PlatformResult<T> = Result<T, PlatformError>;
+
+/// Device memory counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemoryStats {
+    /// Capacity of the device in bytes.
+    pub capacity: u64,
+    /// Bytes allocated now.
+    pub in_use: u64,
+    /// Largest `in_use` since creation or the last `reset_peak`.
+    pub peak: u64,
+}
+
+/// The hardware contract. Implementations: the simulated device (`sim`) and, in the root crate, CUDA.
+///
+/// All methods may be called from any thread. Enqueue methods (`copy_*`, `record_event`, `stream_wait_event`) do
+/// not wait for the device.
+pub trait Platform: Send + Sync + fmt::Debug {
+    /// Short name (`"sim"`, `"cuda"`).
+    fn name(&self) -> &'static str;
+
+    /// Device memory counters.
+    fn device_memory(&self) -> DeviceMemoryStats;
+    /// Resets the peak counter to the current use.
+    fn reset_peak(&self);
+
+    /// Allocates device memory. Fails with [`PlatformError::OutOfMemory`] beyond the capacity.
+    fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId>;
+    /// Returns device memory to the allocator. The caller must have *observed* completion of all work touching it.
+    fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()>;
+    /// Size of a device buffer.
+    fn device_buffer_len(&self, buf: DeviceBufferId) -> PlatformResult<u64>;
+
+    /// Allocates a host buffer, zero-filled.
+    fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId>;
+    /// Frees a host buffer. The caller must have observed completion of all copies touching it.
+    fn free_host(&self, buf: HostBufferId) -> PlatformResult<()>;
+    /// Fills part of a host buffer from the CPU.
+    fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()>;
+    /// Reads part of a host buffer into `out`.
+    fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()>;
+    /// Size and kind of a host buffer.
+    fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)>;
+
+    /// Creates a stream.
+    fn create_stream(&self, name: &str) -> PlatformResult<StreamId>;
+    /// Creates an event (never recorded: counts as complete).
+    fn create_event(&self) -> PlatformResult<EventId>;
+    /// Destroys an event.
+    fn destroy_event(&self, event: EventId) -> PlatformResult<()>;
+
+    /// Records `event` at the current end of `stream`.
+    fn record_event(&self, event: EventId, stream: StreamId) -> PlatformResult<()>;
+    /// Makes work enqueued on `stream` from now on wait for `event`'s most recent record.
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> PlatformResult<()>;
+    /// Whether the most recent record of `event` has completed. Errors if that work failed.
+    fn event_query(&self, event: EventId) -> PlatformResult<bool>;
+    /// Blocks the calling thread until the most recent record of `event` completed.
+    fn event_synchronize(&self, event: EventId) -> PlatformResult<()>;
+    /// Blocks until all work enqueued on `stream` so far completed.
+    fn stream_synchronize(&self, stream: StreamId) -> PlatformResult<()>;
+
+    /// Enqueues an asynchronous host→device copy on `stream`.
+    fn copy_h2d(
+        &self,
+        stream: StreamId,
+        src: HostBufferId,
+        src_offset: u64,
+        dst: DeviceBufferId,
+        dst_offset: u64,
+        len: u64,
+    ) -> PlatformResult<()>;
+    /// Enqueues an asynchronous device→host copy on `stream`.
+    fn copy_d2h(
+        &self,
+        stream: StreamId,
+        src: DeviceBufferId,
+        src_offset: u64,
+        dst: HostBufferId,
+        dst_offset: u64,
+        len: u64,
+    ) -> PlatformResult<()>;
+}

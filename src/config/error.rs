@@ -1,0 +1,4 @@
+//! (in progress)
+/// A rejected configuration (placeholder until the parser lands).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError;

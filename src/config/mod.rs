@@ -1,0 +1,203 @@
+//! Offload configuration: the engine fields that matter to offload, parsed from one JSON or TOML file, validated
+//! and resolved once into an immutable [`OffloadConfig`].
+//!
+//! Invariant: an `OffloadConfig` only exists if every rule passed (legacy priority, compact-config conflicts,
+//! group derivation). Every rejection is a [`ConfigError`] naming the exact key path and the fix.
+
+mod error;
+mod parse;
+
+pub use error::ConfigError;
+
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Which offload strategy runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// No offload.
+    None,
+    /// Whole components swap between host and device per phase.
+    ModelLevel,
+    /// Block stacks stream through rings of device slots.
+    LayerWise,
+    /// Layerwise with AllGather transfer and/or resident leading layers.
+    DistributedLayerWise,
+}
+
+impl Strategy {
+    /// Name used in reports and `plan --json` (`none`, `model`, `layer`, `distributed_layer`).
+    pub fn report_name(self) -> &'static str {
+        match self {
+            Strategy::None => "none",
+            Strategy::ModelLevel => "model",
+            Strategy::LayerWise => "layer",
+            Strategy::DistributedLayerWise => "distributed_layer",
+        }
+    }
+}
+
+/// A selectable component family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Component {
+    /// Diffusion transformers.
+    Dit,
+    /// Text encoders.
+    TextEncoder,
+    /// VAEs.
+    Vae,
+}
+
+impl Component {
+    /// Config spelling (`dit`, `text_encoder`, `vae`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Component::Dit => "dit",
+            Component::TextEncoder => "text_encoder",
+            Component::Vae => "vae",
+        }
+    }
+    /// All components.
+    pub const ALL: [Component; 3] = [Component::Dit, Component::TextEncoder, Component::Vae];
+}
+
+/// How a layerwise component's blocks reach the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WeightTransfer {
+    /// Each rank copies whole blocks from its own host copy.
+    RankLocal,
+    /// Each rank copies its 1/N shard, then an AllGather rebuilds the block.
+    Allgather,
+}
+
+/// Parallel layout of the engine, as configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ParallelConfig {
+    /// `data_parallel_size`.
+    pub data_parallel_size: u32,
+    /// `sequence_parallel_size`.
+    pub sequence_parallel_size: u32,
+    /// `tensor_parallel_size`.
+    pub tensor_parallel_size: u32,
+    /// `use_hsdp`.
+    pub use_hsdp: bool,
+    /// `hsdp_shard_size` (-1 = unset).
+    pub hsdp_shard_size: i64,
+    /// `hsdp_replicate_size`.
+    pub hsdp_replicate_size: u32,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig {
+            data_parallel_size: 1,
+            sequence_parallel_size: 1,
+            tensor_parallel_size: 1,
+            use_hsdp: false,
+            hsdp_shard_size: -1,
+            hsdp_replicate_size: 1,
+        }
+    }
+}
+
+/// Which parallel axis the offload group was derived from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupAxis {
+    /// No group (size 1).
+    Single,
+    /// The data-parallel group.
+    DataParallel,
+    /// The HSDP shard × replicate group.
+    Hsdp,
+    /// The sequence-parallel group.
+    SequenceParallel,
+}
+
+/// The group of ranks that shard weights between them for AllGather transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct OffloadGroup {
+    /// Ranks in the group (1 = no sharding).
+    pub size: u32,
+    /// Where the size came from.
+    pub axis: GroupAxis,
+}
+
+/// Per-component layer options after resolution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LayerOptions {
+    /// Transfer kind (defaults to rank-local).
+    pub weight_transfer: WeightTransfer,
+    /// Prefetch depth if the user set one; `None` lets the planner choose.
+    pub prefetch_depth: Option<u32>,
+}
+
+/// A byte count parsed from a number or a string such as `"24GiB"`.
+pub type Bytes = u64;
+
+/// The resolved, validated offload configuration. Immutable; build it with [`OffloadConfig::from_json_str`],
+/// [`OffloadConfig::from_toml_str`] or [`OffloadConfig::from_path`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OffloadConfig {
+    /// The strategy that runs.
+    pub strategy: Strategy,
+    /// Explicit component selection, or `None` for the compatibility topology (legacy flags, no selector).
+    pub components: Option<BTreeSet<Component>>,
+    /// Per-component options, one entry for every component (defaults filled in).
+    pub layer_options: BTreeMap<Component, LayerOptions>,
+    /// Leading DiT blocks kept resident (`resident_layers` / `dlo_resident_layers`).
+    pub resident_layers: u32,
+    /// Pin host masters.
+    pub pin_memory: bool,
+    /// Device memory the weights may use, if bounded.
+    pub device_budget: Option<Bytes>,
+    /// Model-level only: keep the DiT resident (no swapping) when everything fits in the budget/device.
+    pub keep_dit_resident: bool,
+    /// Parallel layout as configured.
+    pub parallel: ParallelConfig,
+    /// The weight-sharding group derived from the parallel layout.
+    pub group: OffloadGroup,
+    /// Whether the config came from the compact `diffusion_offload_config` object (vs legacy flags only).
+    pub compact: bool,
+}
+
+impl OffloadConfig {
+    /// Offload disabled.
+    pub fn disabled() -> Self {
+        let opts = LayerOptions { weight_transfer: WeightTransfer::RankLocal, prefetch_depth: None };
+        OffloadConfig {
+            strategy: Strategy::None,
+            components: None,
+            layer_options: Component::ALL.iter().map(|&c| (c, opts)).collect(),
+            resident_layers: 0,
+            pin_memory: true,
+            device_budget: None,
+            keep_dit_resident: false,
+            parallel: ParallelConfig::default(),
+            group: OffloadGroup { size: 1, axis: GroupAxis::Single },
+            compact: false,
+        }
+    }
+    /// Whether `c` is offloaded under this config. Under the compatibility topology only the DiT is selected.
+    pub fn offloads(&self, c: Component) -> bool {
+        match &self.components {
+            Some(set) => set.contains(&c),
+            None => c == Component::Dit && self.strategy != Strategy::None,
+        }
+    }
+    /// Transfer kind of a component.
+    pub fn transfer_for(&self, c: Component) -> WeightTransfer {
+        self.layer_options.get(&c).map_or(WeightTransfer::RankLocal, |o| o.weight_transfer)
+    }
+    /// Whether `c` uses AllGather across a group of more than one rank.
+    pub fn uses_allgather(&self, c: Component) -> bool {
+        self.transfer_for(c) == WeightTransfer::Allgather && self.group.size > 1
+    }
+    /// User-set prefetch depth for a component.
+    pub fn prefetch_depth(&self, c: Component) -> Option<u32> {
+        self.layer_options.get(&c).and_then(|o| o.prefetch_depth)
+    }
+}

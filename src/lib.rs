@@ -1,0 +1,10 @@
+//! weightferry: streams the weights of large diffusion models between host and GPU memory with an actor-based
+//! asynchronous transfer scheduler.
+//!
+//! - [`config`]: the offload config file (compact and legacy keys), validated into an [`config::OffloadConfig`].
+//! - [`plan`]: pipeline descriptions, presets, and the pure plan resolver.
+//! - [`hooks`]: the forward-hook registry the strategies install into.
+
+pub mod config;
+pub mod hooks;
+pub mod plan;

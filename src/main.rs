@@ -1,0 +1,2 @@
+//! The `weightferry` command line.
+fn main() {}

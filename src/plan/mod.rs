@@ -1,0 +1,8 @@
+//! Pipeline descriptions and the offload plan: what the model looks like, and what offload will do to it.
+
+pub mod builder;
+pub mod json;
+pub mod pipeline;
+pub mod presets;
+
+pub use pipeline::*;
