@@ -1,1 +1,351 @@
-//! (in progress)
+//! The forward-hook registry: named hooks per module that the host engine runs around each module's forward pass.
+//!
+//! Invariants: `pre_forward` hooks run in name order and `post_forward` hooks in reverse name order; at most one
+//! hook per module replaces the forward; every hook has an owner and an owner removes only its own hooks; at most
+//! one offload strategy owns offload hooks on a pipeline at a time. Hook calls never hold the registry lock while a
+//! hook runs.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+
+/// Hook name of the model-level (sequential) strategy.
+pub const SEQUENTIAL_OFFLOAD_HOOK: &str = "sequential_offload";
+/// Hook name of the layerwise strategy.
+pub const LAYERWISE_OFFLOAD_HOOK: &str = "layerwise_offload";
+/// Hook name of the distributed layerwise strategy.
+pub const DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK: &str = "distributed_layerwise_offload";
+
+/// Errors from hooks and the registry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HookError {
+    /// A second forward-replacing hook on one module.
+    #[error(
+        "module '{module}' already has a hook that replaces forward ('{existing}'); '{new}' cannot also replace it"
+    )]
+    ForwardAlreadyReplaced {
+        /// Module path.
+        module: String,
+        /// Existing forward-replacing hook.
+        existing: String,
+        /// Rejected hook.
+        new: String,
+    },
+    /// A hook owned by someone else.
+    #[error("hook '{name}' on module '{module}' belongs to '{owner}', not '{caller}'; only its owner may remove it")]
+    NotOwner {
+        /// Module path.
+        module: String,
+        /// Hook name.
+        name: String,
+        /// Its owner.
+        owner: String,
+        /// Who tried to remove it.
+        caller: String,
+    },
+    /// Another strategy already owns offload hooks.
+    #[error("offload hooks on this pipeline are owned by '{owner}'; disable it before enabling '{requested}'")]
+    OffloadOwned {
+        /// Current owner.
+        owner: String,
+        /// Strategy asking.
+        requested: String,
+    },
+    /// A hook failed while running.
+    #[error("hook '{name}' failed on module '{module}': {message}")]
+    Failed {
+        /// Module path.
+        module: String,
+        /// Hook name.
+        name: String,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// A hook run around a module's forward pass.
+pub trait ModelHook: Send + Sync {
+    /// Runs before the module's forward.
+    fn pre_forward(&self, module: &str) -> Result<(), String>;
+    /// Runs after the module's forward.
+    fn post_forward(&self, module: &str) -> Result<(), String>;
+    /// Whether this hook replaces the module's forward (at most one per module).
+    fn replaces_forward(&self) -> bool {
+        false
+    }
+}
+
+#[derive(Clone)]
+struct Entry {
+    name: String,
+    owner: String,
+    hook: Arc<dyn ModelHook>,
+}
+
+type HookList = Arc<Vec<Entry>>;
+
+#[derive(Default)]
+struct Inner {
+    modules: BTreeMap<String, HookList>,
+    offload_owner: Option<String>,
+}
+
+/// Hooks of one pipeline.
+#[derive(Default, Clone)]
+pub struct HookRegistry {
+    inner: Arc<RwLock<Inner>>,
+}
+
+impl std::fmt::Debug for HookRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HookRegistry").field("hooks", &self.hook_names()).finish()
+    }
+}
+
+impl HookRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers `hook` under `name` on `module`, owned by `owner`. Re-registering a name warns and replaces it.
+    pub fn register(&self, module: &str, name: &str, owner: &str, hook: Arc<dyn ModelHook>) -> Result<(), HookError> {
+        let mut inner = self.write();
+        let list = inner.modules.entry(module.to_string()).or_default();
+        if hook.replaces_forward() {
+            if let Some(e) = list.iter().find(|e| e.name != name && e.hook.replaces_forward()) {
+                return Err(HookError::ForwardAlreadyReplaced {
+                    module: module.to_string(),
+                    existing: e.name.clone(),
+                    new: name.to_string(),
+                });
+            }
+        }
+        let mut v: Vec<Entry> = list.iter().filter(|e| e.name != name).cloned().collect();
+        if v.len() != list.len() {
+            tracing::warn!("hook '{name}' on module '{module}' registered again; replacing it");
+        }
+        v.push(Entry { name: name.to_string(), owner: owner.to_string(), hook });
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        *list = Arc::new(v);
+        Ok(())
+    }
+
+    /// Removes hook `name` from `module` if `owner` owns it. A missing hook is a no-op (`Ok(false)`).
+    pub fn remove(&self, module: &str, name: &str, owner: &str) -> Result<bool, HookError> {
+        let mut inner = self.write();
+        let Some(list) = inner.modules.get_mut(module) else { return Ok(false) };
+        let Some(e) = list.iter().find(|e| e.name == name) else { return Ok(false) };
+        if e.owner != owner {
+            return Err(HookError::NotOwner {
+                module: module.to_string(),
+                name: name.to_string(),
+                owner: e.owner.clone(),
+                caller: owner.to_string(),
+            });
+        }
+        let v: Vec<Entry> = list.iter().filter(|e| e.name != name).cloned().collect();
+        if v.is_empty() {
+            inner.modules.remove(module);
+        } else {
+            *list = Arc::new(v);
+        }
+        Ok(true)
+    }
+
+    /// Removes every hook `owner` owns; returns how many.
+    pub fn remove_owned_by(&self, owner: &str) -> usize {
+        let mut inner = self.write();
+        let mut removed = 0;
+        inner.modules.retain(|_, list| {
+            let v: Vec<Entry> = list.iter().filter(|e| e.owner != owner).cloned().collect();
+            removed += list.len() - v.len();
+            *list = Arc::new(v);
+            !list.is_empty()
+        });
+        if inner.offload_owner.as_deref() == Some(owner) {
+            inner.offload_owner = None;
+        }
+        removed
+    }
+
+    /// Claims offload ownership for `strategy`; fails if another strategy holds it.
+    pub fn claim_offload(&self, strategy: &str) -> Result<(), HookError> {
+        let mut inner = self.write();
+        match &inner.offload_owner {
+            Some(o) if o != strategy => {
+                Err(HookError::OffloadOwned { owner: o.clone(), requested: strategy.to_string() })
+            }
+            _ => {
+                inner.offload_owner = Some(strategy.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    /// Releases offload ownership if `strategy` holds it.
+    pub fn release_offload(&self, strategy: &str) {
+        let mut inner = self.write();
+        if inner.offload_owner.as_deref() == Some(strategy) {
+            inner.offload_owner = None;
+        }
+    }
+
+    /// The strategy owning offload hooks, if any.
+    pub fn offload_owner(&self) -> Option<String> {
+        self.read().offload_owner.clone()
+    }
+
+    /// `(module, hook name, owner)` of every hook, sorted.
+    pub fn hook_names(&self) -> Vec<(String, String, String)> {
+        let inner = self.read();
+        inner
+            .modules
+            .iter()
+            .flat_map(|(m, l)| l.iter().map(move |e| (m.clone(), e.name.clone(), e.owner.clone())))
+            .collect()
+    }
+
+    /// Number of hooks owned by `owner`.
+    pub fn count_owned_by(&self, owner: &str) -> usize {
+        self.read().modules.values().map(|l| l.iter().filter(|e| e.owner == owner).count()).sum()
+    }
+
+    fn snapshot(&self, module: &str) -> Option<HookList> {
+        self.read().modules.get(module).cloned()
+    }
+
+    /// Runs `module`'s pre-forward hooks in name order.
+    pub fn pre_forward(&self, module: &str) -> Result<(), HookError> {
+        let Some(list) = self.snapshot(module) else { return Ok(()) };
+        for e in list.iter() {
+            e.hook.pre_forward(module).map_err(|message| HookError::Failed {
+                module: module.to_string(),
+                name: e.name.clone(),
+                message,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Runs `module`'s post-forward hooks in reverse name order.
+    pub fn post_forward(&self, module: &str) -> Result<(), HookError> {
+        let Some(list) = self.snapshot(module) else { return Ok(()) };
+        for e in list.iter().rev() {
+            e.hook.post_forward(module).map_err(|message| HookError::Failed {
+                module: module.to_string(),
+                name: e.name.clone(),
+                message,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    struct Rec {
+        tag: &'static str,
+        log: Arc<Mutex<Vec<String>>>,
+        replaces: bool,
+        fail: bool,
+    }
+    impl ModelHook for Rec {
+        fn pre_forward(&self, m: &str) -> Result<(), String> {
+            self.log.lock().unwrap().push(format!("pre:{}:{m}", self.tag));
+            if self.fail {
+                Err("boom".into())
+            } else {
+                Ok(())
+            }
+        }
+        fn post_forward(&self, m: &str) -> Result<(), String> {
+            self.log.lock().unwrap().push(format!("post:{}:{m}", self.tag));
+            Ok(())
+        }
+        fn replaces_forward(&self) -> bool {
+            self.replaces
+        }
+    }
+    fn rec(tag: &'static str, log: &Arc<Mutex<Vec<String>>>, replaces: bool) -> Arc<dyn ModelHook> {
+        Arc::new(Rec { tag, log: log.clone(), replaces, fail: false })
+    }
+
+    #[test]
+    fn pre_runs_in_name_order_post_in_reverse() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let r = HookRegistry::new();
+        r.register("b0", "zeta", "x", rec("z", &log, false)).unwrap();
+        r.register("b0", "alpha", "x", rec("a", &log, false)).unwrap();
+        r.register("b0", "mid", "y", rec("m", &log, false)).unwrap();
+        r.pre_forward("b0").unwrap();
+        r.post_forward("b0").unwrap();
+        r.pre_forward("other").unwrap();
+        assert_eq!(
+            *log.lock().unwrap(),
+            vec!["pre:a:b0", "pre:m:b0", "pre:z:b0", "post:z:b0", "post:m:b0", "post:a:b0"]
+        );
+    }
+
+    #[test]
+    fn only_one_hook_may_replace_forward() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let r = HookRegistry::new();
+        r.register("m", "first", "x", rec("1", &log, true)).unwrap();
+        let err = r.register("m", "second", "x", rec("2", &log, true)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "module 'm' already has a hook that replaces forward ('first'); 'second' cannot also replace it"
+        );
+        // Re-registering the same name is allowed (it replaces itself).
+        r.register("m", "first", "x", rec("1b", &log, true)).unwrap();
+        assert_eq!(r.hook_names(), vec![("m".to_string(), "first".to_string(), "x".to_string())]);
+    }
+
+    #[test]
+    fn owners_remove_only_their_hooks() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let r = HookRegistry::new();
+        r.register("m", LAYERWISE_OFFLOAD_HOOK, LAYERWISE_OFFLOAD_HOOK, rec("l", &log, false)).unwrap();
+        r.register("m", "user_hook", "user", rec("u", &log, false)).unwrap();
+        assert!(matches!(r.remove("m", "user_hook", LAYERWISE_OFFLOAD_HOOK), Err(HookError::NotOwner { .. })));
+        assert_eq!(r.remove("m", "missing", "user"), Ok(false));
+        assert_eq!(r.remove_owned_by(LAYERWISE_OFFLOAD_HOOK), 1);
+        assert_eq!(r.hook_names(), vec![("m".to_string(), "user_hook".to_string(), "user".to_string())]);
+        assert_eq!(r.remove("m", "user_hook", "user"), Ok(true));
+        assert!(r.hook_names().is_empty());
+    }
+
+    #[test]
+    fn one_offload_owner_at_a_time() {
+        let r = HookRegistry::new();
+        r.claim_offload(LAYERWISE_OFFLOAD_HOOK).unwrap();
+        r.claim_offload(LAYERWISE_OFFLOAD_HOOK).unwrap();
+        let err = r.claim_offload(SEQUENTIAL_OFFLOAD_HOOK).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "offload hooks on this pipeline are owned by 'layerwise_offload'; disable it before enabling 'sequential_offload'"
+        );
+        r.release_offload(SEQUENTIAL_OFFLOAD_HOOK);
+        assert_eq!(r.offload_owner().as_deref(), Some(LAYERWISE_OFFLOAD_HOOK));
+        r.release_offload(LAYERWISE_OFFLOAD_HOOK);
+        r.claim_offload(SEQUENTIAL_OFFLOAD_HOOK).unwrap();
+    }
+
+    #[test]
+    fn failing_hook_reports_module_and_name() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let r = HookRegistry::new();
+        r.register("blk", "h", "o", Arc::new(Rec { tag: "f", log: log.clone(), replaces: false, fail: true })).unwrap();
+        assert_eq!(r.pre_forward("blk").unwrap_err().to_string(), "hook 'h' failed on module 'blk': boom");
+    }
+}

@@ -6,5 +6,6 @@
 //! - [`hooks`]: the forward-hook registry the strategies install into.
 
 pub mod config;
+pub mod diag;
 pub mod hooks;
 pub mod plan;

@@ -6,3 +6,8 @@ pub mod pipeline;
 pub mod presets;
 
 pub use pipeline::*;
+pub mod budget;
+pub mod discovery;
+pub mod resolver;
+
+pub use resolver::{resolve_offload_plan, BlockStack, ComponentKind, PlanError, ResolvedComponent, ResolvedPlan};

@@ -1,0 +1,719 @@
+//! The pure plan resolver: `resolve_offload_plan(&pipeline, &config)` decides, before anything is touched, which
+//! components are selected, what their block stacks are, how each stack splits into a resident head and a
+//! streaming tail, and what is staged on demand.
+//!
+//! Invariants: the resolver takes shared references only, has no side effects beyond logging, and returns the
+//! same plan (warnings included) for the same inputs. An explicit component selection turns every declaration
+//! problem into an error; the compatibility topology (no selector) warns and skips instead. Every error is raised
+//! here, so a backend fails before it installs a hook or moves a tensor.
+
+use super::budget::{plan_budget, BudgetPlan};
+use super::discovery::{blocks_of, discover_components, dit_block_attrs, BlockAttrSource};
+use super::pipeline::{join, ModuleNode, PipelineDesc};
+use crate::config::{Component, OffloadConfig, Strategy};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Nested DiT children larger than this are staged or streamed by the distributed strategy even undeclared.
+pub const ON_DEMAND_THRESHOLD_BYTES: u64 = 1024 * 1024 * 1024;
+
+/// Default prefetch depth when the config sets none and no budget forces a choice.
+pub const DEFAULT_PREFETCH_DEPTH: u32 = 2;
+
+/// Message of the layerwise no-op when the compatibility topology finds no DiT.
+pub const NO_DIT_SKIP_REASON: &str = "No DiT/transformer modules found for selected DiT layerwise offload";
+
+/// A rejected pipeline/config combination, found before any mutation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PlanError(pub String);
+
+/// What role a component plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ComponentKind {
+    /// A diffusion transformer.
+    Dit,
+    /// A text encoder (selectable as `text_encoder`).
+    TextEncoder,
+    /// Another encoder (image, …): never selectable.
+    Encoder,
+    /// A VAE.
+    Vae,
+    /// A module that always stays on the device.
+    Resident,
+    /// An auxiliary module (stays on the device).
+    Auxiliary,
+    /// A nested DiT child that is staged or streamed separately.
+    DitChild,
+}
+
+impl ComponentKind {
+    /// Short name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            ComponentKind::Dit => "dit",
+            ComponentKind::TextEncoder => "text_encoder",
+            ComponentKind::Encoder => "encoder",
+            ComponentKind::Vae => "vae",
+            ComponentKind::Resident => "resident",
+            ComponentKind::Auxiliary => "auxiliary",
+            ComponentKind::DitChild => "dit_child",
+        }
+    }
+}
+
+/// An ordered list of blocks streamed through one ring, split into a resident head and a streaming tail.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BlockStack {
+    /// Display name: the owning component path and its block-list attributes.
+    pub name: String,
+    /// Block-list attribute paths relative to the owner, in execution order.
+    pub attrs: Vec<String>,
+    /// Full dotted path of every block, in execution order.
+    pub blocks: Vec<String>,
+    /// Bytes of each block's distinct storages.
+    pub block_bytes: Vec<u64>,
+    /// Number of leading blocks kept resident on the device.
+    pub resident_head: usize,
+    /// How many blocks ahead the ring prefetches.
+    pub prefetch_depth: u32,
+}
+
+impl BlockStack {
+    /// Blocks kept resident.
+    pub fn resident(&self) -> &[String] {
+        &self.blocks[..self.resident_head.min(self.blocks.len())]
+    }
+    /// Blocks streamed through the ring.
+    pub fn streaming(&self) -> &[String] {
+        &self.blocks[self.resident_head.min(self.blocks.len())..]
+    }
+    /// Largest streamed block, in bytes (0 when nothing streams).
+    pub fn max_streaming_block_bytes(&self) -> u64 {
+        self.block_bytes[self.resident_head.min(self.block_bytes.len())..].iter().copied().max().unwrap_or(0)
+    }
+    /// Bytes of the resident head.
+    pub fn resident_bytes(&self) -> u64 {
+        self.block_bytes[..self.resident_head.min(self.block_bytes.len())].iter().sum()
+    }
+    /// Device slots the ring needs: depth + 1 (capped by the streaming length), or 0 when nothing streams.
+    pub fn slot_count(&self) -> usize {
+        let streaming = self.blocks.len() - self.resident_head.min(self.blocks.len());
+        if streaming == 0 {
+            0
+        } else {
+            (self.prefetch_depth as usize + 1).min(streaming)
+        }
+    }
+    /// Device bytes of the ring's slots.
+    pub fn slot_bytes(&self) -> u64 {
+        self.slot_count() as u64 * self.max_streaming_block_bytes()
+    }
+}
+
+/// One component of the resolved plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ResolvedComponent {
+    /// Dotted path from the pipeline root.
+    pub path: String,
+    /// Role.
+    pub kind: ComponentKind,
+    /// Module class.
+    pub class: String,
+    /// Whether the strategy offloads this component.
+    pub selected: bool,
+    /// Block stacks streamed through rings.
+    pub stacks: Vec<BlockStack>,
+    /// Residency managed by the pipeline's `load_to_device` / `offload_to_cpu` lifecycle.
+    pub on_demand: bool,
+    /// Nested children staged or streamed separately (DiTs only).
+    pub children: Vec<ResolvedComponent>,
+    /// Bytes of the component's distinct storages.
+    pub bytes: u64,
+}
+
+impl ResolvedComponent {
+    /// Every block path owned by this component's stacks (children excluded).
+    pub fn block_paths(&self) -> impl Iterator<Item = &String> {
+        self.stacks.iter().flat_map(|s| s.blocks.iter())
+    }
+}
+
+/// The resolver's answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ResolvedPlan {
+    /// The strategy that will run.
+    pub strategy: Strategy,
+    /// Diffusion transformers.
+    pub dits: Vec<ResolvedComponent>,
+    /// Encoders.
+    pub encoders: Vec<ResolvedComponent>,
+    /// VAEs.
+    pub vaes: Vec<ResolvedComponent>,
+    /// Always-resident modules (declared residents and auxiliaries).
+    pub residents: Vec<ResolvedComponent>,
+    /// Why the backend should do nothing at all (layerwise, compatibility topology, no DiT).
+    pub skip_reason: Option<String>,
+    /// Warnings raised while resolving (also logged).
+    pub warnings: Vec<String>,
+    /// Device memory plan for the weights.
+    pub budget: BudgetPlan,
+}
+
+impl ResolvedPlan {
+    /// All top-level components: DiTs, encoders, VAEs, residents.
+    pub fn components(&self) -> impl Iterator<Item = &ResolvedComponent> {
+        self.dits.iter().chain(&self.encoders).chain(&self.vaes).chain(&self.residents)
+    }
+    /// Every block stack of every component and child, with its owner.
+    pub fn stacks(&self) -> Vec<(&ResolvedComponent, &BlockStack)> {
+        let mut out = Vec::new();
+        fn walk<'a>(c: &'a ResolvedComponent, out: &mut Vec<(&'a ResolvedComponent, &'a BlockStack)>) {
+            for s in &c.stacks {
+                out.push((c, s));
+            }
+            for ch in &c.children {
+                walk(ch, out);
+            }
+        }
+        for c in self.components() {
+            walk(c, &mut out);
+        }
+        out
+    }
+}
+
+struct Ctx<'a> {
+    p: &'a PipelineDesc,
+    cfg: &'a OffloadConfig,
+    explicit: bool,
+    warnings: Vec<String>,
+}
+
+impl Ctx<'_> {
+    fn warn(&mut self, msg: String) {
+        tracing::warn!("{msg}");
+        self.warnings.push(msg);
+    }
+    /// Error under an explicit selection, warning otherwise. Returns `Err` only in the explicit case.
+    fn strict(&mut self, strict: bool, msg: String) -> Result<(), PlanError> {
+        if strict {
+            Err(PlanError(msg))
+        } else {
+            self.warn(msg);
+            Ok(())
+        }
+    }
+    fn depth_for(&self, c: Component) -> u32 {
+        self.cfg.prefetch_depth(c).unwrap_or(DEFAULT_PREFETCH_DEPTH)
+    }
+    fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, depth: u32) -> BlockStack {
+        let block_bytes = blocks.iter().map(|b| self.p.subtree_bytes(b)).collect();
+        BlockStack {
+            name: format!("{owner}[{}]", attrs.join("+")),
+            attrs,
+            blocks,
+            block_bytes,
+            resident_head: 0,
+            prefetch_depth: depth,
+        }
+    }
+}
+
+fn module<'a>(p: &'a PipelineDesc, path: &str) -> &'a ModuleNode {
+    // Discovery only returns paths that exist.
+    p.module(path).unwrap_or(&p.root)
+}
+
+fn component(p: &PipelineDesc, path: &str, kind: ComponentKind) -> ResolvedComponent {
+    ResolvedComponent {
+        path: path.to_string(),
+        kind,
+        class: module(p, path).class.clone(),
+        selected: false,
+        stacks: Vec::new(),
+        on_demand: false,
+        children: Vec::new(),
+        bytes: p.subtree_bytes(path),
+    }
+}
+
+fn encoder_kind(p: &PipelineDesc, path: &str) -> Result<ComponentKind, PlanError> {
+    if let Some(t) = p.offload_plan.as_ref().and_then(|pl| pl.encoder_component_types.get(path)) {
+        return if t == "text_encoder" {
+            Ok(ComponentKind::TextEncoder)
+        } else {
+            Err(PlanError(format!(
+                "offload_plan.encoder_component_types['{path}'] is '{t}'; the only declarable encoder type is \
+                 'text_encoder' (remove the entry for other encoders)"
+            )))
+        };
+    }
+    let leaf = path.rsplit('.').next().unwrap_or(path);
+    Ok(if leaf.starts_with("text_encoder") || leaf.ends_with("text_encoder") {
+        ComponentKind::TextEncoder
+    } else {
+        ComponentKind::Encoder
+    })
+}
+
+/// Resolves the offload plan for `pipeline` under `config`. Pure: reads its arguments only.
+pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> Result<ResolvedPlan, PlanError> {
+    let mut cx = Ctx { p: pipeline, cfg: config, explicit: config.components.is_some(), warnings: Vec::new() };
+    let found = discover_components(pipeline, &mut cx.warnings);
+    let strategy = config.strategy;
+    let layer = matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise);
+    let plan_decl = pipeline.offload_plan.clone().unwrap_or_default();
+    let is_on_demand = |path: &str| plan_decl.on_demand_component_paths.iter().any(|p| p == path);
+
+    let mut dits: Vec<ResolvedComponent> =
+        found.dits.iter().map(|d| component(pipeline, d, ComponentKind::Dit)).collect();
+    let mut encoders = Vec::new();
+    for e in &found.encoders {
+        encoders.push(component(pipeline, e, encoder_kind(pipeline, e)?));
+    }
+    let mut vaes: Vec<ResolvedComponent> =
+        found.vaes.iter().map(|v| component(pipeline, v, ComponentKind::Vae)).collect();
+    let mut residents: Vec<ResolvedComponent> = found
+        .residents
+        .iter()
+        .map(|r| component(pipeline, r, ComponentKind::Resident))
+        .chain(found.auxiliary.iter().map(|a| component(pipeline, a, ComponentKind::Auxiliary)))
+        .collect();
+    let mut skip_reason = None;
+
+    if strategy != Strategy::None {
+        let dit_selected = config.offloads(Component::Dit);
+        let te_selected = config.offloads(Component::TextEncoder);
+        let vae_selected = config.components.as_ref().is_some_and(|s| s.contains(&Component::Vae));
+
+        // --- existence checks for explicit selections -------------------------------------------------------
+        if cx.explicit && dit_selected && dits.is_empty() {
+            return Err(PlanError(format!(
+                "No DiT/transformer modules found for selected DiT offload in pipeline {}; declare the DiT in \
+                 `components.dit` or remove \"dit\" from diffusion_offload_config.components",
+                pipeline.class
+            )));
+        }
+        let has_text_encoder = encoders.iter().any(|e| e.kind == ComponentKind::TextEncoder);
+        if cx.explicit && te_selected && !has_text_encoder {
+            return Err(PlanError(format!(
+                "No text encoder modules found for selected text_encoder offload in pipeline {}; declare one in \
+                 `components.encoders` or remove \"text_encoder\" from diffusion_offload_config.components",
+                pipeline.class
+            )));
+        }
+        if cx.explicit && vae_selected && vaes.is_empty() {
+            return Err(PlanError(format!(
+                "No VAE modules found for selected vae offload in pipeline {}; declare one in `components.vaes` or \
+                 remove \"vae\" from diffusion_offload_config.components",
+                pipeline.class
+            )));
+        }
+
+        if strategy == Strategy::ModelLevel {
+            if cx.explicit {
+                if dits.is_empty() {
+                    return Err(PlanError(
+                        "Component-selective model offload requires a DiT/transformer module; the pipeline declares none"
+                            .into(),
+                    ));
+                }
+                if encoders.is_empty() {
+                    return Err(PlanError(
+                        "Component-selective model offload requires an encoder execution stage to swap against; the \
+                         pipeline declares no encoder"
+                            .into(),
+                    ));
+                }
+            } else if dits.is_empty() {
+                cx.warn("No DiT/transformer modules found; model-level offload will not be enabled".into());
+            } else if encoders.is_empty() {
+                cx.warn(
+                    "No encoder modules found; model-level offload keeps the DiT resident and is not enabled".into(),
+                );
+            }
+            for d in &mut dits {
+                d.selected = dit_selected;
+            }
+            for e in &mut encoders {
+                e.selected = if cx.explicit { e.kind == ComponentKind::TextEncoder && te_selected } else { true };
+            }
+            for v in &mut vaes {
+                v.selected = vae_selected;
+            }
+        } else if layer {
+            resolve_layer(
+                &mut cx,
+                &mut dits,
+                &mut encoders,
+                &mut vaes,
+                &is_on_demand,
+                dit_selected,
+                te_selected,
+                vae_selected,
+            )?;
+            if dit_selected && dits.is_empty() && strategy == Strategy::LayerWise {
+                skip_reason = Some(NO_DIT_SKIP_REASON.to_string());
+                cx.warn(NO_DIT_SKIP_REASON.to_string());
+            }
+            check_unique_block_owners(dits.iter().chain(&encoders))?;
+            // The distributed strategy warns and keeps preparing the rest; nothing else to do here.
+        }
+    }
+    for r in &mut residents {
+        r.selected = false;
+    }
+
+    let mut plan = ResolvedPlan {
+        strategy,
+        dits,
+        encoders,
+        vaes,
+        residents,
+        skip_reason,
+        warnings: Vec::new(),
+        budget: BudgetPlan::default(),
+    };
+    plan.budget = plan_budget(pipeline, config, &mut plan).map_err(PlanError)?;
+    plan.warnings = cx.warnings;
+    Ok(plan)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn resolve_layer(
+    cx: &mut Ctx<'_>,
+    dits: &mut Vec<ResolvedComponent>,
+    encoders: &mut [ResolvedComponent],
+    vaes: &mut [ResolvedComponent],
+    is_on_demand: &dyn Fn(&str) -> bool,
+    dit_selected: bool,
+    te_selected: bool,
+    vae_selected: bool,
+) -> Result<(), PlanError> {
+    let p = cx.p;
+    let cfg = cx.cfg;
+    let explicit = cx.explicit;
+    let plan_decl = p.offload_plan.clone().unwrap_or_default();
+    let distributed = cfg.strategy == Strategy::DistributedLayerWise;
+
+    // --- encoders: the AllGather replication check runs before any block discovery ----------------------------
+    let te_allgather = cfg.uses_allgather(Component::TextEncoder);
+    for e in encoders.iter() {
+        let wants = e.kind == ComponentKind::TextEncoder && (te_selected || !explicit);
+        if wants && te_allgather && !plan_decl.encoder_dlo_weight_replication.iter().any(|r| r == &e.path) {
+            return Err(PlanError(format!(
+                "Text encoder '{}' cannot use AllGather across the offload group of {} ranks: its weights are not \
+                 declared replicated (offload_plan.encoder_dlo_weight_replication). Set \
+                 diffusion_offload_config.layer_options.text_encoder.weight_transfer = \"rank-local\"",
+                e.path, cfg.group.size
+            )));
+        }
+    }
+
+    // --- DiTs ---------------------------------------------------------------------------------------------------
+    if dit_selected {
+        for d in dits.iter_mut() {
+            let dit_mod = module(p, &d.path);
+            let (attrs, source) = dit_block_attrs(p, &d.path, dit_mod, &mut cx.warnings);
+            let mut blocks = Vec::new();
+            for a in &attrs {
+                match blocks_of(&d.path, dit_mod, a, &mut cx.warnings) {
+                    Some(b) => blocks.extend(b),
+                    None => {
+                        let origin = match source {
+                            BlockAttrSource::Plan => "offload_plan.block_attrs",
+                            _ => "class_block_attrs",
+                        };
+                        return Err(PlanError(format!(
+                            "DiT '{}' declares block list '{a}' in {origin}, but '{}' has no such attribute; fix the \
+                             declaration",
+                            d.path,
+                            join(&d.path, a)
+                        )));
+                    }
+                }
+            }
+            if blocks.is_empty() {
+                cx.strict(
+                    explicit,
+                    if explicit {
+                        format!(
+                            "Selected DiT '{}' has no streamable layerwise-offload blocks; declare its block lists in \
+                             offload_plan.block_attrs",
+                            d.path
+                        )
+                    } else {
+                        format!("Target layers (blocks) not found. Skipping offloading on '{}'", d.path)
+                    },
+                )?;
+                continue;
+            }
+            if blocks.len() == 1 && !distributed {
+                cx.strict(
+                    explicit,
+                    if explicit {
+                        format!(
+                            "Selected DiT '{}' requires at least two streamable layerwise-offload blocks (found one)",
+                            d.path
+                        )
+                    } else {
+                        format!("Target layers (blocks) of '{}' <= 1. Skipping offloading", d.path)
+                    },
+                )?;
+                continue;
+            }
+            let mut stack = cx.stack(&d.path, attrs.clone(), blocks, cx.depth_for(Component::Dit));
+            // Resident leading layers (distributed strategy with rank-local transfer).
+            if cfg.resident_layers > 0 {
+                if plan_decl.resident_dit_paths.iter().any(|r| r == &d.path) {
+                    let n = stack.blocks.len();
+                    let head = (cfg.resident_layers as usize).min(n);
+                    if n - head == 1 {
+                        if explicit {
+                            return Err(PlanError(format!(
+                                "DiT '{}' has {n} blocks: resident_layers={} leaves only one streaming block; choose a \
+                                 resident count that leaves zero or at least two (e.g. {} or {})",
+                                d.path,
+                                cfg.resident_layers,
+                                n,
+                                n.saturating_sub(2)
+                            )));
+                        }
+                        cx.warn(format!(
+                            "#Streaming target layers (blocks) of '{}' <= 1 after resident_layers={}. Keeping the final \
+                             block resident",
+                            d.path, cfg.resident_layers
+                        ));
+                        stack.resident_head = n;
+                    } else {
+                        stack.resident_head = head;
+                    }
+                } else if explicit {
+                    return Err(PlanError(format!(
+                        "diffusion_offload_config.layer_options.dit.resident_layers: DiT '{}' is not listed in the \
+                         pipeline's offload_plan.resident_dit_paths, so it cannot keep resident layers; add it there or \
+                         set resident_layers = 0",
+                        d.path
+                    )));
+                } else {
+                    cx.warn(format!(
+                        "dlo_resident_layers={} requested but DiT '{}' is not in offload_plan.resident_dit_paths; all \
+                         blocks will be streamed",
+                        cfg.resident_layers, d.path
+                    ));
+                }
+            } else if stack.blocks.len() == 1 {
+                // Distributed strategy with a single block and no residency: nothing to stream.
+                cx.strict(
+                    explicit,
+                    format!(
+                        "Selected DiT '{}' requires at least two streamable layerwise-offload blocks (found one)",
+                        d.path
+                    ),
+                )?;
+                continue;
+            }
+            d.selected = true;
+            d.stacks.push(stack);
+            d.children = resolve_dit_children(cx, d, &attrs, distributed)?;
+        }
+    }
+
+    // --- encoders -------------------------------------------------------------------------------------------------
+    for e in encoders.iter_mut() {
+        if e.kind != ComponentKind::TextEncoder && explicit {
+            continue; // never selectable
+        }
+        let wanted = if explicit { te_selected } else { true };
+        if !wanted {
+            continue;
+        }
+        let strict = explicit || cfg.group.size > 1;
+        let enc = module(p, &e.path);
+        let on_demand = is_on_demand(&e.path);
+        if on_demand && !enc.has_lifecycle {
+            return Err(PlanError(format!(
+                "On-demand component '{}' must implement load_to_device() and offload_to_cpu() (has_lifecycle) or be \
+                 removed from offload_plan.on_demand_component_paths",
+                e.path
+            )));
+        }
+        for a in plan_decl.encoder_block_attrs.get(&e.path).cloned().unwrap_or_default() {
+            match enc.get(&a) {
+                Some(m) if m.is_block_list() && m.children.len() > 1 => {
+                    let blocks: Vec<String> = m.children.iter().map(|(n, _)| join(&join(&e.path, &a), n)).collect();
+                    let st = cx.stack(&e.path, vec![a.clone()], blocks, cx.depth_for(Component::TextEncoder));
+                    e.stacks.push(st);
+                }
+                Some(_) => cx.strict(
+                    strict,
+                    format!(
+                        "Encoder block path '{}' is not a streamable block list (a list of more than one block)",
+                        join(&e.path, &a)
+                    ),
+                )?,
+                None => cx.strict(
+                    strict,
+                    format!(
+                        "Encoder block path '{}' does not exist; fix offload_plan.encoder_block_attrs",
+                        join(&e.path, &a)
+                    ),
+                )?,
+            }
+        }
+        if on_demand && e.stacks.is_empty() && te_allgather {
+            return Err(PlanError(format!(
+                "On-demand text encoder '{}' has no streamable block stacks, so it cannot use AllGather transfer; set \
+                 diffusion_offload_config.layer_options.text_encoder.weight_transfer = \"rank-local\"",
+                e.path
+            )));
+        }
+        if explicit && e.stacks.is_empty() && !on_demand {
+            return Err(PlanError(format!(
+                "Selected text encoder '{}' requires a model-declared streamable (offload_plan.encoder_block_attrs) or \
+                 on-demand (offload_plan.on_demand_component_paths) plan",
+                e.path
+            )));
+        }
+        e.on_demand = on_demand && e.stacks.is_empty();
+        e.selected = !e.stacks.is_empty() || e.on_demand;
+    }
+
+    // --- VAEs: whole-component staging through the pipeline lifecycle --------------------------------------------
+    for v in vaes.iter_mut() {
+        let m = module(p, &v.path);
+        if explicit {
+            if vae_selected {
+                if !m.has_lifecycle {
+                    return Err(PlanError(format!(
+                        "Selected VAE '{}' requires a pipeline-managed lifecycle (load_to_device / offload_to_cpu); \
+                         remove \"vae\" from diffusion_offload_config.components or declare the lifecycle",
+                        v.path
+                    )));
+                }
+                v.selected = true;
+                v.on_demand = true;
+            }
+        } else if is_on_demand(&v.path) {
+            if !m.has_lifecycle {
+                return Err(PlanError(format!(
+                    "On-demand component '{}' must implement load_to_device() and offload_to_cpu() (has_lifecycle) or be \
+                     removed from offload_plan.on_demand_component_paths",
+                    v.path
+                )));
+            }
+            v.selected = true;
+            v.on_demand = true;
+        }
+    }
+    Ok(())
+}
+
+fn resolve_dit_children(
+    cx: &mut Ctx<'_>,
+    dit: &ResolvedComponent,
+    block_attrs: &[String],
+    distributed: bool,
+) -> Result<Vec<ResolvedComponent>, PlanError> {
+    let p = cx.p;
+    let dit_mod = module(p, &dit.path);
+    let declared: BTreeMap<String, String> =
+        p.offload_plan.as_ref().and_then(|pl| pl.offload_submodules.get(&dit.path)).cloned().unwrap_or_default();
+    let mut out = Vec::new();
+    for (name, child) in &dit_mod.children {
+        if block_attrs.iter().any(|a| a == name || a.starts_with(&format!("{name}."))) {
+            continue;
+        }
+        let path = join(&dit.path, name);
+        let decl = declared.get(name);
+        let bytes = p.subtree_bytes(&path);
+        if decl.is_none() && !(distributed && bytes > ON_DEMAND_THRESHOLD_BYTES) {
+            continue;
+        }
+        let mut c = component(p, &path, ComponentKind::DitChild);
+        c.selected = true;
+        let attr = match decl {
+            Some(a) => Some(a.clone()),
+            None => {
+                let found = ["layers", "blocks", "h", "model.layers"]
+                    .iter()
+                    .find(|a| child.get(a).is_some_and(ModuleNode::is_block_list));
+                if found.is_some() {
+                    crate::diag::warn_once(
+                        &format!("nested-scan:{}", child.class),
+                        &format!("nested DiT child class {} found by the block-list scan; declare it in offload_plan.offload_submodules", child.class),
+                    );
+                }
+                found.map(|a| a.to_string())
+            }
+        };
+        let streamable = attr
+            .as_ref()
+            .and_then(|a| child.get(a).map(|m| (a, m)))
+            .filter(|(_, m)| m.is_block_list() && m.children.len() > 1);
+        match streamable {
+            Some((a, m)) => {
+                let blocks = m.children.iter().map(|(n, _)| join(&join(&path, a), n)).collect();
+                let st = cx.stack(&path, vec![a.clone()], blocks, cx.depth_for(Component::Dit));
+                c.stacks.push(st);
+            }
+            None => {
+                if let Some(a) = decl {
+                    cx.warn(format!(
+                        "offload_submodules entry '{path}.{a}' is not a block list; staging '{path}' whole"
+                    ));
+                }
+                if !child.has_lifecycle {
+                    return Err(PlanError(format!(
+                        "DiT child '{path}' is staged on demand and must implement load_to_device() and offload_to_cpu() \
+                         (has_lifecycle), or declare a block list for it in offload_plan.offload_submodules"
+                    )));
+                }
+                c.on_demand = true;
+            }
+        }
+        out.push(c);
+    }
+    Ok(out)
+}
+
+fn check_unique_block_owners<'a>(comps: impl Iterator<Item = &'a ResolvedComponent>) -> Result<(), PlanError> {
+    let mut owner: BTreeMap<&str, &str> = BTreeMap::new();
+    fn visit<'a>(c: &'a ResolvedComponent, owner: &mut BTreeMap<&'a str, &'a str>) -> Result<(), PlanError> {
+        for b in c.block_paths() {
+            if let Some(prev) = owner.insert(b.as_str(), c.path.as_str()) {
+                if prev != c.path {
+                    return Err(PlanError(format!(
+                        "Offload block '{b}' is claimed by both '{prev}' and '{}'; declare one owner for each block list",
+                        c.path
+                    )));
+                }
+                return Err(PlanError(format!(
+                    "Offload block '{b}' is listed twice in the block lists of '{}'; declare each block list once",
+                    c.path
+                )));
+            }
+        }
+        for ch in &c.children {
+            visit(ch, owner)?;
+        }
+        Ok(())
+    }
+    for c in comps {
+        visit(c, &mut owner)?;
+    }
+    // A block nested inside another claimed block is also a double claim.
+    let keys: Vec<&str> = owner.keys().copied().collect();
+    for w in keys.windows(2) {
+        if w[1].starts_with(w[0]) && w[1].as_bytes().get(w[0].len()) == Some(&b'.') {
+            return Err(PlanError(format!(
+                "Offload block '{}' lies inside block '{}' (claimed by '{}' and '{}'); declare one owner for each block \
+                 list",
+                w[1], w[0], owner[w[0]], owner[w[1]]
+            )));
+        }
+    }
+    Ok(())
+}
