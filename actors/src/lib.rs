@@ -3,7 +3,20 @@
 //! - [`sync`]: the std/loom shim every primitive comes from.
 //! - [`platform`]: the hardware contract (memory, streams, events, copies).
 //! - [`sim`]: the simulated platform (runs anywhere; hazard detection and fault injection).
+//! - [`slot`]: the slot state machine.
+//! - [`messages`]: load / fence / completion messages and the ticket board.
+//! - [`stream_actor`]: the actor owning a device stream.
+//! - [`block_stack`]: the actor owning a ring of blocks and its device slots.
 
+pub mod block_stack;
+pub mod error;
+pub mod messages;
 pub mod platform;
 pub mod sim;
+pub mod slot;
+pub mod stream_actor;
 pub mod sync;
+
+pub use block_stack::{BlockLocation, BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StackStats};
+pub use error::SchedulerError;
+pub use stream_actor::{StreamHandle, StreamOptions};

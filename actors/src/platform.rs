@@ -189,3 +189,7 @@ pub trait Platform: Send + Sync + fmt::Debug {
         len: u64,
     ) -> PlatformResult<()>;
 }
+
+/// A shared platform. (A plain `std` `Arc`: reference counting of the platform object is not part of any protocol
+/// the loom models check, and loom's `Arc` cannot hold a trait object.)
+pub type PlatformRef = std::sync::Arc<dyn Platform>;

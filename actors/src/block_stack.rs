@@ -1,0 +1,617 @@
+//! The block-stack actor: one per ring of blocks. It owns the residency table of its blocks and the device slots it
+//! streams them through, and turns the engine's hook messages into loads for the stream actor.
+//!
+//! Hook messages are handled synchronously on the engine's thread (the actor's state sits behind an uncontended
+//! lock that is never held across a blocking call): `pre_forward(i)` makes block i resident — or orders the engine's
+//! compute stream behind its ready event — and prefetches the next `depth` streamed blocks, wrapping into the next
+//! pass; `post_forward(i)` records the last-use event of i's slot on the compute stream and releases the slot
+//! (the "evict": the slot is reused later behind a GPU-side wait on that event). Completion notifications from the
+//! stream actor's watcher arrive in the actor's unbounded mailbox and are drained at every hook.
+//!
+//! Invariants: (1) compute is ordered behind the ready event of the load that filled a slot before it reads it;
+//! (2) a load into a slot waits (on the device) for the slot's last-use event, and slot memory is freed only after
+//! that event's completion was observed; (7) device memory is exactly the resident head plus the fixed slot pool
+//! allocated at creation: nothing is allocated on the hook path.
+
+use crate::error::SchedulerError;
+use crate::messages::{Completion, CopyDirection, CopyOp, LoadCmd, TicketBoard};
+use crate::platform::{DeviceBufferId, EventId, HostBufferId, PlatformRef, StreamId};
+use crate::slot::{SlotState, SlotTable, Ticket};
+use crate::stream_actor::StreamHandle;
+use crate::sync::mailbox::{self, Receiver, Sender};
+use crate::sync::{lock, Arc, Mutex};
+
+/// One flat copy of a block: a run of its host master to an offset inside the block's device region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Host master buffer.
+    pub host: HostBufferId,
+    /// Offset in the master.
+    pub host_offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Offset inside the block's device region.
+    pub device_offset: u64,
+}
+
+/// A block: its flat copies and the size of its device region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockSpec {
+    /// Flat copies (one per dtype for well-packed masters).
+    pub segments: Vec<Segment>,
+    /// Bytes of the device region the block occupies.
+    pub device_bytes: u64,
+}
+
+impl BlockSpec {
+    /// Bytes copied to load the block.
+    pub fn copy_bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.len).sum()
+    }
+}
+
+/// Deliberately broken orderings, for tests that prove the hazard checks can fail. Never set in production.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OrderingFault {
+    /// Correct behaviour.
+    #[default]
+    None,
+    /// Compute does not wait for the ready event of a slot it reads.
+    SkipReadyWait,
+    /// A load overwrites a slot without waiting for its last-use event.
+    SkipLastUseWait,
+}
+
+/// What a block stack streams and how.
+#[derive(Debug, Clone)]
+pub struct StackSpec {
+    /// Name for errors and reports.
+    pub name: String,
+    /// Blocks in execution order.
+    pub blocks: Vec<BlockSpec>,
+    /// Leading blocks kept resident.
+    pub resident_head: usize,
+    /// Blocks prefetched ahead (≥ 1).
+    pub prefetch_depth: usize,
+    /// Prefetch the first streamed blocks at creation (rank-local strategies); the distributed strategy defers the
+    /// first prefetch to the first forward.
+    pub eager_prefetch: bool,
+    /// Test-only ordering fault.
+    pub ordering_fault: OrderingFault,
+}
+
+/// Where a block's bytes are on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLocation {
+    /// The device buffer.
+    pub buffer: DeviceBufferId,
+    /// Offset of the block's region in it.
+    pub offset: u64,
+}
+
+/// Counters of one stack.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StackStats {
+    /// Loads issued (prefetches and synchronous fetches).
+    pub loads: u64,
+    /// Bytes copied host → device.
+    pub h2d_bytes: u64,
+    /// `pre_forward` found its block prefetched.
+    pub prefetch_hits: u64,
+    /// `pre_forward` found its block still in a released slot (no copy needed).
+    pub reuse_hits: u64,
+    /// `pre_forward` had to issue the load itself (block not prefetched, e.g. after a skip).
+    pub sync_fetches: u64,
+    /// `pre_forward` had to wait on the host for the stream actor to enqueue the load.
+    pub record_waits: u64,
+    /// Completions observed.
+    pub completions: u64,
+    /// Resident-head blocks.
+    pub resident_blocks: u64,
+    /// Device bytes held (resident head + slots).
+    pub device_bytes: u64,
+}
+
+struct Inner {
+    blocks: Vec<BlockSpec>,
+    resident_head: usize,
+    depth: usize,
+    fault: OrderingFault,
+    table: SlotTable,
+    slot_bufs: Vec<DeviceBufferId>,
+    ready_ev: Vec<EventId>,
+    last_use_ev: Vec<EventId>,
+    resident_bufs: Vec<DeviceBufferId>,
+    resident_ev: Option<EventId>,
+    next_ticket: Ticket,
+    /// Per slot: filled by a prefetch (vs. a synchronous fetch) and not yet used.
+    prefetched: Vec<bool>,
+    mailbox: Receiver<Completion>,
+    notify: Sender<Completion>,
+    stats: StackStats,
+    disabled: bool,
+    failure: Option<SchedulerError>,
+}
+
+/// Handle to a block-stack actor. Hook methods take `&self`; the engine drives one stack from one thread.
+pub struct BlockStack {
+    name: Arc<String>,
+    platform: PlatformRef,
+    compute: StreamId,
+    stream: StreamHandle,
+    board: Arc<TicketBoard>,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for BlockStack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockStack").field("name", &self.name).finish()
+    }
+}
+
+fn cleanup(platform: &PlatformRef, bufs: &[DeviceBufferId], events: &[EventId]) {
+    for &b in bufs {
+        let _ = platform.free_device(b);
+    }
+    for &e in events {
+        let _ = platform.destroy_event(e);
+    }
+}
+
+impl BlockStack {
+    /// Allocates the resident head and the slot pool, loads the resident head (waiting for it), and — with
+    /// `eager_prefetch` — prefetches the first streamed blocks. On any failure everything allocated is released.
+    pub fn new(
+        platform: PlatformRef,
+        spec: StackSpec,
+        compute: StreamId,
+        stream: StreamHandle,
+    ) -> Result<BlockStack, SchedulerError> {
+        let n = spec.blocks.len();
+        let invalid = |reason: String| SchedulerError::InvalidSpec { stack: spec.name.clone(), reason };
+        if n == 0 {
+            return Err(invalid("it has no blocks".into()));
+        }
+        if spec.resident_head > n {
+            return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)));
+        }
+        if spec.prefetch_depth == 0 {
+            return Err(invalid("prefetch depth must be at least 1".into()));
+        }
+        for (i, b) in spec.blocks.iter().enumerate() {
+            for s in &b.segments {
+                if s.device_offset.checked_add(s.len).is_none_or(|end| end > b.device_bytes) {
+                    return Err(invalid(format!(
+                        "block {i}: segment {}+{} exceeds its device region of {} bytes",
+                        s.device_offset, s.len, b.device_bytes
+                    )));
+                }
+            }
+        }
+        let streaming = n - spec.resident_head;
+        let slots = if streaming == 0 { 0 } else { (spec.prefetch_depth + 1).min(streaming) };
+        let slot_size = spec.blocks[spec.resident_head..].iter().map(|b| b.device_bytes).max().unwrap_or(0);
+
+        let mut bufs = Vec::new();
+        let mut events = Vec::new();
+        let result = (|| -> Result<_, SchedulerError> {
+            let mut resident_bufs = Vec::new();
+            for b in &spec.blocks[..spec.resident_head] {
+                let buf = platform.alloc_device(b.device_bytes.max(1))?;
+                bufs.push(buf);
+                resident_bufs.push(buf);
+            }
+            let mut slot_bufs = Vec::new();
+            for _ in 0..slots {
+                let buf = platform.alloc_device(slot_size.max(1))?;
+                bufs.push(buf);
+                slot_bufs.push(buf);
+            }
+            let mut ready_ev = Vec::new();
+            let mut last_use_ev = Vec::new();
+            for _ in 0..slots {
+                let e = platform.create_event()?;
+                events.push(e);
+                ready_ev.push(e);
+                let e = platform.create_event()?;
+                events.push(e);
+                last_use_ev.push(e);
+            }
+            let resident_ev = if spec.resident_head > 0 {
+                let e = platform.create_event()?;
+                events.push(e);
+                Some(e)
+            } else {
+                None
+            };
+            Ok((resident_bufs, slot_bufs, ready_ev, last_use_ev, resident_ev))
+        })();
+        let (resident_bufs, slot_bufs, ready_ev, last_use_ev, resident_ev) = match result {
+            Ok(v) => v,
+            Err(e) => {
+                cleanup(&platform, &bufs, &events);
+                return Err(e);
+            }
+        };
+        let device_bytes = spec.blocks[..spec.resident_head].iter().map(|b| b.device_bytes.max(1)).sum::<u64>()
+            + slots as u64 * slot_size.max(1);
+        let (notify, mailbox) = mailbox::unbounded();
+        let stack = BlockStack {
+            name: Arc::new(spec.name.clone()),
+            platform: platform.clone(),
+            compute,
+            stream,
+            board: Arc::new(TicketBoard::new()),
+            inner: Mutex::new(Inner {
+                blocks: spec.blocks,
+                resident_head: spec.resident_head,
+                depth: spec.prefetch_depth,
+                fault: spec.ordering_fault,
+                table: SlotTable::new(slots),
+                slot_bufs,
+                ready_ev,
+                last_use_ev,
+                resident_bufs,
+                resident_ev,
+                next_ticket: 1,
+                prefetched: vec![false; slots],
+                mailbox,
+                notify,
+                stats: StackStats { resident_blocks: spec.resident_head as u64, device_bytes, ..Default::default() },
+                disabled: false,
+                failure: None,
+            }),
+        };
+        if let Err(e) =
+            stack.load_resident_head().and_then(
+                |()| {
+                    if spec.eager_prefetch {
+                        stack.prefetch_from(None)
+                    } else {
+                        Ok(())
+                    }
+                },
+            )
+        {
+            let _ = stack.release_all();
+            return Err(e);
+        }
+        Ok(stack)
+    }
+
+    /// The stack's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        lock(&self.inner).blocks.len()
+    }
+    /// Whether the stack has no blocks (never true for a constructed stack).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> StackStats {
+        lock(&self.inner).stats
+    }
+
+    /// Slot states (for tests and reports).
+    pub fn slot_states(&self) -> Vec<SlotState> {
+        lock(&self.inner).table.states().to_vec()
+    }
+
+    fn load_resident_head(&self) -> Result<(), SchedulerError> {
+        let mut g = lock(&self.inner);
+        if g.resident_head == 0 {
+            return Ok(());
+        }
+        let ready = g.resident_ev.ok_or_else(|| SchedulerError::InvalidSpec {
+            stack: self.name.to_string(),
+            reason: "resident head without its event".into(),
+        })?;
+        let mut last = 0;
+        for i in 0..g.resident_head {
+            let ticket = g.next_ticket;
+            g.next_ticket += 1;
+            let dst = g.resident_bufs[i];
+            let copies = copies_for(&g.blocks[i], dst);
+            g.stats.loads += 1;
+            g.stats.h2d_bytes += g.blocks[i].copy_bytes();
+            self.stream.load(LoadCmd {
+                ticket,
+                target: usize::MAX,
+                waits: Vec::new(),
+                copies,
+                ready,
+                board: self.board.clone(),
+                notify: None,
+            })?;
+            last = ticket;
+        }
+        drop(g);
+        self.wait_recorded(last, usize::MAX)?;
+        // The head must be complete before any compute reads it; this runs once, at creation.
+        self.stream.fence()
+    }
+
+    fn wait_recorded(&self, ticket: Ticket, block: usize) -> Result<(), SchedulerError> {
+        let stream = self.stream.clone();
+        match self.board.wait(ticket, &move || stream.is_alive()) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e }),
+            None => Err(SchedulerError::ActorGone { actor: format!("stream '{}'", self.stream.name()) }),
+        }
+    }
+
+    fn drain(&self, g: &mut Inner) -> Result<(), SchedulerError> {
+        while let Ok(Some(c)) = g.mailbox.try_recv() {
+            g.stats.completions += 1;
+            if let Err(e) = c.result {
+                let block = if c.target < g.table.len() {
+                    g.table.state(c.target).block().unwrap_or(usize::MAX)
+                } else {
+                    usize::MAX
+                };
+                let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e };
+                g.failure.get_or_insert(err.clone());
+            }
+        }
+        if g.disabled {
+            return Err(SchedulerError::Disabled { stack: self.name.to_string() });
+        }
+        match &g.failure {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Issues a load of `block` into a victim slot, keeping the slots of `keep`. Returns the slot.
+    fn issue_load(&self, g: &mut Inner, block: usize, keep: &[usize], prefetch: bool) -> Result<usize, SchedulerError> {
+        let s = g
+            .table
+            .choose_victim(keep)
+            .ok_or_else(|| SchedulerError::NoFreeSlot { stack: self.name.to_string(), slots: g.table.len() })?;
+        let ticket = g.next_ticket;
+        g.next_ticket += 1;
+        let waits = if g.fault == OrderingFault::SkipLastUseWait { Vec::new() } else { vec![g.last_use_ev[s]] };
+        g.table.begin_load(s, block, ticket)?;
+        g.prefetched[s] = prefetch;
+        let copies = copies_for(&g.blocks[block], g.slot_bufs[s]);
+        g.stats.loads += 1;
+        g.stats.h2d_bytes += g.blocks[block].copy_bytes();
+        let cmd = LoadCmd {
+            ticket,
+            target: s,
+            waits,
+            copies,
+            ready: g.ready_ev[s],
+            board: self.board.clone(),
+            notify: Some(g.notify.clone()),
+        };
+        if let Err(e) = self.stream.load(cmd) {
+            let _ = g.table.free(s);
+            return Err(e);
+        }
+        Ok(s)
+    }
+
+    /// Streamed blocks after `from` (or from the start of the ring when `None`), wrapping, at most `depth`.
+    fn upcoming(g: &Inner, from: Option<usize>) -> Vec<usize> {
+        let n = g.blocks.len();
+        let streaming = n - g.resident_head;
+        let mut out = Vec::new();
+        if streaming == 0 {
+            return out;
+        }
+        let mut i = from.unwrap_or(n - 1);
+        for _ in 0..n {
+            i = (i + 1) % n;
+            if i < g.resident_head {
+                continue;
+            }
+            if Some(i) == from {
+                break;
+            }
+            out.push(i);
+            if out.len() == g.depth || out.len() == streaming {
+                break;
+            }
+        }
+        out
+    }
+
+    fn prefetch_from(&self, from: Option<usize>) -> Result<(), SchedulerError> {
+        let mut g = lock(&self.inner);
+        self.prefetch_locked(&mut g, from)
+    }
+
+    fn prefetch_locked(&self, g: &mut Inner, from: Option<usize>) -> Result<(), SchedulerError> {
+        let window = Self::upcoming(g, from);
+        let mut keep = window.clone();
+        if let Some(b) = from {
+            keep.push(b);
+        }
+        for &j in &window {
+            if g.table.slot_of(j).is_some() {
+                continue;
+            }
+            match self.issue_load(g, j, &keep, true) {
+                Ok(_) => {}
+                Err(SchedulerError::NoFreeSlot { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine is about to run block `block`: make it resident (ordering the compute stream behind its copy),
+    /// then prefetch the next blocks. Returns where the block's bytes are.
+    pub fn pre_forward(&self, block: usize) -> Result<BlockLocation, SchedulerError> {
+        let mut g = lock(&self.inner);
+        self.drain(&mut g)?;
+        let n = g.blocks.len();
+        if block >= n {
+            return Err(SchedulerError::NoSuchBlock { stack: self.name.to_string(), block, len: n });
+        }
+        if block < g.resident_head {
+            let loc = BlockLocation { buffer: g.resident_bufs[block], offset: 0 };
+            self.prefetch_locked(&mut g, Some(block))?;
+            return Ok(loc);
+        }
+        let s = match g.table.slot_of(block) {
+            Some(s) => {
+                match g.table.state(s) {
+                    SlotState::InUse { .. } => {
+                        return Err(SchedulerError::Slot(crate::slot::SlotError {
+                            slot: s,
+                            action: "be acquired twice (pre_forward without post_forward)",
+                            state: g.table.state(s),
+                        }))
+                    }
+                    SlotState::Releasing { .. } => g.stats.reuse_hits += 1,
+                    _ if g.prefetched[s] => g.stats.prefetch_hits += 1,
+                    _ => {}
+                }
+                s
+            }
+            None => {
+                g.stats.sync_fetches += 1;
+                self.issue_load(&mut g, block, &[block], false)?
+            }
+        };
+        g.prefetched[s] = false;
+        if let SlotState::Loading { ticket, .. } = g.table.state(s) {
+            if self.board.poll(ticket).is_none() {
+                g.stats.record_waits += 1;
+                // Never hold the stack lock across a blocking wait.
+                drop(g);
+                let r = self.wait_recorded(ticket, block);
+                g = lock(&self.inner);
+                if let Err(e) = r {
+                    let _ = g.table.free(s);
+                    return Err(e);
+                }
+            } else if let Some(Err(e)) = self.board.poll(ticket) {
+                let _ = g.table.free(s);
+                return Err(SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e });
+            }
+            g.table.mark_ready(s, ticket)?;
+        }
+        if g.fault != OrderingFault::SkipReadyWait {
+            self.platform.stream_wait_event(self.compute, g.ready_ev[s])?;
+        }
+        g.table.acquire(s, block)?;
+        let loc = BlockLocation { buffer: g.slot_bufs[s], offset: 0 };
+        self.prefetch_locked(&mut g, Some(block))?;
+        Ok(loc)
+    }
+
+    /// The engine finished enqueuing block `block`'s compute: record its last use and release the slot.
+    pub fn post_forward(&self, block: usize) -> Result<(), SchedulerError> {
+        let mut g = lock(&self.inner);
+        self.drain(&mut g)?;
+        let n = g.blocks.len();
+        if block >= n {
+            return Err(SchedulerError::NoSuchBlock { stack: self.name.to_string(), block, len: n });
+        }
+        if block < g.resident_head {
+            return Ok(());
+        }
+        let s = match g.table.slot_of(block) {
+            Some(s) if matches!(g.table.state(s), SlotState::InUse { .. }) => s,
+            _ => return Err(SchedulerError::NotInUse { stack: self.name.to_string(), block }),
+        };
+        self.platform.record_event(g.last_use_ev[s], self.compute)?;
+        g.table.release(s, block)?;
+        Ok(())
+    }
+
+    /// Where a block is now, if it is resident or in a slot.
+    pub fn location(&self, block: usize) -> Option<BlockLocation> {
+        let g = lock(&self.inner);
+        if block < g.resident_head {
+            return Some(BlockLocation { buffer: g.resident_bufs[block], offset: 0 });
+        }
+        g.table.slot_of(block).map(|s| BlockLocation { buffer: g.slot_bufs[s], offset: 0 })
+    }
+
+    /// Returns once every load issued so far has completed and every slot's last use has completed.
+    pub fn fence(&self) -> Result<(), SchedulerError> {
+        self.stream.fence()?;
+        let events: Vec<EventId> = lock(&self.inner).last_use_ev.clone();
+        for e in events {
+            self.platform.event_synchronize(e)?;
+        }
+        let mut g = lock(&self.inner);
+        while let Ok(Some(c)) = g.mailbox.try_recv() {
+            g.stats.completions += 1;
+            if let Err(e) = c.result {
+                g.failure.get_or_insert(SchedulerError::LoadFailed {
+                    stack: self.name.to_string(),
+                    block: usize::MAX,
+                    source: e,
+                });
+            }
+        }
+        match &g.failure {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    fn release_all(&self) -> Result<(), SchedulerError> {
+        // Observe completion of every copy and every read before freeing anything.
+        let fenced = self.stream.fence();
+        let mut g = lock(&self.inner);
+        let mut sync_err = None;
+        for &e in g.last_use_ev.iter().chain(g.ready_ev.iter()).chain(g.resident_ev.iter()) {
+            if let Err(err) = self.platform.event_synchronize(e) {
+                sync_err.get_or_insert(err);
+            }
+        }
+        g.disabled = true;
+        for s in 0..g.table.len() {
+            if let SlotState::InUse { block, .. } = g.table.state(s) {
+                let _ = g.table.release(s, block);
+            }
+            let _ = g.table.free(s);
+        }
+        let inner = &mut *g;
+        let bufs: Vec<DeviceBufferId> = inner.resident_bufs.drain(..).chain(inner.slot_bufs.drain(..)).collect();
+        let events: Vec<EventId> =
+            inner.ready_ev.drain(..).chain(inner.last_use_ev.drain(..)).chain(inner.resident_ev.take()).collect();
+        g.stats.device_bytes = 0;
+        drop(g);
+        cleanup(&self.platform, &bufs, &events);
+        fenced?;
+        match sync_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for all outstanding work, then frees the slots and the resident head. The stack is unusable after.
+    pub fn disable(&self) -> Result<(), SchedulerError> {
+        if lock(&self.inner).disabled {
+            return Ok(());
+        }
+        self.release_all()
+    }
+}
+
+fn copies_for(b: &BlockSpec, dst: DeviceBufferId) -> Vec<CopyOp> {
+    b.segments
+        .iter()
+        .map(|s| CopyOp {
+            direction: CopyDirection::HostToDevice,
+            host: s.host,
+            host_offset: s.host_offset,
+            device: dst,
+            device_offset: s.device_offset,
+            len: s.len,
+        })
+        .collect()
+}
