@@ -9,3 +9,4 @@ pub mod config;
 pub mod diag;
 pub mod hooks;
 pub mod plan;
+pub mod platform;

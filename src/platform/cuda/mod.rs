@@ -1,0 +1,572 @@
+//! The CUDA platform: the [`Platform`] contract on an NVIDIA GPU through the CUDA driver API.
+//!
+//! The driver is loaded at run time through cudarc (`dynamic-loading`), so building needs no CUDA toolkit and a
+//! machine without a driver or a device gets [`PlatformError::Unavailable`] from [`CudaPlatform::new`] instead of
+//! a panic. Everything runs on the device's primary context, made current on each calling thread as needed.
+//!
+//! - Device memory: `cuMemAlloc` / `cuMemFree`, counted against a capacity (the device's total memory, or a lower
+//!   cap from [`CudaPlatform::with_capacity_limit`]), with a peak counter.
+//! - Host memory: pinned buffers from `cuMemHostAlloc` with flags 0 (cached, not write-combined, so CPU fills run
+//!   at memory speed), or pageable buffers from the system allocator.
+//! - Streams: `CU_STREAM_NON_BLOCKING`. Events: `CU_EVENT_DISABLE_TIMING`, owned by the platform (cudarc's automatic
+//!   event tracking is disabled on the context).
+//! - Copies: `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` on the given stream, bounds-checked.
+//!
+//! The raw accessors ([`CudaPlatform::raw_stream`], [`CudaPlatform::device_ptr`], [`CudaPlatform::context`]) let a
+//! GPU engine launch its own work (cuBLAS, kernels) on the platform's streams and memory.
+
+mod driver;
+mod resources;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{sys, CudaContext};
+use weightferry_actors::platform::{
+    DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformResult,
+    StreamId,
+};
+
+use driver::{bind_or_err, describe};
+use resources::{DeviceAlloc, EventEntry, HandleTable, HostAlloc, StreamEntry};
+
+/// Direction label of host-to-device copy errors.
+const H2D: &str = "host-to-device";
+/// Direction label of device-to-host copy errors.
+const D2H: &str = "device-to-host";
+
+/// The [`Platform`] contract on one CUDA device.
+///
+/// Cheap to share (`Arc<CudaPlatform>` or `Arc<dyn Platform>`); every method may be called from any thread.
+/// Dropping it synchronises every stream it created and then frees every buffer, stream and event still live.
+pub struct CudaPlatform {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    device_name: String,
+    total_mem: u64,
+    capacity: u64,
+    in_use: AtomicU64,
+    peak: AtomicU64,
+    device: HandleTable<DeviceAlloc>,
+    host: HandleTable<HostAlloc>,
+    streams: HandleTable<StreamEntry>,
+    events: HandleTable<EventEntry>,
+}
+
+impl CudaPlatform {
+    /// Opens device `ordinal` (retaining its primary context). Its capacity is the device's total memory.
+    ///
+    /// Returns [`PlatformError::Unavailable`] (never panics) when libcuda cannot be loaded, the driver is too old,
+    /// or the device does not exist.
+    pub fn new(ordinal: usize) -> PlatformResult<CudaPlatform> {
+        let opened = driver::open_context(ordinal)?;
+        tracing::debug!(
+            target: "weightferry::cuda",
+            ordinal,
+            device = %opened.name,
+            total_mem = opened.total_mem,
+            "opened CUDA device"
+        );
+        Ok(CudaPlatform {
+            ctx: opened.ctx,
+            ordinal,
+            device_name: opened.name,
+            total_mem: opened.total_mem,
+            capacity: opened.total_mem,
+            in_use: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            device: HandleTable::new(),
+            host: HandleTable::new(),
+            streams: HandleTable::new(),
+            events: HandleTable::new(),
+        })
+    }
+
+    /// Caps the device memory this platform hands out at `bytes` (for budget tests and for sharing a device):
+    /// allocations beyond it fail with [`PlatformError::OutOfMemory`]. A cap above the device's total memory
+    /// is lowered to the total.
+    #[must_use]
+    pub fn with_capacity_limit(mut self, bytes: u64) -> CudaPlatform {
+        self.capacity = bytes.min(self.total_mem);
+        self
+    }
+
+    /// The device ordinal this platform drives.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device's name as the driver reports it (e.g. `"NVIDIA H200"`).
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// Total memory of the device in bytes (the capacity, unless capped).
+    pub fn total_memory(&self) -> u64 {
+        self.total_mem
+    }
+
+    /// The primary context of the device, as a cudarc context (event tracking disabled).
+    ///
+    /// For engines that launch their own work: wrap a platform stream with
+    /// `CudaContext::wrap_borrowed_stream(platform.raw_stream(id))` and order that work against the platform's
+    /// copies through the platform's events (cudarc will not do it automatically).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes the platform's context current on the calling thread (every platform method does this itself;
+    /// engines calling the driver directly on a new thread need it).
+    pub fn bind_to_thread(&self) -> PlatformResult<()> {
+        bind_or_err(self.ctx.cu_ctx())
+    }
+
+    /// The driver handle of a stream, or `None` for an unknown handle. It stays valid until the platform drops.
+    pub fn raw_stream(&self, stream: StreamId) -> Option<sys::CUstream> {
+        self.streams.get(u64::from(stream.0)).map(|s| s.raw())
+    }
+
+    /// The driver handle of an event, or `None` for an unknown handle. It stays valid until the event is
+    /// destroyed.
+    pub fn raw_event(&self, event: EventId) -> Option<sys::CUevent> {
+        self.events.get(u64::from(event.0)).map(|e| e.raw())
+    }
+
+    /// Device address and size of a device buffer, or `None` for an unknown handle. The address stays valid
+    /// until the buffer is freed (a zero-length buffer has address 0).
+    pub fn device_ptr(&self, buf: DeviceBufferId) -> Option<(sys::CUdeviceptr, u64)> {
+        self.device.get(buf.0).map(|d| (d.ptr(), d.len()))
+    }
+
+    /// Start address and size of a host buffer, or `None` for an unknown handle. The memory stays valid until the
+    /// buffer is freed; reading or writing it through the pointer is the caller's `unsafe` business.
+    pub fn host_ptr(&self, buf: HostBufferId) -> Option<(*mut u8, u64)> {
+        self.host.get(buf.0).map(|h| (h.ptr(), h.len()))
+    }
+
+    /// Measures host-to-device bandwidth in bytes per second: `iters` flat copies of `bytes` from a fresh pinned
+    /// buffer into a fresh device buffer on a fresh stream, after one warm-up copy, timed around a stream
+    /// synchronise. The buffers count against the capacity while the probe runs and are freed afterwards.
+    pub fn measure_h2d_bandwidth(&self, bytes: u64, iters: u32) -> PlatformResult<f64> {
+        if bytes == 0 || iters == 0 {
+            return Err(PlatformError::Driver("the bandwidth probe needs bytes > 0 and iters > 0".to_string()));
+        }
+        let host = self.alloc_host(bytes, HostMemoryKind::Pinned)?;
+        let dev = match self.alloc_device(bytes) {
+            Ok(dev) => dev,
+            Err(e) => {
+                // The allocation error is the one worth reporting.
+                let _ = self.free_host(host);
+                return Err(e);
+            }
+        };
+        let measured = self.time_h2d(host, dev, bytes, iters);
+        let freed_dev = self.free_device(dev);
+        let freed_host = self.free_host(host);
+        let rate = measured?;
+        freed_dev?;
+        freed_host?;
+        Ok(rate)
+    }
+
+    fn time_h2d(&self, host: HostBufferId, dev: DeviceBufferId, bytes: u64, iters: u32) -> PlatformResult<f64> {
+        self.bind_to_thread()?;
+        let stream = StreamEntry::new(&self.ctx, "bandwidth-probe")
+            .map_err(|e| PlatformError::Driver(format!("cannot create the probe stream: {}", describe(e))))?;
+        let src = self.host_entry(host)?;
+        let dst = self.device_entry(dev)?;
+        let len = usize::try_from(bytes).map_err(|_| PlatformError::Driver("probe size too large".to_string()))?;
+        let copy = || {
+            // SAFETY: `src` and `dst` are live (their `Arc`s are held until after the final synchronise below)
+            // and both are `bytes` long; `stream` is a live stream of the current context.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr(), src.ptr().cast_const().cast(), len, stream.raw()) }
+                .result()
+                .map_err(|e| PlatformError::CopyFailed { direction: H2D, bytes, reason: describe(e) })
+        };
+        let sync = || {
+            stream
+                .synchronize()
+                .map_err(|e| PlatformError::Driver(format!("bandwidth probe stream failed: {}", describe(e))))
+        };
+        copy()?;
+        sync()?;
+        let start = Instant::now();
+        let mut issued = Ok(());
+        for _ in 0..iters {
+            issued = copy();
+            if issued.is_err() {
+                break;
+            }
+        }
+        // Always drain the stream before the buffers can be freed, even when an enqueue failed.
+        let drained = sync();
+        let elapsed = start.elapsed().as_secs_f64();
+        issued?;
+        drained?;
+        Ok(bytes as f64 * f64::from(iters) / elapsed.max(f64::MIN_POSITIVE))
+    }
+
+    fn device_entry(&self, buf: DeviceBufferId) -> PlatformResult<Arc<DeviceAlloc>> {
+        self.device.get(buf.0).ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })
+    }
+
+    fn host_entry(&self, buf: HostBufferId) -> PlatformResult<Arc<HostAlloc>> {
+        self.host.get(buf.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: buf.0 })
+    }
+
+    fn stream_entry(&self, stream: StreamId) -> PlatformResult<Arc<StreamEntry>> {
+        self.streams
+            .get(u64::from(stream.0))
+            .ok_or(PlatformError::InvalidHandle { what: "stream", id: u64::from(stream.0) })
+    }
+
+    fn event_entry(&self, event: EventId) -> PlatformResult<Arc<EventEntry>> {
+        self.events
+            .get(u64::from(event.0))
+            .ok_or(PlatformError::InvalidHandle { what: "event", id: u64::from(event.0) })
+    }
+
+    /// Reserves `bytes` of the capacity, returning the use after the reservation.
+    fn reserve(&self, bytes: u64) -> PlatformResult<u64> {
+        let mut current = self.in_use.load(Ordering::Relaxed);
+        loop {
+            let next = match current.checked_add(bytes) {
+                Some(next) if next <= self.capacity => next,
+                _ => {
+                    return Err(PlatformError::OutOfMemory {
+                        requested: bytes,
+                        in_use: current,
+                        capacity: self.capacity,
+                    })
+                }
+            };
+            match self.in_use.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return Ok(next),
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+/// Checks `offset + len <= size` without overflow.
+fn check_range(what: &'static str, offset: u64, len: u64, size: u64) -> PlatformResult<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(PlatformError::OutOfBounds { what, offset, len, size }),
+    }
+}
+
+/// Converts a checked in-bounds host offset or length (bounded by a buffer that exists in memory) to `usize`.
+fn host_usize(v: u64) -> usize {
+    // A value already checked against the size of a live host buffer always fits.
+    usize::try_from(v).unwrap_or(usize::MAX)
+}
+
+/// A `u32` handle from a table counter, or an error once 2^32 handles were issued.
+fn small_handle(raw: u64, what: &str) -> PlatformResult<u32> {
+    u32::try_from(raw).map_err(|_| PlatformError::Driver(format!("{what} handles exhausted")))
+}
+
+impl fmt::Debug for CudaPlatform {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaPlatform")
+            .field("ordinal", &self.ordinal)
+            .field("device", &self.device_name)
+            .field("capacity", &self.capacity)
+            .field("in_use", &self.in_use.load(Ordering::Relaxed))
+            .field("device_buffers", &self.device.len())
+            .field("host_buffers", &self.host.len())
+            .field("streams", &self.streams.len())
+            .field("events", &self.events.len())
+            .finish()
+    }
+}
+
+impl Platform for CudaPlatform {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_memory(&self) -> DeviceMemoryStats {
+        DeviceMemoryStats {
+            capacity: self.capacity,
+            in_use: self.in_use.load(Ordering::Acquire),
+            peak: self.peak.load(Ordering::Acquire),
+        }
+    }
+
+    fn reset_peak(&self) {
+        self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
+    }
+
+    fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+        let after = self.reserve(bytes)?;
+        let unreserve = || {
+            self.in_use.fetch_sub(bytes, Ordering::AcqRel);
+        };
+        if let Err(e) = self.bind_to_thread() {
+            unreserve();
+            return Err(e);
+        }
+        let alloc = match DeviceAlloc::new(&self.ctx, bytes) {
+            Ok(alloc) => alloc,
+            Err(e) => {
+                unreserve();
+                return Err(if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    PlatformError::OutOfMemory { requested: bytes, in_use: after - bytes, capacity: self.capacity }
+                } else {
+                    PlatformError::Driver(format!("cuMemAlloc of {bytes} bytes failed: {}", describe(e)))
+                });
+            }
+        };
+        self.peak.fetch_max(after, Ordering::AcqRel);
+        let id = self.device.next_handle();
+        self.device.insert(id, alloc);
+        Ok(DeviceBufferId(id))
+    }
+
+    fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()> {
+        let entry =
+            self.device.remove(buf.0).ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })?;
+        self.in_use.fetch_sub(entry.len(), Ordering::AcqRel);
+        match Arc::try_unwrap(entry) {
+            Ok(alloc) => alloc.release().map_err(|e| {
+                PlatformError::Driver(format!("cuMemFree of device buffer {} failed: {}", buf.0, describe(e)))
+            }),
+            // A concurrent call still holds it for a moment; the last holder frees it.
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn device_buffer_len(&self, buf: DeviceBufferId) -> PlatformResult<u64> {
+        Ok(self.device_entry(buf)?.len())
+    }
+
+    fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
+        if kind == HostMemoryKind::Pinned {
+            self.bind_to_thread()?;
+        }
+        let alloc = HostAlloc::new(&self.ctx, bytes, kind)?;
+        let id = self.host.next_handle();
+        self.host.insert(id, alloc);
+        Ok(HostBufferId(id))
+    }
+
+    fn free_host(&self, buf: HostBufferId) -> PlatformResult<()> {
+        let entry = self.host.remove(buf.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: buf.0 })?;
+        match Arc::try_unwrap(entry) {
+            Ok(alloc) => alloc
+                .release()
+                .map_err(|e| PlatformError::Driver(format!("freeing host buffer {} failed: {}", buf.0, describe(e)))),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()> {
+        let host = self.host_entry(buf)?;
+        let len = data.len() as u64;
+        check_range("host buffer write", offset, len, host.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `offset + len <= host.len()` was checked, so the destination range lies inside the live buffer
+        // (kept alive by the `Arc`); `data` is a distinct Rust slice, so the ranges cannot overlap. Concurrent
+        // access to the same bytes is excluded by the platform contract.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host.ptr().add(host_usize(offset)), data.len()) };
+        Ok(())
+    }
+
+    fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()> {
+        let host = self.host_entry(buf)?;
+        let len = out.len() as u64;
+        check_range("host buffer read", offset, len, host.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `offset + len <= host.len()` was checked, so the source range lies inside the live buffer (kept
+        // alive by the `Arc`); `out` is an exclusive Rust slice, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(host.ptr().add(host_usize(offset)).cast_const(), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+
+    fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)> {
+        let host = self.host_entry(buf)?;
+        Ok((host.len(), host.kind()))
+    }
+
+    fn create_stream(&self, name: &str) -> PlatformResult<StreamId> {
+        self.bind_to_thread()?;
+        let id = small_handle(self.streams.next_handle(), "stream")?;
+        let stream = StreamEntry::new(&self.ctx, name)
+            .map_err(|e| PlatformError::Driver(format!("cannot create stream {name:?}: {}", describe(e))))?;
+        self.streams.insert(u64::from(id), stream);
+        Ok(StreamId(id))
+    }
+
+    fn create_event(&self) -> PlatformResult<EventId> {
+        self.bind_to_thread()?;
+        let id = small_handle(self.events.next_handle(), "event")?;
+        let event = EventEntry::new(&self.ctx)
+            .map_err(|e| PlatformError::Driver(format!("cannot create an event: {}", describe(e))))?;
+        self.events.insert(u64::from(id), event);
+        Ok(EventId(id))
+    }
+
+    fn destroy_event(&self, event: EventId) -> PlatformResult<()> {
+        let entry = self
+            .events
+            .remove(u64::from(event.0))
+            .ok_or(PlatformError::InvalidHandle { what: "event", id: u64::from(event.0) })?;
+        match Arc::try_unwrap(entry) {
+            Ok(ev) => ev.release().map_err(|e| PlatformError::EventFailed { event, reason: describe(e) }),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn record_event(&self, event: EventId, stream: StreamId) -> PlatformResult<()> {
+        let ev = self.event_entry(event)?;
+        let st = self.stream_entry(stream)?;
+        self.bind_to_thread()?;
+        // SAFETY: both handles are live (their `Arc`s are held across the call) and belong to this context.
+        unsafe { sys::cuEventRecord(ev.raw(), st.raw()) }.result().map_err(|e| PlatformError::EventFailed {
+            event,
+            reason: format!("record on stream {}: {}", stream.0, describe(e)),
+        })
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> PlatformResult<()> {
+        let st = self.stream_entry(stream)?;
+        let ev = self.event_entry(event)?;
+        self.bind_to_thread()?;
+        let flags = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT as u32;
+        // SAFETY: both handles are live (their `Arc`s are held across the call) and belong to this context.
+        unsafe { sys::cuStreamWaitEvent(st.raw(), ev.raw(), flags) }.result().map_err(|e| PlatformError::EventFailed {
+            event,
+            reason: format!("wait on stream {}: {}", stream.0, describe(e)),
+        })
+    }
+
+    fn event_query(&self, event: EventId) -> PlatformResult<bool> {
+        let ev = self.event_entry(event)?;
+        self.bind_to_thread()?;
+        // SAFETY: the event is live (its `Arc` is held across the call).
+        match unsafe { sys::cuEventQuery(ev.raw()) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            status => {
+                Err(PlatformError::EventFailed { event, reason: describe(cudarc::driver::result::DriverError(status)) })
+            }
+        }
+    }
+
+    fn event_synchronize(&self, event: EventId) -> PlatformResult<()> {
+        let ev = self.event_entry(event)?;
+        self.bind_to_thread()?;
+        // SAFETY: the event is live (its `Arc` is held across the call, so a concurrent destroy cannot free it
+        // while this thread waits).
+        unsafe { sys::cuEventSynchronize(ev.raw()) }
+            .result()
+            .map_err(|e| PlatformError::EventFailed { event, reason: describe(e) })
+    }
+
+    fn stream_synchronize(&self, stream: StreamId) -> PlatformResult<()> {
+        let st = self.stream_entry(stream)?;
+        self.bind_to_thread()?;
+        st.synchronize().map_err(|e| {
+            PlatformError::Driver(format!("stream {} ({:?}) failed: {}", stream.0, st.name(), describe(e)))
+        })
+    }
+
+    fn copy_h2d(
+        &self,
+        stream: StreamId,
+        src: HostBufferId,
+        src_offset: u64,
+        dst: DeviceBufferId,
+        dst_offset: u64,
+        len: u64,
+    ) -> PlatformResult<()> {
+        let st = self.stream_entry(stream)?;
+        let host = self.host_entry(src)?;
+        let dev = self.device_entry(dst)?;
+        check_range("host-to-device source (host buffer)", src_offset, len, host.len())?;
+        check_range("host-to-device destination (device buffer)", dst_offset, len, dev.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind_to_thread()?;
+        // SAFETY: both ranges were bounds-checked against live buffers (held by their `Arc`s across the call) and
+        // the stream is live. The copy runs asynchronously after this returns: the contract obliges the caller to
+        // observe its completion before freeing or rewriting either buffer.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dev.ptr() + dst_offset,
+                host.ptr().add(host_usize(src_offset)).cast_const().cast(),
+                host_usize(len),
+                st.raw(),
+            )
+        }
+        .result()
+        .map_err(|e| PlatformError::CopyFailed { direction: H2D, bytes: len, reason: describe(e) })
+    }
+
+    fn copy_d2h(
+        &self,
+        stream: StreamId,
+        src: DeviceBufferId,
+        src_offset: u64,
+        dst: HostBufferId,
+        dst_offset: u64,
+        len: u64,
+    ) -> PlatformResult<()> {
+        let st = self.stream_entry(stream)?;
+        let dev = self.device_entry(src)?;
+        let host = self.host_entry(dst)?;
+        check_range("device-to-host source (device buffer)", src_offset, len, dev.len())?;
+        check_range("device-to-host destination (host buffer)", dst_offset, len, host.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind_to_thread()?;
+        // SAFETY: both ranges were bounds-checked against live buffers (held by their `Arc`s across the call) and
+        // the stream is live. The copy writes the host buffer asynchronously: the contract obliges the caller to
+        // observe its completion before reading, freeing or rewriting it.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                host.ptr().add(host_usize(dst_offset)).cast(),
+                dev.ptr() + src_offset,
+                host_usize(len),
+                st.raw(),
+            )
+        }
+        .result()
+        .map_err(|e| PlatformError::CopyFailed { direction: D2H, bytes: len, reason: describe(e) })
+    }
+}
+
+impl Drop for CudaPlatform {
+    fn drop(&mut self) {
+        if let Err(e) = self.bind_to_thread() {
+            tracing::warn!(target: "weightferry::cuda", "dropping the CUDA platform: {e}");
+        }
+        for stream in self.streams.snapshot() {
+            if let Err(e) = stream.synchronize() {
+                tracing::warn!(
+                    target: "weightferry::cuda",
+                    "stream {:?} failed while dropping the CUDA platform: {}",
+                    stream.name(),
+                    describe(e)
+                );
+            }
+        }
+        drop(self.events.drain());
+        drop(self.device.drain());
+        drop(self.host.drain());
+        drop(self.streams.drain());
+        // The context itself is released when `self.ctx` (the last `Arc`, unless an engine kept a clone) drops.
+    }
+}

@@ -1,0 +1,11 @@
+//! Hardware back ends of the platform contract ([`weightferry_actors::platform::Platform`]).
+//!
+//! The simulated device lives in the `weightferry-actors` crate (it runs anywhere). This module holds the real
+//! hardware implementations, each behind its cargo feature:
+//!
+//! - `cuda` (feature `cuda`): `cuda::CudaPlatform`, NVIDIA GPUs through the CUDA driver API, loaded at run time
+//!   (a build without the CUDA toolkit works; a machine without a driver gets
+//!   [`weightferry_actors::platform::PlatformError::Unavailable`], never a panic).
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
