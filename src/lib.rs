@@ -8,5 +8,7 @@
 pub mod config;
 pub mod diag;
 pub mod hooks;
+pub mod model;
+pub mod offload;
 pub mod plan;
 pub mod platform;

@@ -71,7 +71,8 @@ pub struct StackSpec {
     pub blocks: Vec<BlockSpec>,
     /// Leading blocks kept resident.
     pub resident_head: usize,
-    /// Blocks prefetched ahead (≥ 1).
+    /// Blocks prefetched ahead. 0 means staged: one slot, a unit is loaded only when asked for (whole-component
+    /// swapping and on-demand staging).
     pub prefetch_depth: usize,
     /// Prefetch the first streamed blocks at creation (rank-local strategies); the distributed strategy defers the
     /// first prefetch to the first forward.
@@ -174,9 +175,6 @@ impl BlockStack {
         }
         if spec.resident_head > n {
             return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)));
-        }
-        if spec.prefetch_depth == 0 {
-            return Err(invalid("prefetch depth must be at least 1".into()));
         }
         for (i, b) in spec.blocks.iter().enumerate() {
             for s in &b.segments {
@@ -403,7 +401,7 @@ impl BlockStack {
         let n = g.blocks.len();
         let streaming = n - g.resident_head;
         let mut out = Vec::new();
-        if streaming == 0 {
+        if streaming == 0 || g.depth == 0 {
             return out;
         }
         let mut i = from.unwrap_or(n - 1);

@@ -85,7 +85,7 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
                         }
                     }
                     super::resolver::ComponentKind::Vae => vae_stage = vae_stage.max(c.bytes),
-                    _ => enc_stage += c.bytes,
+                    _ => enc_stage = enc_stage.max(c.bytes),
                 }
             }
             b.always_resident_bytes = always;

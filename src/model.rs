@@ -1,0 +1,238 @@
+//! The host engine's loaded model: a pipeline description plus the bytes of every storage, living in platform host
+//! buffers.
+//!
+//! Invariant: every storage has exactly one authoritative home at a time — its loaded host buffer, or a region of
+//! an offload backend's host master — so the model never exists twice in host memory. Backends move homes with
+//! [`HostModel::adopt_master`] / [`HostModel::restore_loaded`]; [`HostModel::checksum`] reads through whichever home is
+//! current, which is how tests prove weights are bit-identical after enable/disable cycles and faults.
+
+use crate::plan::{DType, PipelineDesc, StorageId};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
+
+/// Where a storage's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Home {
+    /// Its own host buffer, as the loader produced it.
+    Loaded {
+        /// The buffer.
+        buf: HostBufferId,
+    },
+    /// A region of an offload backend's host master.
+    Master {
+        /// The master buffer.
+        buf: HostBufferId,
+        /// Offset of the storage in it.
+        offset: u64,
+    },
+}
+
+/// A loaded model.
+#[derive(Debug)]
+pub struct HostModel {
+    desc: Arc<PipelineDesc>,
+    platform: PlatformRef,
+    homes: BTreeMap<StorageId, Home>,
+}
+
+/// splitmix64: a tiny deterministic generator for synthetic weights.
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// f32 → bf16 bits (round to nearest even).
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let round = 0x7FFF + ((bits >> 16) & 1);
+    ((bits.wrapping_add(round)) >> 16) as u16
+}
+
+/// bf16 bits → f32.
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// f32 → IEEE half bits (round toward zero; synthetic weights are small and normal).
+pub fn f32_to_f16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let exp = ((bits >> 23) & 0xFF) as i32 - 127 + 15;
+    let mant = bits & 0x7F_FFFF;
+    if exp <= 0 {
+        sign
+    } else if exp >= 31 {
+        sign | 0x7C00
+    } else {
+        sign | ((exp as u16) << 10) | ((mant >> 13) as u16)
+    }
+}
+
+/// IEEE half bits → f32.
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1F) as u32;
+    let mant = (h & 0x3FF) as u32;
+    let bits = if exp == 0 {
+        if mant == 0 {
+            sign
+        } else {
+            // Subnormal half: normalise.
+            let mut e = 127 - 15 + 1;
+            let mut m = mant;
+            while m & 0x400 == 0 {
+                m <<= 1;
+                e -= 1;
+            }
+            sign | ((e as u32) << 23) | ((m & 0x3FF) << 13)
+        }
+    } else if exp == 31 {
+        sign | 0x7F80_0000 | (mant << 13)
+    } else {
+        sign | ((exp + 127 - 15) << 23) | (mant << 13)
+    };
+    f32::from_bits(bits)
+}
+
+/// Deterministic synthetic bytes for a storage: small values so deep stacks stay finite.
+pub fn synthetic_bytes(dtype: DType, numel: u64, seed: u64, storage: StorageId) -> Vec<u8> {
+    let mut st = seed ^ storage.0.wrapping_mul(0xA24B_AED4_963E_E407);
+    let n = numel as usize;
+    let mut out = Vec::with_capacity(n * dtype.size_bytes() as usize);
+    let unit = |st: &mut u64| ((splitmix64(st) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+    for _ in 0..n {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(unit(&mut st) * 0.05).to_le_bytes()),
+            DType::Bf16 => out.extend_from_slice(&f32_to_bf16(unit(&mut st) * 0.05).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&f32_to_f16(unit(&mut st) * 0.05).to_le_bytes()),
+            DType::F8e4m3 => out.push((splitmix64(&mut st) & 0x3F) as u8 | 0x20),
+            DType::I64 => out.extend_from_slice(&((splitmix64(&mut st) % 1024) as i64).to_le_bytes()),
+            DType::I32 => out.extend_from_slice(&((splitmix64(&mut st) % 1024) as i32).to_le_bytes()),
+            DType::U8 => out.push(splitmix64(&mut st) as u8),
+        }
+    }
+    out
+}
+
+/// FNV-1a over bytes, continuing from `h`.
+pub fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100_0000_01B3);
+    }
+    h
+}
+
+/// FNV-1a offset basis.
+pub const FNV_OFFSET: u64 = 0xCBF2_9CE4_8422_2325;
+
+impl HostModel {
+    /// Loads `desc` with deterministic synthetic weights (pageable host buffers, one per storage).
+    pub fn synthetic(platform: PlatformRef, desc: Arc<PipelineDesc>, seed: u64) -> Result<HostModel, PlatformError> {
+        let mut homes = BTreeMap::new();
+        for (&id, s) in &desc.storages {
+            let bytes = synthetic_bytes(s.dtype, s.numel, seed, id);
+            let buf = match platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable) {
+                Ok(b) => b,
+                Err(e) => {
+                    for h in homes.values() {
+                        if let Home::Loaded { buf } = h {
+                            let _ = platform.free_host(*buf);
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            platform.write_host(buf, 0, &bytes)?;
+            homes.insert(id, Home::Loaded { buf });
+        }
+        Ok(HostModel { desc, platform, homes })
+    }
+
+    /// The pipeline description.
+    pub fn desc(&self) -> &Arc<PipelineDesc> {
+        &self.desc
+    }
+    /// The platform holding the host buffers.
+    pub fn platform(&self) -> &PlatformRef {
+        &self.platform
+    }
+    /// Where a storage lives.
+    pub fn home(&self, id: StorageId) -> Option<Home> {
+        self.homes.get(&id).copied()
+    }
+    /// Byte size of a storage.
+    pub fn storage_bytes(&self, id: StorageId) -> u64 {
+        self.desc.storages.get(&id).map_or(0, |s| s.byte_size())
+    }
+
+    /// Reads a storage's bytes from its current home.
+    pub fn read_storage(&self, id: StorageId) -> Result<Vec<u8>, PlatformError> {
+        let len = self.storage_bytes(id);
+        let mut out = vec![0u8; len as usize];
+        match self.homes.get(&id) {
+            Some(Home::Loaded { buf }) => self.platform.read_host(*buf, 0, &mut out)?,
+            Some(Home::Master { buf, offset }) => self.platform.read_host(*buf, *offset, &mut out)?,
+            None => return Err(PlatformError::InvalidHandle { what: "storage", id: id.0 }),
+        }
+        Ok(out)
+    }
+
+    /// Checksum of every storage's bytes, in storage order, read through the current homes.
+    pub fn checksum(&self) -> Result<u64, PlatformError> {
+        let mut h = FNV_OFFSET;
+        for &id in self.homes.keys() {
+            h = fnv1a(h, &id.0.to_le_bytes());
+            h = fnv1a(h, &self.read_storage(id)?);
+        }
+        Ok(h)
+    }
+
+    /// Host bytes held in loaded (non-master) buffers.
+    pub fn loaded_bytes(&self) -> u64 {
+        self.homes.iter().filter(|(_, h)| matches!(h, Home::Loaded { .. })).map(|(id, _)| self.storage_bytes(*id)).sum()
+    }
+
+    /// Makes a master region the storage's home and frees its loaded buffer. The caller has already copied the
+    /// bytes into the master. Returns the previous home.
+    pub fn adopt_master(&mut self, id: StorageId, buf: HostBufferId, offset: u64) -> Result<Home, PlatformError> {
+        let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        if let Home::Loaded { buf: old } = prev {
+            self.platform.free_host(old)?;
+        }
+        self.homes.insert(id, Home::Master { buf, offset });
+        Ok(prev)
+    }
+
+    /// Gives a storage back its own loaded host buffer, copying its bytes out of the master (a real copy, so the
+    /// model no longer aliases the backend's masters). No-op if it is already loaded.
+    pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), PlatformError> {
+        let Some(Home::Master { .. }) = self.homes.get(&id).copied() else { return Ok(()) };
+        let bytes = self.read_storage(id)?;
+        let buf = self.platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable)?;
+        if let Err(e) = self.platform.write_host(buf, 0, &bytes) {
+            let _ = self.platform.free_host(buf);
+            return Err(e);
+        }
+        self.homes.insert(id, Home::Loaded { buf });
+        Ok(())
+    }
+
+    /// Storages currently homed in masters.
+    pub fn mastered(&self) -> Vec<StorageId> {
+        self.homes.iter().filter(|(_, h)| matches!(h, Home::Master { .. })).map(|(id, _)| *id).collect()
+    }
+
+    /// Frees every loaded buffer (the model is dropped). Masters belong to their backend.
+    pub fn release(self) {
+        for h in self.homes.values() {
+            if let Home::Loaded { buf } = h {
+                let _ = self.platform.free_host(*buf);
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! Flat layouts: how the storages of one block (or one staged component) are packed into one host master per dtype
+//! and into one device region, so a block moves with one copy per dtype instead of one per tensor.
+//!
+//! Invariant: a storage appears once per layout (tied and aliased tensors share it), at an offset aligned to
+//! [`ALIGN`]; the host master of a dtype has exactly the byte layout of that dtype's section of the device region,
+//! so the copy is a single flat run and every tensor keeps its strides (tensors are views into storages).
+
+use crate::model::HostModel;
+use crate::plan::{DType, PipelineDesc, StorageId};
+use std::collections::BTreeMap;
+
+/// Alignment of every storage inside a master and a device region.
+pub const ALIGN: u64 = 256;
+
+/// Rounds `x` up to a multiple of [`ALIGN`].
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// One dtype's section: the storages it holds and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Section {
+    /// Element type of the section.
+    pub dtype: DType,
+    /// Offset of the section in the device region.
+    pub device_offset: u64,
+    /// Bytes of the section (also the size of its host master).
+    pub len: u64,
+    /// `(storage, offset within the section)`.
+    pub storages: Vec<(StorageId, u64)>,
+}
+
+/// The packed layout of one unit (block or staged component).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitLayout {
+    /// Module path of the unit.
+    pub path: String,
+    /// Sections in dtype order.
+    pub sections: Vec<Section>,
+    /// Bytes of the device region.
+    pub device_bytes: u64,
+}
+
+impl UnitLayout {
+    /// Packs `storages` (deduplicated, in the given order within each dtype).
+    pub fn pack(p: &PipelineDesc, path: &str, storages: &[StorageId]) -> UnitLayout {
+        let mut by_dtype: BTreeMap<DType, Vec<StorageId>> = BTreeMap::new();
+        for &s in storages {
+            let Some(d) = p.storages.get(&s) else { continue };
+            let list = by_dtype.entry(d.dtype).or_default();
+            if !list.contains(&s) {
+                list.push(s);
+            }
+        }
+        let mut sections = Vec::new();
+        let mut dev = 0u64;
+        for (dtype, list) in by_dtype {
+            let mut off = 0u64;
+            let mut placed = Vec::new();
+            for s in list {
+                placed.push((s, off));
+                off = align_up(off + p.storages[&s].byte_size());
+            }
+            sections.push(Section { dtype, device_offset: dev, len: off, storages: placed });
+            dev = align_up(dev + off);
+        }
+        UnitLayout { path: path.to_string(), sections, device_bytes: dev }
+    }
+
+    /// Device offset of a storage inside the unit's region.
+    pub fn device_offset_of(&self, s: StorageId) -> Option<u64> {
+        self.sections
+            .iter()
+            .find_map(|sec| sec.storages.iter().find(|(id, _)| *id == s).map(|(_, o)| sec.device_offset + o))
+    }
+
+    /// Every storage in the unit.
+    pub fn storages(&self) -> impl Iterator<Item = StorageId> + '_ {
+        self.sections.iter().flat_map(|s| s.storages.iter().map(|(id, _)| *id))
+    }
+
+    /// Bytes of a section's contents as they must appear in its master, read from the model's current homes.
+    pub fn section_bytes(
+        &self,
+        model: &HostModel,
+        sec: &Section,
+    ) -> Result<Vec<u8>, weightferry_actors::platform::PlatformError> {
+        let mut out = vec![0u8; sec.len as usize];
+        for &(s, off) in &sec.storages {
+            let b = model.read_storage(s)?;
+            out[off as usize..off as usize + b.len()].copy_from_slice(&b);
+        }
+        Ok(out)
+    }
+}
+
+/// Distinct storages under each of `paths`, in tensor declaration order.
+pub fn storages_of(p: &PipelineDesc, path: &str) -> Vec<StorageId> {
+    let mut out = Vec::new();
+    if let Some(m) = p.module(path) {
+        for (_, t) in m.tensors_recursive() {
+            if !out.contains(&t.storage) {
+                out.push(t.storage);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,96 @@
+//! Fixed device placement: storages copied to the device once and kept there for the whole run (non-block state,
+//! unselected components, residents — and, for the baseline run, the entire model).
+//!
+//! Invariant: the device copy is a read-only replica; the host home stays authoritative, so releasing the placement
+//! needs no device→host copy. The placement is one device allocation, freed only after the copies into it (and the
+//! caller's compute reading it) have completed.
+
+use super::layout::UnitLayout;
+use super::{OffloadError, WeightSource};
+use crate::model::{Home, HostModel};
+use crate::plan::StorageId;
+use std::collections::HashMap;
+use weightferry_actors::platform::{DeviceBufferId, PlatformError, PlatformRef, StreamId};
+
+/// Storages placed on the device for good.
+#[derive(Debug)]
+pub struct ResidentPlacement {
+    platform: PlatformRef,
+    buf: Option<DeviceBufferId>,
+    offsets: HashMap<StorageId, u64>,
+    bytes: u64,
+}
+
+impl ResidentPlacement {
+    /// Copies `storages` from their host homes into one device buffer on `stream`, and waits for the copies.
+    pub fn upload(
+        platform: &PlatformRef,
+        model: &HostModel,
+        storages: &[StorageId],
+        stream: StreamId,
+    ) -> Result<ResidentPlacement, PlatformError> {
+        let layout = UnitLayout::pack(model.desc(), "<fixed>", storages);
+        let mut placement =
+            ResidentPlacement { platform: platform.clone(), buf: None, offsets: HashMap::new(), bytes: 0 };
+        if layout.device_bytes == 0 {
+            return Ok(placement);
+        }
+        let buf = platform.alloc_device(layout.device_bytes)?;
+        placement.buf = Some(buf);
+        placement.bytes = layout.device_bytes;
+        let result = (|| {
+            for sec in &layout.sections {
+                for &(s, off) in &sec.storages {
+                    let len = model.storage_bytes(s);
+                    let dev = sec.device_offset + off;
+                    placement.offsets.insert(s, dev);
+                    if len == 0 {
+                        continue;
+                    }
+                    let (src, src_off) = match model.home(s) {
+                        Some(Home::Loaded { buf }) => (buf, 0),
+                        Some(Home::Master { buf, offset }) => (buf, offset),
+                        None => return Err(PlatformError::InvalidHandle { what: "storage", id: s.0 }),
+                    };
+                    platform.copy_h2d(stream, src, src_off, buf, dev, len)?;
+                }
+            }
+            platform.stream_synchronize(stream)
+        })();
+        if let Err(e) = result {
+            let _ = platform.stream_synchronize(stream);
+            let _ = placement.release();
+            return Err(e);
+        }
+        Ok(placement)
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Frees the device buffer. The caller must have observed completion of all compute reading it. Idempotent.
+    pub fn release(&mut self) -> Result<(), PlatformError> {
+        if let Some(b) = self.buf.take() {
+            self.platform.free_device(b)?;
+        }
+        self.offsets.clear();
+        self.bytes = 0;
+        Ok(())
+    }
+
+    /// Whether `storage` is placed here.
+    pub fn contains(&self, storage: StorageId) -> bool {
+        self.offsets.contains_key(&storage)
+    }
+}
+
+impl WeightSource for ResidentPlacement {
+    fn locate(&self, storage: StorageId) -> Result<(DeviceBufferId, u64), OffloadError> {
+        match (self.buf, self.offsets.get(&storage)) {
+            (Some(b), Some(&off)) => Ok((b, off)),
+            _ => Err(OffloadError::NotResident { storage: storage.0, reason: "not in the fixed placement".into() }),
+        }
+    }
+}

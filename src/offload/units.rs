@@ -1,0 +1,138 @@
+//! What each strategy streams: the translation of a resolved plan into block stacks of units (a unit is one block,
+//! or one whole component for model-level swapping and on-demand staging) plus the fixed device placement of
+//! everything else.
+//!
+//! Invariants: every storage of the pipeline belongs to exactly one place — one unit, or the fixed placement; a
+//! storage shared by two units (an alias across blocks) is pinned to the fixed placement so no unit depends on
+//! another's bytes; placement follows storage identity, never attribute names, so an attribute aliasing a streamed
+//! block's weight stays with the ring.
+
+use super::layout::{storages_of, UnitLayout};
+use crate::config::{OffloadConfig, Strategy};
+use crate::hooks::{DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK, LAYERWISE_OFFLOAD_HOOK, SEQUENTIAL_OFFLOAD_HOOK};
+use crate::plan::{PipelineDesc, ResolvedComponent, ResolvedPlan, StorageId};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// One stack to build.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackPlan {
+    /// Display name.
+    pub name: String,
+    /// Units in execution order.
+    pub units: Vec<UnitLayout>,
+    /// Leading units kept resident.
+    pub resident_head: usize,
+    /// Prefetch depth; 0 = staged (one slot, no prefetch).
+    pub depth: usize,
+    /// Prefetch at enable.
+    pub eager: bool,
+}
+
+/// Everything a backend builds for a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitPlan {
+    /// Hook name (and owner) of the strategy.
+    pub hook_name: &'static str,
+    /// Stacks.
+    pub stacks: Vec<StackPlan>,
+    /// Storages placed on the device for the whole run.
+    pub fixed: Vec<StorageId>,
+}
+
+impl UnitPlan {
+    /// Whether there is anything to offload.
+    pub fn is_empty(&self) -> bool {
+        self.stacks.is_empty()
+    }
+}
+
+/// Hook name of a strategy.
+pub fn hook_name(strategy: Strategy) -> &'static str {
+    match strategy {
+        Strategy::ModelLevel => SEQUENTIAL_OFFLOAD_HOOK,
+        Strategy::DistributedLayerWise => DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK,
+        _ => LAYERWISE_OFFLOAD_HOOK,
+    }
+}
+
+/// Builds the unit plan. Returns an empty plan when the strategy has nothing to do for this pipeline.
+pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPlan) -> UnitPlan {
+    let hook = hook_name(plan.strategy);
+    let mut stacks: Vec<(String, Vec<(String, Vec<StorageId>)>, usize, usize, bool)> = Vec::new();
+    match plan.strategy {
+        Strategy::None => {}
+        Strategy::ModelLevel => {
+            let dits: Vec<&ResolvedComponent> = plan.dits.iter().filter(|d| d.selected).collect();
+            let encs: Vec<&ResolvedComponent> = plan.encoders.iter().filter(|e| e.selected).collect();
+            if !dits.is_empty() && !encs.is_empty() {
+                let vaes = plan.vaes.iter().filter(|v| v.selected);
+                let units: Vec<(String, Vec<StorageId>)> = dits
+                    .iter()
+                    .copied()
+                    .chain(encs.iter().copied())
+                    .chain(vaes)
+                    .map(|c| (c.path.clone(), storages_of(p, &c.path)))
+                    .collect();
+                let head = if cfg.keep_dit_resident { dits.len() } else { 0 };
+                stacks.push(("model-swap".to_string(), units, head, 0, false));
+            }
+        }
+        Strategy::LayerWise | Strategy::DistributedLayerWise => {
+            if plan.skip_reason.is_none() {
+                let eager = plan.strategy == Strategy::LayerWise;
+                let mut staged: Vec<(String, Vec<StorageId>)> = Vec::new();
+                let visit = |c: &ResolvedComponent, stacks: &mut Vec<_>, staged: &mut Vec<_>| {
+                    if !c.selected {
+                        return;
+                    }
+                    if c.on_demand {
+                        staged.push((c.path.clone(), storages_of(p, &c.path)));
+                    }
+                    for s in &c.stacks {
+                        let units = s.blocks.iter().map(|b| (b.clone(), storages_of(p, b))).collect();
+                        stacks.push((s.name.clone(), units, s.resident_head, s.prefetch_depth as usize, eager));
+                    }
+                };
+                for c in plan.components() {
+                    visit(c, &mut stacks, &mut staged);
+                    for ch in &c.children {
+                        visit(ch, &mut stacks, &mut staged);
+                    }
+                }
+                if !staged.is_empty() {
+                    stacks.push(("on-demand".to_string(), staged, 0, 0, false));
+                }
+            }
+        }
+    }
+
+    // A storage claimed by two units is pinned to the fixed placement.
+    let mut count: BTreeMap<StorageId, usize> = BTreeMap::new();
+    for (_, units, ..) in &stacks {
+        for (_, st) in units {
+            for s in st {
+                *count.entry(*s).or_default() += 1;
+            }
+        }
+    }
+    let shared: BTreeSet<StorageId> = count.iter().filter(|(_, &n)| n > 1).map(|(s, _)| *s).collect();
+    let streamed: BTreeSet<StorageId> = count.keys().copied().filter(|s| !shared.contains(s)).collect();
+    let fixed: Vec<StorageId> = p.storages.keys().copied().filter(|s| !streamed.contains(s)).collect();
+    let stacks = stacks
+        .into_iter()
+        .map(|(name, units, resident_head, depth, eager)| StackPlan {
+            name,
+            units: units
+                .into_iter()
+                .map(|(path, st)| {
+                    let st: Vec<StorageId> = st.into_iter().filter(|s| !shared.contains(s)).collect();
+                    UnitLayout::pack(p, &path, &st)
+                })
+                .collect(),
+            resident_head,
+            depth,
+            eager,
+        })
+        .collect();
+    UnitPlan { hook_name: hook, stacks, fixed }
+}
