@@ -4,9 +4,13 @@
 //! Invariant: an `OffloadConfig` only exists if every rule passed (legacy priority, compact-config conflicts,
 //! group derivation). Every rejection is a [`ConfigError`] naming the exact key path and the fix.
 
+mod budget;
 mod error;
 mod parse;
+mod resolve;
+mod walk;
 
+pub use budget::parse_byte_size;
 pub use error::ConfigError;
 
 use serde::Serialize;
