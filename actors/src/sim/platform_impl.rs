@@ -1,0 +1,245 @@
+//! The [`Platform`] methods of [`SimPlatform`]: argument validation, fault matching and enqueueing.
+//!
+//! Invariant: every enqueue validates handles and ranges, and registers its op with the hazard detector, before the
+//! op becomes visible to a worker; an op that cannot be enqueued leaves no hazard entry or pending event behind.
+
+use super::hazard::{BufferRef, Touch};
+use super::lifecycle::shut_down_error;
+use super::memory::{check_range, BytesError};
+use super::stats::StatCounters;
+use super::stream::{CopyOp, Op};
+use super::{event::GenStatus, SimPlatform};
+use crate::platform::{
+    DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformResult,
+    StreamId,
+};
+use crate::sync::lock;
+
+fn host_bytes_error(what: &'static str, id: HostBufferId, kind: HostMemoryKind, e: BytesError) -> PlatformError {
+    match e {
+        BytesError::OutOfBounds { offset, len, size } => PlatformError::OutOfBounds { what, offset, len, size },
+        BytesError::Freed => PlatformError::InvalidHandle { what: "host buffer", id: id.0 },
+        BytesError::Alloc(reason) => PlatformError::HostAllocFailed { requested: 0, kind, reason },
+    }
+}
+
+fn status_result(event: EventId, status: GenStatus) -> PlatformResult<bool> {
+    match status {
+        GenStatus::Pending => Ok(false),
+        GenStatus::Done => Ok(true),
+        GenStatus::Failed(reason) => Err(PlatformError::EventFailed { event, reason }),
+    }
+}
+
+impl Platform for SimPlatform {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_memory(&self) -> DeviceMemoryStats {
+        self.shared().memory.stats()
+    }
+
+    fn reset_peak(&self) {
+        self.shared().memory.reset_peak();
+    }
+
+    fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+        let shared = self.shared();
+        let n = shared.faults.next_alloc();
+        let id = shared.memory.alloc(bytes, shared.config.faults.oom_at_alloc == Some(n))?;
+        StatCounters::bump(&shared.stats.allocs, 1);
+        Ok(id)
+    }
+
+    fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()> {
+        let shared = self.shared();
+        let b = shared.memory.remove(buf)?;
+        shared.hazards.free("free_device", BufferRef::Device(buf));
+        lock(&b.bytes).release();
+        StatCounters::bump(&shared.stats.frees, 1);
+        Ok(())
+    }
+
+    fn device_buffer_len(&self, buf: DeviceBufferId) -> PlatformResult<u64> {
+        Ok(self.shared().memory.get(buf)?.len)
+    }
+
+    fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
+        self.shared().host.alloc(bytes, kind)
+    }
+
+    fn free_host(&self, buf: HostBufferId) -> PlatformResult<()> {
+        let shared = self.shared();
+        let b = shared.host.remove(buf)?;
+        shared.hazards.free("free_host", BufferRef::Host(buf));
+        lock(&b.bytes).release();
+        Ok(())
+    }
+
+    fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()> {
+        let shared = self.shared();
+        let b = shared.host.get(buf)?;
+        let len = data.len() as u64;
+        check_range("host write", offset, len, b.len)?;
+        shared.hazards.host_access("write_host", Touch { buffer: BufferRef::Host(buf), offset, len, write: true });
+        let res = lock(&b.bytes).write(offset, data);
+        res.map_err(|e| match e {
+            BytesError::Alloc(reason) => PlatformError::HostAllocFailed { requested: b.len, kind: b.kind, reason },
+            other => host_bytes_error("host write", buf, b.kind, other),
+        })
+    }
+
+    fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()> {
+        let shared = self.shared();
+        let b = shared.host.get(buf)?;
+        let len = out.len() as u64;
+        check_range("host read", offset, len, b.len)?;
+        shared.hazards.host_access("read_host", Touch { buffer: BufferRef::Host(buf), offset, len, write: false });
+        let res = lock(&b.bytes).read(offset, out);
+        res.map_err(|e| host_bytes_error("host read", buf, b.kind, e))
+    }
+
+    fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)> {
+        let b = self.shared().host.get(buf)?;
+        Ok((b.len, b.kind))
+    }
+
+    fn create_stream(&self, name: &str) -> PlatformResult<StreamId> {
+        self.spawn_stream(name)
+    }
+
+    fn create_event(&self) -> PlatformResult<EventId> {
+        self.shared().events.create()
+    }
+
+    fn destroy_event(&self, event: EventId) -> PlatformResult<()> {
+        self.shared().events.destroy(event)
+    }
+
+    fn record_event(&self, event: EventId, stream: StreamId) -> PlatformResult<()> {
+        let shared = self.shared();
+        let queue = self.queue(stream)?;
+        self.check_up()?;
+        let gen = shared.events.record(event)?;
+        queue.push(shared, Op::Record { event, gen }).inspect_err(|e| {
+            shared.events.complete(event, gen, Some(e.to_string()));
+        })
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> PlatformResult<()> {
+        let shared = self.shared();
+        let queue = self.queue(stream)?;
+        self.check_up()?;
+        let gen = shared.events.capture(event)?;
+        if gen == 0 {
+            // Never recorded: counts as complete, nothing to wait for.
+            return Ok(());
+        }
+        queue.push(shared, Op::Wait { event, gen })
+    }
+
+    fn event_query(&self, event: EventId) -> PlatformResult<bool> {
+        let status = self.shared().events.query(event)?;
+        status_result(event, status)
+    }
+
+    fn event_synchronize(&self, event: EventId) -> PlatformResult<()> {
+        let shared = self.shared();
+        // Validate the handle before counting the call against the fault plan.
+        shared.events.capture(event)?;
+        let n = shared.faults.next_event_sync();
+        if shared.config.faults.fail_event_sync == Some(n) {
+            return Err(PlatformError::EventFailed {
+                event,
+                reason: format!("injected failure of event_synchronize call #{n}"),
+            });
+        }
+        match shared.events.synchronize(event, &shared.life)? {
+            Some(status) => status_result(event, status).map(|_| ()),
+            None => Err(shut_down_error()),
+        }
+    }
+
+    fn stream_synchronize(&self, stream: StreamId) -> PlatformResult<()> {
+        self.queue(stream)?.synchronize(self.shared())
+    }
+
+    fn copy_h2d(
+        &self,
+        stream: StreamId,
+        src: HostBufferId,
+        src_offset: u64,
+        dst: DeviceBufferId,
+        dst_offset: u64,
+        len: u64,
+    ) -> PlatformResult<()> {
+        let shared = self.shared();
+        let queue = self.queue(stream)?;
+        self.check_up()?;
+        let host = shared.host.get(src)?;
+        let dev = shared.memory.get(dst)?;
+        check_range("source", src_offset, len, host.len)?;
+        check_range("destination", dst_offset, len, dev.len)?;
+        let n = shared.faults.next_h2d();
+        if shared.config.faults.fail_h2d_copy == Some(n) {
+            return Err(PlatformError::CopyFailed {
+                direction: "host-to-device",
+                bytes: len,
+                reason: format!("injected failure of h2d copy #{n}"),
+            });
+        }
+        let label = format!("h2d #{n} host {}+{src_offset} -> dev {}+{dst_offset} ({len} B)", src.0, dst.0);
+        let touches = vec![
+            Touch { buffer: BufferRef::Host(src), offset: src_offset, len, write: false },
+            Touch { buffer: BufferRef::Device(dst), offset: dst_offset, len, write: true },
+        ];
+        let seq = shared.hazards.register(stream, &queue.name, label.clone(), touches);
+        let op = CopyOp {
+            seq,
+            label,
+            host,
+            host_offset: src_offset,
+            dev,
+            dev_offset: dst_offset,
+            len,
+            inject_failure: shared.config.faults.fail_h2d_copy_async == Some(n),
+        };
+        queue.push(shared, Op::H2d(op)).inspect_err(|_| shared.hazards.complete(seq))
+    }
+
+    fn copy_d2h(
+        &self,
+        stream: StreamId,
+        src: DeviceBufferId,
+        src_offset: u64,
+        dst: HostBufferId,
+        dst_offset: u64,
+        len: u64,
+    ) -> PlatformResult<()> {
+        let shared = self.shared();
+        let queue = self.queue(stream)?;
+        self.check_up()?;
+        let dev = shared.memory.get(src)?;
+        let host = shared.host.get(dst)?;
+        check_range("source", src_offset, len, dev.len)?;
+        check_range("destination", dst_offset, len, host.len)?;
+        let label = format!("d2h dev {}+{src_offset} -> host {}+{dst_offset} ({len} B)", src.0, dst.0);
+        let touches = vec![
+            Touch { buffer: BufferRef::Device(src), offset: src_offset, len, write: false },
+            Touch { buffer: BufferRef::Host(dst), offset: dst_offset, len, write: true },
+        ];
+        let seq = shared.hazards.register(stream, &queue.name, label.clone(), touches);
+        let op = CopyOp {
+            seq,
+            label,
+            host,
+            host_offset: dst_offset,
+            dev,
+            dev_offset: src_offset,
+            len,
+            inject_failure: false,
+        };
+        queue.push(shared, Op::D2h(op)).inspect_err(|_| shared.hazards.complete(seq))
+    }
+}
