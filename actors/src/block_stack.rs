@@ -136,7 +136,7 @@ struct Inner {
 
 /// Handle to a block-stack actor. Hook methods take `&self`; the engine drives one stack from one thread.
 pub struct BlockStack {
-    name: Arc<String>,
+    name: std::sync::Arc<str>,
     platform: PlatformRef,
     compute: StreamId,
     stream: StreamHandle,
@@ -235,7 +235,7 @@ impl BlockStack {
             + slots as u64 * slot_size.max(1);
         let (notify, mailbox) = mailbox::unbounded();
         let stack = BlockStack {
-            name: Arc::new(spec.name.clone()),
+            name: std::sync::Arc::from(spec.name.as_str()),
             platform: platform.clone(),
             compute,
             stream,

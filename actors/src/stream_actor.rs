@@ -27,7 +27,7 @@ enum Watch {
 /// Cloneable handle to a stream actor.
 #[derive(Clone)]
 pub struct StreamHandle {
-    name: Arc<String>,
+    name: std::sync::Arc<str>,
     stream: StreamId,
     tx: Sender<StreamCmd>,
     alive: Arc<AtomicBool>,
@@ -79,7 +79,7 @@ impl StreamHandle {
         })
         .map_err(|e| SchedulerError::Platform(PlatformError::Driver(format!("spawn stream actor: {e}"))))?;
         joins.push(j);
-        Ok(StreamHandle { name: Arc::new(name.to_string()), stream, tx, alive, joins: Arc::new(Mutex::new(joins)) })
+        Ok(StreamHandle { name: std::sync::Arc::from(name), stream, tx, alive, joins: Arc::new(Mutex::new(joins)) })
     }
 
     /// The stream this actor owns.

@@ -134,6 +134,17 @@ pub mod mailbox {
         /// Receiving half of a mailbox.
         pub struct Receiver<T>(Arc<Shared<T>>);
 
+        impl<T> std::fmt::Debug for Sender<T> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("Sender")
+            }
+        }
+        impl<T> std::fmt::Debug for Receiver<T> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("Receiver")
+            }
+        }
+
         fn make<T>(cap: Option<usize>) -> (Sender<T>, Receiver<T>) {
             let shared = Arc::new(Shared {
                 state: Mutex::new(State { queue: VecDeque::new(), senders: 1, receiver_alive: true }),

@@ -55,10 +55,13 @@ pub fn hook_name(strategy: Strategy) -> &'static str {
     }
 }
 
+/// A stack before packing: name, `(unit path, storages)`, resident head, depth, eager prefetch.
+type RawStack = (String, Vec<(String, Vec<StorageId>)>, usize, usize, bool);
+
 /// Builds the unit plan. Returns an empty plan when the strategy has nothing to do for this pipeline.
 pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPlan) -> UnitPlan {
     let hook = hook_name(plan.strategy);
-    let mut stacks: Vec<(String, Vec<(String, Vec<StorageId>)>, usize, usize, bool)> = Vec::new();
+    let mut stacks: Vec<RawStack> = Vec::new();
     match plan.strategy {
         Strategy::None => {}
         Strategy::ModelLevel => {

@@ -384,7 +384,7 @@ pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> 
 #[allow(clippy::too_many_arguments)]
 fn resolve_layer(
     cx: &mut Ctx<'_>,
-    dits: &mut Vec<ResolvedComponent>,
+    dits: &mut [ResolvedComponent],
     encoders: &mut [ResolvedComponent],
     vaes: &mut [ResolvedComponent],
     is_on_demand: &dyn Fn(&str) -> bool,
