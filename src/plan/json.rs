@@ -97,7 +97,7 @@
 //!
 //! **Errors** name the JSON path of the offending value, with dots between keys and `[i]` for array elements
 //! (`modules.transformer.children.blocks.repeat`, `components.dit[0]`), and say how to fix it. Limits: JSON nesting
-//! up to 128 levels, [`MAX_REPEAT`] copies per repeat, [`MAX_NODES`] modules and tensors after expansion; sizes
+//! up to 128 levels (each module level takes two, so modules nest about 60 deep), [`MAX_REPEAT`] copies per repeat, [`MAX_NODES`] modules and tensors after expansion; sizes
 //! must fit in 64 bits.
 
 use crate::plan::builder::{check_fit, check_view, is_valid_name, is_valid_path, PipelineError};
