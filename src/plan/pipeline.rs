@@ -79,7 +79,7 @@ pub struct StorageDesc {
 impl StorageDesc {
     /// Size in bytes.
     pub fn byte_size(&self) -> u64 {
-        self.numel * self.dtype.size_bytes()
+        self.numel.saturating_mul(self.dtype.size_bytes())
     }
 }
 
@@ -105,18 +105,19 @@ pub struct TensorDesc {
 impl TensorDesc {
     /// Logical element count (product of the shape).
     pub fn numel(&self) -> u64 {
-        self.shape.iter().product()
+        self.shape.iter().fold(1u64, |acc, &s| acc.saturating_mul(s))
     }
     /// Elements spanned in the storage: `1 + Σ (size−1)·stride`, or 0 for an empty tensor.
     pub fn physical_numel(&self) -> u64 {
-        if self.shape.iter().any(|&s| s == 0) {
+        if self.shape.contains(&0) {
             return 0;
         }
-        1 + self.shape.iter().zip(&self.strides).map(|(&s, &st)| (s - 1) * st).sum::<u64>()
+        // Saturating: an absurd description must not overflow (validation rejects it with a message).
+        self.shape.iter().zip(&self.strides).fold(1u64, |acc, (&s, &st)| acc.saturating_add((s - 1).saturating_mul(st)))
     }
     /// Logical byte size (`numel · element size`).
     pub fn byte_size(&self) -> u64 {
-        self.numel() * self.dtype.size_bytes()
+        self.numel().saturating_mul(self.dtype.size_bytes())
     }
     /// Row-major contiguous strides for `shape`.
     pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {

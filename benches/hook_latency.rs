@@ -1,0 +1,80 @@
+#![allow(missing_docs)]
+//! Hook latency: wall time of `pre_forward` + `post_forward` for one streamed block, through the hook registry, on
+//! the simulated platform with zero-cost copies (so the figure is the scheduler's own cost: slot bookkeeping, the
+//! GPU-side wait and record, and the prefetch message to the stream actor).
+//!
+//! Two engine paces: back-to-back hooks (the engine does nothing between blocks, so any lag of the stream actor
+//! shows up as a host wait inside `pre_forward`), and a realistic pace where the engine spends `work_us` per block
+//! enqueueing its kernels between `pre_forward` and `post_forward` (timed separately, not counted in the hook cost).
+//!
+//! Run: `cargo bench --bench hook_latency`
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weightferry::hooks::{HookRegistry, ModelHook};
+use weightferry_actors::BlockStack;
+
+struct Hook {
+    stack: Arc<BlockStack>,
+    block: usize,
+}
+impl ModelHook for Hook {
+    fn pre_forward(&self, _: &str) -> Result<(), String> {
+        self.stack.pre_forward(self.block).map(|_| ()).map_err(|e| e.to_string())
+    }
+    fn post_forward(&self, _: &str) -> Result<(), String> {
+        self.stack.post_forward(self.block).map_err(|e| e.to_string())
+    }
+}
+
+fn main() {
+    let blocks = 57;
+    for (depth, work_us) in [(1usize, 0u64), (2, 0), (4, 0), (1, 50), (2, 50), (4, 50)] {
+        let (sim, _compute, stream, stack) = common::stack(blocks, 4096, 0, depth);
+        let reg = HookRegistry::new();
+        let names: Vec<String> = (0..blocks).map(|i| format!("transformer.blocks.{i}")).collect();
+        for (i, n) in names.iter().enumerate() {
+            reg.register(
+                n,
+                "layerwise_offload",
+                "layerwise_offload",
+                Arc::new(Hook { stack: stack.clone(), block: i }),
+            )
+            .expect("register");
+        }
+        let mut samples: Vec<Duration> = Vec::new();
+        for pass in 0..200 {
+            for n in &names {
+                let t = Instant::now();
+                reg.pre_forward(n).expect("pre");
+                let pre = t.elapsed();
+                let w = Instant::now();
+                while w.elapsed() < Duration::from_micros(work_us) {
+                    std::hint::spin_loop();
+                }
+                let t = Instant::now();
+                reg.post_forward(n).expect("post");
+                if pass >= 20 {
+                    samples.push(pre + t.elapsed());
+                }
+            }
+        }
+        let (p50, p99, max) = common::percentiles(samples);
+        let st = stack.stats();
+        println!(
+            "hook_latency depth={depth} engine work {work_us} µs/block: pre+post p50 {:.2} µs, p99 {:.2} µs, max {:.1} µs ({} loads, {} prefetch hits, {} sync fetches, {} host waits)",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+            max.as_secs_f64() * 1e6,
+            st.loads,
+            st.prefetch_hits,
+            st.sync_fetches,
+            st.record_waits
+        );
+        stack.disable().expect("disable");
+        stream.shutdown();
+        drop(sim);
+    }
+}
