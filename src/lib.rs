@@ -7,8 +7,11 @@
 
 pub mod config;
 pub mod diag;
+pub mod engine;
 pub mod hooks;
 pub mod model;
 pub mod offload;
 pub mod plan;
 pub mod platform;
+pub mod report;
+pub mod trace;

@@ -1,0 +1,335 @@
+//! The reference engine: runs a pipeline description with deterministic synthetic weights and real compute per
+//! module, exactly as a host engine would drive the offload hooks.
+//!
+//! - [`program`]: the execution order (components, block lists, non-block children) computed from the description.
+//! - [`math`]: what one module does to the activations (matrix products, bounded mixing, byte hashing).
+//! - [`compute`]: the [`compute::Compute`] trait kernels are enqueued through, and its sim implementation.
+//! - [`driver`]: the `run` driver — resident run, offloaded run, comparison and report.
+//!
+//! [`Engine`] owns the compute stream and the activation buffers (allocated at construction, before any offload is
+//! enabled, so they are never counted as weight memory). [`Engine::execute`] runs encoders → DiT × steps → VAE,
+//! calling `pre_forward` / `post_forward` around every component, every entered module and every block, and
+//! enqueueing one kernel per block or non-block module whose weight ranges come from a
+//! [`WeightSource`](crate::offload::WeightSource) looked up between the hooks. The output is the latent matrix read
+//! back after the compute stream is synchronised.
+
+pub mod compute;
+pub mod driver;
+pub mod math;
+pub mod program;
+
+use crate::hooks::{HookError, HookRegistry};
+use crate::model::{fnv1a, splitmix64, FNV_OFFSET};
+use crate::offload::{OffloadError, WeightSource};
+use crate::plan::{PipelineDesc, StorageId};
+use compute::{Activations, Compute, ModuleKernel, WeightRange};
+use math::{Phase, ACTIVATION_BYTES};
+use program::{ComponentProgram, Op, Program};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weightferry_actors::platform::{PlatformError, StreamId};
+
+/// Errors of the reference engine and the run driver.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The platform failed (allocation, stream, kernel).
+    #[error(transparent)]
+    Platform(#[from] PlatformError),
+    /// A hook failed.
+    #[error(transparent)]
+    Hook(#[from] HookError),
+    /// The offload backend failed.
+    #[error(transparent)]
+    Offload(#[from] OffloadError),
+    /// The input cannot be run (pipeline too large for the reference engine, nothing to run, bad options).
+    #[error("{0}")]
+    Invalid(String),
+    /// A check failed in a way that leaves no result (e.g. weights could not be read back).
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Options of one execution.
+#[derive(Debug, Clone, Default)]
+pub struct ExecOptions {
+    /// DiT passes.
+    pub steps: u32,
+    /// Seed of the initial activations.
+    pub input_seed: u64,
+    /// Seed of the skip pattern (a step cache): `None` runs every block.
+    pub skip_seed: Option<u64>,
+    /// Record hook spans relative to this instant (for traces).
+    pub span_epoch: Option<Instant>,
+}
+
+/// Which hook a span is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HookKind {
+    /// `pre_forward`.
+    Pre,
+    /// `post_forward`.
+    Post,
+}
+
+/// One hook call on the engine thread.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HookSpan {
+    /// Module path.
+    pub module: String,
+    /// Pre or post.
+    pub kind: HookKind,
+    /// Start, since the span epoch.
+    pub start: Duration,
+    /// Wall time of the call.
+    pub duration: Duration,
+}
+
+/// What an execution produced.
+#[derive(Debug, Clone, Default)]
+pub struct ExecOutput {
+    /// The final latent matrix (little-endian `f32`).
+    pub output: Vec<u8>,
+    /// FNV-1a of `output`.
+    pub checksum: u64,
+    /// Wall time of each `pre_forward` + `post_forward` pair of a component or block.
+    pub hook_latencies: Vec<Duration>,
+    /// Every hook call, when a span epoch was given.
+    pub hook_spans: Vec<HookSpan>,
+    /// Kernels enqueued (activation fills excluded).
+    pub kernels: u64,
+    /// Blocks run.
+    pub blocks_run: u64,
+    /// Blocks skipped by the skip pattern.
+    pub blocks_skipped: u64,
+    /// Wall time of the execution (until the output was read back).
+    pub wall: Duration,
+}
+
+/// Where an execution is, for progress indicators.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'a> {
+    /// Phase being run.
+    pub phase: Phase,
+    /// Component path.
+    pub component: &'a str,
+    /// DiT step (0-based; 0 outside the DiT phase).
+    pub step: u32,
+    /// DiT steps in all.
+    pub steps: u32,
+}
+
+/// Whether the skip pattern of `seed` skips block `block` in DiT pass `pass`. Pass 0 never skips; later passes
+/// skip about a third of their blocks.
+pub fn skips_block(seed: u64, pass: u32, block: usize) -> bool {
+    if pass == 0 {
+        return false;
+    }
+    let mut st = seed ^ (u64::from(pass) << 32) ^ (block as u64).wrapping_mul(0x2545_F491_4F6C_DD1D);
+    splitmix64(&mut st) % 3 == 0
+}
+
+/// The reference engine for one pipeline on one compute device.
+#[derive(Debug)]
+pub struct Engine {
+    compute: Arc<dyn Compute>,
+    program: Program,
+    storage_len: HashMap<StorageId, u64>,
+    stream: StreamId,
+    acts: Option<Activations>,
+}
+
+impl Engine {
+    /// Builds the program of `desc`, creates the compute stream and allocates the activations.
+    pub fn new(compute: Arc<dyn Compute>, desc: &PipelineDesc) -> Result<Engine, EngineError> {
+        let program = Program::build(desc);
+        if program.components().next().is_none() {
+            return Err(EngineError::Invalid(format!(
+                "pipeline {} has no DiT, encoder or VAE component to run; declare `components` in the pipeline",
+                desc.class
+            )));
+        }
+        let platform = compute.platform();
+        let stream = platform.create_stream("compute")?;
+        let latent = platform.alloc_device(ACTIVATION_BYTES)?;
+        let context = match platform.alloc_device(ACTIVATION_BYTES) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = platform.free_device(latent);
+                return Err(e.into());
+            }
+        };
+        let storage_len = desc.storages.iter().map(|(id, s)| (*id, s.byte_size())).collect();
+        Ok(Engine { compute, program, storage_len, stream, acts: Some(Activations { latent, context }) })
+    }
+
+    /// The engine's compute stream (offload backends make it wait on their ready events).
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+    /// The execution program.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+    /// Device bytes of the activations.
+    pub fn activation_bytes(&self) -> u64 {
+        Activations::BYTES
+    }
+    /// The activation buffers (`None` after [`Engine::release`]).
+    pub fn activations(&self) -> Option<Activations> {
+        self.acts
+    }
+
+    /// Runs the pipeline once: encoders, the DiT for `opts.steps` passes, the VAE. Weights are located through
+    /// `source` between each module's hooks. Returns the output read back after the compute stream finished.
+    pub fn execute(
+        &self,
+        source: &dyn WeightSource,
+        hooks: &HookRegistry,
+        opts: &ExecOptions,
+        progress: &mut dyn FnMut(Progress<'_>),
+    ) -> Result<ExecOutput, EngineError> {
+        let acts = self.acts.ok_or_else(|| EngineError::Invalid("the engine was released".into()))?;
+        let start = Instant::now();
+        let mut run = Run { engine: self, source, hooks, opts, acts, out: ExecOutput::default() };
+        let result = run.all(progress);
+        if let Err(e) = result {
+            // Leave no kernel of ours running behind the caller's cleanup.
+            let _ = self.compute.platform().stream_synchronize(self.stream);
+            return Err(e);
+        }
+        let mut out = run.out;
+        out.output = self.compute.read_back(self.stream, acts.latent, ACTIVATION_BYTES)?;
+        out.checksum = fnv1a(FNV_OFFSET, &out.output);
+        out.wall = start.elapsed();
+        Ok(out)
+    }
+
+    /// Waits for the compute stream and frees the activations. Idempotent.
+    pub fn release(&mut self) -> Result<(), EngineError> {
+        if let Some(a) = self.acts.take() {
+            let platform = self.compute.platform();
+            platform.stream_synchronize(self.stream)?;
+            platform.free_device(a.latent)?;
+            platform.free_device(a.context)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.release();
+    }
+}
+
+/// State of one execution.
+struct Run<'a> {
+    engine: &'a Engine,
+    source: &'a dyn WeightSource,
+    hooks: &'a HookRegistry,
+    opts: &'a ExecOptions,
+    acts: Activations,
+    out: ExecOutput,
+}
+
+impl Run<'_> {
+    fn all(&mut self, progress: &mut dyn FnMut(Progress<'_>)) -> Result<(), EngineError> {
+        let compute = &self.engine.compute;
+        let stream = self.engine.stream;
+        compute.fill(stream, self.acts.latent, math::initial_activation(self.opts.input_seed, 1))?;
+        compute.fill(stream, self.acts.context, math::initial_activation(self.opts.input_seed, 2))?;
+        let program = &self.engine.program;
+        let steps = self.opts.steps;
+        for c in &program.encoders {
+            progress(Progress { phase: Phase::Encoder, component: &c.path, step: 0, steps });
+            self.component(c, None)?;
+        }
+        for step in 0..steps {
+            for c in &program.dits {
+                progress(Progress { phase: Phase::Dit, component: &c.path, step, steps });
+                self.component(c, Some(step))?;
+            }
+        }
+        for c in &program.vaes {
+            progress(Progress { phase: Phase::Vae, component: &c.path, step: 0, steps });
+            self.component(c, None)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one hook and returns its wall time.
+    fn hook(&mut self, module: &str, kind: HookKind) -> Result<Duration, EngineError> {
+        let t0 = Instant::now();
+        let r = match kind {
+            HookKind::Pre => self.hooks.pre_forward(module),
+            HookKind::Post => self.hooks.post_forward(module),
+        };
+        let d = t0.elapsed();
+        if let Some(epoch) = self.opts.span_epoch {
+            self.out.hook_spans.push(HookSpan {
+                module: module.to_string(),
+                kind,
+                start: t0.saturating_duration_since(epoch),
+                duration: d,
+            });
+        }
+        r?;
+        Ok(d)
+    }
+
+    fn component(&mut self, c: &ComponentProgram, pass: Option<u32>) -> Result<(), EngineError> {
+        let pre = self.hook(&c.path, HookKind::Pre)?;
+        for op in &c.ops {
+            match op {
+                Op::Enter(path) => {
+                    self.hook(path, HookKind::Pre)?;
+                }
+                Op::Exit(path) => {
+                    self.hook(path, HookKind::Post)?;
+                }
+                Op::Kernel(k) => {
+                    if let (Some(b), Some(pass), Some(seed)) = (k.block, pass, self.opts.skip_seed) {
+                        if skips_block(seed, pass, b) {
+                            self.out.blocks_skipped += 1;
+                            continue;
+                        }
+                    }
+                    if !k.hooked {
+                        self.launch(c.phase, k)?;
+                        continue;
+                    }
+                    let pre = self.hook(&k.path, HookKind::Pre)?;
+                    self.launch(c.phase, k)?;
+                    let post = self.hook(&k.path, HookKind::Post)?;
+                    if k.block.is_some() {
+                        self.out.blocks_run += 1;
+                        self.out.hook_latencies.push(pre + post);
+                    }
+                }
+            }
+        }
+        let post = self.hook(&c.path, HookKind::Post)?;
+        self.out.hook_latencies.push(pre + post);
+        Ok(())
+    }
+
+    fn launch(&mut self, phase: Phase, k: &program::KernelItem) -> Result<(), EngineError> {
+        let mut weights = Vec::with_capacity(k.storages.len());
+        for &s in &k.storages {
+            let len = self.engine.storage_len.get(&s).copied().unwrap_or(0);
+            if len == 0 {
+                weights.push(WeightRange { storage: s, buffer: self.acts.latent, offset: 0, len: 0 });
+                continue;
+            }
+            let (buffer, offset) = self.source.locate(s)?;
+            weights.push(WeightRange { storage: s, buffer, offset, len });
+        }
+        let kernel =
+            ModuleKernel { label: k.path.clone(), phase, tensors: k.tensors.clone(), weights, activations: self.acts };
+        self.engine.compute.launch_module(self.engine.stream, kernel)?;
+        self.out.kernels += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,169 @@
+//! Bit-exact runs: the reference engine's output and the host weights are identical between a fully resident run
+//! and offloaded runs of the tiny presets, for every strategy, prefetch depths 1–4 and several resident counts, over
+//! several DiT passes, with and without a block-skip pattern; no hazard violation; peak device weight memory within
+//! the bound.
+
+use weightferry::config::OffloadConfig;
+use weightferry::engine::driver::{run, RunSpec};
+use weightferry::offload::layout::UnitLayout;
+use weightferry::offload::units::build_unit_plan;
+use weightferry::plan::presets::preset;
+use weightferry::plan::resolve_offload_plan;
+use weightferry::report::RunReport;
+
+const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];
+
+fn cfg(json: &str) -> OffloadConfig {
+    OffloadConfig::from_json_str(json).unwrap_or_else(|e| panic!("config {json}: {e}"))
+}
+
+fn layer(depth: u32, resident: u32, with_vae: bool) -> OffloadConfig {
+    let comps = if with_vae { r#"["dit", "text_encoder", "vae"]"# } else { r#"["dit", "text_encoder"]"# };
+    cfg(&format!(
+        r#"{{"diffusion_offload_config": {{"mode": "layer", "components": {comps}, "layer_options": {{
+            "dit": {{"prefetch_depth": {depth}, "resident_layers": {resident}}},
+            "text_encoder": {{"prefetch_depth": {depth}}}}}}}}}"#
+    ))
+}
+
+fn model_level() -> OffloadConfig {
+    cfg(r#"{"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder", "vae"]}}"#)
+}
+
+/// Device bytes the backend's layouts allocate at most for `config` (the planned bound with every storage aligned
+/// to the layout's 256 bytes).
+fn layout_bound(name: &str, config: &OffloadConfig) -> u64 {
+    let p = preset(name).expect("preset");
+    let plan = resolve_offload_plan(&p, config).expect("plan");
+    let units = build_unit_plan(&p, config, &plan);
+    let mut total = UnitLayout::pack(&p, "fixed", &units.fixed).device_bytes;
+    for s in &units.stacks {
+        let head = s.resident_head.min(s.units.len());
+        total += s.units[..head].iter().map(|u| u.device_bytes).sum::<u64>();
+        let tail = s.units[head..].iter().map(|u| u.device_bytes).max().unwrap_or(0);
+        let slots = if head == s.units.len() { 0 } else { (s.depth + 1).min(s.units.len() - head) };
+        total += slots as u64 * tail;
+    }
+    total
+}
+
+fn go(name: &str, config: &OffloadConfig, steps: u32, skip: Option<u64>) -> RunReport {
+    let desc = preset(name).unwrap_or_else(|| panic!("preset {name}"));
+    let mut spec = RunSpec::new(name, desc, config.clone());
+    spec.steps = steps;
+    spec.skip_seed = skip;
+    let r = run(&spec, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}")).report;
+    let what = format!("{name} {} steps {steps} skip {skip:?}: {r}", r.strategy);
+    assert!(r.offload_enabled, "{what}");
+    assert!(r.outputs_match, "{what}");
+    assert_eq!(r.resident_checksum, r.offloaded_checksum, "{what}");
+    assert!(r.weights_match, "{what}");
+    assert_eq!(r.hazard_violations, 0, "{what}");
+    assert!(r.h2d_bytes > 0, "{what}");
+    // The planner's bound counts raw storage bytes; the backend pads every storage to 256 bytes. The peak must stay
+    // within the bound once that padding is counted.
+    let bound = r.planned_device_weight_bytes.max(layout_bound(name, config));
+    assert!(r.peak_device_weight_bytes <= bound, "{what}\nlayout bound {bound}");
+    assert!(r.peak_device_weight_bytes > 0, "{what}");
+    r
+}
+
+#[test]
+fn layerwise_depths_and_resident_counts_are_bit_exact() {
+    for name in PRESETS {
+        for depth in 1..=4u32 {
+            for resident in [0u32, 2] {
+                let r = go(name, &layer(depth, resident, false), 3, None);
+                let strategy = if resident == 0 { "layer" } else { "distributed_layer" };
+                assert_eq!(r.strategy, strategy);
+                let dit = &r.stacks[0];
+                assert!(dit.name.starts_with("transformer"), "{}", dit.name);
+                assert_eq!((dit.depth, dit.resident), (depth as usize, resident as usize), "{name}");
+                // Every pass runs every block, so streamed blocks are found prefetched after the first.
+                assert!(dit.prefetch_hits > 0, "{name}: {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn device_budget_keeps_leading_blocks_resident() {
+    // A budget of the fully streamed footprint plus two large blocks lets the planner keep blocks resident.
+    let name = "flux-tiny";
+    let base = layer(1, 0, false);
+    let plan = resolve_offload_plan(&preset(name).unwrap(), &base).unwrap();
+    let dit = plan.dits[0].stacks[0].clone();
+    let budget = layout_bound(name, &base) + 2 * dit.block_bytes.iter().max().unwrap() + 4096;
+    let c = cfg(&format!(
+        r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit", "text_encoder"],
+            "device_budget": {budget}, "layer_options": {{"dit": {{"prefetch_depth": 1}}}}}}}}"#
+    ));
+    let r = go(name, &c, 3, Some(5));
+    assert_eq!(r.strategy, "layer");
+    assert!(r.stacks[0].resident >= 2, "{r}");
+    assert!(r.planned_device_weight_bytes <= budget, "{r}");
+}
+
+#[test]
+fn model_level_is_bit_exact() {
+    for name in PRESETS {
+        let r = go(name, &model_level(), 3, None);
+        assert_eq!(r.strategy, "model");
+        assert_eq!(r.stacks.len(), 1);
+        assert_eq!(r.stacks[0].units, 3, "{r}");
+    }
+}
+
+#[test]
+fn skipped_blocks_stay_bit_exact() {
+    for name in PRESETS {
+        for (i, c) in [layer(1, 0, true), layer(3, 2, false), model_level()].iter().enumerate() {
+            let r = go(name, c, 4, Some(11 + i as u64));
+            assert!(r.blocks_skipped > 0, "{r}");
+        }
+        // A skip pattern makes the ring fetch some blocks synchronously.
+        let r = go(name, &layer(2, 0, false), 4, Some(3));
+        assert!(r.stacks[0].sync_fetches + r.stacks[0].reuse_hits > 0, "{r}");
+    }
+}
+
+#[test]
+fn a_different_seed_changes_the_output() {
+    let c = layer(2, 0, false);
+    let a = go("flux-tiny", &c, 2, None);
+    let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), c);
+    spec.steps = 2;
+    spec.seed = 1;
+    let b = run(&spec, &mut |_, _| {}).unwrap().report;
+    assert!(b.outputs_match);
+    assert_ne!(a.resident_checksum, b.resident_checksum);
+    // Steps change the output too.
+    let c3 = go("flux-tiny", &layer(2, 0, false), 3, None);
+    assert_ne!(a.resident_checksum, c3.resident_checksum);
+}
+
+#[test]
+fn the_checks_can_fail() {
+    use std::time::Duration;
+    use weightferry::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
+    use weightferry_actors::OrderingFault;
+    // Compute that does not wait for its copies reads slots before they land: the hazard detector sees it.
+    let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
+    spec.steps = 1;
+    spec.sim.copy_latency = Duration::from_micros(500);
+    spec.ordering_fault = OrderingFault::SkipReadyWait;
+    let r = run(&spec, &mut |_, _| {}).unwrap().report;
+    assert!(r.hazard_violations > 0, "{r}");
+    assert!(!r.passed());
+    assert!(r.first_violation.as_deref().unwrap_or("").starts_with("ReadBeforeReady"), "{r}");
+    // A pipeline larger than the engine's limit is refused before anything runs.
+    let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
+    spec.max_weight_bytes = 1000;
+    let e = run(&spec, &mut |_, _| {}).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "pipeline flux-tiny has 3514174 bytes of weights; the sim reference engine runs pipelines up to 1000 bytes \
+         (use a -tiny preset)"
+    );
+    assert_eq!(DEFAULT_MAX_WEIGHT_BYTES, 1 << 30);
+}
