@@ -130,25 +130,74 @@ pub fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
 /// FNV-1a offset basis.
 pub const FNV_OFFSET: u64 = 0xCBF2_9CE4_8422_2325;
 
+/// What one generation thread returns: its storages' buffers, or the error and the buffers to free.
+type GenResult = Result<Vec<(StorageId, HostBufferId)>, (PlatformError, Vec<HostBufferId>)>;
+
 impl HostModel {
-    /// Loads `desc` with deterministic synthetic weights (pageable host buffers, one per storage).
+    /// Loads `desc` with deterministic synthetic weights (pageable host buffers, one per storage). Storages are
+    /// generated on all available cores; the result does not depend on the thread count.
     pub fn synthetic(platform: PlatformRef, desc: Arc<PipelineDesc>, seed: u64) -> Result<HostModel, PlatformError> {
-        let mut homes = BTreeMap::new();
-        for (&id, s) in &desc.storages {
-            let bytes = synthetic_bytes(s.dtype, s.numel, seed, id);
-            let buf = match platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable) {
-                Ok(b) => b,
-                Err(e) => {
-                    for h in homes.values() {
-                        if let Home::Loaded { buf } = h {
-                            let _ = platform.free_host(*buf);
+        let ids: Vec<StorageId> = desc.storages.keys().copied().collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 32);
+        let chunk = ids.len().div_ceil(threads).max(1);
+        let results: Vec<GenResult> = std::thread::scope(|scope| {
+            let handles: Vec<_> = ids
+                .chunks(chunk)
+                .map(|part| {
+                    let platform = &platform;
+                    let desc = &desc;
+                    scope.spawn(move || {
+                        let mut made = Vec::new();
+                        for &id in part {
+                            let s = &desc.storages[&id];
+                            let bytes = synthetic_bytes(s.dtype, s.numel, seed, id);
+                            let r = platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable).and_then(
+                                |buf| match platform.write_host(buf, 0, &bytes) {
+                                    Ok(()) => Ok(buf),
+                                    Err(e) => {
+                                        let _ = platform.free_host(buf);
+                                        Err(e)
+                                    }
+                                },
+                            );
+                            match r {
+                                Ok(buf) => made.push((id, buf)),
+                                Err(e) => return Err((e, made.into_iter().map(|(_, b)| b).collect())),
+                            }
                         }
-                    }
-                    return Err(e);
+                        Ok(made)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err((PlatformError::Driver("weight generation thread panicked".into()), Vec::new()))
+                    })
+                })
+                .collect()
+        });
+        let mut homes = BTreeMap::new();
+        let mut first_err = None;
+        let mut orphans = Vec::new();
+        for r in results {
+            match r {
+                Ok(made) => homes.extend(made.into_iter().map(|(id, buf)| (id, Home::Loaded { buf }))),
+                Err((e, made)) => {
+                    first_err.get_or_insert(e);
+                    orphans.extend(made);
                 }
-            };
-            platform.write_host(buf, 0, &bytes)?;
-            homes.insert(id, Home::Loaded { buf });
+            }
+        }
+        if let Some(e) = first_err {
+            for b in orphans.into_iter().chain(homes.values().filter_map(|h| match h {
+                Home::Loaded { buf } => Some(*buf),
+                Home::Master { .. } => None,
+            })) {
+                let _ = platform.free_host(b);
+            }
+            return Err(e);
         }
         Ok(HostModel { desc, platform, homes })
     }
