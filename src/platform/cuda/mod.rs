@@ -15,6 +15,7 @@
 //! The raw accessors ([`CudaPlatform::raw_stream`], [`CudaPlatform::device_ptr`], [`CudaPlatform::context`]) let a
 //! GPU engine launch its own work (cuBLAS, kernels) on the platform's streams and memory.
 
+pub mod blas;
 mod driver;
 mod resources;
 
