@@ -5,6 +5,7 @@
 //! - [`plan`]: pipeline descriptions, presets, and the pure plan resolver.
 //! - [`hooks`]: the forward-hook registry the strategies install into.
 
+pub mod cli;
 pub mod config;
 pub mod diag;
 pub mod engine;

@@ -1,0 +1,277 @@
+//! The `weightferry` command line: argument definitions (clap derive), input loading, and the exit-code contract.
+//!
+//! Commands: `run` ([`run`]) executes a pipeline resident and offloaded on the simulated platform and reports;
+//! `plan` ([`plan`]) prints the resolved offload plan without running anything.
+//!
+//! Exit codes: 0 success; 1 a run whose checks failed (outputs or host weights differ, hazard violations) or a
+//! runtime failure; 2 invalid input — bad arguments, an unreadable or invalid config or pipeline file, an unknown
+//! preset, an unsupported platform, a config the pipeline cannot use. Every failure prints exactly one line on
+//! stderr, starting with `error: `.
+
+pub mod plan;
+pub mod run;
+
+use crate::config::OffloadConfig;
+use crate::plan::json::load_pipeline_file;
+use crate::plan::presets::{preset, PRESET_NAMES};
+use crate::plan::{resolve_offload_plan, PipelineDesc};
+use clap::{Parser, Subcommand, ValueEnum};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+/// The offload config used when `--config` is not given: layerwise streaming of the DiT and the text encoder,
+/// prefetch depth chosen by the planner (2), nothing resident. For a pipeline with no usable text encoder the
+/// default falls back to the DiT alone.
+pub const DEFAULT_CONFIG_JSON: &str =
+    r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"]}}"#;
+
+/// The fallback default when the pipeline has no text encoder the layerwise strategy can use.
+pub const DEFAULT_DIT_ONLY_CONFIG_JSON: &str =
+    r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
+
+/// The preset `run` and `plan` use when no pipeline is given.
+pub const DEFAULT_PRESET: &str = "flux-tiny";
+
+/// Streams diffusion-model weights between host and device memory; runs and plans offload on a simulated device.
+#[derive(Debug, Parser)]
+#[command(name = "weightferry", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a pipeline fully resident, then offloaded, check the outputs are bit-identical, and report.
+    Run(RunArgs),
+    /// Print the resolved offload plan of a pipeline under a config.
+    Plan(PlanArgs),
+}
+
+/// Where kernels run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlatformArg {
+    /// The simulated device (runs anywhere).
+    Sim,
+    /// A CUDA GPU (needs the `cuda` feature; the CUDA reference engine is not available yet).
+    Cuda,
+}
+
+/// Arguments of `run`.
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Built-in pipeline (default flux-tiny): flux-tiny, wan-tiny, qwen-tiny (and their full-size twins).
+    #[arg(long, value_name = "P", conflicts_with = "pipeline")]
+    pub preset: Option<String>,
+    /// Pipeline description file (weightferry-pipeline/1 JSON), or a preset name.
+    #[arg(long, value_name = "FILE.json")]
+    pub pipeline: Option<String>,
+    /// Offload config (.json or .toml). Default: mode = "layer", components = ["dit", "text_encoder"].
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// DiT steps (passes).
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub steps: u32,
+    /// Device to run on.
+    #[arg(long, value_enum, default_value_t = PlatformArg::Sim)]
+    pub platform: PlatformArg,
+    /// Write a Chrome / Perfetto trace (JSON) of the offloaded run: copies, kernels, waits, hooks.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Print the report as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Seed of the synthetic weights and inputs.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Seed of a block-skip pattern emulating a step cache (some blocks of later passes are skipped, identically
+    /// in both runs).
+    #[arg(long, value_name = "S")]
+    pub skip_seed: Option<u64>,
+    /// Throttle simulated host-to-device copies to this many GB/s (default: unthrottled).
+    #[arg(long, value_name = "GBPS")]
+    pub sim_h2d_gbps: Option<f64>,
+    /// Fixed latency added to every simulated copy, in microseconds.
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    pub sim_copy_latency_us: u64,
+    /// Testing aid: run the scheduler with a deliberately broken ordering to prove the checks fail.
+    #[arg(long, value_enum, hide = true)]
+    pub inject_ordering_fault: Option<FaultArg>,
+}
+
+/// Deliberately broken orderings (testing aid).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FaultArg {
+    /// Compute does not wait for the copy that fills its slot.
+    SkipReadyWait,
+    /// A load overwrites a slot without waiting for its last use.
+    SkipLastUseWait,
+}
+
+/// Arguments of `plan`.
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// Preset name or pipeline description file (default flux-tiny).
+    #[arg(long, value_name = "PRESET|FILE.json")]
+    pub pipeline: Option<String>,
+    /// Built-in pipeline (same as --pipeline with a preset name).
+    #[arg(long, value_name = "P", conflicts_with = "pipeline")]
+    pub preset: Option<String>,
+    /// Offload config (.json or .toml). Default: mode = "layer", components = ["dit", "text_encoder"].
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the plan as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A failure of the command line: an exit code and one line for stderr.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct CliError {
+    /// Process exit code.
+    pub code: i32,
+    /// The message (one line).
+    pub message: String,
+}
+
+impl CliError {
+    /// Invalid input (exit code 2).
+    pub fn invalid(message: impl Into<String>) -> Self {
+        CliError { code: 2, message: one_line(&message.into()) }
+    }
+    /// A runtime failure or a failed check (exit code 1).
+    pub fn failed(message: impl Into<String>) -> Self {
+        CliError { code: 1, message: one_line(&message.into()) }
+    }
+}
+
+/// Collapses a message onto one line.
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// A loaded pipeline and the name to show for it.
+#[derive(Debug, Clone)]
+pub struct LoadedPipeline {
+    /// Preset name or file path.
+    pub name: String,
+    /// The description.
+    pub desc: PipelineDesc,
+}
+
+/// Loads a pipeline from a preset name or a file. A name that is neither a preset nor an existing file is an
+/// unknown preset (unless it looks like a path).
+pub fn load_pipeline(spec: &str) -> Result<LoadedPipeline, CliError> {
+    if let Some(desc) = preset(spec) {
+        return Ok(LoadedPipeline { name: spec.to_string(), desc });
+    }
+    if PRESET_NAMES.contains(&spec) {
+        return Err(CliError::failed(format!("preset '{spec}' could not be built")));
+    }
+    let path = Path::new(spec);
+    let looks_like_file = path.exists() || spec.contains('/') || spec.contains('\\') || spec.contains('.');
+    if !looks_like_file {
+        return Err(CliError::invalid(format!(
+            "unknown preset '{spec}'; choose one of {} or pass a pipeline .json file",
+            PRESET_NAMES.join(", ")
+        )));
+    }
+    let desc = load_pipeline_file(path).map_err(|e| CliError::invalid(format!("pipeline {spec}: {e}")))?;
+    Ok(LoadedPipeline { name: spec.to_string(), desc })
+}
+
+/// Loads the config file, or the documented default for `desc` when none is given.
+pub fn load_config(path: Option<&Path>, desc: &PipelineDesc) -> Result<OffloadConfig, CliError> {
+    match path {
+        Some(p) => OffloadConfig::from_path(p).map_err(|e| CliError::invalid(format!("invalid config: {e}"))),
+        None => {
+            let default = |text: &str| {
+                OffloadConfig::from_json_str(text)
+                    .map_err(|e| CliError::failed(format!("the built-in default config is invalid: {e}")))
+            };
+            let full = default(DEFAULT_CONFIG_JSON)?;
+            if resolve_offload_plan(desc, &full).is_ok() {
+                Ok(full)
+            } else {
+                default(DEFAULT_DIT_ONLY_CONFIG_JSON)
+            }
+        }
+    }
+}
+
+/// Writes `text` to stdout. A closed pipe (e.g. `| head`) is not an error worth a panic: the rest is dropped.
+pub fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+}
+
+/// Parses `args` and runs the command; returns the process exit code. Prints results on stdout and at most one
+/// error line on stderr.
+pub fn main_with_args<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                emit(&e.to_string());
+                return 0;
+            }
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                eprintln!(
+                    "error: no command given; use `weightferry run` or `weightferry plan` (see weightferry --help)"
+                );
+                return 2;
+            }
+            let text = e.to_string();
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid arguments");
+            let first = first.trim().strip_prefix("error: ").unwrap_or(first.trim());
+            eprintln!("error: {first} (see weightferry --help)");
+            return 2;
+        }
+    };
+    let result = match &cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Plan(a) => plan::plan(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {}", e.message);
+            e.code
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_configs_parse() {
+        let p = preset(DEFAULT_PRESET).unwrap();
+        let c = load_config(None, &p).unwrap();
+        assert_eq!(c.strategy.report_name(), "layer");
+        assert_eq!(c, OffloadConfig::from_json_str(DEFAULT_CONFIG_JSON).unwrap());
+        assert!(OffloadConfig::from_json_str(DEFAULT_DIT_ONLY_CONFIG_JSON).is_ok());
+    }
+
+    #[test]
+    fn unknown_preset_is_invalid_input() {
+        let e = load_pipeline("flux-huge").unwrap_err();
+        assert_eq!(e.code, 2);
+        assert!(e.message.starts_with("unknown preset 'flux-huge'; choose one of flux-dev, flux-tiny"), "{e}");
+    }
+
+    #[test]
+    fn messages_are_one_line() {
+        assert_eq!(CliError::invalid("a\n  b").message, "a b");
+    }
+}

@@ -1,0 +1,136 @@
+//! `weightferry run`: loads the pipeline and config, runs the [`driver`](crate::engine::driver) on the simulated
+//! platform, prints the report (text, or one JSON object with `--json`), writes the trace, and maps the outcome to
+//! an exit code (1 when outputs or weights differ or the hazard detector fired).
+
+use super::{emit, load_config, load_pipeline, CliError, FaultArg, PlatformArg, RunArgs, DEFAULT_PRESET};
+use crate::engine::driver::{run as drive, RunSpec, RunStage};
+use crate::engine::{EngineError, Progress};
+use crate::offload::OffloadError;
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+use weightferry_actors::OrderingFault;
+
+/// Maps an engine error to the CLI contract: input problems exit 2, everything else 1.
+fn engine_error(e: EngineError) -> CliError {
+    match &e {
+        EngineError::Invalid(_) | EngineError::Offload(OffloadError::Plan(_) | OffloadError::Unsupported(_)) => {
+            CliError::invalid(e.to_string())
+        }
+        _ => CliError::failed(format!("run failed: {e}")),
+    }
+}
+
+/// The platform check: only the simulated device runs the reference engine today.
+pub fn check_platform(p: PlatformArg) -> Result<(), CliError> {
+    match p {
+        PlatformArg::Sim => Ok(()),
+        PlatformArg::Cuda if cfg!(feature = "cuda") => Err(CliError::invalid(
+            "--platform cuda: the CUDA reference engine is not available yet; run with --platform sim",
+        )),
+        PlatformArg::Cuda => Err(CliError::invalid(
+            "--platform cuda: this build has no CUDA support (rebuild with --features cuda); run with --platform sim",
+        )),
+    }
+}
+
+/// A throttled one-line progress indicator on stderr (only when stderr is a terminal).
+struct ProgressLine {
+    on: bool,
+    last: Option<Instant>,
+    drawn: bool,
+}
+
+impl ProgressLine {
+    fn update(&mut self, stage: RunStage, p: Progress<'_>) {
+        if !self.on || self.last.is_some_and(|t| t.elapsed() < Duration::from_millis(100)) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        self.drawn = true;
+        let mut err = std::io::stderr().lock();
+        let _ = write!(
+            err,
+            "\r\x1b[K{} run: {} {} (step {}/{})",
+            stage.name(),
+            p.phase.name(),
+            p.component,
+            p.step + 1,
+            p.steps
+        );
+        let _ = err.flush();
+    }
+    fn clear(&mut self) {
+        if self.drawn {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[K");
+            let _ = err.flush();
+        }
+    }
+}
+
+/// Runs `weightferry run`; returns the exit code.
+pub fn run(a: &RunArgs) -> Result<i32, CliError> {
+    check_platform(a.platform)?;
+    let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
+    let pipeline = load_pipeline(spec_name)?;
+    let config = load_config(a.config.as_deref(), &pipeline.desc)?;
+    let mut spec = RunSpec::new(pipeline.name, pipeline.desc, config);
+    spec.steps = a.steps;
+    spec.seed = a.seed;
+    spec.skip_seed = a.skip_seed;
+    spec.trace = a.trace.is_some();
+    if let Some(g) = a.sim_h2d_gbps {
+        if !(g.is_finite() && g > 0.0) {
+            return Err(CliError::invalid(format!("--sim-h2d-gbps must be a positive number, got {g}")));
+        }
+        spec.sim.h2d_bytes_per_sec = Some(g * 1e9);
+    }
+    spec.sim.copy_latency = Duration::from_micros(a.sim_copy_latency_us);
+    spec.ordering_fault = match a.inject_ordering_fault {
+        None => OrderingFault::None,
+        Some(FaultArg::SkipReadyWait) => OrderingFault::SkipReadyWait,
+        Some(FaultArg::SkipLastUseWait) => OrderingFault::SkipLastUseWait,
+    };
+    // Fail on an unwritable trace path before spending time on the run.
+    let trace_file = match &a.trace {
+        Some(p) => Some(
+            std::fs::File::create(p)
+                .map_err(|e| CliError::invalid(format!("cannot create trace file `{}`: {e}", p.display())))?,
+        ),
+        None => None,
+    };
+    let mut line = ProgressLine { on: !a.json && std::io::stderr().is_terminal(), last: None, drawn: false };
+    let outcome = drive(&spec, &mut |stage, p| line.update(stage, p));
+    line.clear();
+    let outcome = outcome.map_err(engine_error)?;
+    if let (Some(path), Some(trace)) = (&a.trace, &outcome.trace) {
+        drop(trace_file);
+        trace.write_chrome(path).map_err(|e| CliError::failed(e.to_string()))?;
+    }
+    let r = &outcome.report;
+    if a.json {
+        let text = serde_json::to_string_pretty(r).map_err(|e| CliError::failed(format!("cannot encode: {e}")))?;
+        emit(&format!("{text}\n"));
+    } else {
+        emit(&format!("{r}\n"));
+        if let Some(path) = &a.trace {
+            emit(&format!("trace written to {}\n", path.display()));
+        }
+    }
+    if !r.outputs_match {
+        return Err(CliError::failed(format!(
+            "the offloaded output differs from the resident output ({} vs {})",
+            r.offloaded_checksum, r.resident_checksum
+        )));
+    }
+    if !r.weights_match {
+        return Err(CliError::failed("the host weights changed during the offloaded run"));
+    }
+    if r.hazard_violations > 0 {
+        return Err(CliError::failed(format!(
+            "the sim hazard detector recorded {} ordering violations",
+            r.hazard_violations
+        )));
+    }
+    Ok(0)
+}

@@ -1,0 +1,215 @@
+//! The `weightferry` binary: exit codes, the JSON contract of `run --json` and `plan --json`, and one-line errors on
+//! invalid input.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn wf(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_weightferry")).args(args).env_remove("RUST_LOG").output().expect("spawn")
+}
+
+fn stdout_json(o: &Output) -> Value {
+    let text = String::from_utf8_lossy(&o.stdout);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not one JSON object ({e}): {text}"))
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Exit code 2 and exactly one line on stderr, starting with `error: `; returns the line.
+fn invalid(args: &[&str]) -> String {
+    let o = wf(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+    assert!(o.stdout.is_empty(), "{args:?}");
+    err.trim_end().to_string()
+}
+
+fn temp(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("weightferry-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn run_json_defaults_to_flux_tiny_layerwise_and_matches() {
+    let o = wf(&["run", "--json", "--steps", "2"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(o.stderr.is_empty(), "{}", stderr(&o));
+    let v = stdout_json(&o);
+    assert_eq!(v["pipeline"], "flux-tiny");
+    assert_eq!(v["platform"], "sim");
+    assert_eq!(v["steps"], 2);
+    assert_eq!(v["strategy"], "layer");
+    assert_eq!(v["outputs_match"], true);
+    assert_eq!(v["weights_match"], true);
+    assert_eq!(v["hazard_violations"], 0);
+    assert_eq!(v["sync_fetches"], 0);
+    assert_eq!(v["resident_checksum"], v["offloaded_checksum"]);
+    assert!(v["h2d_bytes"].as_u64().unwrap() > 0);
+    assert!(v["peak_device_weight_bytes"].as_u64().unwrap() > 0);
+    assert!(v["planned_device_weight_bytes"].as_u64().unwrap() > 0);
+    let stacks = v["stacks"].as_array().unwrap();
+    let names: Vec<&str> = stacks.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, vec!["transformer[transformer_blocks+single_transformer_blocks]", "text_encoder[encoder.block]"]);
+    assert_eq!(stacks[0]["units"], 57);
+    assert_eq!(stacks[0]["depth"], 2);
+}
+
+#[test]
+fn run_with_config_skips_and_trace() {
+    let cfg = temp(
+        "model.toml",
+        "[diffusion_offload_config]\nmode = \"module\"\ncomponents = [\"dit\", \"text_encoder\", \"vae\"]\n",
+    );
+    let trace = cfg.with_file_name("trace.json");
+    let o = wf(&[
+        "run",
+        "--preset",
+        "wan-tiny",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--skip-seed",
+        "9",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.starts_with("weightferry run: wan-tiny on sim, 3 steps, seed 0\n"), "{text}");
+    assert!(text.contains("\nstrategy: model\n"), "{text}");
+    assert!(text.contains("\noutputs match: yes"), "{text}");
+    assert!(text.contains("\nweights match: yes"), "{text}");
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let cat = |c: &str| events.iter().filter(|e| e["ph"] == "X" && e["cat"] == c).count();
+    assert!(cat("kernel") > 0 && cat("h2d") > 0 && cat("hook") > 0);
+    let threads: Vec<&str> =
+        events.iter().filter(|e| e["name"] == "thread_name").map(|e| e["args"]["name"].as_str().unwrap()).collect();
+    assert_eq!(threads[0], "host engine (hooks)");
+    assert_eq!(threads[1], "stream compute");
+    assert!(threads.contains(&"stream copy"), "{threads:?}");
+}
+
+#[test]
+fn plan_json_fields() {
+    let o = wf(&["plan", "--pipeline", "qwen-tiny", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = stdout_json(&o);
+    assert_eq!(v["strategy"], "layer");
+    assert_eq!(v["skip_reason"], Value::Null);
+    assert!(v["device_weight_bytes"].as_u64().unwrap() > 0);
+    let comps = v["components"].as_array().unwrap();
+    let summary: Vec<(String, String, bool)> = comps
+        .iter()
+        .map(|c| (c["path"].as_str().unwrap().into(), c["kind"].as_str().unwrap().into(), c["selected"] == true))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("transformer".into(), "dit".into(), true),
+            ("text_encoder".into(), "text_encoder".into(), true),
+            ("vae".into(), "vae".into(), false),
+        ]
+    );
+    let dit = &comps[0]["stacks"][0];
+    assert_eq!(
+        (dit["blocks"].as_u64(), dit["resident"].as_u64(), dit["streaming"].as_u64()),
+        (Some(60), Some(0), Some(60))
+    );
+    let enc = &comps[1]["stacks"][0];
+    assert_eq!(
+        (enc["blocks"].as_u64(), enc["resident"].as_u64(), enc["streaming"].as_u64()),
+        (Some(28), Some(0), Some(28))
+    );
+}
+
+#[test]
+fn plan_with_resident_layers_and_model_level() {
+    let cfg = temp(
+        "dlo.json",
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "layer_options": {"dit": {"resident_layers": 3, "prefetch_depth": 1}}}}"#,
+    );
+    let v = stdout_json(&wf(&["plan", "--pipeline", "flux-tiny", "--config", cfg.to_str().unwrap(), "--json"]));
+    assert_eq!(v["strategy"], "distributed_layer");
+    let dit = &v["components"][0]["stacks"][0];
+    assert_eq!(
+        (dit["blocks"].as_u64(), dit["resident"].as_u64(), dit["streaming"].as_u64()),
+        (Some(57), Some(3), Some(54))
+    );
+    assert_eq!(v["components"][1]["selected"], false);
+
+    let cfg = temp(
+        "module.json",
+        r#"{"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder"]}}"#,
+    );
+    let o = wf(&["plan", "--pipeline", "flux-tiny", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.starts_with("weightferry plan: flux-tiny\nstrategy: model\n"), "{text}");
+    assert!(text.contains("-> swapped onto the device for its phase, then released (model-level)"), "{text}");
+}
+
+#[test]
+fn invalid_input_exits_2_with_one_line() {
+    let e = invalid(&["run", "--config", "/definitely/not/here.json"]);
+    assert!(e.starts_with("error: invalid config: /definitely/not/here.json: cannot read the config file"), "{e}");
+    assert_eq!(
+        invalid(&["run", "--preset", "flux-giant"]),
+        "error: unknown preset 'flux-giant'; choose one of flux-dev, flux-tiny, wan-14b, wan-tiny, qwen-image, \
+         qwen-tiny or pass a pipeline .json file"
+    );
+    assert!(invalid(&["plan", "--pipeline", "nope"]).starts_with("error: unknown preset 'nope'"));
+    let bad = temp("bad.json", r#"{"diffusion_offload_config": {"mode": "layer", "components": ["unet"]}}"#);
+    let e = invalid(&["plan", "--config", bad.to_str().unwrap()]);
+    assert!(e.starts_with("error: invalid config: diffusion_offload_config.components"), "{e}");
+    let badp = temp("pipe.json", "{\"class\": 3}");
+    assert!(invalid(&["run", "--pipeline", badp.to_str().unwrap()]).starts_with("error: pipeline "));
+    assert!(invalid(&["run", "--steps", "zero"]).starts_with("error: invalid value 'zero' for '--steps <N>'"));
+    assert!(invalid(&["run", "--frobnicate"]).starts_with("error: unexpected argument '--frobnicate'"));
+    assert!(invalid(&[]).starts_with("error: no command given"));
+    assert!(invalid(&["run", "--preset", "flux-dev"]).starts_with("error: pipeline flux-dev has "));
+    let e = invalid(&["run", "--platform", "cuda"]);
+    assert!(e.contains("--platform sim"), "{e}");
+    if cfg!(feature = "cuda") {
+        assert!(e.contains("not available yet"), "{e}");
+    }
+    assert!(invalid(&["run", "--platform", "tpu"]).starts_with("error: invalid value 'tpu' for '--platform"));
+}
+
+#[test]
+fn help_exits_0() {
+    let o = wf(&["run", "--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("--preset <P>") && text.contains("--json") && text.contains("--trace <FILE>"), "{text}");
+}
+
+#[test]
+fn failed_checks_exit_1() {
+    let o = wf(&[
+        "run",
+        "--json",
+        "--steps",
+        "1",
+        "--sim-copy-latency-us",
+        "500",
+        "--inject-ordering-fault",
+        "skip-ready-wait",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let v = stdout_json(&o);
+    assert!(v["hazard_violations"].as_u64().unwrap() > 0);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+}
