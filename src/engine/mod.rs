@@ -333,3 +333,75 @@ impl Run<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hooks::ModelHook;
+    use crate::model::HostModel;
+    use crate::offload::ResidentPlacement;
+    use crate::plan::presets::preset;
+    use std::sync::Mutex;
+    use weightferry_actors::sim::{SimConfig, SimPlatform};
+
+    struct Rec(Arc<Mutex<Vec<String>>>);
+    impl ModelHook for Rec {
+        fn pre_forward(&self, m: &str) -> Result<(), String> {
+            self.0.lock().map_err(|e| e.to_string())?.push(format!("pre {m}"));
+            Ok(())
+        }
+        fn post_forward(&self, m: &str) -> Result<(), String> {
+            self.0.lock().map_err(|e| e.to_string())?.push(format!("post {m}"));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn hooks_wrap_components_and_blocks_and_skips_are_silent() {
+        let desc = Arc::new(preset("flux-tiny").unwrap());
+        let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
+        let platform: weightferry_actors::platform::PlatformRef = sim.clone();
+        let model = HostModel::synthetic(platform.clone(), desc.clone(), 0).unwrap();
+        let mut engine = Engine::new(Arc::new(compute::SimCompute::new(sim.clone())), &desc).unwrap();
+        let up = platform.create_stream("up").unwrap();
+        let all: Vec<StorageId> = desc.storages.keys().copied().collect();
+        let mut placement = ResidentPlacement::upload(&platform, &model, &all, up).unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let hooks = HookRegistry::new();
+        for m in ["transformer", "transformer.transformer_blocks.1", "vae", "text_encoder.encoder.block.0"] {
+            hooks.register(m, "rec", "test", Arc::new(Rec(log.clone()))).unwrap();
+        }
+        let seed = (0..100u64).find(|&s| skips_block(s, 1, 1) && !skips_block(s, 2, 1)).unwrap();
+        let opts = ExecOptions { steps: 3, input_seed: 0, skip_seed: Some(seed), span_epoch: None };
+        let out = engine.execute(&placement, &hooks, &opts, &mut |_| {}).unwrap();
+        let got = log.lock().unwrap().clone();
+        let b1 = ["pre transformer.transformer_blocks.1", "post transformer.transformer_blocks.1"];
+        let t = ["pre transformer", "post transformer"];
+        let mut want = vec!["pre text_encoder.encoder.block.0", "post text_encoder.encoder.block.0"];
+        want.extend([t[0], b1[0], b1[1], t[1]]); // step 0
+        want.extend(t); // step 1: block 1 skipped
+        want.extend([t[0], b1[0], b1[1], t[1]]); // step 2
+        want.extend(["pre vae", "post vae"]);
+        assert_eq!(got, want);
+        assert!(out.blocks_skipped > 0);
+        assert_eq!(out.blocks_run + out.blocks_skipped, 3 * 57 + 24 + 8);
+        // The same inputs give the same bits; the skip pattern changes them.
+        let again = engine.execute(&placement, &hooks, &opts, &mut |_| {}).unwrap();
+        assert_eq!(again.output, out.output);
+        let full = ExecOptions { skip_seed: None, ..opts };
+        let full_sum = engine.execute(&placement, &hooks, &full, &mut |_| {}).unwrap().checksum;
+        assert_ne!(full_sum, out.checksum);
+        assert!(sim.violations().is_empty());
+        // One stale byte in one weight of one block (the low mantissa byte of a bf16 bias element) changes the output.
+        let blk = desc.module("transformer.single_transformer_blocks.30.linear2").unwrap();
+        let bias = blk.tensors.iter().find(|t| t.name == "bias").unwrap();
+        let (buf, off) = placement.locate(bias.storage).unwrap();
+        let at = off + 2 * (bias.numel() - 1);
+        let mut b = [0u8; 1];
+        sim.read_device(buf, at, &mut b).unwrap();
+        sim.write_device(buf, at, &[b[0] ^ 0x01]).unwrap();
+        assert_ne!(engine.execute(&placement, &hooks, &full, &mut |_| {}).unwrap().checksum, full_sum);
+        engine.release().unwrap();
+        placement.release().unwrap();
+    }
+}

@@ -166,3 +166,43 @@ impl Program {
         self.encoders.iter().chain(&self.dits).chain(&self.vaes)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::presets::preset;
+
+    fn kernels(c: &ComponentProgram) -> Vec<&KernelItem> {
+        c.ops.iter().filter_map(|o| if let Op::Kernel(k) = o { Some(k) } else { None }).collect()
+    }
+
+    #[test]
+    fn flux_tiny_program_order() {
+        let p = Program::build(&preset("flux-tiny").unwrap());
+        let paths = |cs: &[ComponentProgram]| cs.iter().map(|c| c.path.clone()).collect::<Vec<_>>();
+        assert_eq!(paths(&p.encoders), vec!["text_encoder"]);
+        assert_eq!(paths(&p.dits), vec!["transformer"]);
+        assert_eq!(paths(&p.vaes), vec!["vae"]);
+        let dit = &p.dits[0];
+        assert_eq!(dit.block_count(), 57);
+        let ks = kernels(dit);
+        assert_eq!(ks[0].path, "transformer.pos_embed");
+        assert_eq!(ks[3].path, "transformer.context_embedder");
+        assert_eq!(ks[4].path, "transformer.transformer_blocks.0");
+        assert_eq!(ks[4].block, Some(0));
+        assert_eq!(ks[23].path, "transformer.single_transformer_blocks.0");
+        assert_eq!(ks[23].block, Some(0));
+        // The alias of a block weight is computed inside its block only.
+        assert!(ks.iter().all(|k| k.path != "transformer.proj_alias"));
+        assert_eq!(ks.last().unwrap().path, "transformer.proj_out");
+        // The encoder's block list sits one level down: it is entered, with hooks.
+        let enc = &p.encoders[0];
+        assert_eq!(enc.block_count(), 24);
+        assert_eq!(enc.ops[1], Op::Enter("text_encoder.encoder".into()));
+        assert!(matches!(&enc.ops[2], Op::Kernel(k) if k.path == "text_encoder.encoder.embed_tokens" && k.hooked));
+        // The VAE's own buffers run inside the VAE's hooks, without hooks of their own.
+        let vae = kernels(&p.vaes[0]);
+        assert_eq!((vae[0].path.as_str(), vae[0].hooked, vae[0].block), ("vae", false, None));
+        assert_eq!(p.vaes[0].block_count(), 8);
+    }
+}

@@ -1,0 +1,363 @@
+//! The GPU reference engine's compute: each module's kernel is a sequence of cuBLAS bf16 GEMMs of the module's real
+//! weight shapes over a configurable number of tokens, on the engine's compute stream.
+//!
+//! Per module (block or non-block child), with `x` the phase's activation (`tokens × width`, bf16):
+//! - every bf16 weight of rank ≥ 2, viewed as `[out, in]` (contiguous, or stored transposed), is one GEMM
+//!   `y = alpha · input · wᵀ` where `input` is the previous product if it is at least `in` wide, else `x`, else the
+//!   other activation, else a zero-initialised scratch; a product exactly `width` wide is added back into `x`
+//!   (a residual, `axpy`). `alpha = 1 / (√in · σ_w)` keeps magnitudes steady over any depth;
+//! - a block of a DiT or an encoder (a module whose path ends in a block index) also runs a self-attention proxy of
+//!   the right cost: `S = x·xᵀ` and `O = S·x` chunk by chunk (4·tokens²·width flops), added back into `x`;
+//! - tensors of other dtypes or layouts (norm scales, f32 modulation tables, rope buffers) are not read: their cost
+//!   is negligible and the large weights that share their copies already prove ordering.
+//!
+//! The same sequence of cuBLAS calls on the same handle and stream with the same shapes gives the same bits, which is
+//! what the bit-exact offloaded-vs-resident check relies on. All scratch is allocated at construction and counted
+//! as workspace, not weight memory.
+
+use super::compute::{Compute, ModuleKernel};
+use super::math::Phase;
+use super::EngineError;
+use crate::model::{f32_to_bf16, splitmix64};
+use crate::plan::{DType, PipelineDesc, TensorDesc};
+use crate::platform::cuda::blas::{BLayout, Blas, Gemm};
+use crate::platform::cuda::CudaPlatform;
+use std::sync::{Arc, Mutex};
+use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef, StreamId};
+
+/// Standard deviation of the synthetic weights (uniform in ±0.05).
+const WEIGHT_STD: f32 = 0.028_867_5;
+/// Residual scale of each added product.
+const RESIDUAL: f32 = 0.05;
+/// Rows of one attention-proxy chunk.
+const ATTN_CHUNK: usize = 1024;
+
+/// Shapes of the GPU engine's activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuShape {
+    /// Tokens of the latent (DiT and VAE) activation.
+    pub tokens: usize,
+    /// Tokens of the context (encoder) activation.
+    pub context_tokens: usize,
+}
+
+struct Scratch {
+    /// Two product buffers, `tokens × max_dim` each.
+    prod: [DeviceBufferId; 2],
+    /// Attention scores, `ATTN_CHUNK × tokens`.
+    scores: DeviceBufferId,
+    /// Attention output, `tokens × max_width`.
+    attn_out: DeviceBufferId,
+}
+
+/// [`Compute`] on a CUDA device.
+pub struct CudaCompute {
+    platform: Arc<CudaPlatform>,
+    shape: GpuShape,
+    latent_width: usize,
+    context_width: usize,
+    max_dim: usize,
+    scratch: Scratch,
+    workspace_bytes: u64,
+    blas: Mutex<Option<(StreamId, Blas)>>,
+}
+
+impl std::fmt::Debug for CudaCompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCompute").field("shape", &self.shape).field("latent_width", &self.latent_width).finish()
+    }
+}
+
+/// `[out, in]` view of a weight, and its layout, when the GPU engine multiplies by it.
+fn gemm_view(t: &TensorDesc) -> Option<(usize, usize, BLayout, usize)> {
+    if t.dtype != DType::Bf16 || t.shape.len() < 2 {
+        return None;
+    }
+    let out = t.shape[0] as usize;
+    let inn = (t.numel() / t.shape[0].max(1)) as usize;
+    let contiguous = TensorDesc::contiguous_strides(&t.shape);
+    if t.strides == contiguous {
+        Some((out, inn, BLayout::WeightRowMajor, inn))
+    } else if t.shape.len() == 2 && t.strides == [1, t.shape[0]] {
+        Some((out, inn, BLayout::WeightColMajor, out))
+    } else {
+        None
+    }
+}
+
+/// The most common `in` width among a set of weights (the hidden size of their component).
+fn hidden_width<'a>(tensors: impl Iterator<Item = &'a TensorDesc>) -> usize {
+    let mut counts: std::collections::BTreeMap<usize, usize> = std::collections::BTreeMap::new();
+    for t in tensors {
+        if let Some((_, inn, _, _)) = gemm_view(t) {
+            *counts.entry(inn).or_default() += 1;
+        }
+    }
+    counts.into_iter().max_by_key(|&(w, c)| (c, w)).map_or(64, |(w, _)| w)
+}
+
+fn is_block(label: &str) -> bool {
+    label.rsplit('.').next().is_some_and(|last| !last.is_empty() && last.bytes().all(|b| b.is_ascii_digit()))
+}
+
+impl CudaCompute {
+    /// Sizes the activations and scratch for `desc` at `shape` and allocates the scratch (zero-filled).
+    pub fn new(platform: Arc<CudaPlatform>, desc: &PipelineDesc, shape: GpuShape) -> Result<CudaCompute, EngineError> {
+        let decls = desc.components.clone().unwrap_or_default();
+        let tensors_of = |paths: &[String]| -> Vec<TensorDesc> {
+            paths
+                .iter()
+                .filter_map(|p| desc.module(p))
+                .flat_map(|m| m.tensors_recursive().into_iter().map(|(_, t)| t.clone()))
+                .collect()
+        };
+        let lat: Vec<TensorDesc> = tensors_of(&decls.dit).into_iter().chain(tensors_of(&decls.vaes)).collect();
+        let ctx = tensors_of(&decls.encoders);
+        let latent_width = hidden_width(tensors_of(&decls.dit).iter());
+        let context_width = hidden_width(ctx.iter());
+        let max_dim = lat
+            .iter()
+            .chain(&ctx)
+            .filter_map(gemm_view)
+            .map(|(o, i, _, _)| o.max(i))
+            .chain([latent_width, context_width])
+            .max()
+            .unwrap_or(64);
+        let rows = shape.tokens.max(shape.context_tokens).max(1);
+        let p: &dyn Platform = platform.as_ref();
+        let sizes = [
+            (rows * max_dim * 2) as u64,
+            (rows * max_dim * 2) as u64,
+            (ATTN_CHUNK.min(rows) * rows * 2) as u64,
+            (rows * latent_width.max(context_width) * 2) as u64,
+        ];
+        let mut bufs = Vec::new();
+        for &s in &sizes {
+            match p.alloc_device(s) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    for b in bufs {
+                        let _ = p.free_device(b);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        // Zero the scratch once so every read of it is deterministic.
+        let zero_stream = p.create_stream("gpu-engine-init")?;
+        if let Some(raw) = platform.raw_stream(zero_stream) {
+            for (&b, &s) in bufs.iter().zip(&sizes) {
+                if let Some((ptr, _)) = platform.device_ptr(b) {
+                    // SAFETY: `ptr` is a live allocation of `s` bytes made above; the stream is live.
+                    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, s as usize, raw) }
+                        .map_err(|e| PlatformError::Driver(format!("memset: {e:?}")))?;
+                }
+            }
+        }
+        p.stream_synchronize(zero_stream)?;
+        Ok(CudaCompute {
+            platform,
+            shape,
+            latent_width,
+            context_width,
+            max_dim,
+            scratch: Scratch { prod: [bufs[0], bufs[1]], scores: bufs[2], attn_out: bufs[3] },
+            workspace_bytes: sizes.iter().sum(),
+            blas: Mutex::new(None),
+        })
+    }
+
+    /// The CUDA platform.
+    pub fn cuda(&self) -> &Arc<CudaPlatform> {
+        &self.platform
+    }
+
+    fn ptr(&self, b: DeviceBufferId) -> Result<u64, EngineError> {
+        self.platform
+            .device_ptr(b)
+            .map(|(p, _)| p)
+            .ok_or(EngineError::Platform(PlatformError::InvalidHandle { what: "device buffer", id: b.0 }))
+    }
+
+    fn with_blas<R>(
+        &self,
+        stream: StreamId,
+        f: impl FnOnce(&Blas) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut g = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        if g.as_ref().is_none_or(|(s, _)| *s != stream) {
+            *g = Some((stream, Blas::new(&self.platform, stream)?));
+        }
+        self.platform.bind_to_thread()?;
+        match g.as_ref() {
+            Some((_, b)) => f(b),
+            None => Err(EngineError::Failed("cuBLAS handle missing".into())),
+        }
+    }
+}
+
+impl Drop for CudaCompute {
+    fn drop(&mut self) {
+        let p: &dyn Platform = self.platform.as_ref();
+        if let Ok(mut g) = self.blas.lock() {
+            g.take();
+        }
+        for b in [self.scratch.prod[0], self.scratch.prod[1], self.scratch.scores, self.scratch.attn_out] {
+            let _ = p.free_device(b);
+        }
+    }
+}
+
+impl Compute for CudaCompute {
+    fn platform(&self) -> PlatformRef {
+        self.platform.clone()
+    }
+
+    fn activation_bytes(&self, phase: Phase) -> u64 {
+        match phase {
+            Phase::Encoder => (self.shape.context_tokens.max(1) * self.context_width * 2) as u64,
+            Phase::Dit | Phase::Vae => (self.shape.tokens.max(1) * self.latent_width * 2) as u64,
+        }
+    }
+
+    fn workspace_bytes(&self) -> u64 {
+        self.workspace_bytes
+    }
+
+    fn initial_activation(&self, phase: Phase, seed: u64) -> Vec<u8> {
+        let n = (self.activation_bytes(phase) / 2) as usize;
+        let mut st = seed ^ if phase == Phase::Encoder { 0xC0_47E7 } else { 0x1A7E_47 };
+        let mut out = Vec::with_capacity(n * 2);
+        for _ in 0..n {
+            let v = ((splitmix64(&mut st) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            out.extend_from_slice(&f32_to_bf16(v).to_le_bytes());
+        }
+        out
+    }
+
+    fn fill(&self, stream: StreamId, buffer: DeviceBufferId, data: Vec<u8>) -> Result<(), EngineError> {
+        let p: &dyn Platform = self.platform.as_ref();
+        let host = p.alloc_host(data.len() as u64, HostMemoryKind::Pageable)?;
+        let r = p
+            .write_host(host, 0, &data)
+            .and_then(|()| p.copy_h2d(stream, host, 0, buffer, 0, data.len() as u64))
+            .and_then(|()| p.stream_synchronize(stream));
+        let _ = p.free_host(host);
+        r.map_err(EngineError::from)
+    }
+
+    fn launch_module(&self, stream: StreamId, kernel: ModuleKernel) -> Result<(), EngineError> {
+        let (x_buf, x_rows, width, other_buf, other_rows, other_width) = match kernel.phase {
+            Phase::Encoder => (
+                kernel.activations.context,
+                self.shape.context_tokens,
+                self.context_width,
+                kernel.activations.latent,
+                self.shape.tokens,
+                self.latent_width,
+            ),
+            Phase::Dit | Phase::Vae => (
+                kernel.activations.latent,
+                self.shape.tokens,
+                self.latent_width,
+                kernel.activations.context,
+                self.shape.context_tokens,
+                self.context_width,
+            ),
+        };
+        let rows = x_rows.max(1);
+        let x = self.ptr(x_buf)?;
+        let other = self.ptr(other_buf)?;
+        let prod = [self.ptr(self.scratch.prod[0])?, self.ptr(self.scratch.prod[1])?];
+        // Weight pointer of each storage in this kernel.
+        let mut wptr = std::collections::HashMap::new();
+        for w in &kernel.weights {
+            if w.len > 0 {
+                wptr.insert(w.storage, self.ptr(w.buffer)? + w.offset);
+            }
+        }
+        self.with_blas(stream, |blas| {
+            // (pointer, valid width, row stride) of the latest product; which product buffer it is in.
+            let mut cur: Option<(u64, usize, usize, usize)> = None;
+            let mut next = 0usize;
+            for t in kernel.tensors.iter() {
+                let Some((out, inn, layout, ld)) = gemm_view(t) else { continue };
+                let Some(&base) = wptr.get(&t.storage) else { continue };
+                if out > self.max_dim || inn > self.max_dim {
+                    continue;
+                }
+                let w = base + t.storage_offset * 2;
+                let (a, lda) = match cur {
+                    Some((p, wdt, ld, _)) if wdt >= inn => (p, ld),
+                    _ if width >= inn => (x, width),
+                    _ if other_width >= inn && other_rows >= rows => (other, other_width),
+                    _ => (prod[next ^ 1], inn),
+                };
+                let c = prod[next];
+                let alpha = 1.0 / ((inn as f32).sqrt() * WEIGHT_STD);
+                blas.gemm(&Gemm {
+                    m: rows,
+                    n: out,
+                    k: inn,
+                    a: (a, lda),
+                    b: (w, ld),
+                    b_layout: layout,
+                    c: (c, out),
+                    alpha,
+                    beta: 0.0,
+                })?;
+                if out == width {
+                    blas.axpy_bf16(rows * width, RESIDUAL, c, x)?;
+                }
+                cur = Some((c, out, out, next));
+                next ^= 1;
+            }
+            if kernel.phase != Phase::Vae && is_block(&kernel.label) {
+                let scores = self.ptr(self.scratch.scores)?;
+                let o = self.ptr(self.scratch.attn_out)?;
+                let mut r0 = 0;
+                while r0 < rows {
+                    let c = ATTN_CHUNK.min(rows - r0);
+                    let xr = x + (r0 * width * 2) as u64;
+                    blas.gemm(&Gemm {
+                        m: c,
+                        n: rows,
+                        k: width,
+                        a: (xr, width),
+                        b: (x, width),
+                        b_layout: BLayout::WeightRowMajor,
+                        c: (scores, rows),
+                        alpha: 1.0 / width as f32,
+                        beta: 0.0,
+                    })?;
+                    blas.gemm(&Gemm {
+                        m: c,
+                        n: width,
+                        k: rows,
+                        a: (scores, rows),
+                        b: (x, width),
+                        b_layout: BLayout::Plain,
+                        c: (o + (r0 * width * 2) as u64, width),
+                        alpha: 1.0 / rows as f32,
+                        beta: 0.0,
+                    })?;
+                    r0 += c;
+                }
+                blas.axpy_bf16(rows * width, RESIDUAL, o, x)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn read_back(&self, stream: StreamId, buffer: DeviceBufferId, len: u64) -> Result<Vec<u8>, EngineError> {
+        let p: &dyn Platform = self.platform.as_ref();
+        p.stream_synchronize(stream)?;
+        let host = p.alloc_host(len, HostMemoryKind::Pageable)?;
+        let r = p.copy_d2h(stream, buffer, 0, host, 0, len).and_then(|()| p.stream_synchronize(stream));
+        let mut out = vec![0u8; len as usize];
+        let r = r.and_then(|()| p.read_host(host, 0, &mut out));
+        let _ = p.free_host(host);
+        r?;
+        Ok(out)
+    }
+}
