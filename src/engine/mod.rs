@@ -10,7 +10,7 @@
 //! enabled, so they are never counted as weight memory). [`Engine::execute`] runs encoders → DiT × steps → VAE,
 //! calling `pre_forward` / `post_forward` around every component, every entered module and every block, and
 //! enqueueing one kernel per block or non-block module whose weight ranges come from a
-//! [`WeightSource`](crate::offload::WeightSource) looked up between the hooks. The output is the latent matrix read
+//! [`WeightSource`] looked up between the hooks. The output is the latent matrix read
 //! back after the compute stream is synchronised.
 
 pub mod compute;
