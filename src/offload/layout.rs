@@ -9,13 +9,7 @@ use crate::model::HostModel;
 use crate::plan::{DType, PipelineDesc, StorageId};
 use std::collections::BTreeMap;
 
-/// Alignment of every storage inside a master and a device region.
-pub const ALIGN: u64 = 256;
-
-/// Rounds `x` up to a multiple of [`ALIGN`].
-pub fn align_up(x: u64) -> u64 {
-    x.div_ceil(ALIGN) * ALIGN
-}
+pub use crate::plan::pipeline::{align_up, DEVICE_ALIGN as ALIGN};
 
 /// One dtype's section: the storages it holds and where.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -202,6 +202,15 @@ impl ModuleNode {
     }
 }
 
+/// Alignment of every storage in device memory and host masters: each storage starts at a multiple of this, so a
+/// set of storages packed for the device takes `Σ align_up(bytes)`.
+pub const DEVICE_ALIGN: u64 = 256;
+
+/// Rounds `x` up to a multiple of [`DEVICE_ALIGN`].
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(DEVICE_ALIGN).saturating_mul(DEVICE_ALIGN)
+}
+
 /// Joins dotted path segments, skipping an empty prefix.
 pub fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
@@ -290,12 +299,20 @@ impl PipelineDesc {
     }
     /// Bytes of the distinct storages referenced anywhere under `path` (aliases counted once).
     pub fn subtree_bytes(&self, path: &str) -> u64 {
-        let Some(m) = self.module(path) else { return 0 };
+        self.subtree_storages(path).iter().map(|s| self.storages.get(s).map_or(0, StorageDesc::byte_size)).sum()
+    }
+    /// Device bytes the distinct storages under `path` take when packed (each aligned to [`DEVICE_ALIGN`]).
+    pub fn subtree_device_bytes(&self, path: &str) -> u64 {
+        self.subtree_storages(path).iter().map(|s| self.storage_device_bytes(*s)).sum()
+    }
+    /// Device bytes one storage takes when packed.
+    pub fn storage_device_bytes(&self, s: StorageId) -> u64 {
+        self.storages.get(&s).map_or(0, |d| align_up(d.byte_size()))
+    }
+    /// Distinct storages referenced under `path`, in first-use order.
+    pub fn subtree_storages(&self, path: &str) -> Vec<StorageId> {
+        let Some(m) = self.module(path) else { return Vec::new() };
         let mut seen = std::collections::BTreeSet::new();
-        m.tensors_recursive()
-            .into_iter()
-            .filter(|(_, t)| seen.insert(t.storage))
-            .map(|(_, t)| self.storages.get(&t.storage).map_or(0, StorageDesc::byte_size))
-            .sum()
+        m.tensors_recursive().into_iter().filter(|(_, t)| seen.insert(t.storage)).map(|(_, t)| t.storage).collect()
     }
 }

@@ -72,7 +72,7 @@ pub struct BlockStack {
     pub attrs: Vec<String>,
     /// Full dotted path of every block, in execution order.
     pub blocks: Vec<String>,
-    /// Bytes of each block's distinct storages.
+    /// Device bytes of each block (its distinct storages, each aligned as the device layout packs them).
     pub block_bytes: Vec<u64>,
     /// Number of leading blocks kept resident on the device.
     pub resident_head: usize,
@@ -95,7 +95,8 @@ impl BlockStack {
     }
     /// Bytes of the resident head.
     pub fn resident_bytes(&self) -> u64 {
-        self.block_bytes[..self.resident_head.min(self.block_bytes.len())].iter().sum()
+        let head = &self.block_bytes[..self.resident_head.min(self.block_bytes.len())];
+        head.iter().fold(0u64, |a, &b| a.saturating_add(b))
     }
     /// Device slots the ring needs: depth + 1 (capped by the streaming length), or 0 when nothing streams.
     pub fn slot_count(&self) -> usize {
@@ -108,7 +109,7 @@ impl BlockStack {
     }
     /// Device bytes of the ring's slots.
     pub fn slot_bytes(&self) -> u64 {
-        self.slot_count() as u64 * self.max_streaming_block_bytes()
+        (self.slot_count() as u64).saturating_mul(self.max_streaming_block_bytes())
     }
 }
 
@@ -131,6 +132,8 @@ pub struct ResolvedComponent {
     pub children: Vec<ResolvedComponent>,
     /// Bytes of the component's distinct storages.
     pub bytes: u64,
+    /// Device bytes of the component when packed (each storage aligned).
+    pub device_bytes: u64,
 }
 
 impl ResolvedComponent {
@@ -209,7 +212,7 @@ impl Ctx<'_> {
         self.cfg.prefetch_depth(c).unwrap_or(DEFAULT_PREFETCH_DEPTH)
     }
     fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, depth: u32) -> BlockStack {
-        let block_bytes = blocks.iter().map(|b| self.p.subtree_bytes(b)).collect();
+        let block_bytes = blocks.iter().map(|b| self.p.subtree_device_bytes(b)).collect();
         BlockStack {
             name: format!("{owner}[{}]", attrs.join("+")),
             attrs,
@@ -236,6 +239,7 @@ fn component(p: &PipelineDesc, path: &str, kind: ComponentKind) -> ResolvedCompo
         on_demand: false,
         children: Vec::new(),
         bytes: p.subtree_bytes(path),
+        device_bytes: p.subtree_device_bytes(path),
     }
 }
 
