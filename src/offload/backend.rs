@@ -282,6 +282,9 @@ impl StreamingBackend {
         let hook_name = st.units.as_ref().map_or("", |u| u.hook_name);
         if st.hooks_installed {
             hooks.remove_owned_by(hook_name);
+            // `remove_owned_by` also drops offload ownership; keep it until the caller releases it after a complete
+            // teardown, so a backend holding state for a retry still excludes other strategies.
+            let _ = hooks.claim_offload(hook_name);
             st.hooks_installed = false;
         }
         for s in std::mem::take(&mut st.stacks) {
