@@ -685,11 +685,10 @@ fn a_failed_disable_keeps_its_state_and_a_retry_finishes() {
     assert!(incomplete > 0, "no event synchronisation in disable was hit");
 }
 
-// Known scheduler bugs (actors/src/block_stack.rs). These assert the contract and fail today; run them with
-// `cargo test --test backend_lifecycle -- --ignored`.
+// Regression tests of two scheduler bugs found by this suite (a failed early resident-head copy went unnoticed;
+// failed loads were reported as block usize::MAX).
 
 #[test]
-#[ignore = "BUG actors/src/block_stack.rs load_resident_head: only the last head load's result is checked"]
 fn a_failed_copy_of_an_early_resident_block_fails_enable() {
     let probe = fx("flux-tiny", FaultPlan::none());
     let u = units(&probe, &resident_two());
@@ -712,8 +711,6 @@ fn a_failed_copy_of_an_early_resident_block_fails_enable() {
 }
 
 #[test]
-#[ignore = "BUG actors/src/block_stack.rs: fence(), load_resident_head and drain() after pre_forward freed the slot \
-            report a failed load as block usize::MAX"]
 fn load_errors_name_the_failed_block() {
     let probe = fx("flux-tiny", FaultPlan::none());
     let u = units(&probe, &layer_dit());

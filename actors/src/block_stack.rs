@@ -310,7 +310,7 @@ impl BlockStack {
             stack: self.name.to_string(),
             reason: "resident head without its event".into(),
         })?;
-        let mut last = 0;
+        let mut tickets = Vec::new();
         for i in 0..g.resident_head {
             let ticket = g.next_ticket;
             g.next_ticket += 1;
@@ -321,18 +321,29 @@ impl BlockStack {
             self.stream.load(LoadCmd {
                 ticket,
                 target: usize::MAX,
+                block: i,
                 waits: Vec::new(),
                 copies,
                 ready,
                 board: self.board.clone(),
                 notify: None,
             })?;
-            last = ticket;
+            tickets.push((ticket, i));
         }
         drop(g);
-        self.wait_recorded(last, usize::MAX)?;
+        // Every head load's enqueue result, not just the last one's: a failed early copy must fail creation.
+        for &(ticket, block) in &tickets {
+            self.wait_recorded(ticket, block)?;
+        }
         // The head must be complete before any compute reads it; this runs once, at creation.
-        self.stream.fence()
+        self.stream.fence().map_err(|e| match e {
+            SchedulerError::Platform(source) => SchedulerError::LoadFailed {
+                stack: self.name.to_string(),
+                block: tickets.first().map_or(0, |t| t.1),
+                source,
+            },
+            e => e,
+        })
     }
 
     fn wait_recorded(&self, ticket: Ticket, block: usize) -> Result<(), SchedulerError> {
@@ -348,13 +359,8 @@ impl BlockStack {
         while let Ok(Some(c)) = g.mailbox.try_recv() {
             g.stats.completions += 1;
             if let Err(e) = c.result {
-                let block = if c.target < g.table.len() {
-                    g.table.state(c.target).block().unwrap_or(usize::MAX)
-                } else {
-                    usize::MAX
-                };
-                let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e };
-                g.failure.get_or_insert(err.clone());
+                let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block: c.block, source: e };
+                g.failure.get_or_insert(err);
             }
         }
         if g.disabled {
@@ -367,7 +373,34 @@ impl BlockStack {
     }
 
     /// Issues a load of `block` into a victim slot, keeping the slots of `keep`. Returns the slot.
+    /// `Loading → Ready` for every slot whose load the stream actor has enqueued: a prefetched block the engine then
+    /// skipped must become a victim candidate again.
+    fn promote_recorded(&self, g: &mut Inner) {
+        for s in 0..g.table.len() {
+            if let SlotState::Loading { ticket, .. } = g.table.state(s) {
+                if let Some(Ok(())) = self.board.poll(ticket) {
+                    let _ = g.table.mark_ready(s, ticket);
+                }
+            }
+        }
+    }
+
+    /// The oldest `Loading` slot's ticket outside `keep`, if any (a synchronous fetch can wait for it).
+    fn oldest_loading(g: &Inner, keep: &[usize]) -> Option<Ticket> {
+        g.table
+            .states()
+            .iter()
+            .filter_map(|st| match *st {
+                SlotState::Loading { block, ticket } if !keep.contains(&block) => Some(ticket),
+                _ => None,
+            })
+            .min()
+    }
+
     fn issue_load(&self, g: &mut Inner, block: usize, keep: &[usize], prefetch: bool) -> Result<usize, SchedulerError> {
+        if g.table.choose_victim(keep).is_none() {
+            self.promote_recorded(g);
+        }
         let s = g
             .table
             .choose_victim(keep)
@@ -383,6 +416,7 @@ impl BlockStack {
         let cmd = LoadCmd {
             ticket,
             target: s,
+            block,
             waits,
             copies,
             ready: g.ready_ev[s],
@@ -477,7 +511,32 @@ impl BlockStack {
             }
             None => {
                 g.stats.sync_fetches += 1;
-                self.issue_load(&mut g, block, &[block], false)?
+                loop {
+                    match self.issue_load(&mut g, block, &[block], false) {
+                        Ok(s) => break s,
+                        Err(SchedulerError::NoFreeSlot { .. }) => {
+                            // Every other slot is still being loaded (prefetches of blocks the engine skipped):
+                            // wait, without the lock, until the oldest is enqueued, then take it.
+                            let Some(t) = Self::oldest_loading(&g, &[block]) else {
+                                return Err(SchedulerError::NoFreeSlot {
+                                    stack: self.name.to_string(),
+                                    slots: g.table.len(),
+                                });
+                            };
+                            drop(g);
+                            let stream = self.stream.clone();
+                            let alive = move || stream.is_alive();
+                            let r = self.board.wait(t, &alive);
+                            g = lock(&self.inner);
+                            if r.is_none() {
+                                return Err(SchedulerError::ActorGone {
+                                    actor: format!("stream '{}'", self.stream.name()),
+                                });
+                            }
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
             }
         };
         g.prefetched[s] = false;
@@ -490,11 +549,15 @@ impl BlockStack {
                 g = lock(&self.inner);
                 if let Err(e) = r {
                     let _ = g.table.free(s);
+                    // A failed load poisons the stack: later hooks report it too, until disable.
+                    g.failure.get_or_insert(e.clone());
                     return Err(e);
                 }
             } else if let Some(Err(e)) = self.board.poll(ticket) {
                 let _ = g.table.free(s);
-                return Err(SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e });
+                let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e };
+                g.failure.get_or_insert(err.clone());
+                return Err(err);
             }
             g.table.mark_ready(s, ticket)?;
         }
@@ -549,7 +612,7 @@ impl BlockStack {
             if let Err(e) = c.result {
                 g.failure.get_or_insert(SchedulerError::LoadFailed {
                     stack: self.name.to_string(),
-                    block: usize::MAX,
+                    block: c.block,
                     source: e,
                 });
             }

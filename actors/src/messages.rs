@@ -40,8 +40,10 @@ pub struct CopyOp {
 pub struct LoadCmd {
     /// Ticket of the load (monotonic per board).
     pub ticket: Ticket,
-    /// Slot index (or resident block index) it targets, echoed in the completion.
+    /// Slot index it targets (`usize::MAX` for a resident-head buffer), echoed in the completion.
     pub target: usize,
+    /// Block (unit) index being loaded, echoed in the completion so errors name it.
+    pub block: usize,
     /// Events the copies must wait for (GPU-side).
     pub waits: Vec<EventId>,
     /// The copies.
@@ -75,6 +77,8 @@ pub struct Completion {
     pub ticket: Ticket,
     /// Its target slot.
     pub target: usize,
+    /// The block it loaded.
+    pub block: usize,
     /// Whether it succeeded.
     pub result: Result<(), PlatformError>,
 }

@@ -20,7 +20,7 @@ use crate::sync::{lock, Arc, Mutex};
 pub const COMMAND_MAILBOX: usize = 256;
 
 enum Watch {
-    Load { ticket: u64, target: usize, event: EventId, notify: Sender<Completion> },
+    Load { ticket: u64, target: usize, block: usize, event: EventId, notify: Sender<Completion> },
     Fence { reply: Sender<Result<(), PlatformError>> },
 }
 
@@ -154,12 +154,18 @@ fn actor_loop(platform: PlatformRef, stream: StreamId, rx: Receiver<StreamCmd>, 
                             let _ = w.send(Watch::Load {
                                 ticket: cmd.ticket,
                                 target: cmd.target,
+                                block: cmd.block,
                                 event: cmd.ready,
                                 notify,
                             });
                         }
                         (_, result) => {
-                            let _ = notify.send(Completion { ticket: cmd.ticket, target: cmd.target, result });
+                            let _ = notify.send(Completion {
+                                ticket: cmd.ticket,
+                                target: cmd.target,
+                                block: cmd.block,
+                                result,
+                            });
                         }
                     }
                 }
@@ -182,9 +188,9 @@ fn actor_loop(platform: PlatformRef, stream: StreamId, rx: Receiver<StreamCmd>, 
 fn watcher_loop(platform: PlatformRef, stream: StreamId, rx: Receiver<Watch>) {
     while let Ok(w) = rx.recv() {
         match w {
-            Watch::Load { ticket, target, event, notify } => {
+            Watch::Load { ticket, target, block, event, notify } => {
                 let result = platform.event_synchronize(event);
-                let _ = notify.send(Completion { ticket, target, result });
+                let _ = notify.send(Completion { ticket, target, block, result });
             }
             Watch::Fence { reply } => {
                 let _ = reply.send(platform.stream_synchronize(stream));

@@ -8,6 +8,7 @@
 //! preset, an unsupported platform, a config the pipeline cannot use. Every failure prints exactly one line on
 //! stderr, starting with `error: `.
 
+pub mod bench;
 pub mod plan;
 pub mod run;
 
@@ -48,6 +49,35 @@ pub enum Command {
     Run(RunArgs),
     /// Print the resolved offload plan of a pipeline under a config.
     Plan(PlanArgs),
+    /// Measure step time against the physical bound on a GPU (needs the `cuda` feature).
+    Bench(BenchArgs),
+}
+
+/// Arguments of `bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Presets to measure (repeatable). Default: flux-dev, wan-14b, qwen-image.
+    #[arg(long, value_name = "P")]
+    pub preset: Vec<String>,
+    /// DiT tokens for every preset (default: 4608 for flux-dev and qwen-image at 1024², 32760 for wan-14b at
+    /// 480p × 81 frames).
+    #[arg(long, value_name = "N")]
+    pub tokens: Option<usize>,
+    /// Prefetch depths measured with every block streamed.
+    #[arg(long, value_name = "D", value_delimiter = ',', default_value = "1,2,3,4")]
+    pub depths: Vec<u32>,
+    /// Device budgets as fractions of the DiT's bytes.
+    #[arg(long, value_name = "F", value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    pub budgets: Vec<f64>,
+    /// Also run depths 1 and 4 (with as many resident blocks as fit) at every budget.
+    #[arg(long)]
+    pub sweep: bool,
+    /// Steps of the shorter and the longer timed execution (their difference gives the per-step time).
+    #[arg(long, value_name = "LO,HI", value_delimiter = ',', default_value = "2,6")]
+    pub steps: Vec<u32>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Where kernels run.
@@ -55,7 +85,7 @@ pub enum Command {
 pub enum PlatformArg {
     /// The simulated device (runs anywhere).
     Sim,
-    /// A CUDA GPU (needs the `cuda` feature; the CUDA reference engine is not available yet).
+    /// A CUDA GPU (needs a build with the `cuda` feature and a GPU).
     Cuda,
 }
 
@@ -96,6 +126,9 @@ pub struct RunArgs {
     /// Fixed latency added to every simulated copy, in microseconds.
     #[arg(long, value_name = "US", default_value_t = 0)]
     pub sim_copy_latency_us: u64,
+    /// DiT tokens of the GPU reference engine (`--platform cuda`; default per preset).
+    #[arg(long, value_name = "N")]
+    pub tokens: Option<usize>,
     /// Testing aid: run the scheduler with a deliberately broken ordering to prove the checks fail.
     #[arg(long, value_enum, hide = true)]
     pub inject_ordering_fault: Option<FaultArg>,
@@ -240,6 +273,7 @@ where
     let result = match &cli.command {
         Command::Run(a) => run::run(a),
         Command::Plan(a) => plan::plan(a),
+        Command::Bench(a) => bench::bench(a),
     };
     match result {
         Ok(code) => code,

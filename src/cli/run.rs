@@ -20,17 +20,64 @@ fn engine_error(e: EngineError) -> CliError {
     }
 }
 
-/// The platform check: only the simulated device runs the reference engine today.
+/// The platform check: `--platform cuda` needs a build with the `cuda` feature.
 pub fn check_platform(p: PlatformArg) -> Result<(), CliError> {
     match p {
         PlatformArg::Sim => Ok(()),
-        PlatformArg::Cuda if cfg!(feature = "cuda") => Err(CliError::invalid(
-            "--platform cuda: the CUDA reference engine is not available yet; run with --platform sim",
-        )),
+        PlatformArg::Cuda if cfg!(feature = "cuda") => Ok(()),
         PlatformArg::Cuda => Err(CliError::invalid(
             "--platform cuda: this build has no CUDA support (rebuild with --features cuda); run with --platform sim",
         )),
     }
+}
+
+/// `run --platform cuda`: the GPU reference engine, resident vs offloaded.
+#[cfg(feature = "cuda")]
+fn run_cuda(
+    a: &RunArgs,
+    name: &str,
+    desc: &crate::plan::PipelineDesc,
+    config: &crate::config::OffloadConfig,
+) -> Result<i32, CliError> {
+    use crate::engine::cuda::GpuShape;
+    use crate::engine::gpu::{default_tokens, gpu_run};
+    let (mut tokens, context_tokens) = default_tokens(name);
+    if let Some(t) = a.tokens {
+        tokens = t;
+    }
+    let fault = match a.inject_ordering_fault {
+        None => OrderingFault::None,
+        Some(FaultArg::SkipReadyWait) => OrderingFault::SkipReadyWait,
+        Some(FaultArg::SkipLastUseWait) => OrderingFault::SkipLastUseWait,
+    };
+    let r = gpu_run(
+        desc,
+        config,
+        a.steps,
+        GpuShape { tokens, context_tokens },
+        a.seed,
+        a.skip_seed,
+        fault,
+        fault != OrderingFault::None,
+    )
+    .map_err(|e| match e {
+        EngineError::Platform(weightferry_actors::platform::PlatformError::Unavailable(m)) => {
+            CliError::invalid(format!("--platform cuda: {m}; run with --platform sim"))
+        }
+        e => engine_error(e),
+    })?;
+    let text = serde_json::to_string_pretty(&r).map_err(|e| CliError::failed(format!("cannot encode: {e}")))?;
+    emit(&format!("{text}\n"));
+    if !r.outputs_match {
+        return Err(CliError::failed(format!(
+            "the offloaded output differs from the resident output ({} vs {})",
+            r.offloaded_checksum, r.resident_checksum
+        )));
+    }
+    if !r.weights_match {
+        return Err(CliError::failed("the host weights changed during the offloaded run"));
+    }
+    Ok(0)
 }
 
 /// A throttled one-line progress indicator on stderr (only when stderr is a terminal).
@@ -74,6 +121,10 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
     let pipeline = load_pipeline(spec_name)?;
     let config = load_config(a.config.as_deref(), &pipeline.desc)?;
+    #[cfg(feature = "cuda")]
+    if a.platform == PlatformArg::Cuda {
+        return run_cuda(a, &pipeline.name, &pipeline.desc, &config);
+    }
     let mut spec = RunSpec::new(pipeline.name, pipeline.desc, config);
     spec.steps = a.steps;
     spec.seed = a.seed;

@@ -38,11 +38,6 @@ pub struct Activations {
     pub context: DeviceBufferId,
 }
 
-impl Activations {
-    /// Device bytes of both matrices.
-    pub const BYTES: u64 = 2 * ACTIVATION_BYTES;
-}
-
 /// One module's kernel.
 #[derive(Debug, Clone)]
 pub struct ModuleKernel {
@@ -62,6 +57,19 @@ pub struct ModuleKernel {
 pub trait Compute: Send + Sync + std::fmt::Debug {
     /// The platform the kernels run on (for streams, memory and offload backends).
     fn platform(&self) -> PlatformRef;
+    /// Bytes of the activation matrix a phase transforms (the latent for DiT/VAE, the context for encoders).
+    fn activation_bytes(&self, phase: Phase) -> u64 {
+        let _ = phase;
+        ACTIVATION_BYTES
+    }
+    /// Device bytes of scratch the compute allocated for itself (not weights, not activations).
+    fn workspace_bytes(&self) -> u64 {
+        0
+    }
+    /// Deterministic initial contents of a phase's activation matrix.
+    fn initial_activation(&self, phase: Phase, seed: u64) -> Vec<u8> {
+        math::initial_activation(seed, if phase == Phase::Encoder { 2 } else { 1 })
+    }
     /// Enqueues a kernel that overwrites `buffer[0..data.len()]` with `data`.
     fn fill(&self, stream: StreamId, buffer: DeviceBufferId, data: Vec<u8>) -> Result<(), EngineError>;
     /// Enqueues one module's kernel on `stream`.

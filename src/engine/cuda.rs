@@ -226,7 +226,7 @@ impl Compute for CudaCompute {
 
     fn initial_activation(&self, phase: Phase, seed: u64) -> Vec<u8> {
         let n = (self.activation_bytes(phase) / 2) as usize;
-        let mut st = seed ^ if phase == Phase::Encoder { 0xC0_47E7 } else { 0x1A7E_47 };
+        let mut st = seed ^ if phase == Phase::Encoder { 0x00C0_47E7 } else { 0x001A_7E47 };
         let mut out = Vec::with_capacity(n * 2);
         for _ in 0..n {
             let v = ((splitmix64(&mut st) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;

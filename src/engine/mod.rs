@@ -14,16 +14,22 @@
 //! back after the compute stream is synchronised.
 
 pub mod compute;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod driver;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod math;
 pub mod program;
+#[cfg(feature = "cuda")]
+pub mod slow;
 
 use crate::hooks::{HookError, HookRegistry};
 use crate::model::{fnv1a, splitmix64, FNV_OFFSET};
 use crate::offload::{OffloadError, WeightSource};
 use crate::plan::{PipelineDesc, StorageId};
 use compute::{Activations, Compute, ModuleKernel, WeightRange};
-use math::{Phase, ACTIVATION_BYTES};
+use math::Phase;
 use program::{ComponentProgram, Op, Program};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -152,8 +158,8 @@ impl Engine {
         }
         let platform = compute.platform();
         let stream = platform.create_stream("compute")?;
-        let latent = platform.alloc_device(ACTIVATION_BYTES)?;
-        let context = match platform.alloc_device(ACTIVATION_BYTES) {
+        let latent = platform.alloc_device(compute.activation_bytes(Phase::Dit))?;
+        let context = match platform.alloc_device(compute.activation_bytes(Phase::Encoder)) {
             Ok(c) => c,
             Err(e) => {
                 let _ = platform.free_device(latent);
@@ -174,7 +180,9 @@ impl Engine {
     }
     /// Device bytes of the activations.
     pub fn activation_bytes(&self) -> u64 {
-        Activations::BYTES
+        self.compute.activation_bytes(Phase::Dit)
+            + self.compute.activation_bytes(Phase::Encoder)
+            + self.compute.workspace_bytes()
     }
     /// The activation buffers (`None` after [`Engine::release`]).
     pub fn activations(&self) -> Option<Activations> {
@@ -200,7 +208,7 @@ impl Engine {
             return Err(e);
         }
         let mut out = run.out;
-        out.output = self.compute.read_back(self.stream, acts.latent, ACTIVATION_BYTES)?;
+        out.output = self.compute.read_back(self.stream, acts.latent, self.compute.activation_bytes(Phase::Dit))?;
         out.checksum = fnv1a(FNV_OFFSET, &out.output);
         out.wall = start.elapsed();
         Ok(out)
@@ -238,8 +246,8 @@ impl Run<'_> {
     fn all(&mut self, progress: &mut dyn FnMut(Progress<'_>)) -> Result<(), EngineError> {
         let compute = &self.engine.compute;
         let stream = self.engine.stream;
-        compute.fill(stream, self.acts.latent, math::initial_activation(self.opts.input_seed, 1))?;
-        compute.fill(stream, self.acts.context, math::initial_activation(self.opts.input_seed, 2))?;
+        compute.fill(stream, self.acts.latent, compute.initial_activation(Phase::Dit, self.opts.input_seed))?;
+        compute.fill(stream, self.acts.context, compute.initial_activation(Phase::Encoder, self.opts.input_seed))?;
         let program = &self.engine.program;
         let steps = self.opts.steps;
         for c in &program.encoders {

@@ -1,0 +1,90 @@
+//! `weightferry bench`: the GPU benchmark matrix (see [`crate::engine::gpu`]): per preset, the resident step time,
+//! the pinned H2D bandwidth, and every offload configuration's step time as a ratio to its bound, printed as a
+//! markdown table (or one JSON object).
+
+use super::{BenchArgs, CliError};
+
+/// Runs `weightferry bench`; returns the exit code.
+#[cfg(not(feature = "cuda"))]
+pub fn bench(_a: &BenchArgs) -> Result<i32, CliError> {
+    Err(CliError::invalid("bench measures a GPU: rebuild with --features cuda and run it on a machine with a GPU"))
+}
+
+/// Runs `weightferry bench`; returns the exit code.
+#[cfg(feature = "cuda")]
+pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
+    use super::emit;
+    use crate::engine::gpu::{bench as run_bench, BenchSpec};
+    let presets = if a.preset.is_empty() {
+        vec!["flux-dev".to_string(), "wan-14b".to_string(), "qwen-image".to_string()]
+    } else {
+        a.preset.clone()
+    };
+    for p in &presets {
+        if crate::plan::presets::preset(p).is_none() {
+            return Err(CliError::invalid(format!("unknown preset '{p}'")));
+        }
+    }
+    let steps = match a.steps.as_slice() {
+        [lo, hi] if hi > lo => (*lo, *hi),
+        _ => return Err(CliError::invalid("--steps takes two counts LO,HI with HI > LO, e.g. 2,6")),
+    };
+    if a.budgets.iter().any(|f| !(f.is_finite() && *f > 0.0 && *f <= 1.0)) {
+        return Err(CliError::invalid("--budgets are fractions in (0, 1], e.g. 0.25,0.5,0.75"));
+    }
+    let spec = BenchSpec {
+        presets,
+        tokens: a.tokens,
+        depths: a.depths.clone(),
+        budgets: a.budgets.clone(),
+        sweep: a.sweep,
+        steps,
+        seed: 0,
+    };
+    let report = run_bench(&spec, &mut |r| {
+        eprintln!("{} {}: {:.4} s/step, bound {:.4} s, ratio {:.3}", r.preset, r.config, r.step_s, r.bound_s, r.ratio)
+    })
+    .map_err(|e| CliError::failed(format!("bench failed: {e}")))?;
+    if a.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| CliError::failed(e.to_string()))?;
+        emit(&format!("{text}\n"));
+        return Ok(0);
+    }
+    let gb = |b: f64| b / 1e9;
+    let mut out = format!("device: {}\n\n", report.device);
+    for (p, bw) in &report.h2d_bytes_per_s {
+        let c = report.compute_s.iter().find(|(q, _)| q == p).map_or(0.0, |x| x.1);
+        let t = report.tokens.iter().find(|(q, ..)| q == p).map_or(0, |x| x.1);
+        out += &format!("{p}: pinned H2D {:.1} GB/s, resident step {:.4} s at {t} tokens\n", gb(*bw), c);
+    }
+    for (p, w, m, rss) in &report.host_memory {
+        out += &format!(
+            "{p}: weights {:.2} GB, host masters {:.2} GB ({:.3}×), peak RSS {:.2} GB\n",
+            gb(*w as f64),
+            gb(*m as f64),
+            *m as f64 / (*w).max(1) as f64,
+            gb(*rss as f64)
+        );
+    }
+    out += "\n| preset | config | resident blocks | depth | step s | bound s | ratio | GB/step | peak weights GB | planned GB | hook p50 µs | bit-exact |\n";
+    out += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    for r in &report.rows {
+        out += &format!(
+            "| {} | {} | {} | {} | {:.4} | {:.4} | {:.3} | {:.2} | {:.2} | {:.2} | {:.1} | {} |\n",
+            r.preset,
+            r.config,
+            r.resident_blocks,
+            r.depth,
+            r.step_s,
+            r.bound_s,
+            r.ratio,
+            gb(r.streamed_bytes_per_step as f64),
+            gb(r.peak_weight_bytes as f64),
+            gb(r.planned_weight_bytes as f64),
+            r.hook_p50_us,
+            if r.outputs_match { "yes" } else { "NO" }
+        );
+    }
+    emit(&out);
+    Ok(if report.rows.iter().all(|r| r.outputs_match) { 0 } else { 1 })
+}

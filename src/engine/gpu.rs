@@ -1,0 +1,408 @@
+//! The GPU drivers: `run --platform cuda` (resident vs offloaded, bit for bit, on a real device) and the benchmark
+//! matrix behind `weightferry bench` (step time of every configuration as a ratio to its physical bound, measured in
+//! the same process as the bound's inputs).
+//!
+//! Timing: a pipeline execution runs encoders → DiT × steps → VAE and ends by reading the output back (a device
+//! synchronisation), so wall time is device time. The time of one DiT step is the difference between executions
+//! with `hi` and `lo` steps divided by `hi − lo`, which removes encoders, VAE and the first (cold) step; bytes
+//! streamed per step are taken the same way from the scheduler's counters. The bound of a configuration is
+//! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
+
+use super::cuda::{CudaCompute, GpuShape};
+use super::{Engine, EngineError, ExecOptions, ExecOutput};
+use crate::config::OffloadConfig;
+use crate::hooks::HookRegistry;
+use crate::model::HostModel;
+use crate::offload::{get_offload_backend, ResidentPlacement, StreamingBackend, WeightSource};
+use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use crate::platform::cuda::CudaPlatform;
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weightferry_actors::platform::{Platform, PlatformRef};
+
+/// Default token counts of a preset: (DiT tokens, encoder tokens).
+pub fn default_tokens(preset: &str) -> (usize, usize) {
+    match preset {
+        // 1024² image: 64×64 latent patches + 512 text tokens.
+        "flux-dev" | "qwen-image" => (4096 + 512, 512),
+        // 480p × 81 frames: 30 × 52 patches × 21 latent frames.
+        "wan-14b" => (30 * 52 * 21, 512),
+        _ => (256, 64),
+    }
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchRow {
+    /// Preset.
+    pub preset: String,
+    /// What was run (`resident`, `depth=2`, `budget=50%`, …).
+    pub config: String,
+    /// Strategy that ran.
+    pub strategy: String,
+    /// Resident leading DiT blocks.
+    pub resident_blocks: usize,
+    /// Prefetch depth of the DiT ring.
+    pub depth: usize,
+    /// Device budget of the config, if any.
+    pub budget_bytes: Option<u64>,
+    /// Seconds per DiT step.
+    pub step_s: f64,
+    /// The bound: max(compute, streamed bytes / bandwidth), seconds.
+    pub bound_s: f64,
+    /// `step_s / bound_s`.
+    pub ratio: f64,
+    /// Bytes streamed host → device per step.
+    pub streamed_bytes_per_step: u64,
+    /// Peak device memory of weights during the timed executions.
+    pub peak_weight_bytes: u64,
+    /// The plan's bound on device weight memory.
+    pub planned_weight_bytes: u64,
+    /// Median pre_forward + post_forward wall time, µs.
+    pub hook_p50_us: f64,
+    /// 99th percentile of the same, µs.
+    pub hook_p99_us: f64,
+    /// Whether the output equals the resident run's bit for bit.
+    pub outputs_match: bool,
+}
+
+/// Everything `bench` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Device name.
+    pub device: String,
+    /// Rows, per preset.
+    pub rows: Vec<BenchRow>,
+    /// Pinned H2D bandwidth per preset run, bytes/s.
+    pub h2d_bytes_per_s: Vec<(String, f64)>,
+    /// Resident step time per preset (the compute time), seconds.
+    pub compute_s: Vec<(String, f64)>,
+    /// Host memory: (preset, weights bytes, master bytes, peak RSS bytes).
+    pub host_memory: Vec<(String, u64, u64, u64)>,
+    /// Tokens per preset (DiT, encoder).
+    pub tokens: Vec<(String, usize, usize)>,
+}
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchSpec {
+    /// Presets to run.
+    pub presets: Vec<String>,
+    /// Token override (DiT tokens) for every preset.
+    pub tokens: Option<usize>,
+    /// Prefetch depths to run with every block streamed.
+    pub depths: Vec<u32>,
+    /// Device budgets as fractions of the DiT's bytes (added to the bytes that stay resident anyway).
+    pub budgets: Vec<f64>,
+    /// Also run the alternative depths (1 and 4, each with as many resident blocks as fit) at every budget.
+    pub sweep: bool,
+    /// Steps of the shorter and longer execution.
+    pub steps: (u32, u32),
+    /// Seed of weights and inputs.
+    pub seed: u64,
+}
+
+fn percentile_us(mut v: Vec<Duration>, p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort();
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1].as_secs_f64() * 1e6
+}
+
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()).map(|kb| kb * 1024))
+        })
+        .unwrap_or(0)
+}
+
+struct Timed {
+    step_s: f64,
+    out: ExecOutput,
+    bytes_per_step: u64,
+}
+
+/// Runs `lo` then `hi` steps and derives the per-step time and bytes.
+fn timed(
+    engine: &Engine,
+    source: &dyn WeightSource,
+    hooks: &HookRegistry,
+    backend: Option<&StreamingBackend>,
+    steps: (u32, u32),
+    seed: u64,
+) -> Result<Timed, EngineError> {
+    let h2d =
+        |b: Option<&StreamingBackend>| b.map_or(0, |b| b.report().stacks.iter().map(|s| s.h2d_bytes).sum::<u64>());
+    let run = |n: u32| -> Result<(f64, ExecOutput), EngineError> {
+        let opts = ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None };
+        let t = Instant::now();
+        let out = engine.execute(source, hooks, &opts, &mut |_| {})?;
+        Ok((t.elapsed().as_secs_f64(), out))
+    };
+    let b0 = h2d(backend);
+    let (t_lo, _) = run(steps.0)?;
+    let b1 = h2d(backend);
+    let (t_hi, out) = run(steps.1)?;
+    let b2 = h2d(backend);
+    let d = f64::from(steps.1 - steps.0);
+    let bytes = ((b2 - b1).saturating_sub(b1 - b0)) as f64 / d;
+    Ok(Timed { step_s: (t_hi - t_lo) / d, out, bytes_per_step: bytes as u64 })
+}
+
+fn layer_config(depth: Option<u32>, budget: Option<u64>) -> Result<OffloadConfig, EngineError> {
+    let mut opts = serde_json::Map::new();
+    if let Some(d) = depth {
+        opts.insert("prefetch_depth".into(), serde_json::json!(d));
+    }
+    let mut doc = serde_json::json!({
+        "diffusion_offload_config": {
+            "mode": "layer",
+            "components": ["dit"],
+            "layer_options": {"dit": opts},
+        }
+    });
+    if let Some(b) = budget {
+        doc["diffusion_offload_config"]["device_budget"] = serde_json::json!(b);
+    }
+    OffloadConfig::from_value(&doc).map_err(|e| EngineError::Invalid(e.to_string()))
+}
+
+/// Measures one preset. Appends rows to `report`.
+fn bench_preset(spec: &BenchSpec, name: &str, report: &mut BenchReport) -> Result<(), EngineError> {
+    let desc =
+        crate::plan::presets::preset(name).ok_or_else(|| EngineError::Invalid(format!("unknown preset '{name}'")))?;
+    let (mut tokens, ctx_tokens) = default_tokens(name);
+    if let Some(t) = spec.tokens {
+        tokens = t;
+    }
+    report.tokens.push((name.to_string(), tokens, ctx_tokens));
+    let total: u64 = desc.storages.values().map(|s| s.byte_size()).sum();
+    let cuda = Arc::new(CudaPlatform::new(0)?.with_pinned_cache(total + (1 << 30)));
+    report.device = cuda.device_name().to_string();
+    let platform: PlatformRef = cuda.clone();
+    let bw = cuda.measure_h2d_bandwidth(256 << 20, 16)?;
+    report.h2d_bytes_per_s.push((name.to_string(), bw));
+    let compute = Arc::new(CudaCompute::new(cuda.clone(), &desc, GpuShape { tokens, context_tokens: ctx_tokens })?);
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)?;
+    let engine = Engine::new(compute, &desc)?;
+    let dit_bytes: u64 = desc.components.as_ref().map_or(0, |c| c.dit.iter().map(|d| desc.subtree_bytes(d)).sum());
+
+    // Resident baseline: the compute time.
+    let upload = platform.create_stream("bench-upload")?;
+    let all: Vec<StorageId> = desc.storages.keys().copied().collect();
+    let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
+    let resident = timed(&engine, &placement, &HookRegistry::new(), None, spec.steps, spec.seed);
+    placement.release()?;
+    let resident = resident?;
+    let compute_s = resident.step_s;
+    report.compute_s.push((name.to_string(), compute_s));
+    report.rows.push(BenchRow {
+        preset: name.to_string(),
+        config: "resident".into(),
+        strategy: "none".into(),
+        resident_blocks: 0,
+        depth: 0,
+        budget_bytes: None,
+        step_s: compute_s,
+        bound_s: compute_s,
+        ratio: 1.0,
+        streamed_bytes_per_step: 0,
+        peak_weight_bytes: all.iter().map(|s| model.storage_bytes(*s)).sum(),
+        planned_weight_bytes: 0,
+        hook_p50_us: 0.0,
+        hook_p99_us: 0.0,
+        outputs_match: true,
+    });
+
+    // Bytes that stay on the device whatever the budget (everything but the DiT's blocks), for budget configs.
+    let probe = layer_config(Some(1), None)?;
+    let plan = resolve_offload_plan(&desc, &probe).map_err(crate::offload::OffloadError::from)?;
+    let fixed = plan.budget.always_resident_bytes;
+
+    let mut configs: Vec<(String, OffloadConfig, Option<u64>)> = Vec::new();
+    for &d in &spec.depths {
+        configs.push((format!("depth={d}"), layer_config(Some(d), None)?, None));
+    }
+    for &f in &spec.budgets {
+        let budget = fixed + (f * dit_bytes as f64) as u64;
+        let pct = (f * 100.0).round();
+        configs.push((format!("budget={pct}% planner"), layer_config(None, Some(budget))?, Some(budget)));
+        if spec.sweep {
+            for d in [1u32, 4] {
+                if let Ok(cfg) = layer_config(Some(d), Some(budget)) {
+                    if resolve_offload_plan(&desc, &cfg).is_ok() {
+                        configs.push((format!("budget={pct}% depth={d}"), cfg, Some(budget)));
+                    }
+                }
+            }
+        }
+    }
+    let mut master_bytes = 0;
+    for (label, cfg, budget) in configs {
+        let Some(mut backend) = get_offload_backend(&cfg, platform.clone())? else { continue };
+        let hooks = HookRegistry::new();
+        cuda.reset_peak();
+        let base = cuda.device_memory().in_use;
+        backend.enable(&mut model, &hooks, engine.stream())?;
+        let t = timed(&engine, &backend, &hooks, Some(&backend), spec.steps, spec.seed);
+        let rep = backend.report();
+        master_bytes = master_bytes.max(rep.master_host_bytes);
+        let planned = backend.plan().map_or(0, |p| p.budget.device_weight_bytes);
+        let peak = cuda.device_memory().peak.saturating_sub(base);
+        let disabled = backend.disable(&mut model, &hooks);
+        let t = t?;
+        disabled?;
+        let dit_stack = rep.stacks.first();
+        let bound = compute_s.max(t.bytes_per_step as f64 / bw);
+        report.rows.push(BenchRow {
+            preset: name.to_string(),
+            config: label,
+            strategy: rep.strategy.clone(),
+            resident_blocks: dit_stack.map_or(0, |s| s.resident_head),
+            depth: dit_stack.map_or(0, |s| s.depth),
+            budget_bytes: budget,
+            step_s: t.step_s,
+            bound_s: bound,
+            ratio: t.step_s / bound,
+            streamed_bytes_per_step: t.bytes_per_step,
+            peak_weight_bytes: peak,
+            planned_weight_bytes: planned,
+            hook_p50_us: percentile_us(t.out.hook_latencies.clone(), 50.0),
+            hook_p99_us: percentile_us(t.out.hook_latencies.clone(), 99.0),
+            outputs_match: t.out.output == resident.out.output,
+        });
+    }
+    report.host_memory.push((name.to_string(), total, master_bytes, peak_rss_bytes()));
+    drop(engine);
+    model.release();
+    Ok(())
+}
+
+/// Runs the benchmark matrix on GPU 0.
+pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&BenchRow)) -> Result<BenchReport, EngineError> {
+    let mut report = BenchReport {
+        device: String::new(),
+        rows: Vec::new(),
+        h2d_bytes_per_s: Vec::new(),
+        compute_s: Vec::new(),
+        host_memory: Vec::new(),
+        tokens: Vec::new(),
+    };
+    for p in &spec.presets {
+        let before = report.rows.len();
+        bench_preset(spec, p, &mut report)?;
+        for r in &report.rows[before..] {
+            progress(r);
+        }
+    }
+    Ok(report)
+}
+
+/// The result of a GPU run: resident vs offloaded.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuRunReport {
+    /// Device name.
+    pub device: String,
+    /// Strategy.
+    pub strategy: String,
+    /// Resident output checksum.
+    pub resident_checksum: String,
+    /// Offloaded output checksum.
+    pub offloaded_checksum: String,
+    /// Outputs equal bit for bit.
+    pub outputs_match: bool,
+    /// Host weights equal bit for bit after disable.
+    pub weights_match: bool,
+    /// Peak device weight memory of the offloaded run.
+    pub peak_device_weight_bytes: u64,
+    /// The plan's bound.
+    pub planned_device_weight_bytes: u64,
+    /// Bytes copied host → device by the offloaded run.
+    pub h2d_bytes: u64,
+    /// Synchronous fetches.
+    pub sync_fetches: u64,
+    /// Resident wall time, ms.
+    pub resident_wall_ms: f64,
+    /// Offloaded wall time, ms.
+    pub offloaded_wall_ms: f64,
+    /// Median hook latency, µs.
+    pub hook_latency_p50_us: f64,
+    /// 99th percentile hook latency, µs.
+    pub hook_latency_p99_us: f64,
+}
+
+/// Runs `desc` on GPU 0 fully resident, then offloaded under `config`, and compares outputs and host weights.
+#[allow(clippy::too_many_arguments)]
+pub fn gpu_run(
+    desc: &PipelineDesc,
+    config: &OffloadConfig,
+    steps: u32,
+    shape: GpuShape,
+    seed: u64,
+    skip_seed: Option<u64>,
+    ordering_fault: weightferry_actors::OrderingFault,
+    slow_copies: bool,
+) -> Result<GpuRunReport, EngineError> {
+    let plan = resolve_offload_plan(desc, config).map_err(crate::offload::OffloadError::from)?;
+    let cuda = Arc::new(CudaPlatform::new(0)?);
+    let platform: PlatformRef =
+        if slow_copies { Arc::new(super::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
+    let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), seed)?;
+    let before = model.checksum()?;
+    let engine = Engine::new(compute, desc)?;
+    let opts = ExecOptions { steps, input_seed: seed, skip_seed, span_epoch: None };
+    let upload = platform.create_stream("resident-upload")?;
+    let all: Vec<StorageId> = desc.storages.keys().copied().collect();
+    let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
+    let resident = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {});
+    placement.release()?;
+    let resident = resident?;
+
+    let hooks = HookRegistry::new();
+    cuda.reset_peak();
+    let base = cuda.device_memory().in_use;
+    let mut backend = get_offload_backend(config, platform.clone())?;
+    let t = Instant::now();
+    let (out, h2d, sync_fetches) = match backend.as_mut() {
+        Some(b) => {
+            b.set_ordering_fault(ordering_fault);
+            b.enable(&mut model, &hooks, engine.stream())?;
+            let out = engine.execute(&*b, &hooks, &opts, &mut |_| {});
+            let rep = b.report();
+            let d = b.disable(&mut model, &hooks);
+            let out = out?;
+            d?;
+            (out, rep.stacks.iter().map(|s| s.h2d_bytes).sum(), rep.stacks.iter().map(|s| s.sync_fetches).sum())
+        }
+        None => (resident.clone(), 0, 0),
+    };
+    let off_wall = t.elapsed();
+    let peak = cuda.device_memory().peak.saturating_sub(base);
+    let after = model.checksum()?;
+    let lat = out.hook_latencies.clone();
+    model.release();
+    Ok(GpuRunReport {
+        device: cuda.device_name().to_string(),
+        strategy: plan.strategy.report_name().to_string(),
+        resident_checksum: format!("{:016x}", resident.checksum),
+        offloaded_checksum: format!("{:016x}", out.checksum),
+        outputs_match: resident.output == out.output,
+        weights_match: before == after,
+        peak_device_weight_bytes: peak,
+        planned_device_weight_bytes: plan.budget.device_weight_bytes,
+        h2d_bytes: h2d,
+        sync_fetches,
+        resident_wall_ms: resident.wall.as_secs_f64() * 1e3,
+        offloaded_wall_ms: off_wall.as_secs_f64() * 1e3,
+        hook_latency_p50_us: percentile_us(lat.clone(), 50.0),
+        hook_latency_p99_us: percentile_us(lat, 99.0),
+    })
+}
