@@ -31,6 +31,9 @@ const WEIGHT_STD: f32 = 0.028_867_5;
 const RESIDUAL: f32 = 0.05;
 /// Rows of one attention-proxy chunk.
 const ATTN_CHUNK: usize = 1024;
+/// Weights with a dimension above this (vocabulary embeddings, which a real model gathers from rather than
+/// multiplies by) are not multiplied: it would cost scratch memory proportional to the vocabulary.
+const MAX_GEMM_DIM: usize = 32768;
 
 /// Shapes of the GPU engine's activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +78,9 @@ fn gemm_view(t: &TensorDesc) -> Option<(usize, usize, BLayout, usize)> {
     }
     let out = t.shape[0] as usize;
     let inn = (t.numel() / t.shape[0].max(1)) as usize;
+    if out > MAX_GEMM_DIM || inn > MAX_GEMM_DIM || out == 0 || inn == 0 {
+        return None;
+    }
     let contiguous = TensorDesc::contiguous_strides(&t.shape);
     if t.strides == contiguous {
         Some((out, inn, BLayout::WeightRowMajor, inn))
