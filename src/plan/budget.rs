@@ -77,8 +77,8 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
     let mut b = BudgetPlan { budget: cfg.device_budget, ..Default::default() };
     match plan.strategy {
         Strategy::None => {
-            b.always_resident_bytes =
-                plan.components().map(|c| c.device_bytes).sum::<u64>() + bytes_of(p, &outside_components(p, plan));
+            let outside = bytes_of(p, &outside_components(p, plan));
+            b.always_resident_bytes = plan.components().fold(outside, |a, c| a.saturating_add(c.device_bytes));
         }
         Strategy::ModelLevel => {
             let mut always = bytes_of(p, &outside_components(p, plan));

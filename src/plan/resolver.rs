@@ -508,8 +508,10 @@ fn resolve_layer(
                         cfg.resident_layers, d.path
                     ));
                 }
-            } else if stack.blocks.len() == 1 {
-                // Distributed strategy with a single block and no residency: nothing to stream.
+            }
+            if stack.streaming().len() == 1 {
+                // Distributed strategy with a single block and nothing resident (no residency requested, or requested
+                // for an undeclared DiT under the compatibility topology): a one-block ring streams nothing useful.
                 cx.strict(
                     explicit,
                     format!(

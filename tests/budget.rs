@@ -1,0 +1,422 @@
+//! The device-memory planner (`plan::budget`): exact `device_weight_bytes` for each strategy on a hand-sized
+//! pipeline, the budget-driven choice of resident heads and prefetch depths, the budget error and its stated
+//! minimum, and `fit_stack` on small hand-made block lists.
+//!
+//! Every tensor of the test pipeline is one bf16 storage whose size is a multiple of [`U`] (256 bytes, the device
+//! packing alignment), so every expected number can be worked out by hand: the DiT's non-block state is 5 U, the
+//! text encoder 30 U, the VAE 35 U, and the blocks are given per test.
+
+use weightferry::config::{OffloadConfig, Strategy};
+use weightferry::plan::budget::fit_stack;
+use weightferry::plan::builder::{ModuleBuilder, PipelineBuilder};
+use weightferry::plan::{resolve_offload_plan, DType, OffloadPlanDecl, PipelineDesc, ResolvedPlan};
+
+/// Size unit of the test pipelines (bytes).
+const U: u64 = 256;
+/// Non-block DiT bytes.
+const EMBED: u64 = 5 * U;
+/// Text encoder bytes.
+const TE: u64 = 30 * U;
+/// VAE bytes.
+const VAE: u64 = 35 * U;
+/// Bytes that stay on the device for the DiT-only layer plans: DiT non-block state, unselected encoder and VAE.
+const FIXED: u64 = EMBED + TE + VAE;
+
+/// A pipeline whose DiT blocks weigh `units` × [`U`] bytes each, every block a single bf16 parameter.
+fn pipeline(class: &str, units: &[u64]) -> PipelineDesc {
+    let sizes = units.to_vec();
+    PipelineBuilder::new(class)
+        .module("transformer", "BudgetDiT", |m| {
+            m.param("embed", DType::Bf16, &[EMBED / 2]);
+            m.block_list("blocks", sizes.len(), "BudgetBlock", |b, i| {
+                b.param("w", DType::Bf16, &[sizes[i] * U / 2]);
+            });
+        })
+        .module("text_encoder", "BudgetEncoder", |m| {
+            m.param("w", DType::Bf16, &[TE / 2]);
+        })
+        .module("vae", "BudgetVae", |m| {
+            m.has_lifecycle(true);
+            m.param("w", DType::Bf16, &[VAE / 2]);
+        })
+        .dit("transformer")
+        .encoder("text_encoder")
+        .vae("vae")
+        .offload_plan(OffloadPlanDecl {
+            block_attrs: [("transformer".to_string(), vec!["blocks".to_string()])].into(),
+            on_demand_component_paths: vec!["vae".to_string()],
+            resident_dit_paths: vec!["transformer".to_string()],
+            ..OffloadPlanDecl::default()
+        })
+        .build()
+        .expect("valid test pipeline")
+}
+
+/// Five blocks of 4 U.
+fn uniform() -> PipelineDesc {
+    pipeline("UniformBudgetPipeline", &[4; 5])
+}
+
+fn cfg(json: &str) -> OffloadConfig {
+    OffloadConfig::from_json_str(json).unwrap_or_else(|e| panic!("config {json} rejected: {e}"))
+}
+
+/// Layer mode over `components` with an optional DiT `prefetch_depth` and `device_budget`.
+fn layer(components: &str, depth: Option<u32>, budget: Option<u64>) -> OffloadConfig {
+    let options = match depth {
+        Some(d) => format!(r#", "layer_options": {{"dit": {{"prefetch_depth": {d}}}}}"#),
+        None => String::new(),
+    };
+    let budget = budget.map(|b| format!(r#", "device_budget": {b}"#)).unwrap_or_default();
+    cfg(&format!(
+        r#"{{"diffusion_offload_config": {{"mode": "layer", "components": [{components}]{options}{budget}}}}}"#
+    ))
+}
+
+fn ok(p: &PipelineDesc, c: &OffloadConfig) -> ResolvedPlan {
+    resolve_offload_plan(p, c).unwrap_or_else(|e| panic!("expected a plan, got: {e}"))
+}
+
+fn err(p: &PipelineDesc, c: &OffloadConfig) -> String {
+    match resolve_offload_plan(p, c) {
+        Ok(plan) => panic!("expected an error, got {:#?}", plan.budget),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// (always resident, resident heads, slots, on-demand peak, total).
+fn parts(plan: &ResolvedPlan) -> (u64, u64, u64, u64, u64) {
+    let b = &plan.budget;
+    (b.always_resident_bytes, b.resident_head_bytes, b.slot_bytes, b.on_demand_peak_bytes, b.device_weight_bytes)
+}
+
+/// The planner's error for a budget that cannot hold one stack.
+fn too_small(budget: u64, fixed: u64, ring: u64, name: &str, depth: u32, others: Option<u64>, need: u64) -> String {
+    let others = others.map(|o| format!(" and {o} bytes for the other DiT stacks")).unwrap_or_default();
+    format!(
+        "diffusion_offload_config.device_budget: {budget} bytes cannot hold the {fixed} bytes of weights that stay \
+         on the device plus the smallest ring of {ring} bytes for '{name}' (prefetch depth {depth}){others}; raise \
+         device_budget to at least {need} bytes (0.00 GiB)"
+    )
+}
+
+#[test]
+fn test_pipeline_has_the_intended_sizes() {
+    let p = uniform();
+    assert_eq!(p.subtree_bytes("transformer"), EMBED + 20 * U);
+    assert_eq!(p.subtree_bytes("text_encoder"), TE);
+    assert_eq!(p.subtree_bytes("vae"), VAE);
+    assert_eq!(p.subtree_bytes("transformer.blocks.3"), 4 * U);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Model level: always-resident components plus the largest phase.
+
+#[test]
+fn model_level_is_always_resident_plus_the_largest_phase() {
+    let p = uniform();
+    let dit = EMBED + 20 * U;
+    // The unselected VAE stays; the encoder (30 U) is the largest phase against the DiT (25 U).
+    let plan =
+        ok(&p, &cfg(r#"{"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder"]}}"#));
+    assert_eq!(plan.strategy, Strategy::ModelLevel);
+    assert_eq!(parts(&plan), (VAE, 0, 0, TE, VAE + TE));
+    assert!(!plan.budget.planner_chose);
+    // With the VAE selected too, nothing stays and the VAE is the largest phase.
+    let plan = ok(
+        &p,
+        &cfg(r#"{"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder", "vae"]}}"#),
+    );
+    assert_eq!(parts(&plan), (0, 0, 0, VAE, VAE));
+    // Keeping the DiT resident moves it to the always-resident part.
+    let plan = ok(
+        &p,
+        &cfg(r#"{"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder"],
+                  "keep_dit_resident": true}}"#),
+    );
+    assert_eq!(parts(&plan), (VAE + dit, 0, 0, TE, VAE + dit + TE));
+    // Legacy model-level: the DiT and encoder swap, the VAE stays.
+    let plan = ok(&p, &cfg(r#"{"enable_cpu_offload": true}"#));
+    assert_eq!(parts(&plan), (VAE, 0, 0, TE, VAE + TE));
+}
+
+#[test]
+fn model_level_budget_is_checked() {
+    let p = uniform();
+    let c = |b: u64| {
+        cfg(&format!(
+            r#"{{"diffusion_offload_config": {{"mode": "module", "components": ["dit", "text_encoder"],
+                 "device_budget": {b}}}}}"#
+        ))
+    };
+    let need = VAE + TE;
+    let plan = ok(&p, &c(need));
+    assert_eq!(plan.budget.device_weight_bytes, need);
+    assert_eq!(plan.budget.budget, Some(need));
+    assert_eq!(
+        err(&p, &c(need - 1)),
+        format!(
+            "diffusion_offload_config.device_budget: the plan needs {need} bytes of device memory for weights but \
+             the budget is {}; raise device_budget, lower resident_layers or prefetch_depth, or select more \
+             components",
+            need - 1
+        )
+    );
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Layerwise without a budget: (depth + 1) slots of the largest streamed block.
+
+#[test]
+fn layerwise_without_budget_counts_depth_plus_one_slots() {
+    let p = uniform();
+    // Default depth 2: three slots of 4 U.
+    let plan = ok(&p, &layer(r#""dit""#, None, None));
+    assert_eq!(plan.strategy, Strategy::LayerWise);
+    assert_eq!(plan.dits[0].stacks[0].prefetch_depth, 2);
+    assert_eq!(parts(&plan), (FIXED, 0, 12 * U, 0, FIXED + 12 * U));
+    for (depth, slots) in [(1, 2), (3, 4), (4, 5), (9, 5)] {
+        let plan = ok(&p, &layer(r#""dit""#, Some(depth), None));
+        let s = &plan.dits[0].stacks[0];
+        assert_eq!(s.prefetch_depth, depth);
+        assert_eq!(s.slot_count(), slots, "depth {depth}");
+        assert_eq!(plan.budget.device_weight_bytes, FIXED + 4 * U * slots as u64, "depth {depth}");
+        assert!(!plan.budget.planner_chose);
+    }
+}
+
+#[test]
+fn layerwise_slots_use_the_largest_streamed_block() {
+    let p = pipeline("UnevenBudgetPipeline", &[4, 3, 6, 2, 1]);
+    let plan = ok(&p, &layer(r#""dit""#, None, None));
+    assert_eq!(plan.dits[0].stacks[0].block_bytes, vec![4 * U, 3 * U, 6 * U, 2 * U, U]);
+    assert_eq!(parts(&plan), (FIXED, 0, 18 * U, 0, FIXED + 18 * U));
+}
+
+#[test]
+fn layerwise_staged_vae_counts_as_its_own_phase() {
+    let p = uniform();
+    let plan = ok(&p, &layer(r#""dit", "vae""#, None, None));
+    assert!(plan.vaes[0].on_demand);
+    assert_eq!(parts(&plan), (EMBED + TE, 0, 12 * U, VAE, EMBED + TE + 12 * U + VAE));
+}
+
+#[test]
+fn resident_layers_count_the_head_and_fewer_slots() {
+    let p = uniform();
+    let c = cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+                    "layer_options": {"dit": {"resident_layers": 2, "prefetch_depth": 3}}}}"#);
+    let plan = ok(&p, &c);
+    assert_eq!(plan.strategy, Strategy::DistributedLayerWise);
+    // Two resident (8 U), three streaming with depth 3: min(4, 3) = 3 slots of 4 U.
+    assert_eq!(parts(&plan), (FIXED, 8 * U, 12 * U, 0, FIXED + 20 * U));
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Layerwise with a budget: the planner chooses.
+
+#[test]
+fn budget_keeps_as_many_leading_blocks_resident_as_fit() {
+    let p = uniform();
+    // Depth 2 costs with r resident blocks of 4 U: 12, 16, 20, 20, 20, 20 U.
+    let cases = [(12 * U, 0, 12 * U), (17 * U, 1, 16 * U), (20 * U - 1, 1, 16 * U), (20 * U, 5, 20 * U)];
+    for (room, head, used) in cases {
+        let plan = ok(&p, &layer(r#""dit""#, None, Some(FIXED + room)));
+        let s = &plan.dits[0].stacks[0];
+        assert_eq!((s.resident_head, s.prefetch_depth), (head, 2), "room {room}");
+        assert_eq!(plan.budget.device_weight_bytes, FIXED + used, "room {room}");
+        assert!(plan.budget.device_weight_bytes <= FIXED + room);
+        assert!(plan.budget.planner_chose);
+        assert_eq!(plan.budget.budget, Some(FIXED + room));
+    }
+    // Depth 2 does not fit in 10 U; depth 1 (two slots, 8 U) does.
+    let plan = ok(&p, &layer(r#""dit""#, None, Some(FIXED + 10 * U)));
+    let s = &plan.dits[0].stacks[0];
+    assert_eq!((s.resident_head, s.prefetch_depth), (0, 1));
+    assert_eq!(plan.budget.device_weight_bytes, FIXED + 8 * U);
+    assert_eq!(
+        plan.budget.notes,
+        vec!["transformer[blocks]: planner keeps 0 of 5 blocks resident and prefetches 1 ahead (2 slots)".to_string()]
+    );
+}
+
+#[test]
+fn budget_can_prefer_a_resident_big_block() {
+    // Streaming the 6 U block needs three 6 U slots (18 U); holding every block costs only 16 U.
+    let p = pipeline("UnevenPlannerPipeline", &[4, 3, 6, 2, 1]);
+    let plan = ok(&p, &layer(r#""dit""#, None, Some(FIXED + 18 * U)));
+    let s = &plan.dits[0].stacks[0];
+    assert_eq!(s.resident_head, 5);
+    assert!(s.streaming().is_empty());
+    assert_eq!(plan.budget.device_weight_bytes, FIXED + 16 * U);
+}
+
+#[test]
+fn budget_fits_when_only_a_resident_big_block_fits() {
+    // Depth 1 with nothing resident needs two 6 U slots (12 U); with the first block resident the tail's largest
+    // block is 1 U and the cost is 6 + 2 x 1 = 8 U.
+    let p = pipeline("BigHeadPlannerPipeline", &[6, 1, 1, 1]);
+    let plan = ok(&p, &layer(r#""dit""#, Some(1), Some(FIXED + 8 * U)));
+    let s = &plan.dits[0].stacks[0];
+    assert_eq!((s.resident_head, s.prefetch_depth), (1, 1));
+    assert_eq!(plan.budget.device_weight_bytes, FIXED + 8 * U);
+}
+
+#[test]
+fn user_depth_is_respected_by_the_planner() {
+    let p = uniform();
+    // Depth 3: four slots (16 U) with nothing resident; every resident split costs 20 U.
+    let plan = ok(&p, &layer(r#""dit""#, Some(3), Some(FIXED + 20 * U - 1)));
+    let s = &plan.dits[0].stacks[0];
+    assert_eq!((s.resident_head, s.prefetch_depth), (0, 3));
+    assert_eq!(plan.budget.device_weight_bytes, FIXED + 16 * U);
+    // Depth 1 is kept even when depth 2 would fit. Depth 1 costs 8, 12, 16, ... U: one resident block fits.
+    let plan = ok(&p, &layer(r#""dit""#, Some(1), Some(FIXED + 12 * U + U / 2)));
+    let s = &plan.dits[0].stacks[0];
+    assert_eq!((s.resident_head, s.prefetch_depth), (1, 1));
+    assert_eq!(plan.budget.device_weight_bytes, FIXED + 12 * U);
+}
+
+#[test]
+fn budget_too_small_names_the_key_and_the_minimum() {
+    let p = uniform();
+    let need = FIXED + 8 * U;
+    assert_eq!(
+        err(&p, &layer(r#""dit""#, None, Some(need - 1))),
+        too_small(need - 1, FIXED, 8 * U, "transformer[blocks]", 1, None, need)
+    );
+    // The stated minimum is enough.
+    assert_eq!(ok(&p, &layer(r#""dit""#, None, Some(need))).budget.device_weight_bytes, need);
+    // A budget below the always-resident bytes fails the same way.
+    assert_eq!(
+        err(&p, &layer(r#""dit""#, None, Some(1000))),
+        too_small(1000, FIXED, 8 * U, "transformer[blocks]", 1, None, need)
+    );
+}
+
+#[test]
+fn stated_minimum_accounts_for_the_user_depth() {
+    let p = uniform();
+    // Depth 3 needs four slots: the minimum is FIXED + 16 U, not two slots' worth.
+    let need = FIXED + 16 * U;
+    assert_eq!(
+        err(&p, &layer(r#""dit""#, Some(3), Some(need - 1))),
+        too_small(need - 1, FIXED, 16 * U, "transformer[blocks]", 3, None, need)
+    );
+    assert_eq!(ok(&p, &layer(r#""dit""#, Some(3), Some(need))).budget.device_weight_bytes, need);
+}
+
+/// Two DiTs of four 4 U blocks each, no other components.
+fn two_dits() -> PipelineDesc {
+    let dit = |m: &mut ModuleBuilder<'_>| {
+        m.block_list("blocks", 4, "BudgetBlock", |b, _| {
+            b.param("w", DType::Bf16, &[2 * U]);
+        });
+    };
+    PipelineBuilder::new("TwoDitBudgetPipeline")
+        .module("transformer", "BudgetDiT", dit)
+        .module("transformer_2", "BudgetDiT", dit)
+        .dit("transformer")
+        .dit("transformer_2")
+        .class_block_attrs("BudgetDiT", &["blocks"])
+        .build()
+        .expect("valid")
+}
+
+#[test]
+fn budget_is_shared_so_every_dit_stack_fits() {
+    let p = two_dits();
+    // 20 U: depth 2 for the first (12 U) leaves exactly depth 1 for the second (8 U). Greedily holding the whole
+    // first stack (16 U) would leave 4 U, not enough for the second.
+    let plan = ok(&p, &layer(r#""dit""#, None, Some(20 * U)));
+    let split: Vec<(usize, u32)> =
+        plan.dits.iter().map(|d| (d.stacks[0].resident_head, d.stacks[0].prefetch_depth)).collect();
+    assert_eq!(split, vec![(0, 2), (0, 1)]);
+    assert_eq!(plan.budget.device_weight_bytes, 20 * U);
+    // The stated minimum covers both stacks: two slots each.
+    assert_eq!(
+        err(&p, &layer(r#""dit""#, None, Some(16 * U - 1))),
+        too_small(16 * U - 1, 0, 8 * U, "transformer[blocks]", 1, Some(8 * U), 16 * U)
+    );
+    assert_eq!(ok(&p, &layer(r#""dit""#, None, Some(16 * U))).budget.device_weight_bytes, 16 * U);
+}
+
+#[test]
+fn distributed_strategy_keeps_its_layout_and_checks_the_budget() {
+    let p = uniform();
+    let c = |b: u64| {
+        cfg(&format!(
+            r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"], "device_budget": {b},
+                 "layer_options": {{"dit": {{"resident_layers": 2}}}}}}}}"#
+        ))
+    };
+    // 2 resident (8 U) + min(3, 3) slots of 4 U (12 U).
+    let need = FIXED + 20 * U;
+    let plan = ok(&p, &c(need));
+    assert!(!plan.budget.planner_chose);
+    assert_eq!(plan.dits[0].stacks[0].resident_head, 2);
+    assert_eq!(plan.budget.device_weight_bytes, need);
+    assert_eq!(
+        err(&p, &c(need - 1)),
+        format!(
+            "diffusion_offload_config.device_budget: the plan needs {need} bytes of device memory for weights but \
+             the budget is {}; raise device_budget, lower resident_layers or prefetch_depth, or select more \
+             components",
+            need - 1
+        )
+    );
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// fit_stack
+
+#[test]
+fn fit_stack_prefers_depth_two_then_falls_back_to_one() {
+    let b = [10, 10, 10, 10];
+    // Depth 2 costs by resident count: 30, 40, 40, 40, 40.
+    assert_eq!(fit_stack(&b, None, 30), Some((0, 2)));
+    assert_eq!(fit_stack(&b, None, 39), Some((0, 2)));
+    assert_eq!(fit_stack(&b, None, 40), Some((4, 2)));
+    assert_eq!(fit_stack(&b, None, 1000), Some((4, 2)));
+    // Depth 1 costs: 20, 30, 30, 30, 30.
+    assert_eq!(fit_stack(&b, None, 29), Some((0, 1)));
+    assert_eq!(fit_stack(&b, None, 20), Some((0, 1)));
+    assert_eq!(fit_stack(&b, None, 19), None);
+}
+
+#[test]
+fn fit_stack_respects_the_user_depth() {
+    let b = [10, 10, 10, 10, 10, 10];
+    // Depth 3: four slots (40) with nothing resident; r resident: 10r + min(4, 6 - r) x 10.
+    assert_eq!(fit_stack(&b, Some(3), 39), None);
+    assert_eq!(fit_stack(&b, Some(3), 40), Some((0, 3)));
+    assert_eq!(fit_stack(&b, Some(3), 50), Some((1, 3)));
+    assert_eq!(fit_stack(&b, Some(3), 60), Some((6, 3)));
+    // Depth 1 is never raised to 2, however much room there is.
+    assert_eq!(fit_stack(&b, Some(1), 25), Some((0, 1)));
+    assert_eq!(fit_stack(&b, Some(1), 10_000), Some((6, 1)));
+}
+
+#[test]
+fn fit_stack_scans_every_split_because_a_big_head_shrinks_the_tail() {
+    // Depth 1 costs by resident count: 20, 21, 13, 13, 13 (the 10-byte block is the tail maximum until resident).
+    let b = [1, 10, 1, 1];
+    assert_eq!(fit_stack(&b, Some(1), 20), Some((4, 1)));
+    assert_eq!(fit_stack(&b, Some(1), 13), Some((4, 1)));
+    assert_eq!(fit_stack(&b, Some(1), 12), None);
+    // A big first block: 20, 12, 13, 13, 13. Only the resident big block fits in 12.
+    let b = [10, 1, 1, 1];
+    assert_eq!(fit_stack(&b, Some(1), 12), Some((1, 1)));
+    assert_eq!(fit_stack(&b, Some(1), 11), None);
+    assert_eq!(fit_stack(&b, Some(1), 13), Some((4, 1)));
+}
+
+#[test]
+fn fit_stack_edge_cases() {
+    assert_eq!(fit_stack(&[], None, 0), Some((0, 2)));
+    assert_eq!(fit_stack(&[7], None, 7), Some((1, 2)));
+    assert_eq!(fit_stack(&[7], None, 6), None);
+    // Sizes near the top of u64 must not overflow.
+    assert_eq!(fit_stack(&[u64::MAX / 2, u64::MAX / 2], None, u64::MAX), Some((2, 2)));
+    assert_eq!(fit_stack(&[u64::MAX / 2, u64::MAX / 2, 1], Some(2), u64::MAX - 10), None);
+}
