@@ -41,10 +41,8 @@ pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
         steps,
         seed: 0,
     };
-    let report = run_bench(&spec, &mut |r| {
-        eprintln!("{} {}: {:.4} s/step, bound {:.4} s, ratio {:.3}", r.preset, r.config, r.step_s, r.bound_s, r.ratio)
-    })
-    .map_err(|e| CliError::failed(format!("bench failed: {e}")))?;
+    let report = run_bench(&spec, &mut |line| eprintln!("{line}"))
+        .map_err(|e| CliError::failed(format!("bench failed: {e}")))?;
     if a.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| CliError::failed(e.to_string()))?;
         emit(&format!("{text}\n"));

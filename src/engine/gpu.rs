@@ -175,7 +175,13 @@ fn layer_config(depth: Option<u32>, budget: Option<u64>) -> Result<OffloadConfig
 }
 
 /// Measures one preset. Appends rows to `report`.
-fn bench_preset(spec: &BenchSpec, name: &str, report: &mut BenchReport) -> Result<(), EngineError> {
+fn bench_preset(
+    spec: &BenchSpec,
+    name: &str,
+    report: &mut BenchReport,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), EngineError> {
+    let t0 = Instant::now();
     let desc =
         crate::plan::presets::preset(name).ok_or_else(|| EngineError::Invalid(format!("unknown preset '{name}'")))?;
     let (mut tokens, ctx_tokens) = default_tokens(name);
@@ -191,6 +197,7 @@ fn bench_preset(spec: &BenchSpec, name: &str, report: &mut BenchReport) -> Resul
     report.h2d_bytes_per_s.push((name.to_string(), bw));
     let compute = Arc::new(CudaCompute::new(cuda.clone(), &desc, GpuShape { tokens, context_tokens: ctx_tokens })?);
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)?;
+    progress(&format!("{name}: weights generated ({:.1} s)", t0.elapsed().as_secs_f64()));
     let engine = Engine::new(compute, &desc)?;
     let dit_bytes: u64 = desc.components.as_ref().map_or(0, |c| c.dit.iter().map(|d| desc.subtree_bytes(d)).sum());
 
@@ -202,6 +209,7 @@ fn bench_preset(spec: &BenchSpec, name: &str, report: &mut BenchReport) -> Resul
     placement.release()?;
     let resident = resident?;
     let compute_s = resident.step_s;
+    progress(&format!("{name}: resident {compute_s:.4} s/step ({:.1} s)", t0.elapsed().as_secs_f64()));
     report.compute_s.push((name.to_string(), compute_s));
     report.rows.push(BenchRow {
         preset: name.to_string(),
@@ -244,40 +252,69 @@ fn bench_preset(spec: &BenchSpec, name: &str, report: &mut BenchReport) -> Resul
             }
         }
     }
+    // One enable (host masters built once), then a retune per configuration: only the block stacks change.
     let mut master_bytes = 0;
-    for (label, cfg, budget) in configs {
-        let Some(mut backend) = get_offload_backend(&cfg, platform.clone())? else { continue };
-        let hooks = HookRegistry::new();
-        cuda.reset_peak();
-        let base = cuda.device_memory().in_use;
-        backend.enable(&mut model, &hooks, engine.stream())?;
-        let t = timed(&engine, &backend, &hooks, Some(&backend), spec.steps, spec.seed);
-        let rep = backend.report();
-        master_bytes = master_bytes.max(rep.master_host_bytes);
-        let planned = backend.plan().map_or(0, |p| p.budget.device_weight_bytes);
-        let peak = cuda.device_memory().peak.saturating_sub(base);
-        let disabled = backend.disable(&mut model, &hooks);
-        let t = t?;
-        disabled?;
-        let dit_stack = rep.stacks.first();
-        let bound = compute_s.max(t.bytes_per_step as f64 / bw);
-        report.rows.push(BenchRow {
-            preset: name.to_string(),
-            config: label,
-            strategy: rep.strategy.clone(),
-            resident_blocks: dit_stack.map_or(0, |s| s.resident_head),
-            depth: dit_stack.map_or(0, |s| s.depth),
-            budget_bytes: budget,
-            step_s: t.step_s,
-            bound_s: bound,
-            ratio: t.step_s / bound,
-            streamed_bytes_per_step: t.bytes_per_step,
-            peak_weight_bytes: peak,
-            planned_weight_bytes: planned,
-            hook_p50_us: percentile_us(t.out.hook_latencies.clone(), 50.0),
-            hook_p99_us: percentile_us(t.out.hook_latencies.clone(), 99.0),
-            outputs_match: t.out.output == resident.out.output,
-        });
+    let hooks = HookRegistry::new();
+    let mut backend: Option<StreamingBackend> = None;
+    // Device memory that is not weights (activations, engine workspace).
+    let base = cuda.device_memory().in_use;
+    let result = (|| -> Result<(), EngineError> {
+        for (label, cfg, budget) in configs {
+            match backend.as_mut() {
+                None => {
+                    let Some(mut b) = get_offload_backend(&cfg, platform.clone())? else { continue };
+                    b.enable(&mut model, &hooks, engine.stream())?;
+                    backend = Some(b);
+                }
+                Some(b) => b.retune(cfg, &model, &hooks, engine.stream())?,
+            }
+            let Some(b) = backend.as_ref() else { continue };
+            cuda.reset_peak();
+            let t = timed(&engine, b, &hooks, Some(b), spec.steps, spec.seed)?;
+            let rep = b.report();
+            master_bytes = master_bytes.max(rep.master_host_bytes);
+            let planned = b.plan().map_or(0, |p| p.budget.device_weight_bytes);
+            let peak = cuda.device_memory().peak.saturating_sub(base);
+            let dit_stack = rep.stacks.first();
+            let bound = compute_s.max(t.bytes_per_step as f64 / bw);
+            let row = BenchRow {
+                preset: name.to_string(),
+                config: label,
+                strategy: rep.strategy.clone(),
+                resident_blocks: dit_stack.map_or(0, |s| s.resident_head),
+                depth: dit_stack.map_or(0, |s| s.depth),
+                budget_bytes: budget,
+                step_s: t.step_s,
+                bound_s: bound,
+                ratio: t.step_s / bound,
+                streamed_bytes_per_step: t.bytes_per_step,
+                peak_weight_bytes: peak,
+                planned_weight_bytes: planned,
+                hook_p50_us: percentile_us(t.out.hook_latencies.clone(), 50.0),
+                hook_p99_us: percentile_us(t.out.hook_latencies.clone(), 99.0),
+                outputs_match: t.out.output == resident.out.output,
+            };
+            progress(&format!(
+                "{name} {}: {:.4} s/step, bound {:.4} s, ratio {:.3}, {} resident, depth {}, bit-exact {} ({:.1} s)",
+                row.config,
+                row.step_s,
+                row.bound_s,
+                row.ratio,
+                row.resident_blocks,
+                row.depth,
+                row.outputs_match,
+                t0.elapsed().as_secs_f64()
+            ));
+            report.rows.push(row);
+        }
+        Ok(())
+    })();
+    if let Some(mut b) = backend {
+        let d = b.disable(&mut model, &hooks);
+        result?;
+        d?;
+    } else {
+        result?;
     }
     report.host_memory.push((name.to_string(), total, master_bytes, peak_rss_bytes()));
     drop(engine);
@@ -285,8 +322,8 @@ fn bench_preset(spec: &BenchSpec, name: &str, report: &mut BenchReport) -> Resul
     Ok(())
 }
 
-/// Runs the benchmark matrix on GPU 0.
-pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&BenchRow)) -> Result<BenchReport, EngineError> {
+/// Runs the benchmark matrix on GPU 0. `progress` gets one line per measured configuration as it completes.
+pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, EngineError> {
     let mut report = BenchReport {
         device: String::new(),
         rows: Vec::new(),
@@ -296,11 +333,7 @@ pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&BenchRow)) -> Result<Be
         tokens: Vec::new(),
     };
     for p in &spec.presets {
-        let before = report.rows.len();
-        bench_preset(spec, p, &mut report)?;
-        for r in &report.rows[before..] {
-            progress(r);
-        }
+        bench_preset(spec, p, &mut report, progress)?;
     }
     Ok(report)
 }

@@ -7,7 +7,7 @@
 //! hooks, and gives each storage its own host buffer back with a real copy out of the master; if that fails it keeps
 //! the masters so a second `disable` can finish.
 
-use super::layout::UnitLayout;
+use super::layout::{section_bytes, UnitLayout};
 use super::resident::ResidentPlacement;
 use super::units::{build_unit_plan, UnitPlan};
 use super::{OffloadError, WeightSource};
@@ -90,9 +90,15 @@ struct State {
     /// Storages whose home is one of our masters.
     adopted: Vec<StorageId>,
     stacks: Vec<Arc<BlockStack>>,
+    /// The flat copies of every unit of every stack (kept so stacks can be rebuilt by `retune`).
+    block_specs: Vec<Vec<BlockSpec>>,
     locations: HashMap<StorageId, (usize, usize, u64)>,
     hooks_installed: bool,
 }
+
+/// Units whose masters are built in parallel before their storages' loaded buffers are freed: bounds the extra
+/// host memory during enable to this many units.
+const MASTER_BATCH: usize = 16;
 
 /// The backend for every strategy.
 pub struct StreamingBackend {
@@ -211,23 +217,36 @@ impl StreamingBackend {
         st.fixed = Some(ResidentPlacement::upload(&self.platform, model, &units.fixed, ps)?);
 
         let kind = if self.config.pin_memory { HostMemoryKind::Pinned } else { HostMemoryKind::Pageable };
-        let mut specs = Vec::new();
         for (si, sp) in units.stacks.iter().enumerate() {
             let mut blocks = Vec::new();
-            for (ui, unit) in sp.units.iter().enumerate() {
-                blocks.push(self.build_masters(st, model, unit, kind, si, ui)?);
+            for (start, batch) in sp.units.chunks(MASTER_BATCH).enumerate().map(|(i, b)| (i * MASTER_BATCH, b)) {
+                blocks.extend(self.build_masters(st, model, batch, kind, si, start)?);
             }
-            specs.push(StackSpec {
+            st.block_specs.push(blocks);
+        }
+        Self::build_stacks_with(&self.platform, self.ordering_fault, st, &units, hooks, compute, &stream)
+    }
+
+    /// Creates the block stacks of `units` over the masters in `st` and installs their hooks.
+    fn build_stacks_with(
+        platform: &PlatformRef,
+        ordering_fault: OrderingFault,
+        st: &mut State,
+        units: &UnitPlan,
+        hooks: &HookRegistry,
+        compute: StreamId,
+        stream: &StreamHandle,
+    ) -> Result<(), OffloadError> {
+        for (sp, blocks) in units.stacks.iter().zip(&st.block_specs) {
+            let spec = StackSpec {
                 name: sp.name.clone(),
-                blocks,
+                blocks: blocks.clone(),
                 resident_head: sp.resident_head,
                 prefetch_depth: sp.depth,
                 eager_prefetch: sp.eager,
-                ordering_fault: self.ordering_fault,
-            });
-        }
-        for spec in specs {
-            let stack = BlockStack::new(self.platform.clone(), spec, compute, stream.clone())?;
+                ordering_fault,
+            };
+            let stack = BlockStack::new(platform.clone(), spec, compute, stream.clone())?;
             st.stacks.push(Arc::new(stack));
         }
         st.hooks_installed = true;
@@ -240,35 +259,143 @@ impl StreamingBackend {
         Ok(())
     }
 
-    /// Builds the masters of one unit and moves its storages' homes into them.
+    /// Changes prefetch depths and resident heads (any new config that keeps the same components and block stacks)
+    /// without rebuilding host masters or the fixed placement: waits for outstanding work, then replaces the block
+    /// stacks and their hooks. A config that would change what is streamed is refused before anything is touched
+    /// (disable and enable instead). If building the new stacks fails, the backend stays enabled without hooks and
+    /// `disable` still restores everything.
+    pub fn retune(
+        &mut self,
+        config: OffloadConfig,
+        model: &HostModel,
+        hooks: &HookRegistry,
+        compute: StreamId,
+    ) -> Result<(), OffloadError> {
+        let Some(st) = self.state.as_mut() else {
+            return Err(OffloadError::Unsupported("retune needs an enabled backend; call enable first".into()));
+        };
+        let plan = resolve_offload_plan(model.desc(), &config)?;
+        let units = build_unit_plan(model.desc(), &config, &plan);
+        let same = st.units.as_ref().is_some_and(|old| {
+            old.hook_name == units.hook_name
+                && old.fixed == units.fixed
+                && old.stacks.len() == units.stacks.len()
+                && old.stacks.iter().zip(&units.stacks).all(|(a, b)| a.name == b.name && a.units == b.units)
+        });
+        if !same || config.pin_memory != self.config.pin_memory {
+            return Err(OffloadError::Unsupported(
+                "retune can change prefetch depths, resident layers and the device budget, not which components or \
+                 blocks are offloaded (or pinning); disable and enable with the new config instead"
+                    .into(),
+            ));
+        }
+        let Some(stream) = st.stream.clone() else {
+            return Err(OffloadError::Unsupported("retune needs an enabled backend; call enable first".into()));
+        };
+        hooks.remove_owned_by(units.hook_name);
+        let _ = hooks.claim_offload(units.hook_name);
+        st.hooks_installed = false;
+        for s in std::mem::take(&mut st.stacks) {
+            s.disable()?;
+        }
+        st.units = Some(units.clone());
+        self.config = config;
+        self.plan = Some(plan);
+        let st = self.state.as_mut().ok_or_else(|| OffloadError::Unsupported("backend state vanished".into()))?;
+        let r = Self::build_stacks_with(&self.platform, self.ordering_fault, st, &units, hooks, compute, &stream);
+        if r.is_err() {
+            hooks.remove_owned_by(units.hook_name);
+            let _ = hooks.claim_offload(units.hook_name);
+            for s in std::mem::take(&mut st.stacks) {
+                let _ = s.disable();
+            }
+        }
+        r
+    }
+
+    /// Builds the masters of a batch of units (in parallel: one thread per unit), then moves their storages' homes
+    /// into them, freeing the loaded buffers. Returns the units' flat copies.
     fn build_masters(
         &self,
         st: &mut State,
         model: &mut HostModel,
-        unit: &UnitLayout,
+        batch: &[UnitLayout],
         kind: HostMemoryKind,
         si: usize,
-        ui: usize,
-    ) -> Result<BlockSpec, OffloadError> {
-        let mut segments = Vec::new();
-        let mut made = Vec::new();
-        for sec in &unit.sections {
-            let bytes = unit.section_bytes(model, sec)?;
-            let buf = self.platform.alloc_host(sec.len.max(1), kind)?;
-            st.masters.push(buf);
-            st.master_bytes += sec.len;
-            self.platform.write_host(buf, 0, &bytes)?;
-            segments.push(Segment { host: buf, host_offset: 0, len: sec.len, device_offset: sec.device_offset });
-            made.push((buf, sec));
-        }
-        for (buf, sec) in made {
-            for &(s, off) in &sec.storages {
-                model.adopt_master(s, buf, off)?;
-                st.adopted.push(s);
-                st.locations.insert(s, (si, ui, sec.device_offset + off));
+        first_ui: usize,
+    ) -> Result<Vec<BlockSpec>, OffloadError> {
+        let platform = &self.platform;
+        let shared: &HostModel = model;
+        type Built = Result<Vec<(HostBufferId, u64)>, (OffloadError, Vec<HostBufferId>)>;
+        let built: Vec<Built> = std::thread::scope(|scope| {
+            let handles: Vec<_> = batch
+                .iter()
+                .map(|unit| {
+                    scope.spawn(move || {
+                        let mut made: Vec<(HostBufferId, u64)> = Vec::new();
+                        for sec in &unit.sections {
+                            let r = (|| -> Result<HostBufferId, OffloadError> {
+                                let bytes = section_bytes(shared, sec)?;
+                                let buf = platform.alloc_host(sec.len.max(1), kind)?;
+                                if let Err(e) = platform.write_host(buf, 0, &bytes) {
+                                    let _ = platform.free_host(buf);
+                                    return Err(e.into());
+                                }
+                                Ok(buf)
+                            })();
+                            match r {
+                                Ok(buf) => made.push((buf, sec.len)),
+                                Err(e) => return Err((e, made.into_iter().map(|(b, _)| b).collect())),
+                            }
+                        }
+                        Ok(made)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err((OffloadError::Unsupported("master building thread panicked".into()), Vec::new()))
+                    })
+                })
+                .collect()
+        });
+        // Record every buffer first so a failure anywhere frees them all on rollback.
+        let mut first_err = None;
+        let mut per_unit = Vec::new();
+        for b in built {
+            match b {
+                Ok(made) => {
+                    for &(buf, len) in &made {
+                        st.masters.push(buf);
+                        st.master_bytes += len;
+                    }
+                    per_unit.push(made);
+                }
+                Err((e, made)) => {
+                    st.masters.extend(made);
+                    first_err.get_or_insert(e);
+                }
             }
         }
-        Ok(BlockSpec { segments, device_bytes: unit.device_bytes })
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let mut specs = Vec::new();
+        for (k, (unit, made)) in batch.iter().zip(per_unit).enumerate() {
+            let mut segments = Vec::new();
+            for (sec, (buf, _)) in unit.sections.iter().zip(made) {
+                segments.push(Segment { host: buf, host_offset: 0, len: sec.len, device_offset: sec.device_offset });
+                for &(s, off) in &sec.storages {
+                    model.adopt_master(s, buf, off)?;
+                    st.adopted.push(s);
+                    st.locations.insert(s, (si, first_ui + k, sec.device_offset + off));
+                }
+            }
+            specs.push(BlockSpec { segments, device_bytes: unit.device_bytes });
+        }
+        Ok(specs)
     }
 
     /// Undoes everything in `st`, in reverse order. Keeps masters whose storages could not be restored.

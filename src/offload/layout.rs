@@ -72,20 +72,16 @@ impl UnitLayout {
     pub fn storages(&self) -> impl Iterator<Item = StorageId> + '_ {
         self.sections.iter().flat_map(|s| s.storages.iter().map(|(id, _)| *id))
     }
+}
 
-    /// Bytes of a section's contents as they must appear in its master, read from the model's current homes.
-    pub fn section_bytes(
-        &self,
-        model: &HostModel,
-        sec: &Section,
-    ) -> Result<Vec<u8>, weightferry_actors::platform::PlatformError> {
-        let mut out = vec![0u8; sec.len as usize];
-        for &(s, off) in &sec.storages {
-            let b = model.read_storage(s)?;
-            out[off as usize..off as usize + b.len()].copy_from_slice(&b);
-        }
-        Ok(out)
+/// Bytes of a section's contents as they must appear in its master, read from the model's current homes.
+pub fn section_bytes(model: &HostModel, sec: &Section) -> Result<Vec<u8>, weightferry_actors::platform::PlatformError> {
+    let mut out = vec![0u8; sec.len as usize];
+    for &(s, off) in &sec.storages {
+        let b = model.read_storage(s)?;
+        out[off as usize..off as usize + b.len()].copy_from_slice(&b);
     }
+    Ok(out)
 }
 
 /// Distinct storages under each of `paths`, in tensor declaration order.
