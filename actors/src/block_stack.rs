@@ -60,6 +60,12 @@ pub enum OrderingFault {
     SkipReadyWait,
     /// A load overwrites a slot without waiting for its last-use event.
     SkipLastUseWait,
+    /// `fence` replies once earlier loads are enqueued (recorded) instead of completed.
+    FenceOnRecord,
+    /// `disable` frees slot memory without observing completion of the copies and reads touching it.
+    FreeWithoutSync,
+    /// Waits for a load to be recorded ignore that the stream actor stopped (a lost wake-up when it stops).
+    IgnoreActorStop,
 }
 
 /// What a block stack streams and how.
@@ -141,6 +147,7 @@ pub struct BlockStack {
     compute: StreamId,
     stream: StreamHandle,
     board: Arc<TicketBoard>,
+    fault: OrderingFault,
     inner: Mutex<Inner>,
 }
 
@@ -240,6 +247,7 @@ impl BlockStack {
             compute,
             stream,
             board: Arc::new(TicketBoard::new()),
+            fault: spec.ordering_fault,
             inner: Mutex::new(Inner {
                 blocks: spec.blocks,
                 resident_head: spec.resident_head,
@@ -348,7 +356,8 @@ impl BlockStack {
 
     fn wait_recorded(&self, ticket: Ticket, block: usize) -> Result<(), SchedulerError> {
         let stream = self.stream.clone();
-        match self.board.wait(ticket, &move || stream.is_alive()) {
+        let ignore_stop = self.fault == OrderingFault::IgnoreActorStop;
+        match self.board.wait(ticket, &move || ignore_stop || stream.is_alive()) {
             Some(Ok(())) => Ok(()),
             Some(Err(e)) => Err(SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e }),
             None => Err(SchedulerError::ActorGone { actor: format!("stream '{}'", self.stream.name()) }),
@@ -601,7 +610,12 @@ impl BlockStack {
 
     /// Returns once every load issued so far has completed and every slot's last use has completed.
     pub fn fence(&self) -> Result<(), SchedulerError> {
-        self.stream.fence()?;
+        if self.fault == OrderingFault::FenceOnRecord {
+            let last = lock(&self.inner).next_ticket - 1;
+            self.wait_recorded(last, usize::MAX)?;
+        } else {
+            self.stream.fence()?;
+        }
         let events: Vec<EventId> = lock(&self.inner).last_use_ev.clone();
         for e in events {
             self.platform.event_synchronize(e)?;
@@ -625,10 +639,14 @@ impl BlockStack {
 
     fn release_all(&self) -> Result<(), SchedulerError> {
         // Observe completion of every copy and every read before freeing anything.
-        let fenced = self.stream.fence();
+        let skip_sync = self.fault == OrderingFault::FreeWithoutSync;
+        let fenced = if skip_sync { Ok(()) } else { self.stream.fence() };
         let mut g = lock(&self.inner);
         let mut sync_err = None;
         for &e in g.last_use_ev.iter().chain(g.ready_ev.iter()).chain(g.resident_ev.iter()) {
+            if skip_sync {
+                break;
+            }
             if let Err(err) = self.platform.event_synchronize(e) {
                 sync_err.get_or_insert(err);
             }
