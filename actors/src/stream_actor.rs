@@ -74,8 +74,15 @@ impl StreamHandle {
         let a = alive.clone();
         let p = platform.clone();
         let j = thread::spawn_named(&format!("wf-stream-{name}"), move || {
-            actor_loop(p, stream, rx, watch_tx);
+            actor_loop(p, stream, &rx, watch_tx);
             a.store(false, Ordering::Release);
+            // Loads sent after Shutdown are never executed: wake their waiters, which then see the actor stopped
+            // (a waiter that checked `is_alive` before the store above would otherwise park forever).
+            while let Ok(Some(cmd)) = rx.try_recv() {
+                if let StreamCmd::Load(cmd) = cmd {
+                    cmd.board.wake_all();
+                }
+            }
         })
         .map_err(|e| SchedulerError::Platform(PlatformError::Driver(format!("spawn stream actor: {e}"))))?;
         joins.push(j);
@@ -142,7 +149,7 @@ fn execute(platform: &PlatformRef, stream: StreamId, cmd: &LoadCmd) -> Result<()
     platform.record_event(cmd.ready, stream)
 }
 
-fn actor_loop(platform: PlatformRef, stream: StreamId, rx: Receiver<StreamCmd>, watch: Option<Sender<Watch>>) {
+fn actor_loop(platform: PlatformRef, stream: StreamId, rx: &Receiver<StreamCmd>, watch: Option<Sender<Watch>>) {
     while let Ok(cmd) = rx.recv() {
         match cmd {
             StreamCmd::Load(cmd) => {
