@@ -121,14 +121,16 @@ pub struct StackStats {
 
 struct Inner {
     blocks: Vec<BlockSpec>,
-    resident_head: usize,
+    /// Per block: kept resident (never streamed).
+    resident: Vec<bool>,
     depth: usize,
     fault: OrderingFault,
     table: SlotTable,
     slot_bufs: Vec<DeviceBufferId>,
     ready_ev: Vec<EventId>,
     last_use_ev: Vec<EventId>,
-    resident_bufs: Vec<DeviceBufferId>,
+    /// Per block: its own device buffer when resident.
+    resident_bufs: Vec<Option<DeviceBufferId>>,
     resident_ev: Option<EventId>,
     next_ticket: Ticket,
     /// Per slot: filled by a prefetch (vs. a synchronous fetch) and not yet used.
@@ -175,14 +177,34 @@ impl BlockStack {
         compute: StreamId,
         stream: StreamHandle,
     ) -> Result<BlockStack, SchedulerError> {
+        Self::with_resident_set(platform, spec, None, compute, stream)
+    }
+
+    /// Like [`BlockStack::new`], but keeps exactly the blocks marked in `resident` resident (any set, not only a
+    /// leading head; `spec.resident_head` is ignored when a set is given). Spreading resident blocks between
+    /// streamed ones lets every copy overlap the compute of the resident blocks around it.
+    pub fn with_resident_set(
+        platform: PlatformRef,
+        spec: StackSpec,
+        resident: Option<Vec<bool>>,
+        compute: StreamId,
+        stream: StreamHandle,
+    ) -> Result<BlockStack, SchedulerError> {
         let n = spec.blocks.len();
         let invalid = |reason: String| SchedulerError::InvalidSpec { stack: spec.name.clone(), reason };
         if n == 0 {
             return Err(invalid("it has no blocks".into()));
         }
-        if spec.resident_head > n {
-            return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)));
-        }
+        let resident = match resident {
+            Some(mask) if mask.len() != n => {
+                return Err(invalid(format!("resident set has {} entries for {n} blocks", mask.len())))
+            }
+            Some(mask) => mask,
+            None if spec.resident_head > n => {
+                return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)))
+            }
+            None => (0..n).map(|i| i < spec.resident_head).collect(),
+        };
         for (i, b) in spec.blocks.iter().enumerate() {
             for s in &b.segments {
                 if s.device_offset.checked_add(s.len).is_none_or(|end| end > b.device_bytes) {
@@ -193,18 +215,24 @@ impl BlockStack {
                 }
             }
         }
-        let streaming = n - spec.resident_head;
+        let streaming = resident.iter().filter(|r| !**r).count();
         let slots = if streaming == 0 { 0 } else { (spec.prefetch_depth + 1).min(streaming) };
-        let slot_size = spec.blocks[spec.resident_head..].iter().map(|b| b.device_bytes).max().unwrap_or(0);
+        let slot_size =
+            spec.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.device_bytes).max().unwrap_or(0);
+        let resident_count = n - streaming;
 
         let mut bufs = Vec::new();
         let mut events = Vec::new();
         let result = (|| -> Result<_, SchedulerError> {
             let mut resident_bufs = Vec::new();
-            for b in &spec.blocks[..spec.resident_head] {
-                let buf = platform.alloc_device(b.device_bytes.max(1))?;
-                bufs.push(buf);
-                resident_bufs.push(buf);
+            for (b, &r) in spec.blocks.iter().zip(&resident) {
+                if r {
+                    let buf = platform.alloc_device(b.device_bytes.max(1))?;
+                    bufs.push(buf);
+                    resident_bufs.push(Some(buf));
+                } else {
+                    resident_bufs.push(None);
+                }
             }
             let mut slot_bufs = Vec::new();
             for _ in 0..slots {
@@ -222,7 +250,7 @@ impl BlockStack {
                 events.push(e);
                 last_use_ev.push(e);
             }
-            let resident_ev = if spec.resident_head > 0 {
+            let resident_ev = if resident_count > 0 {
                 let e = platform.create_event()?;
                 events.push(e);
                 Some(e)
@@ -238,8 +266,9 @@ impl BlockStack {
                 return Err(e);
             }
         };
-        let device_bytes = spec.blocks[..spec.resident_head].iter().map(|b| b.device_bytes.max(1)).sum::<u64>()
-            + slots as u64 * slot_size.max(1);
+        let device_bytes =
+            spec.blocks.iter().zip(&resident).filter(|(_, r)| **r).map(|(b, _)| b.device_bytes.max(1)).sum::<u64>()
+                + slots as u64 * slot_size.max(1);
         let (notify, mailbox) = mailbox::unbounded();
         let stack = BlockStack {
             name: std::sync::Arc::from(spec.name.as_str()),
@@ -250,7 +279,7 @@ impl BlockStack {
             fault: spec.ordering_fault,
             inner: Mutex::new(Inner {
                 blocks: spec.blocks,
-                resident_head: spec.resident_head,
+                resident,
                 depth: spec.prefetch_depth,
                 fault: spec.ordering_fault,
                 table: SlotTable::new(slots),
@@ -263,7 +292,7 @@ impl BlockStack {
                 prefetched: vec![false; slots],
                 mailbox,
                 notify,
-                stats: StackStats { resident_blocks: spec.resident_head as u64, device_bytes, ..Default::default() },
+                stats: StackStats { resident_blocks: resident_count as u64, device_bytes, ..Default::default() },
                 disabled: false,
                 failure: None,
             }),
@@ -311,7 +340,7 @@ impl BlockStack {
 
     fn load_resident_head(&self) -> Result<(), SchedulerError> {
         let mut g = lock(&self.inner);
-        if g.resident_head == 0 {
+        if !g.resident.iter().any(|r| *r) {
             return Ok(());
         }
         let ready = g.resident_ev.ok_or_else(|| SchedulerError::InvalidSpec {
@@ -319,10 +348,10 @@ impl BlockStack {
             reason: "resident head without its event".into(),
         })?;
         let mut tickets = Vec::new();
-        for i in 0..g.resident_head {
+        for i in 0..g.blocks.len() {
+            let Some(dst) = g.resident_bufs[i] else { continue };
             let ticket = g.next_ticket;
             g.next_ticket += 1;
-            let dst = g.resident_bufs[i];
             let copies = copies_for(&g.blocks[i], dst);
             g.stats.loads += 1;
             g.stats.h2d_bytes += g.blocks[i].copy_bytes();
@@ -442,7 +471,7 @@ impl BlockStack {
     /// Streamed blocks after `from` (or from the start of the ring when `None`), wrapping, at most `depth`.
     fn upcoming(g: &Inner, from: Option<usize>) -> Vec<usize> {
         let n = g.blocks.len();
-        let streaming = n - g.resident_head;
+        let streaming = g.resident.iter().filter(|r| !**r).count();
         let mut out = Vec::new();
         if streaming == 0 || g.depth == 0 {
             return out;
@@ -450,7 +479,7 @@ impl BlockStack {
         let mut i = from.unwrap_or(n - 1);
         for _ in 0..n {
             i = (i + 1) % n;
-            if i < g.resident_head {
+            if g.resident[i] {
                 continue;
             }
             if Some(i) == from {
@@ -497,8 +526,8 @@ impl BlockStack {
         if block >= n {
             return Err(SchedulerError::NoSuchBlock { stack: self.name.to_string(), block, len: n });
         }
-        if block < g.resident_head {
-            let loc = BlockLocation { buffer: g.resident_bufs[block], offset: 0 };
+        if let Some(buffer) = g.resident_bufs[block] {
+            let loc = BlockLocation { buffer, offset: 0 };
             self.prefetch_locked(&mut g, Some(block))?;
             return Ok(loc);
         }
@@ -587,7 +616,7 @@ impl BlockStack {
         if block >= n {
             return Err(SchedulerError::NoSuchBlock { stack: self.name.to_string(), block, len: n });
         }
-        if block < g.resident_head {
+        if g.resident[block] {
             return Ok(());
         }
         let s = match g.table.slot_of(block) {
@@ -602,8 +631,8 @@ impl BlockStack {
     /// Where a block is now, if it is resident or in a slot.
     pub fn location(&self, block: usize) -> Option<BlockLocation> {
         let g = lock(&self.inner);
-        if block < g.resident_head {
-            return Some(BlockLocation { buffer: g.resident_bufs[block], offset: 0 });
+        if let Some(buffer) = g.resident_bufs.get(block).copied().flatten() {
+            return Some(BlockLocation { buffer, offset: 0 });
         }
         g.table.slot_of(block).map(|s| BlockLocation { buffer: g.slot_bufs[s], offset: 0 })
     }
@@ -659,7 +688,8 @@ impl BlockStack {
             let _ = g.table.free(s);
         }
         let inner = &mut *g;
-        let bufs: Vec<DeviceBufferId> = inner.resident_bufs.drain(..).chain(inner.slot_bufs.drain(..)).collect();
+        let bufs: Vec<DeviceBufferId> =
+            inner.resident_bufs.drain(..).flatten().chain(inner.slot_bufs.drain(..)).collect();
         let events: Vec<EventId> =
             inner.ready_ev.drain(..).chain(inner.last_use_ev.drain(..)).chain(inner.resident_ev.take()).collect();
         g.stats.device_bytes = 0;

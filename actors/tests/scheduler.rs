@@ -258,3 +258,46 @@ fn protocol_misuse_is_an_error_not_a_panic() {
     stack.disable().unwrap();
     assert!(matches!(stack.pre_forward(0), Err(SchedulerError::Disabled { .. })));
 }
+
+#[test]
+fn a_spread_resident_set_streams_only_the_other_blocks() {
+    for depth in 1..=3 {
+        let r = rig(7, slow_copies());
+        let mask = vec![false, true, false, false, true, false, true];
+        let stack = BlockStack::with_resident_set(
+            r.sim.clone(),
+            spec(&r, 0, depth, OrderingFault::None),
+            Some(mask.clone()),
+            r.compute,
+            r.stream.clone(),
+        )
+        .unwrap();
+        assert_eq!(drive(&r, &stack, 3, &|_, _| false, Duration::ZERO), 0);
+        assert!(r.sim.violations().is_empty(), "{:?}", r.sim.violations());
+        let st = stack.stats();
+        assert_eq!(st.resident_blocks, 3);
+        assert_eq!(st.sync_fetches, 0, "depth {depth}");
+        // Resident blocks load once; the 4 streamed blocks load every pass (plus the `depth` blocks the last pass
+        // prefetches for a next pass) unless the slots hold them all.
+        let streamed = 4u64;
+        let slots = (depth as u64 + 1).min(streamed);
+        let expect_loads = 3 + if slots == streamed { streamed } else { 3 * streamed + depth as u64 };
+        assert_eq!(st.loads, expect_loads, "depth {depth}");
+        let slot = r.blocks.iter().zip(&mask).filter(|(_, m)| !**m).map(|(b, _)| b.device_bytes).max().unwrap();
+        let head: u64 = r.blocks.iter().zip(&mask).filter(|(_, m)| **m).map(|(b, _)| b.device_bytes).sum();
+        assert_eq!(st.device_bytes, head + slots * slot);
+        stack.disable().unwrap();
+        assert_eq!(r.sim.device_memory().in_use, 0);
+        r.stream.shutdown();
+    }
+    let r = rig(3, SimConfig::default());
+    let err = BlockStack::with_resident_set(
+        r.sim.clone(),
+        spec(&r, 0, 1, OrderingFault::None),
+        Some(vec![true]),
+        r.compute,
+        r.stream.clone(),
+    )
+    .unwrap_err();
+    assert_eq!(err.to_string(), "invalid stack 'dit': resident set has 1 entries for 3 blocks");
+}

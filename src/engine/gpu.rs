@@ -205,6 +205,12 @@ fn bench_preset(
     let upload = platform.create_stream("bench-upload")?;
     let all: Vec<StorageId> = desc.storages.keys().copied().collect();
     let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
+    // Warm up first: the first execution pays cuBLAS handle creation and kernel loading.
+    let warm = ExecOptions { steps: 1, input_seed: spec.seed, skip_seed: None, span_epoch: None };
+    if let Err(e) = engine.execute(&placement, &HookRegistry::new(), &warm, &mut |_| {}) {
+        placement.release()?;
+        return Err(e);
+    }
     let resident = timed(&engine, &placement, &HookRegistry::new(), None, spec.steps, spec.seed);
     placement.release()?;
     let resident = resident?;

@@ -246,7 +246,13 @@ impl StreamingBackend {
                 eager_prefetch: sp.eager,
                 ordering_fault,
             };
-            let stack = BlockStack::new(platform.clone(), spec, compute, stream.clone())?;
+            let stack = BlockStack::with_resident_set(
+                platform.clone(),
+                spec,
+                sp.resident_mask.clone(),
+                compute,
+                stream.clone(),
+            )?;
             st.stacks.push(Arc::new(stack));
         }
         st.hooks_installed = true;

@@ -20,8 +20,10 @@ pub struct StackPlan {
     pub name: String,
     /// Units in execution order.
     pub units: Vec<UnitLayout>,
-    /// Leading units kept resident.
+    /// Leading units kept resident (the count of resident units when `resident_mask` is set).
     pub resident_head: usize,
+    /// Exactly which units stay resident, when the planner spread them along the stack.
+    pub resident_mask: Option<Vec<bool>>,
     /// Prefetch depth; 0 = staged (one slot, no prefetch).
     pub depth: usize,
     /// Prefetch at enable.
@@ -55,8 +57,8 @@ pub fn hook_name(strategy: Strategy) -> &'static str {
     }
 }
 
-/// A stack before packing: name, `(unit path, storages)`, resident head, depth, eager prefetch.
-type RawStack = (String, Vec<(String, Vec<StorageId>)>, usize, usize, bool);
+/// A stack before packing: name, `(unit path, storages)`, resident head, resident mask, depth, eager prefetch.
+type RawStack = (String, Vec<(String, Vec<StorageId>)>, usize, Option<Vec<bool>>, usize, bool);
 
 /// Builds the unit plan. Returns an empty plan when the strategy has nothing to do for this pipeline.
 pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPlan) -> UnitPlan {
@@ -77,7 +79,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     .map(|c| (c.path.clone(), storages_of(p, &c.path)))
                     .collect();
                 let head = if cfg.keep_dit_resident { dits.len() } else { 0 };
-                stacks.push(("model-swap".to_string(), units, head, 0, false));
+                stacks.push(("model-swap".to_string(), units, head, None, 0, false));
             }
         }
         Strategy::LayerWise | Strategy::DistributedLayerWise => {
@@ -93,7 +95,14 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     }
                     for s in &c.stacks {
                         let units = s.blocks.iter().map(|b| (b.clone(), storages_of(p, b))).collect();
-                        stacks.push((s.name.clone(), units, s.resident_head, s.prefetch_depth as usize, eager));
+                        stacks.push((
+                            s.name.clone(),
+                            units,
+                            s.resident_head,
+                            s.resident_mask.clone(),
+                            s.prefetch_depth as usize,
+                            eager,
+                        ));
                     }
                 };
                 for c in plan.components() {
@@ -103,7 +112,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     }
                 }
                 if !staged.is_empty() {
-                    stacks.push(("on-demand".to_string(), staged, 0, 0, false));
+                    stacks.push(("on-demand".to_string(), staged, 0, None, 0, false));
                 }
             }
         }
@@ -123,7 +132,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
     let fixed: Vec<StorageId> = p.storages.keys().copied().filter(|s| !streamed.contains(s)).collect();
     let stacks = stacks
         .into_iter()
-        .map(|(name, units, resident_head, depth, eager)| StackPlan {
+        .map(|(name, units, resident_head, resident_mask, depth, eager)| StackPlan {
             name,
             units: units
                 .into_iter()
@@ -133,6 +142,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                 })
                 .collect(),
             resident_head,
+            resident_mask,
             depth,
             eager,
         })

@@ -164,30 +164,40 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
                         index += 1;
                         reserved = reserved.saturating_sub(own_min);
                         let avail = remaining.unwrap_or(u64::MAX);
-                        let (head, depth) = fit_stack(&s.block_bytes, user_depth, avail.saturating_sub(reserved))
-                            .ok_or_else(|| {
-                                let need = mins.iter().fold(fixed, |a, &m| a.saturating_add(m));
-                                let others = if mins.len() > 1 {
-                                    let rest = need.saturating_sub(fixed).saturating_sub(own_min);
-                                    format!(" and {rest} bytes for the other DiT stacks")
-                                } else {
-                                    String::new()
-                                };
-                                format!(
-                                    "diffusion_offload_config.device_budget: {} bytes cannot hold the {fixed} bytes of \
+                        let choice = plan_spread(
+                            &s.block_bytes,
+                            user_depth,
+                            avail.saturating_sub(reserved),
+                            ASSUMED_COMPUTE_RATIO,
+                        )
+                        .ok_or_else(|| {
+                            let need = mins.iter().fold(fixed, |a, &m| a.saturating_add(m));
+                            let others = if mins.len() > 1 {
+                                let rest = need.saturating_sub(fixed).saturating_sub(own_min);
+                                format!(" and {rest} bytes for the other DiT stacks")
+                            } else {
+                                String::new()
+                            };
+                            format!(
+                                "diffusion_offload_config.device_budget: {} bytes cannot hold the {fixed} bytes of \
                                      weights that stay on the device plus the smallest ring of {own_min} bytes for \
                                      '{}' (prefetch depth {}){others}; raise device_budget to at least {need} bytes \
                                      ({:.2} GiB)",
-                                    cfg.device_budget.unwrap_or(0),
-                                    s.name,
-                                    user_depth.unwrap_or(1),
-                                    need as f64 / (1u64 << 30) as f64
-                                )
-                            })?;
-                        s.resident_head = head;
+                                cfg.device_budget.unwrap_or(0),
+                                s.name,
+                                user_depth.unwrap_or(1),
+                                need as f64 / (1u64 << 30) as f64
+                            )
+                        })?;
+                        let kept = choice.resident.iter().filter(|r| **r).count();
+                        let depth = choice.depth;
+                        let pattern: String = choice.resident.iter().map(|&r| if r { 'R' } else { 's' }).collect();
+                        s.resident_head = kept;
+                        s.resident_mask = Some(choice.resident);
                         s.prefetch_depth = depth;
                         b.notes.push(format!(
-                            "{}: planner keeps {head} of {} blocks resident and prefetches {depth} ahead ({} slots)",
+                            "{}: planner keeps {kept} of {} blocks resident, spread along the stack so copies hide \
+                             behind their compute, and prefetches {depth} ahead ({} slots); layout {pattern}",
                             s.name,
                             s.blocks.len(),
                             s.slot_count()
@@ -238,6 +248,152 @@ fn stack_cost(blocks: &[u64], r: usize, k: u32) -> u64 {
 fn min_stack_bytes(blocks: &[u64], user_depth: Option<u32>) -> u64 {
     let k = user_depth.unwrap_or(1);
     (0..=blocks.len()).map(|r| stack_cost(blocks, r, k)).min().unwrap_or(0)
+}
+
+/// Compute time per byte of a block relative to copy time per byte, assumed by the planner's timing model when it
+/// chooses which blocks to keep resident (DiT blocks compute in time proportional to their weights at a fixed token
+/// count; 0.5 sits between a transfer-bound image DiT and a compute-bound video DiT).
+pub const ASSUMED_COMPUTE_RATIO: f64 = 0.5;
+
+/// The planner's choice for one stack: which blocks stay resident, the prefetch depth, and the predicted time of a
+/// steady-state pass in units of "time to copy one byte".
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpreadChoice {
+    /// Per block: resident.
+    pub resident: Vec<bool>,
+    /// Prefetch depth.
+    pub depth: u32,
+    /// Predicted time of one steady-state pass.
+    pub predicted: f64,
+    /// Device bytes of the choice (resident blocks + slots).
+    pub bytes: u64,
+}
+
+/// Device bytes of a resident set at depth `k`: the resident blocks plus `min(k+1, streamed)` slots of the largest
+/// streamed block.
+pub fn resident_set_cost(blocks: &[u64], resident: &[bool], k: u32) -> u64 {
+    let head: u64 = blocks.iter().zip(resident).filter(|(_, r)| **r).map(|(b, _)| *b).sum();
+    let streamed: Vec<u64> = blocks.iter().zip(resident).filter(|(_, r)| !**r).map(|(b, _)| *b).collect();
+    let slots = (k as usize + 1).min(streamed.len()) as u64;
+    head.saturating_add(slots.saturating_mul(streamed.iter().copied().max().unwrap_or(0)))
+}
+
+/// Predicted time of a steady-state pass: copies run one at a time on the copy stream, a streamed block's copy
+/// needs a free slot (freed when the compute of the block that held it finished), compute runs in order and waits
+/// for its block's copy. Copy time of a block is its bytes; compute time is `ratio ·` its bytes.
+pub fn simulate_pass(blocks: &[u64], resident: &[bool], k: u32, ratio: f64) -> f64 {
+    let streamed: Vec<usize> = (0..blocks.len()).filter(|&i| !resident[i]).collect();
+    let slots = (k as usize + 1).min(streamed.len());
+    let passes = 3;
+    let mut copy_free = 0.0f64;
+    let mut compute_end = 0.0f64;
+    // Compute-finish times of streamed blocks in stream order (across passes), to know when a slot frees.
+    let mut finished: Vec<f64> = Vec::new();
+    let mut pass_end = Vec::new();
+    for _ in 0..passes {
+        for (i, &b) in blocks.iter().enumerate() {
+            let mut ready = 0.0f64;
+            if !resident[i] {
+                let order = finished.len();
+                let slot_free = if order >= slots { finished[order - slots] } else { 0.0 };
+                let start = copy_free.max(slot_free);
+                copy_free = start + b as f64;
+                ready = copy_free;
+            }
+            compute_end = compute_end.max(ready) + ratio * b as f64;
+            if !resident[i] {
+                finished.push(compute_end);
+            }
+        }
+        pass_end.push(compute_end);
+    }
+    pass_end[passes - 1] - pass_end[passes - 2]
+}
+
+/// Marks blocks resident evenly along the stack (in byte order) until `room` bytes are used, so every streamed
+/// block sits between resident ones whose compute hides its copy. Blocks in `must` are resident first.
+fn spread(blocks: &[u64], eligible: &[bool], must: &[bool], room: u64) -> Vec<bool> {
+    let mut resident = must.to_vec();
+    let total: u64 = blocks.iter().zip(eligible).filter(|(_, e)| **e).map(|(b, _)| *b).sum();
+    if total == 0 {
+        return resident;
+    }
+    let frac = (room as f64 / total as f64).min(1.0);
+    let mut acc = 0.0f64;
+    let mut used = 0u64;
+    for (i, &b) in blocks.iter().enumerate() {
+        if !eligible[i] {
+            continue;
+        }
+        acc += frac * b as f64;
+        if acc + 1e-9 >= b as f64 && used + b <= room {
+            resident[i] = true;
+            used += b;
+            acc -= b as f64;
+        }
+    }
+    resident
+}
+
+/// Chooses which blocks of a stack stay resident and how deep it prefetches within `avail` bytes, by predicting the
+/// pass time of candidate layouts with [`simulate_pass`]: for every depth (the user's, or 1–4) and every slot size
+/// (a block size: larger blocks must then be resident), resident blocks either spread evenly along the stack or
+/// packed at its head. Ties go to fewer streamed bytes, then to the shallower depth. `None` when nothing fits.
+pub fn plan_spread(blocks: &[u64], user_depth: Option<u32>, avail: u64, ratio: f64) -> Option<SpreadChoice> {
+    let n = blocks.len();
+    let depths: Vec<u32> = match user_depth {
+        Some(k) => vec![k],
+        None => vec![1, 2, 3, 4],
+    };
+    let mut sizes: Vec<u64> = blocks.to_vec();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut best: Option<SpreadChoice> = None;
+    let mut consider = |resident: Vec<bool>, k: u32| {
+        let bytes = resident_set_cost(blocks, &resident, k);
+        if bytes > avail {
+            return;
+        }
+        let predicted = simulate_pass(blocks, &resident, k, ratio);
+        let streamed: u64 = blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| *b).sum();
+        let better = match &best {
+            None => true,
+            Some(b) => {
+                let b_streamed: u64 = blocks.iter().zip(&b.resident).filter(|(_, r)| !**r).map(|(x, _)| *x).sum();
+                predicted < b.predicted * (1.0 - 1e-9)
+                    || ((predicted - b.predicted).abs() <= b.predicted * 1e-9 && (streamed, k) < (b_streamed, b.depth))
+            }
+        };
+        if better {
+            best = Some(SpreadChoice { resident, depth: k, predicted, bytes });
+        }
+    };
+    for &k in &depths {
+        // Everything resident.
+        consider(vec![true; n], k);
+        for &m in &sizes {
+            let must: Vec<bool> = blocks.iter().map(|&b| b > m).collect();
+            let eligible: Vec<bool> = blocks.iter().map(|&b| b <= m).collect();
+            let streamable = eligible.iter().filter(|e| **e).count();
+            let slots = (k as usize + 1).min(streamable) as u64;
+            let fixed: u64 = blocks.iter().zip(&must).filter(|(_, r)| **r).map(|(b, _)| *b).sum();
+            let Some(room) = avail.checked_sub(fixed.saturating_add(slots.saturating_mul(m))) else { continue };
+            consider(spread(blocks, &eligible, &must, room), k);
+            // Head packing among the eligible blocks.
+            let mut head = must.clone();
+            let mut used = 0u64;
+            for (i, &b) in blocks.iter().enumerate() {
+                if eligible[i] && used + b <= room {
+                    head[i] = true;
+                    used += b;
+                } else if eligible[i] {
+                    break;
+                }
+            }
+            consider(head, k);
+        }
+    }
+    best
 }
 
 /// Chooses (resident head, depth) for one stack within `avail` bytes: the user's depth (or 2, falling back to 1),

@@ -74,33 +74,50 @@ pub struct BlockStack {
     pub blocks: Vec<String>,
     /// Device bytes of each block (its distinct storages, each aligned as the device layout packs them).
     pub block_bytes: Vec<u64>,
-    /// Number of leading blocks kept resident on the device.
+    /// Number of blocks kept resident on the device: the leading ones, unless `resident_mask` says which.
     pub resident_head: usize,
+    /// Exactly which blocks stay resident, when the device-budget planner spread them along the stack (the
+    /// explicit `resident_layers` always keeps a leading head and leaves this `None`).
+    pub resident_mask: Option<Vec<bool>>,
     /// How many blocks ahead the ring prefetches.
     pub prefetch_depth: u32,
 }
 
 impl BlockStack {
+    /// Whether block `i` stays resident.
+    pub fn is_resident(&self, i: usize) -> bool {
+        match &self.resident_mask {
+            Some(m) => m.get(i).copied().unwrap_or(false),
+            None => i < self.resident_head,
+        }
+    }
+    /// Per block: resident.
+    pub fn resident_flags(&self) -> Vec<bool> {
+        (0..self.blocks.len()).map(|i| self.is_resident(i)).collect()
+    }
     /// Blocks kept resident.
-    pub fn resident(&self) -> &[String] {
-        &self.blocks[..self.resident_head.min(self.blocks.len())]
+    pub fn resident(&self) -> Vec<String> {
+        self.blocks.iter().enumerate().filter(|(i, _)| self.is_resident(*i)).map(|(_, b)| b.clone()).collect()
     }
     /// Blocks streamed through the ring.
-    pub fn streaming(&self) -> &[String] {
-        &self.blocks[self.resident_head.min(self.blocks.len())..]
+    pub fn streaming(&self) -> Vec<String> {
+        self.blocks.iter().enumerate().filter(|(i, _)| !self.is_resident(*i)).map(|(_, b)| b.clone()).collect()
     }
     /// Largest streamed block, in bytes (0 when nothing streams).
     pub fn max_streaming_block_bytes(&self) -> u64 {
-        self.block_bytes[self.resident_head.min(self.block_bytes.len())..].iter().copied().max().unwrap_or(0)
+        self.block_bytes.iter().enumerate().filter(|(i, _)| !self.is_resident(*i)).map(|(_, b)| *b).max().unwrap_or(0)
     }
-    /// Bytes of the resident head.
+    /// Bytes of the resident blocks.
     pub fn resident_bytes(&self) -> u64 {
-        let head = &self.block_bytes[..self.resident_head.min(self.block_bytes.len())];
-        head.iter().fold(0u64, |a, &b| a.saturating_add(b))
+        self.block_bytes
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.is_resident(*i))
+            .fold(0u64, |a, (_, &b)| a.saturating_add(b))
     }
     /// Device slots the ring needs: depth + 1 (capped by the streaming length), or 0 when nothing streams.
     pub fn slot_count(&self) -> usize {
-        let streaming = self.blocks.len() - self.resident_head.min(self.blocks.len());
+        let streaming = (0..self.blocks.len()).filter(|&i| !self.is_resident(i)).count();
         if streaming == 0 {
             0
         } else {
@@ -219,6 +236,7 @@ impl Ctx<'_> {
             blocks,
             block_bytes,
             resident_head: 0,
+            resident_mask: None,
             prefetch_depth: depth,
         }
     }
