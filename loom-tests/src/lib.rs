@@ -4,7 +4,8 @@
 //! shared harness they use (compiled to nothing in the ordinary build):
 //!
 //! - `ModelPlatform`: a loom-friendly implementation of the scheduler's `Platform` contract built from the `sync`
-//!   shim's primitives. Every stream is an in-order queue executed by one loom worker thread; events follow CUDA
+//!   shim's primitives. Streams are in-order queues run by one loom "device" thread (newest runnable operation first);
+//!   events follow CUDA
 //!   semantics (a record captures a generation at enqueue, a wait captures the event's latest generation at the time
 //!   of the call); device buffers are tiny byte arrays. A hazard check panics when an operation starts while a
 //!   conflicting operation enqueued earlier (in global enqueue order) has not completed — read-before-ready,
@@ -310,8 +311,8 @@ mod harness {
     }
 
     impl ModelPlatform {
-        /// A platform with no streams yet. Each `create_stream` spawns that stream's loom worker thread; call
-        /// [`ModelPlatform::shutdown`] at the end of the model so the workers exit.
+        /// A platform with no streams yet. The first `create_stream` spawns the device thread; call
+        /// [`ModelPlatform::shutdown`] at the end of the model so it exits.
         pub fn new(config: ModelConfig) -> ModelPlatform {
             ModelPlatform {
                 shared: Arc::new(Shared {
@@ -335,7 +336,7 @@ mod harness {
             g
         }
 
-        /// Enqueues `effect` on `stream` and wakes its worker.
+        /// Enqueues `effect` on `stream` and wakes the device.
         fn submit(
             &self,
             g: &mut State,
@@ -357,7 +358,7 @@ mod harness {
             }
         }
 
-        /// Lets every stream worker exit once its queue is empty.
+        /// Lets the device thread exit once every queue is empty.
         pub fn shutdown(&self) {
             let mut g = self.state();
             g.shutdown = true;
@@ -637,8 +638,8 @@ mod harness {
     }
 
     impl Rig {
-        /// `n` blocks, a compute stream (one worker thread), and a copy-stream actor (its thread, its stream's
-        /// worker, and with `options.watch_completions` a watcher thread).
+        /// `n` blocks, a compute stream (its creation starts the device thread), and a copy-stream actor (its
+        /// thread, and with `options.watch_completions` a watcher thread).
         pub fn new(n: usize, options: StreamOptions, config: ModelConfig) -> Rig {
             let platform = std::sync::Arc::new(ModelPlatform::new(config));
             let p: PlatformRef = platform.clone();
@@ -691,7 +692,7 @@ mod harness {
             stack.post_forward(block).expect("post_forward");
         }
 
-        /// Stops the stream actor, waits for the device to run everything enqueued, and lets the stream workers exit
+        /// Stops the stream actor, waits for the device to run everything enqueued, and lets the device thread exit
         /// (every loom thread must finish).
         pub fn finish(&self) {
             self.stream.shutdown();
