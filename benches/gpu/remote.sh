@@ -14,7 +14,7 @@ fi
 args=""
 for p in $presets; do args="$args --preset $p"; done
 echo "== bench$args"
-timeout 420 .devbin/weightferry bench $args --sweep > "$out/bench.md" 2> "$out/bench.log"
+timeout 520 .devbin/weightferry bench $args --sweep > "$out/bench.md" 2> "$out/bench.log"
 echo "bench exit $?"
 tail -5 "$out/bench.log"
 cat "$out/bench.md"
