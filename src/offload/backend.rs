@@ -435,23 +435,52 @@ impl StreamingBackend {
                 first.get_or_insert(e.into());
             }
         }
-        let mut kept = Vec::new();
+        // Restore master by master and free each master as soon as every storage it holds has its own buffer
+        // again, so host memory stays at about one copy of the weights during disable too. A storage that cannot be
+        // restored keeps its master (and the backend its state) for a retry.
+        let mut by_master: std::collections::BTreeMap<HostBufferId, Vec<StorageId>> = Default::default();
         for s in std::mem::take(&mut st.adopted) {
-            if let Err(e) = model.restore_loaded(s) {
+            // A storage already restored by an earlier, partial teardown has no master any more.
+            if let Some(crate::model::Home::Master { buf, .. }) = model.home(s) {
+                by_master.entry(buf).or_default().push(s);
+            }
+        }
+        let mut kept = Vec::new();
+        let mut kept_masters = Vec::new();
+        let mut freed = std::collections::BTreeSet::new();
+        for (buf, storages) in by_master {
+            let mut all_restored = true;
+            for s in storages {
+                if let Err(e) = model.restore_loaded(s) {
+                    first.get_or_insert(e.into());
+                    kept.push(s);
+                    all_restored = false;
+                }
+            }
+            if all_restored {
+                if let Err(e) = platform.free_host(buf) {
+                    first.get_or_insert(e.into());
+                }
+                freed.insert(buf);
+            } else {
+                kept_masters.push(buf);
+            }
+        }
+        // Masters no adopted storage points to (built before a failed enable adopted them) go too.
+        for b in std::mem::take(&mut st.masters) {
+            if freed.contains(&b) || kept_masters.contains(&b) {
+                continue;
+            }
+            if let Err(e) = platform.free_host(b) {
                 first.get_or_insert(e.into());
-                kept.push(s);
             }
         }
         if kept.is_empty() {
-            for b in std::mem::take(&mut st.masters) {
-                if let Err(e) = platform.free_host(b) {
-                    first.get_or_insert(e.into());
-                }
-            }
             st.master_bytes = 0;
             st.locations.clear();
         } else {
             st.adopted = kept;
+            st.masters = kept_masters;
         }
         if let Some(s) = st.stream.take() {
             s.shutdown();
