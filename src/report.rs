@@ -449,7 +449,7 @@ impl fmt::Display for PlanReport {
         let b = &self.budget;
         writeln!(f, "device weight memory (bound): {}", human_bytes(self.device_weight_bytes))?;
         writeln!(f, "  always resident  {}", human_bytes(b.always_resident_bytes))?;
-        writeln!(f, "  resident heads   {}", human_bytes(b.resident_head_bytes))?;
+        writeln!(f, "  resident blocks  {}", human_bytes(b.resident_head_bytes))?;
         writeln!(f, "  ring slots       {}", human_bytes(b.slot_bytes))?;
         writeln!(f, "  on-demand peak   {}", human_bytes(b.on_demand_peak_bytes))?;
         writeln!(f, "  all weights      {}", human_bytes(self.total_weight_bytes))?;
