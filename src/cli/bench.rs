@@ -1,4 +1,4 @@
-//! `weightferry bench`: the GPU benchmark matrix (see [`crate::engine::gpu`]): per preset, the resident step time,
+//! `weightferry bench`: the GPU benchmark matrix (see `engine::gpu`, built with the `cuda` feature): per preset, the resident step time,
 //! the pinned H2D bandwidth, and every offload configuration's step time as a ratio to its bound, printed as a
 //! markdown table (or one JSON object).
 
