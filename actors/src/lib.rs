@@ -7,11 +7,17 @@
 //! - [`messages`]: load / fence / completion messages and the ticket board.
 //! - [`stream_actor`]: the actor owning a device stream.
 //! - [`block_stack`]: the actor owning a ring of blocks and its device slots.
+//! - [`shard`]: equal zero-padded per-rank shards of a flat buffer (distributed layerwise offload).
+//! - [`collective`]: the AllGather contract and the simulated multi-rank collective.
+//! - [`collective_actor`]: the actor issuing AllGathers in one global order on every rank.
 
 pub mod block_stack;
+pub mod collective;
+pub mod collective_actor;
 pub mod error;
 pub mod messages;
 pub mod platform;
+pub mod shard;
 pub mod sim;
 pub mod slot;
 pub mod stream_actor;
