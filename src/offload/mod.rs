@@ -11,6 +11,7 @@
 //! everything it owns, and when a step fails it keeps what a retry needs; at most one strategy owns offload hooks.
 
 pub mod backend;
+pub mod distributed;
 pub mod layout;
 pub mod resident;
 pub mod units;

@@ -1,0 +1,165 @@
+//! Sharded host masters of distributed layerwise offload (AllGather transfer, group of `N` ranks).
+//!
+//! For every unit (block) and every dtype section of its [`UnitLayout`], rank `r` keeps only its shard of the
+//! section's flat bytes: `ceil(T / N)` elements of the section's dtype, taken from elements `[r·s, (r+1)·s)` and
+//! zero-padded at the end (see [`weightferry_actors::shard`]). An AllGather of the ranks' shards rebuilds the
+//! section followed by fewer than `N` zero elements, so across the group host memory totals one model copy plus
+//! that padding. Not yet wired into `get_offload_backend`.
+//!
+//! Invariant: [`build_sharded_masters`] either returns every shard of every section or fails having freed every
+//! host buffer it allocated (it never changes the model's homes); the shards of ranks `0..N` of one section
+//! reassemble bit-exactly into the section's master bytes.
+
+use super::layout::{section_bytes, UnitLayout};
+use crate::model::HostModel;
+use crate::plan::DType;
+use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
+use weightferry_actors::shard::{ShardError, ShardSpec};
+
+/// Why sharded masters could not be built or read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DistributedError {
+    /// The sharding request is invalid (zero ranks, rank outside the group, partial element).
+    #[error("unit '{unit}' section {dtype:?}: {source}")]
+    Shard {
+        /// Module path of the unit.
+        unit: String,
+        /// Dtype of the section.
+        dtype: DType,
+        /// The sharding error.
+        source: ShardError,
+    },
+    /// The platform failed to read the model or to allocate or fill a host buffer.
+    #[error(transparent)]
+    Platform(#[from] PlatformError),
+    /// A unit or section index outside the masters.
+    #[error("no section {section} in unit {unit}")]
+    NoSuchSection {
+        /// Unit index.
+        unit: usize,
+        /// Section index.
+        section: usize,
+    },
+}
+
+/// One rank's shard of one dtype section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SectionShard {
+    /// Dtype of the section.
+    pub dtype: DType,
+    /// Offset of the full section in the unit's device region (metadata stays relative to the full buffer).
+    pub device_offset: u64,
+    /// Shape of the sharding (full length, element size, group size).
+    pub spec: ShardSpec,
+    /// Host buffer holding this rank's shard (`spec.shard_bytes()` bytes, at least 1 byte allocated).
+    pub host: HostBufferId,
+}
+
+/// One rank's shards of one unit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardedUnit {
+    /// Module path of the unit.
+    pub path: String,
+    /// Shards in the layout's section order.
+    pub sections: Vec<SectionShard>,
+}
+
+/// One rank's sharded host masters of a list of units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardedMasters {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub world: usize,
+    /// Units in the order they were given.
+    pub units: Vec<ShardedUnit>,
+}
+
+impl ShardedMasters {
+    /// Bytes of shards this rank holds (padding included).
+    pub fn host_bytes(&self) -> u64 {
+        self.units.iter().flat_map(|u| &u.sections).map(|s| s.spec.shard_bytes()).sum()
+    }
+
+    /// The bytes of this rank's shard of section `section` of unit `unit`.
+    pub fn read_shard(&self, platform: &PlatformRef, unit: usize, section: usize) -> Result<Vec<u8>, DistributedError> {
+        let s = self
+            .units
+            .get(unit)
+            .and_then(|u| u.sections.get(section))
+            .ok_or(DistributedError::NoSuchSection { unit, section })?;
+        let mut out = vec![0u8; s.spec.shard_bytes() as usize];
+        platform.read_host(s.host, 0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Frees every shard buffer.
+    pub fn free(self, platform: &PlatformRef) -> Result<(), PlatformError> {
+        let mut first = Ok(());
+        for s in self.units.into_iter().flat_map(|u| u.sections) {
+            if let Err(e) = platform.free_host(s.host) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+}
+
+/// The sharding of one section over `world` ranks.
+pub fn section_spec(unit: &str, dtype: DType, len: u64, world: usize) -> Result<ShardSpec, DistributedError> {
+    ShardSpec::new(len, dtype.size_bytes(), world).map_err(|source| DistributedError::Shard {
+        unit: unit.to_string(),
+        dtype,
+        source,
+    })
+}
+
+/// Builds rank `rank`'s sharded masters of `units` (in a group of `world` ranks) from the model's current bytes,
+/// in host buffers of `kind`. On failure every buffer allocated so far is freed.
+pub fn build_sharded_masters(
+    model: &HostModel,
+    units: &[UnitLayout],
+    world: usize,
+    rank: usize,
+    kind: HostMemoryKind,
+) -> Result<ShardedMasters, DistributedError> {
+    let platform = model.platform().clone();
+    let mut made: Vec<HostBufferId> = Vec::new();
+    let result = build_into(model, &platform, units, world, rank, kind, &mut made);
+    if result.is_err() {
+        for buf in made {
+            let _ = platform.free_host(buf);
+        }
+    }
+    result
+}
+
+fn build_into(
+    model: &HostModel,
+    platform: &PlatformRef,
+    units: &[UnitLayout],
+    world: usize,
+    rank: usize,
+    kind: HostMemoryKind,
+    made: &mut Vec<HostBufferId>,
+) -> Result<ShardedMasters, DistributedError> {
+    let mut out = Vec::with_capacity(units.len());
+    for unit in units {
+        let mut sections = Vec::with_capacity(unit.sections.len());
+        for sec in &unit.sections {
+            let spec = section_spec(&unit.path, sec.dtype, sec.len, world)?;
+            let bytes = section_bytes(model, sec)?;
+            let shard = spec.shard(&bytes, rank).map_err(|source| DistributedError::Shard {
+                unit: unit.path.clone(),
+                dtype: sec.dtype,
+                source,
+            })?;
+            let host = platform.alloc_host(spec.shard_bytes().max(1), kind)?;
+            made.push(host);
+            platform.write_host(host, 0, &shard)?;
+            sections.push(SectionShard { dtype: sec.dtype, device_offset: sec.device_offset, spec, host });
+        }
+        out.push(ShardedUnit { path: unit.path.clone(), sections });
+    }
+    Ok(ShardedMasters { rank, world, units: out })
+}

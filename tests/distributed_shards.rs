@@ -1,0 +1,109 @@
+//! Sharded host masters of distributed layerwise offload on the tiny presets: for groups of 2, 3 and 4 ranks, the
+//! shards of all ranks reassemble every section of every streamed unit bit-exactly, every shard is zero-padded,
+//! and the host bytes of all ranks together equal one copy of the sections plus less than `N · ALIGN` bytes of
+//! padding per section.
+
+use std::sync::Arc;
+use weightferry::config::OffloadConfig;
+use weightferry::model::HostModel;
+use weightferry::offload::distributed::{build_sharded_masters, DistributedError, ShardedMasters};
+use weightferry::offload::layout::{section_bytes, UnitLayout, ALIGN};
+use weightferry::offload::units::build_unit_plan;
+use weightferry::plan::presets::preset;
+use weightferry::plan::resolve_offload_plan;
+use weightferry_actors::platform::{HostMemoryKind, PlatformRef};
+use weightferry_actors::shard::{reassemble, ShardError};
+use weightferry_actors::sim::{SimConfig, SimPlatform};
+
+const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];
+
+/// The tiny preset loaded with synthetic weights, and the units its layerwise plan streams.
+fn model_and_units(name: &str) -> (HostModel, Vec<UnitLayout>) {
+    let desc = preset(name).expect("preset");
+    let config = OffloadConfig::from_json_str(
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"]}}"#,
+    )
+    .expect("config");
+    let plan = resolve_offload_plan(&desc, &config).expect("plan");
+    let units: Vec<UnitLayout> =
+        build_unit_plan(&desc, &config, &plan).stacks.into_iter().flat_map(|s| s.units).collect();
+    let platform: PlatformRef =
+        Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
+    let model = HostModel::synthetic(platform, Arc::new(desc), 7).expect("model");
+    (model, units)
+}
+
+#[test]
+fn shards_of_all_ranks_reassemble_every_section_of_the_tiny_presets() {
+    for name in PRESETS {
+        let (model, units) = model_and_units(name);
+        assert!(units.len() > 2, "{name}: expected streamed units");
+        let platform = model.platform().clone();
+        let full_bytes: u64 = units.iter().flat_map(|u| &u.sections).map(|s| s.len).sum();
+        let sections: u64 = units.iter().map(|u| u.sections.len() as u64).sum();
+        for world in [2usize, 3, 4] {
+            let masters: Vec<ShardedMasters> = (0..world)
+                .map(|rank| build_sharded_masters(&model, &units, world, rank, HostMemoryKind::Pinned).unwrap())
+                .collect();
+            let mut padding_total = 0u64;
+            for (u, unit) in units.iter().enumerate() {
+                for (s, sec) in unit.sections.iter().enumerate() {
+                    let what = format!("{name} N={world} unit {} section {:?}", unit.path, sec.dtype);
+                    let full = section_bytes(&model, sec).unwrap();
+                    let shards: Vec<Vec<u8>> = masters.iter().map(|m| m.read_shard(&platform, u, s).unwrap()).collect();
+                    let spec = masters[0].units[u].sections[s].spec;
+                    assert_eq!(spec.total_bytes(), sec.len, "{what}");
+                    assert_eq!(spec.elem_size(), sec.dtype.size_bytes(), "{what}");
+                    assert!(shards.iter().all(|x| x.len() as u64 == spec.shard_bytes()), "{what}");
+                    assert_eq!(reassemble(&shards, full.len()).unwrap(), full, "{what}: not bit-exact");
+                    let gathered = shards.concat();
+                    assert!(gathered[full.len()..].iter().all(|&b| b == 0), "{what}: padding is not zero");
+                    assert!(spec.padding_bytes() < world as u64 * ALIGN, "{what}");
+                    padding_total += spec.padding_bytes();
+                    for m in &masters {
+                        assert_eq!(m.units[u].sections[s].device_offset, sec.device_offset, "{what}");
+                        assert_eq!(m.units[u].path, unit.path, "{what}");
+                    }
+                }
+            }
+            if world == 3 {
+                // Sections are multiples of 256 bytes, so only a group of 3 pads; make sure padding is exercised.
+                assert!(padding_total > 0, "{name}: no padded section at N=3");
+            }
+            let host: u64 = masters.iter().map(ShardedMasters::host_bytes).sum();
+            assert_eq!(host, full_bytes + padding_total, "{name} N={world}");
+            assert!(host < full_bytes + sections * world as u64 * ALIGN, "{name} N={world}");
+            for m in masters {
+                m.free(&platform).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn one_rank_keeps_the_whole_master() {
+    let (model, units) = model_and_units("flux-tiny");
+    let platform = model.platform().clone();
+    let m = build_sharded_masters(&model, &units, 1, 0, HostMemoryKind::Pageable).unwrap();
+    let full_bytes: u64 = units.iter().flat_map(|u| &u.sections).map(|s| s.len).sum();
+    assert_eq!(m.host_bytes(), full_bytes);
+    assert_eq!(m.read_shard(&platform, 0, 0).unwrap(), section_bytes(&model, &units[0].sections[0]).unwrap());
+    assert_eq!(
+        m.read_shard(&platform, units.len(), 0),
+        Err(DistributedError::NoSuchSection { unit: units.len(), section: 0 })
+    );
+    m.free(&platform).unwrap();
+}
+
+#[test]
+fn a_bad_group_is_a_typed_error() {
+    let (model, units) = model_and_units("wan-tiny");
+    match build_sharded_masters(&model, &units, 2, 2, HostMemoryKind::Pinned) {
+        Err(DistributedError::Shard { source: ShardError::RankOutOfRange { rank: 2, world: 2 }, .. }) => {}
+        other => panic!("expected a rank error, got {other:?}"),
+    }
+    match build_sharded_masters(&model, &units, 0, 0, HostMemoryKind::Pinned) {
+        Err(DistributedError::Shard { source: ShardError::ZeroRanks, .. }) => {}
+        other => panic!("expected a zero-ranks error, got {other:?}"),
+    }
+}
