@@ -12,12 +12,27 @@
 //! (2) a load into a slot waits (on the device) for the slot's last-use event, and slot memory is freed only after
 //! that event's completion was observed; (7) device memory is exactly the resident head plus the fixed slot pool
 //! allocated at creation: nothing is allocated on the hook path.
+//!
+//! **Gather path** (distributed layerwise offload, [`BlockStack::with_gather`]): each rank holds only its shard of
+//! every block. A load then has two stages: the stack enqueues the rank's shard copies itself on its own shard
+//! stream (behind the slot's last-use event) into the slot's own shard buffer and records the slot's shard-ready
+//! event; then it sends one [`GatherCmd`] per section to the collective actor (waiting on shard-ready and on the
+//! slot's last-use event) that rebuilds the block in the slot and records the slot's ready event. Sequence numbers
+//! come from a [`GatherSequence`] shared by every gather stack of the rank, taken on the engine's thread in hook
+//! order, so ranks that run the same hook sequence number the same gathers alike (invariant 4). "Recorded" is
+//! then read from the gather board (published by the collective actor after the last section's AllGather), never
+//! from the stream board. Each slot has its own shard buffer, overwritten only behind the slot's last-use event,
+//! which follows the compute that read the gather's output, which follows the gather that read the shard
+//! (invariant 2 for the shard buffers). Numbering is deterministic as long as every rank loads the same blocks in
+//! the same order: true without block skips; with skips the victim choice may depend on timing.
 
+use crate::collective_actor::{CollectiveHandle, GatherCmd, GatherError};
 use crate::error::SchedulerError;
 use crate::messages::{Completion, CopyDirection, CopyOp, LoadCmd, TicketBoard};
 use crate::platform::{DeviceBufferId, EventId, HostBufferId, PlatformRef, StreamId};
 use crate::slot::{SlotState, SlotTable, Ticket};
 use crate::stream_actor::StreamHandle;
+use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::mailbox::{self, Receiver, Sender};
 use crate::sync::{lock, Arc, Mutex};
 
@@ -48,6 +63,64 @@ impl BlockSpec {
     pub fn copy_bytes(&self) -> u64 {
         self.segments.iter().map(|s| s.len).sum()
     }
+}
+
+/// One AllGather of a gather-path block: this rank's shard of one section (one dtype) of the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatherSection {
+    /// Host buffer holding this rank's shard.
+    pub host: HostBufferId,
+    /// Offset of the shard in it.
+    pub host_offset: u64,
+    /// Bytes of the shard (equal on every rank; padding included).
+    pub shard_bytes: u64,
+    /// Offset in the block's device region where the `shard_bytes · world` gathered bytes go.
+    pub output_offset: u64,
+    /// What is gathered: equal on every rank for this section of this block, distinct from other sections.
+    pub tag: u64,
+}
+
+/// The AllGathers that rebuild one block, issued in this order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GatherBlock {
+    /// Sections (at least one).
+    pub sections: Vec<GatherSection>,
+}
+
+impl GatherBlock {
+    /// Bytes of this rank's shards of the block.
+    pub fn shard_bytes(&self) -> u64 {
+        self.sections.iter().map(|s| s.shard_bytes).sum()
+    }
+}
+
+/// The rank's gather numbering, shared by every gather stack of one communicator (clones share the counter).
+#[derive(Debug, Clone, Default)]
+pub struct GatherSequence(Arc<AtomicU64>);
+
+impl GatherSequence {
+    /// A sequence starting at 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// The number the next gather will get.
+    pub fn peek(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+    fn take(&self, n: u64) -> u64 {
+        self.0.fetch_add(n, Ordering::SeqCst)
+    }
+}
+
+/// How a gather stack rebuilds its streamed blocks.
+#[derive(Debug, Clone)]
+pub struct GatherPath {
+    /// The collective actor of the communicator.
+    pub collective: CollectiveHandle,
+    /// The rank's gather numbering (shared with the other gather stacks on this communicator).
+    pub sequence: GatherSequence,
+    /// Per block (in stack order): its AllGathers. Resident blocks load their full `BlockSpec` segments instead.
+    pub blocks: Vec<GatherBlock>,
 }
 
 /// Deliberately broken orderings, for tests that prove the hazard checks can fail. Never set in production.
@@ -140,6 +213,19 @@ struct Inner {
     stats: StackStats,
     disabled: bool,
     failure: Option<SchedulerError>,
+    /// Gather path: per block its AllGathers (empty without a gather path).
+    gather_blocks: Vec<GatherBlock>,
+    /// Gather path: per slot its shard buffer and shard-ready event.
+    shard_bufs: Vec<DeviceBufferId>,
+    shard_ready: Vec<EventId>,
+}
+
+/// What a gather stack shares between its hooks: the collective, the shard stream and the gather board.
+struct GatherShared {
+    collective: CollectiveHandle,
+    sequence: GatherSequence,
+    shard_stream: StreamId,
+    board: Arc<TicketBoard>,
 }
 
 /// Handle to a block-stack actor. Hook methods take `&self`; the engine drives one stack from one thread.
@@ -149,6 +235,7 @@ pub struct BlockStack {
     compute: StreamId,
     stream: StreamHandle,
     board: Arc<TicketBoard>,
+    gather: Option<GatherShared>,
     fault: OrderingFault,
     inner: Mutex<Inner>,
 }
@@ -190,6 +277,33 @@ impl BlockStack {
         compute: StreamId,
         stream: StreamHandle,
     ) -> Result<BlockStack, SchedulerError> {
+        Self::build(platform, spec, resident, compute, stream, None)
+    }
+
+    /// A stack whose streamed blocks are rebuilt by AllGather of per-rank shards (see the module docs): each slot
+    /// gets its own shard buffer (sized to the largest block's shards) and is sized to hold the gathered bytes of
+    /// its largest block, padding included. Resident blocks (per `resident` or `spec.resident_head`) load their
+    /// full `BlockSpec` segments through `stream` as usual. `spec.eager_prefetch` must be false: the first
+    /// gathers are issued by the first forward, inside the same hook sequence on every rank.
+    pub fn with_gather(
+        platform: PlatformRef,
+        spec: StackSpec,
+        resident: Option<Vec<bool>>,
+        compute: StreamId,
+        stream: StreamHandle,
+        gather: GatherPath,
+    ) -> Result<BlockStack, SchedulerError> {
+        Self::build(platform, spec, resident, compute, stream, Some(gather))
+    }
+
+    fn build(
+        platform: PlatformRef,
+        spec: StackSpec,
+        resident: Option<Vec<bool>>,
+        compute: StreamId,
+        stream: StreamHandle,
+        gather: Option<GatherPath>,
+    ) -> Result<BlockStack, SchedulerError> {
         let n = spec.blocks.len();
         let invalid = |reason: String| SchedulerError::InvalidSpec { stack: spec.name.clone(), reason };
         if n == 0 {
@@ -215,10 +329,40 @@ impl BlockStack {
                 }
             }
         }
+        // Per block: bytes its slot must hold (the gathered sections may extend past the region by their padding).
+        let mut region: Vec<u64> = spec.blocks.iter().map(|b| b.device_bytes).collect();
+        let mut shard_size = 0u64;
+        if let Some(gp) = &gather {
+            if gp.blocks.len() != n {
+                return Err(invalid(format!("gather path has {} blocks for {n} blocks", gp.blocks.len())));
+            }
+            if spec.eager_prefetch {
+                return Err(invalid("a gather stack defers its first prefetch to the first forward".into()));
+            }
+            let world = gp.collective.world() as u64;
+            for (i, gb) in gp.blocks.iter().enumerate() {
+                if resident[i] {
+                    continue;
+                }
+                if gb.sections.is_empty() {
+                    return Err(invalid(format!("block {i}: a gathered block needs at least one section")));
+                }
+                let mut total = 0u64;
+                for sec in &gb.sections {
+                    let end = sec.shard_bytes.checked_mul(world).and_then(|l| l.checked_add(sec.output_offset));
+                    let Some(end) = end else {
+                        return Err(invalid(format!("block {i}: gathered section overflows")));
+                    };
+                    region[i] = region[i].max(end);
+                    total = total.checked_add(sec.shard_bytes).ok_or_else(|| invalid("shard overflow".into()))?;
+                }
+                shard_size = shard_size.max(total);
+            }
+        }
         let streaming = resident.iter().filter(|r| !**r).count();
         let slots = if streaming == 0 { 0 } else { (spec.prefetch_depth + 1).min(streaming) };
-        let slot_size =
-            spec.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.device_bytes).max().unwrap_or(0);
+        let slot_size = region.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| *b).max().unwrap_or(0);
+        let shard_slots = if gather.is_some() { slots } else { 0 };
         let resident_count = n - streaming;
 
         let mut bufs = Vec::new();
@@ -257,18 +401,39 @@ impl BlockStack {
             } else {
                 None
             };
-            Ok((resident_bufs, slot_bufs, ready_ev, last_use_ev, resident_ev))
-        })();
-        let (resident_bufs, slot_bufs, ready_ev, last_use_ev, resident_ev) = match result {
-            Ok(v) => v,
-            Err(e) => {
-                cleanup(&platform, &bufs, &events);
-                return Err(e);
+            let mut shard_bufs = Vec::new();
+            let mut shard_ready = Vec::new();
+            for _ in 0..shard_slots {
+                let buf = platform.alloc_device(shard_size.max(1))?;
+                bufs.push(buf);
+                shard_bufs.push(buf);
+                let e = platform.create_event()?;
+                events.push(e);
+                shard_ready.push(e);
             }
-        };
+            let shared = match &gather {
+                Some(gp) => Some(GatherShared {
+                    collective: gp.collective.clone(),
+                    sequence: gp.sequence.clone(),
+                    shard_stream: platform.create_stream(&format!("{}-shard", spec.name))?,
+                    board: Arc::new(TicketBoard::new()),
+                }),
+                None => None,
+            };
+            Ok((resident_bufs, slot_bufs, ready_ev, last_use_ev, resident_ev, shard_bufs, shard_ready, shared))
+        })();
+        let (resident_bufs, slot_bufs, ready_ev, last_use_ev, resident_ev, shard_bufs, shard_ready, shared) =
+            match result {
+                Ok(v) => v,
+                Err(e) => {
+                    cleanup(&platform, &bufs, &events);
+                    return Err(e);
+                }
+            };
         let device_bytes =
             spec.blocks.iter().zip(&resident).filter(|(_, r)| **r).map(|(b, _)| b.device_bytes.max(1)).sum::<u64>()
-                + slots as u64 * slot_size.max(1);
+                + slots as u64 * slot_size.max(1)
+                + shard_slots as u64 * shard_size.max(1);
         let (notify, mailbox) = mailbox::unbounded();
         let stack = BlockStack {
             name: std::sync::Arc::from(spec.name.as_str()),
@@ -276,6 +441,7 @@ impl BlockStack {
             compute,
             stream,
             board: Arc::new(TicketBoard::new()),
+            gather: shared,
             fault: spec.ordering_fault,
             inner: Mutex::new(Inner {
                 blocks: spec.blocks,
@@ -295,6 +461,9 @@ impl BlockStack {
                 stats: StackStats { resident_blocks: resident_count as u64, device_bytes, ..Default::default() },
                 disabled: false,
                 failure: None,
+                gather_blocks: gather.map(|g| g.blocks).unwrap_or_default(),
+                shard_bufs,
+                shard_ready,
             }),
         };
         if let Err(e) =
@@ -383,6 +552,42 @@ impl BlockStack {
         })
     }
 
+    /// The board on which a streamed load counts as recorded: the gather board on the gather path.
+    fn done_board(&self) -> &Arc<TicketBoard> {
+        match &self.gather {
+            Some(g) => &g.board,
+            None => &self.board,
+        }
+    }
+
+    /// Whether the actor that publishes on [`Self::done_board`] still runs.
+    fn done_alive(&self) -> Box<dyn Fn() -> bool + '_> {
+        let ignore_stop = self.fault == OrderingFault::IgnoreActorStop;
+        match &self.gather {
+            Some(g) => Box::new(move || ignore_stop || g.collective.is_alive()),
+            None => Box::new(move || ignore_stop || self.stream.is_alive()),
+        }
+    }
+
+    fn done_actor(&self) -> String {
+        match &self.gather {
+            Some(g) => format!("collective for stack '{}' (rank {})", self.name, g.collective.rank()),
+            None => format!("stream '{}'", self.stream.name()),
+        }
+    }
+
+    /// Waits until streamed load `ticket` is recorded (its gather issued, on the gather path).
+    fn wait_done(&self, ticket: Ticket, block: usize) -> Result<(), SchedulerError> {
+        if self.gather.is_none() {
+            return self.wait_recorded(ticket, block);
+        }
+        match self.done_board().wait(ticket, &*self.done_alive()) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e }),
+            None => Err(SchedulerError::ActorGone { actor: self.done_actor() }),
+        }
+    }
+
     fn wait_recorded(&self, ticket: Ticket, block: usize) -> Result<(), SchedulerError> {
         let stream = self.stream.clone();
         let ignore_stop = self.fault == OrderingFault::IgnoreActorStop;
@@ -416,7 +621,7 @@ impl BlockStack {
     fn promote_recorded(&self, g: &mut Inner) {
         for s in 0..g.table.len() {
             if let SlotState::Loading { ticket, .. } = g.table.state(s) {
-                if let Some(Ok(())) = self.board.poll(ticket) {
+                if let Some(Ok(())) = self.done_board().poll(ticket) {
                     let _ = g.table.mark_ready(s, ticket);
                 }
             }
@@ -448,6 +653,13 @@ impl BlockStack {
         let waits = if g.fault == OrderingFault::SkipLastUseWait { Vec::new() } else { vec![g.last_use_ev[s]] };
         g.table.begin_load(s, block, ticket)?;
         g.prefetched[s] = prefetch;
+        if let Some(gs) = &self.gather {
+            if let Err(e) = self.issue_gather(g, gs, s, block, ticket) {
+                let _ = g.table.free(s);
+                return Err(e);
+            }
+            return Ok(s);
+        }
         let copies = copies_for(&g.blocks[block], g.slot_bufs[s]);
         g.stats.loads += 1;
         g.stats.h2d_bytes += g.blocks[block].copy_bytes();
@@ -466,6 +678,69 @@ impl BlockStack {
             return Err(e);
         }
         Ok(s)
+    }
+
+    /// Gather path of a load into slot `s`: the shard copies on the shard stream behind the slot's last use, then
+    /// one AllGather per section into the slot, numbered from the shared sequence.
+    fn issue_gather(
+        &self,
+        g: &mut Inner,
+        gs: &GatherShared,
+        s: usize,
+        block: usize,
+        ticket: Ticket,
+    ) -> Result<(), SchedulerError> {
+        let skip_last_use = g.fault == OrderingFault::SkipLastUseWait;
+        let (shard_buf, shard_ready, last_use, slot_buf) =
+            (g.shard_bufs[s], g.shard_ready[s], g.last_use_ev[s], g.slot_bufs[s]);
+        let sections = g.gather_blocks[block].sections.clone();
+        let p = &self.platform;
+        let enqueued = (|| {
+            if !skip_last_use {
+                p.stream_wait_event(gs.shard_stream, last_use)?;
+            }
+            let mut off = 0u64;
+            for sec in &sections {
+                if sec.shard_bytes > 0 {
+                    p.copy_h2d(gs.shard_stream, sec.host, sec.host_offset, shard_buf, off, sec.shard_bytes)?;
+                }
+                off += sec.shard_bytes;
+            }
+            p.record_event(shard_ready, gs.shard_stream)
+        })();
+        if let Err(source) = enqueued {
+            let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source };
+            g.failure.get_or_insert(err.clone());
+            return Err(err);
+        }
+        g.stats.loads += 1;
+        g.stats.h2d_bytes += g.gather_blocks[block].shard_bytes();
+        let first = gs.sequence.take(sections.len() as u64);
+        let waits = if skip_last_use { vec![shard_ready] } else { vec![shard_ready, last_use] };
+        let mut off = 0u64;
+        for (k, sec) in sections.iter().enumerate() {
+            let last = k + 1 == sections.len();
+            let cmd = GatherCmd {
+                seq: first + k as u64,
+                ticket,
+                target: s,
+                block,
+                waits: waits.clone(),
+                input: (shard_buf, off, sec.shard_bytes),
+                output: (slot_buf, sec.output_offset),
+                ready: g.ready_ev[s],
+                tag: sec.tag,
+                board: last.then(|| gs.board.clone()),
+                notify: last.then(|| g.notify.clone()),
+            };
+            off += sec.shard_bytes;
+            gs.collective.gather(cmd).map_err(|e| {
+                let err: SchedulerError = e.into();
+                g.failure.get_or_insert(err.clone());
+                err
+            })?;
+        }
+        Ok(())
     }
 
     /// Streamed blocks after `from` (or from the start of the ring when `None`), wrapping, at most `depth`.
@@ -562,14 +837,10 @@ impl BlockStack {
                                 });
                             };
                             drop(g);
-                            let stream = self.stream.clone();
-                            let alive = move || stream.is_alive();
-                            let r = self.board.wait(t, &alive);
+                            let r = self.done_board().wait(t, &*self.done_alive());
                             g = lock(&self.inner);
                             if r.is_none() {
-                                return Err(SchedulerError::ActorGone {
-                                    actor: format!("stream '{}'", self.stream.name()),
-                                });
+                                return Err(SchedulerError::ActorGone { actor: self.done_actor() });
                             }
                         }
                         Err(e) => return Err(e),
@@ -579,11 +850,11 @@ impl BlockStack {
         };
         g.prefetched[s] = false;
         if let SlotState::Loading { ticket, .. } = g.table.state(s) {
-            if self.board.poll(ticket).is_none() {
+            if self.done_board().poll(ticket).is_none() {
                 g.stats.record_waits += 1;
                 // Never hold the stack lock across a blocking wait.
                 drop(g);
-                let r = self.wait_recorded(ticket, block);
+                let r = self.wait_done(ticket, block);
                 g = lock(&self.inner);
                 if let Err(e) = r {
                     let _ = g.table.free(s);
@@ -591,7 +862,7 @@ impl BlockStack {
                     g.failure.get_or_insert(e.clone());
                     return Err(e);
                 }
-            } else if let Some(Err(e)) = self.board.poll(ticket) {
+            } else if let Some(Err(e)) = self.done_board().poll(ticket) {
                 let _ = g.table.free(s);
                 let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e };
                 g.failure.get_or_insert(err.clone());
@@ -645,6 +916,10 @@ impl BlockStack {
         } else {
             self.stream.fence()?;
         }
+        if let Some(gs) = &self.gather {
+            self.platform.stream_synchronize(gs.shard_stream)?;
+            gs.collective.fence()?;
+        }
         let events: Vec<EventId> = lock(&self.inner).last_use_ev.clone();
         for e in events {
             self.platform.event_synchronize(e)?;
@@ -672,7 +947,24 @@ impl BlockStack {
         let fenced = if skip_sync { Ok(()) } else { self.stream.fence() };
         let mut g = lock(&self.inner);
         let mut sync_err = None;
-        for &e in g.last_use_ev.iter().chain(g.ready_ev.iter()).chain(g.resident_ev.iter()) {
+        if let (Some(gs), false) = (&self.gather, skip_sync) {
+            if let Err(err) = self.platform.stream_synchronize(gs.shard_stream) {
+                sync_err.get_or_insert(err);
+            }
+            // The actor handles its mailbox in order: once this fence is answered every gather sent before it was
+            // issued (or refused), so the ready events below cover every write into the slots. A poisoned actor
+            // answers at once but has also handled everything before the fence.
+            drop(g);
+            let gathered = gs.collective.fence();
+            g = lock(&self.inner);
+            if let Err(e) = gathered {
+                if !matches!(e, GatherError::Poisoned { .. }) {
+                    sync_err.get_or_insert(e.into());
+                }
+            }
+        }
+        for &e in g.last_use_ev.iter().chain(g.ready_ev.iter()).chain(g.resident_ev.iter()).chain(g.shard_ready.iter())
+        {
             if skip_sync {
                 break;
             }
@@ -688,10 +980,20 @@ impl BlockStack {
             let _ = g.table.free(s);
         }
         let inner = &mut *g;
-        let bufs: Vec<DeviceBufferId> =
-            inner.resident_bufs.drain(..).flatten().chain(inner.slot_bufs.drain(..)).collect();
-        let events: Vec<EventId> =
-            inner.ready_ev.drain(..).chain(inner.last_use_ev.drain(..)).chain(inner.resident_ev.take()).collect();
+        let bufs: Vec<DeviceBufferId> = inner
+            .resident_bufs
+            .drain(..)
+            .flatten()
+            .chain(inner.slot_bufs.drain(..))
+            .chain(inner.shard_bufs.drain(..))
+            .collect();
+        let events: Vec<EventId> = inner
+            .ready_ev
+            .drain(..)
+            .chain(inner.last_use_ev.drain(..))
+            .chain(inner.resident_ev.take())
+            .chain(inner.shard_ready.drain(..))
+            .collect();
         g.stats.device_bytes = 0;
         drop(g);
         cleanup(&self.platform, &bufs, &events);

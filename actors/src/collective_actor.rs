@@ -71,6 +71,19 @@ pub enum GatherError {
     },
 }
 
+impl From<GatherError> for PlatformError {
+    fn from(e: GatherError) -> PlatformError {
+        e.into_platform()
+    }
+}
+
+impl From<GatherError> for crate::error::SchedulerError {
+    /// A platform failure stays one; every other gather error becomes a platform driver error with its message.
+    fn from(e: GatherError) -> crate::error::SchedulerError {
+        crate::error::SchedulerError::Platform(e.into_platform())
+    }
+}
+
 impl GatherError {
     fn into_platform(self) -> PlatformError {
         match self {
@@ -139,6 +152,7 @@ pub struct CollectiveHandle {
     tx: Sender<Cmd>,
     alive: Arc<AtomicBool>,
     issued: Arc<Mutex<Vec<(u64, u64)>>>,
+    poison: Arc<Mutex<Option<PlatformError>>>,
     joins: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
@@ -169,12 +183,14 @@ impl CollectiveHandle {
             .map_err(spawn_err)?;
         let alive = Arc::new(AtomicBool::new(true));
         let issued = Arc::new(Mutex::new(Vec::new()));
-        let (a, log, actor_name) = (alive.clone(), issued.clone(), name.to_string());
+        let poison = Arc::new(Mutex::new(None));
+        let (a, log, actor_name, shared_poison) = (alive.clone(), issued.clone(), name.to_string(), poison.clone());
         let actor = thread::spawn_named(&format!("wf-comm-{name}"), move || {
             match make() {
                 Ok(comm) => {
                     let _ = ready_tx.send(Ok((comm.rank(), comm.world())));
-                    let mut actor = Actor { platform, stream, comm, watch: wtx, issued: log, next: 0, poison: None };
+                    let mut actor =
+                        Actor { platform, stream, comm, watch: wtx, issued: log, next: 0, poison: None, shared_poison };
                     actor.run(&rx, &actor_name);
                 }
                 Err(e) => {
@@ -196,7 +212,7 @@ impl CollectiveHandle {
                 return Err(GatherError::ActorGone { name: name.to_string() });
             }
         };
-        Ok(CollectiveHandle { name: std::sync::Arc::from(name), stream, rank, world, tx, alive, issued, joins })
+        Ok(CollectiveHandle { name: std::sync::Arc::from(name), stream, rank, world, tx, alive, issued, poison, joins })
     }
 
     /// The comm stream the actor owns.
@@ -219,6 +235,12 @@ impl CollectiveHandle {
     /// issue order.
     pub fn issued(&self) -> Vec<(u64, u64)> {
         lock(&self.issued).clone()
+    }
+
+    /// The failure that poisoned the actor, if an AllGather failed to start: the actor issues no further
+    /// collective and the pipeline must be reloaded.
+    pub fn poisoned(&self) -> Option<PlatformError> {
+        lock(&self.poison).clone()
     }
 
     fn gone(&self) -> GatherError {
@@ -261,6 +283,8 @@ struct Actor {
     issued: Arc<Mutex<Vec<(u64, u64)>>>,
     next: u64,
     poison: Option<PlatformError>,
+    /// Mirror of `poison` readable through the handle.
+    shared_poison: Arc<Mutex<Option<PlatformError>>>,
 }
 
 impl Actor {
@@ -322,6 +346,7 @@ impl Actor {
         let result = self.enqueue(&g);
         if let Err(e) = &result {
             self.poison = Some(e.clone());
+            lock(&self.shared_poison).get_or_insert_with(|| e.clone());
         }
         if let Some(board) = &g.board {
             board.publish(g.ticket, result.clone());

@@ -23,6 +23,9 @@ pub mod slot;
 pub mod stream_actor;
 pub mod sync;
 
-pub use block_stack::{BlockLocation, BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StackStats};
+pub use block_stack::{
+    BlockLocation, BlockSpec, BlockStack, GatherBlock, GatherPath, GatherSection, GatherSequence, OrderingFault,
+    Segment, StackSpec, StackStats,
+};
 pub use error::SchedulerError;
 pub use stream_actor::{StreamHandle, StreamOptions};

@@ -5,6 +5,8 @@
 //!   hooks that turn the engine's `pre_forward` / `post_forward` into scheduler messages.
 //! - [`units`] decides, per strategy, what the stacks and their units are (blocks for the layerwise strategies,
 //!   whole components for model-level swapping and on-demand staging).
+//! - [`distributed`] builds per-rank sharded host masters; [`distributed_backend`] runs distributed layerwise
+//!   offload end to end on simulated ranks (gather-path block stacks over a simulated collective).
 //!
 //! Lifecycle contract: `enable` is transactional (any failure removes every installed hook, frees every device
 //! buffer and gives every storage its own host buffer back, so the pipeline can be retried); `disable` releases
@@ -12,6 +14,7 @@
 
 pub mod backend;
 pub mod distributed;
+pub mod distributed_backend;
 pub mod layout;
 pub mod resident;
 pub mod units;

@@ -1,0 +1,443 @@
+//! Distributed layerwise offload run end to end on the simulated device: `N` ranks as threads of this process,
+//! each with its own [`SimPlatform`], its own synthetic model (same seed on every rank), its own reference
+//! [`Engine`] and hook registry, sharing one [`SimCollectiveGroup`].
+//!
+//! Per rank: the DiT stacks of the layerwise plan keep only the rank's sharded host masters
+//! ([`build_sharded_masters`]); every block is rebuilt in a device slot by the H2D of the rank's shard then one
+//! AllGather per dtype section, through gather-path [`BlockStack`]s that share one [`GatherSequence`] and one
+//! collective actor. Everything outside the DiT stacks is placed on the device once ([`ResidentPlacement`]). No
+//! block is prefetched before the first forward, so every rank's first gather happens inside the same hook
+//! sequence.
+//!
+//! Invariants: every rank runs the same deterministic hook sequence (same plan, same program, no block skips), so
+//! every rank issues the same AllGathers in the same order (invariant 4); a failed AllGather anywhere poisons the
+//! group and every rank's run then returns an error — none hangs — and a rank whose collective actor is poisoned
+//! reports [`DistributedRunError::Poisoned`] ("reload the pipeline", invariant 8). Each rank releases everything it
+//! allocated (device buffers, shard masters, actors) before returning, success or not.
+
+use super::distributed::{build_sharded_masters, DistributedError, ShardedMasters};
+use super::resident::ResidentPlacement;
+use super::units::build_unit_plan;
+use super::{OffloadError, WeightSource};
+use crate::config::OffloadConfig;
+use crate::engine::compute::SimCompute;
+use crate::engine::{Engine, EngineError, ExecOptions};
+use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
+use crate::model::HostModel;
+use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup, SimCollectiveOptions};
+use weightferry_actors::collective_actor::{CollectiveHandle, GatherError};
+use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, PlatformError, PlatformRef};
+use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry_actors::{
+    BlockSpec, BlockStack, GatherBlock, GatherPath, GatherSection, GatherSequence, StackSpec, StreamHandle,
+    StreamOptions,
+};
+
+/// Errors of a distributed run (per rank).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DistributedRunError {
+    /// The request cannot be run (zero ranks, a fault on a rank outside the group, nothing to stream).
+    #[error("{0}")]
+    Invalid(String),
+    /// The engine or the platform failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// Building the stacks or placing fixed state failed.
+    #[error(transparent)]
+    Offload(#[from] OffloadError),
+    /// The sharded masters could not be built.
+    #[error(transparent)]
+    Shards(#[from] DistributedError),
+    /// The collective actor could not be started.
+    #[error(transparent)]
+    Collective(#[from] GatherError),
+    /// An AllGather failed to start: the rank's collective is poisoned and issues no further collective.
+    #[error("rank {rank}: collective poisoned ({cause}); the run failed with: {run}; the pipeline must be reloaded")]
+    Poisoned {
+        /// The rank.
+        rank: usize,
+        /// The failure that poisoned the collective actor.
+        cause: PlatformError,
+        /// The error the run itself returned.
+        run: String,
+    },
+    /// A rank thread panicked.
+    #[error("rank {rank} panicked")]
+    Panicked {
+        /// The rank.
+        rank: usize,
+    },
+}
+
+impl From<PlatformError> for DistributedRunError {
+    fn from(e: PlatformError) -> Self {
+        DistributedRunError::Engine(EngineError::Platform(e))
+    }
+}
+
+/// What a distributed run does.
+#[derive(Debug, Clone)]
+pub struct DistributedRunSpec {
+    /// The pipeline (every rank loads it with synthetic weights of `seed`).
+    pub pipeline: PipelineDesc,
+    /// Ranks.
+    pub world: usize,
+    /// Prefetch depth of the DiT stacks (at least 1).
+    pub depth: usize,
+    /// DiT steps.
+    pub steps: u32,
+    /// Seed of the weights and the inputs.
+    pub seed: u64,
+    /// Fault injection: `(rank, n)` makes that rank's `n`-th AllGather call (0-based) fail to start.
+    pub fail_gather: Option<(usize, u64)>,
+    /// Longest time a rank's AllGather waits for its peers before the group is poisoned.
+    pub timeout: Duration,
+}
+
+impl DistributedRunSpec {
+    /// `world` ranks, depth 1, 3 steps, seed 0, no fault, a 30 s group timeout.
+    pub fn new(pipeline: PipelineDesc, world: usize) -> Self {
+        DistributedRunSpec {
+            pipeline,
+            world,
+            depth: 1,
+            steps: 3,
+            seed: 0,
+            fail_gather: None,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What one rank saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankRun {
+    /// The rank.
+    pub rank: usize,
+    /// The engine's output (little-endian `f32` latents).
+    pub output: Vec<u8>,
+    /// `(sequence number, tag)` of every AllGather the rank's collective actor started, in issue order.
+    pub issued: Vec<(u64, u64)>,
+    /// Hazard violations the rank's simulated device detected.
+    pub hazard_violations: usize,
+    /// Host bytes of the rank's shard masters (padding included).
+    pub shard_host_bytes: u64,
+    /// Bytes of one full copy of the streamed sections (what the shards of all ranks rebuild).
+    pub full_section_bytes: u64,
+    /// Streamed sections (AllGathers per pass over every block).
+    pub sections: u64,
+    /// Host → device bytes the DiT stacks copied (shards only).
+    pub h2d_bytes: u64,
+}
+
+/// The output of the fully resident single-rank run of `pipeline` (every storage on the device, no hooks), as
+/// the `run` driver's baseline computes it.
+pub fn resident_output(pipeline: &PipelineDesc, steps: u32, seed: u64) -> Result<Vec<u8>, EngineError> {
+    let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() })?);
+    let platform: PlatformRef = sim.clone();
+    let model = HostModel::synthetic(platform.clone(), Arc::new(pipeline.clone()), seed)?;
+    let result = (|| {
+        let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), pipeline)?;
+        let upload = platform.create_stream("resident-upload")?;
+        let all: Vec<StorageId> = pipeline.storages.keys().copied().collect();
+        let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
+        let opts = ExecOptions { steps, input_seed: seed, skip_seed: None, span_epoch: None };
+        let out = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {});
+        let released = engine.release();
+        placement.release()?;
+        let out = out?;
+        released?;
+        Ok(out.output)
+    })();
+    model.release();
+    sim.shutdown();
+    result
+}
+
+/// Runs `spec` on `spec.world` simulated ranks; returns each rank's result, indexed by rank.
+pub fn run_distributed_sim(
+    spec: &DistributedRunSpec,
+) -> Result<Vec<Result<RankRun, DistributedRunError>>, DistributedRunError> {
+    if spec.world == 0 {
+        return Err(DistributedRunError::Invalid("a distributed run needs at least one rank".into()));
+    }
+    if spec.depth == 0 {
+        return Err(DistributedRunError::Invalid("distributed layerwise needs a prefetch depth of at least 1".into()));
+    }
+    if let Some((rank, _)) = spec.fail_gather {
+        if rank >= spec.world {
+            return Err(DistributedRunError::Invalid(format!("fault on rank {rank} of {} ranks", spec.world)));
+        }
+    }
+    let sims: Vec<Arc<SimPlatform>> = (0..spec.world)
+        .map(|_| SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).map(Arc::new))
+        .collect::<Result<_, _>>()?;
+    let comms = SimCollectiveGroup::with_options(sims.clone(), SimCollectiveOptions { timeout: spec.timeout });
+    let results = std::thread::scope(|scope| {
+        let handles: Vec<_> = sims
+            .iter()
+            .cloned()
+            .zip(comms)
+            .enumerate()
+            .map(|(rank, (sim, comm))| {
+                if let Some((r, n)) = spec.fail_gather {
+                    if r == rank {
+                        comm.fail_nth_call(n);
+                    }
+                }
+                std::thread::Builder::new()
+                    .name(format!("wf-rank-{rank}"))
+                    .spawn_scoped(scope, move || rank_main(spec, rank, sim, comm))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or(Err(DistributedRunError::Panicked { rank })),
+                Err(e) => Err(DistributedRunError::Invalid(format!("spawn rank {rank}: {e}"))),
+            })
+            .collect()
+    });
+    for s in &sims {
+        s.shutdown();
+    }
+    Ok(results)
+}
+
+/// Tag of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gathered section.
+fn tag_of(si: usize, ui: usize, k: usize) -> u64 {
+    ((si as u64 + 1) << 40) | ((ui as u64) << 8) | k as u64
+}
+
+struct StackHook {
+    stack: Arc<BlockStack>,
+    unit: usize,
+}
+
+impl ModelHook for StackHook {
+    fn pre_forward(&self, _module: &str) -> Result<(), String> {
+        self.stack.pre_forward(self.unit).map(|_| ()).map_err(|e| e.to_string())
+    }
+    fn post_forward(&self, _module: &str) -> Result<(), String> {
+        self.stack.post_forward(self.unit).map_err(|e| e.to_string())
+    }
+}
+
+/// Where a rank's weights are: gathered stacks for streamed storages, the fixed placement for the rest.
+struct RankSource<'a> {
+    stacks: &'a [Arc<BlockStack>],
+    locations: HashMap<StorageId, (usize, usize, u64)>,
+    fixed: &'a ResidentPlacement,
+}
+
+impl WeightSource for RankSource<'_> {
+    fn locate(&self, storage: StorageId) -> Result<(DeviceBufferId, u64), OffloadError> {
+        match self.locations.get(&storage) {
+            Some(&(si, ui, off)) => match self.stacks.get(si).and_then(|s| s.location(ui)) {
+                Some(loc) => Ok((loc.buffer, loc.offset + off)),
+                None => Err(OffloadError::NotResident {
+                    storage: storage.0,
+                    reason: "its block is not gathered (call pre_forward on the module first)".into(),
+                }),
+            },
+            None => self.fixed.locate(storage),
+        }
+    }
+}
+
+/// What a rank allocated, released in reverse order whatever happened.
+#[derive(Default)]
+struct RankParts {
+    stream: Option<StreamHandle>,
+    collective: Option<CollectiveHandle>,
+    fixed: Option<ResidentPlacement>,
+    masters: Vec<ShardedMasters>,
+    stacks: Vec<Arc<BlockStack>>,
+}
+
+fn rank_main(
+    spec: &DistributedRunSpec,
+    rank: usize,
+    sim: Arc<SimPlatform>,
+    comm: SimCollective,
+) -> Result<RankRun, DistributedRunError> {
+    let platform: PlatformRef = sim.clone();
+    let model = match HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed) {
+        Ok(m) => m,
+        Err(e) => {
+            drop(comm);
+            return Err(e.into());
+        }
+    };
+    let mut parts = RankParts::default();
+    let result = rank_run(spec, rank, &sim, &platform, &model, comm, &mut parts);
+    let poisoned = parts.collective.as_ref().and_then(|c| c.poisoned());
+    let cleanup = release(&platform, parts);
+    model.release();
+    let run = match (result, cleanup) {
+        (Ok(run), Ok(())) => Ok(run),
+        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+    };
+    match (run, poisoned) {
+        (Err(e), Some(cause)) => Err(DistributedRunError::Poisoned { rank, cause, run: e.to_string() }),
+        (run, _) => run.map(|mut r| {
+            r.hazard_violations = sim.violations().len();
+            r
+        }),
+    }
+}
+
+fn release(platform: &PlatformRef, parts: RankParts) -> Result<(), DistributedRunError> {
+    let mut first: Option<DistributedRunError> = None;
+    for s in parts.stacks {
+        if let Err(e) = s.disable() {
+            first.get_or_insert(OffloadError::from(e).into());
+        }
+    }
+    if let Some(c) = parts.collective {
+        c.shutdown();
+    }
+    if let Some(s) = parts.stream {
+        s.shutdown();
+    }
+    if let Some(mut f) = parts.fixed {
+        if let Err(e) = f.release() {
+            first.get_or_insert(e.into());
+        }
+    }
+    for m in parts.masters {
+        if let Err(e) = m.free(platform) {
+            first.get_or_insert(e.into());
+        }
+    }
+    match first {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn rank_run(
+    spec: &DistributedRunSpec,
+    rank: usize,
+    sim: &Arc<SimPlatform>,
+    platform: &PlatformRef,
+    model: &HostModel,
+    comm: SimCollective,
+    parts: &mut RankParts,
+) -> Result<RankRun, DistributedRunError> {
+    let desc = &spec.pipeline;
+    let config = OffloadConfig::from_json_str(&format!(
+        r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"],
+            "layer_options": {{"dit": {{"prefetch_depth": {}}}}}}}}}"#,
+        spec.depth
+    ))
+    .map_err(|e| DistributedRunError::Invalid(format!("distributed run config: {e}")))?;
+    let plan = resolve_offload_plan(desc, &config).map_err(OffloadError::from)?;
+    let units = build_unit_plan(desc, &config, &plan);
+    if units.stacks.is_empty() {
+        return Err(DistributedRunError::Invalid("the plan streams no DiT stack".into()));
+    }
+    if let Some(sp) = units.stacks.iter().find(|s| s.depth == 0) {
+        return Err(DistributedRunError::Invalid(format!("stack '{}' is staged, not layerwise", sp.name)));
+    }
+    let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), desc)?;
+    let collective =
+        CollectiveHandle::spawn(platform.clone(), "comm", Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>)))?;
+    parts.collective = Some(collective.clone());
+    let stream = StreamHandle::spawn(platform.clone(), "copy", StreamOptions::default()).map_err(OffloadError::from)?;
+    parts.stream = Some(stream.clone());
+    let upload = platform.create_stream("placement")?;
+    parts.fixed = Some(ResidentPlacement::upload(platform, model, &units.fixed, upload)?);
+
+    let sequence = GatherSequence::new();
+    let mut locations = HashMap::new();
+    let (mut full, mut sections) = (0u64, 0u64);
+    for (si, sp) in units.stacks.iter().enumerate() {
+        let masters = build_sharded_masters(model, &sp.units, spec.world, rank, HostMemoryKind::Pinned)?;
+        let gather_blocks: Vec<GatherBlock> = masters
+            .units
+            .iter()
+            .enumerate()
+            .map(|(ui, u)| GatherBlock {
+                sections: u
+                    .sections
+                    .iter()
+                    .enumerate()
+                    .map(|(k, s)| GatherSection {
+                        host: s.host,
+                        host_offset: 0,
+                        shard_bytes: s.spec.shard_bytes(),
+                        output_offset: s.device_offset,
+                        tag: tag_of(si, ui, k),
+                    })
+                    .collect(),
+            })
+            .collect();
+        parts.masters.push(masters);
+        for (ui, unit) in sp.units.iter().enumerate() {
+            for sec in &unit.sections {
+                full += sec.len;
+                sections += 1;
+                for &(s, off) in &sec.storages {
+                    locations.insert(s, (si, ui, sec.device_offset + off));
+                }
+            }
+        }
+        let stack_spec = StackSpec {
+            name: sp.name.clone(),
+            blocks: sp.units.iter().map(|u| BlockSpec { segments: Vec::new(), device_bytes: u.device_bytes }).collect(),
+            resident_head: 0,
+            prefetch_depth: sp.depth,
+            eager_prefetch: false,
+            ordering_fault: Default::default(),
+        };
+        let path = GatherPath { collective: collective.clone(), sequence: sequence.clone(), blocks: gather_blocks };
+        let stack = BlockStack::with_gather(
+            platform.clone(),
+            stack_spec,
+            Some(vec![false; sp.units.len()]),
+            engine.stream(),
+            stream.clone(),
+            path,
+        )
+        .map_err(OffloadError::from)?;
+        parts.stacks.push(Arc::new(stack));
+    }
+    let hooks = HookRegistry::new();
+    hooks.claim_offload(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK).map_err(OffloadError::from)?;
+    for (si, sp) in units.stacks.iter().enumerate() {
+        for (ui, unit) in sp.units.iter().enumerate() {
+            let hook = Arc::new(StackHook { stack: parts.stacks[si].clone(), unit: ui });
+            let name = DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK;
+            hooks.register(&unit.path, name, name, hook).map_err(OffloadError::from)?;
+        }
+    }
+    let Some(fixed) = parts.fixed.as_ref() else {
+        return Err(DistributedRunError::Invalid("fixed placement missing".into()));
+    };
+    let source = RankSource { stacks: &parts.stacks, locations, fixed };
+    let opts = ExecOptions { steps: spec.steps, input_seed: spec.seed, skip_seed: None, span_epoch: None };
+    let out = engine.execute(&source, &hooks, &opts, &mut |_| {});
+    hooks.remove_owned_by(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK);
+    let released = engine.release();
+    let out = out?;
+    released?;
+    for s in &parts.stacks {
+        s.fence().map_err(OffloadError::from)?;
+    }
+    Ok(RankRun {
+        rank,
+        output: out.output,
+        issued: collective.issued(),
+        hazard_violations: 0,
+        shard_host_bytes: parts.masters.iter().map(|m| m.host_bytes()).sum(),
+        full_section_bytes: full,
+        sections,
+        h2d_bytes: parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum(),
+    })
+}
