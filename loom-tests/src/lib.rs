@@ -14,6 +14,10 @@
 //!   actor running the production `StreamHandle`, and the engine-side "kernel" that reads a block's slot on the
 //!   compute stream and checks it sees exactly that block's bytes.
 //! - `model`: runs a closure under `loom::model` with a preemption bound (`LOOM_MAX_PREEMPTIONS`, default 2).
+//! - Collective models: `CommPlatform`, a host-only platform without a device thread (every stream operation is
+//!   logged and completes when it is enqueued), and `CommGroup` / `LoomCollective`, a loom communicator whose
+//!   ranks record the tags of the AllGathers they are asked to issue and panic with `collective order` as soon as
+//!   one diverges from the plan or from another rank.
 
 #[cfg(weightferry_loom)]
 pub use harness::*;
@@ -23,6 +27,7 @@ mod harness {
     use std::collections::{BTreeMap, VecDeque};
     use std::fmt;
 
+    use weightferry_actors::collective::Collective;
     use weightferry_actors::platform::{
         DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef,
         PlatformResult, StreamId,
@@ -698,6 +703,308 @@ mod harness {
             self.stream.shutdown();
             self.platform.drain();
             self.platform.shutdown();
+        }
+    }
+
+    /// An operation a [`CommPlatform`] stream received, in enqueue order.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum CommOp {
+        /// `stream_wait_event(event)`.
+        Wait(u32),
+        /// `record_event(event)`.
+        Record(u32),
+    }
+
+    #[derive(Debug, Default)]
+    struct CommState {
+        next_id: u64,
+        streams: Vec<Vec<CommOp>>,
+        events: BTreeMap<u32, ()>,
+        device: BTreeMap<u64, u64>,
+        host: BTreeMap<u64, (Vec<u8>, HostMemoryKind)>,
+    }
+
+    /// A host-only platform for the collective models. It has **no device thread** (the collective models need
+    /// every loom thread they can get: a rank's actor and its completion watcher are two), so nothing runs on a
+    /// device: every stream operation is logged per stream and counts as completed when it is enqueued, and the
+    /// synchronisation calls return at once. Device buffers are ids with a size; copies are refused. The order in
+    /// which AllGathers are issued does not depend on when the device runs them, which is why this is enough for
+    /// the collective order invariant.
+    #[derive(Debug)]
+    pub struct CommPlatform {
+        state: Mutex<CommState>,
+    }
+
+    impl Default for CommPlatform {
+        fn default() -> Self {
+            CommPlatform::new()
+        }
+    }
+
+    impl CommPlatform {
+        /// A platform with no streams, events or buffers.
+        pub fn new() -> CommPlatform {
+            CommPlatform { state: Mutex::new(CommState::default()) }
+        }
+
+        /// The operations enqueued on `stream`, in enqueue order.
+        pub fn stream_log(&self, stream: StreamId) -> Vec<CommOp> {
+            lock(&self.state).streams.get(stream.0 as usize).cloned().unwrap_or_default()
+        }
+
+        fn id(st: &mut CommState) -> u64 {
+            st.next_id += 1;
+            st.next_id
+        }
+
+        fn push(&self, stream: StreamId, event: EventId, op: CommOp) -> PlatformResult<()> {
+            let mut g = lock(&self.state);
+            if !g.events.contains_key(&event.0) {
+                return Err(PlatformError::InvalidHandle { what: "event", id: event.0 as u64 });
+            }
+            let log = g
+                .streams
+                .get_mut(stream.0 as usize)
+                .ok_or(PlatformError::InvalidHandle { what: "stream", id: stream.0 as u64 })?;
+            log.push(op);
+            Ok(())
+        }
+
+        fn check_event(&self, event: EventId) -> PlatformResult<()> {
+            if lock(&self.state).events.contains_key(&event.0) {
+                Ok(())
+            } else {
+                Err(PlatformError::InvalidHandle { what: "event", id: event.0 as u64 })
+            }
+        }
+    }
+
+    impl Platform for CommPlatform {
+        fn name(&self) -> &'static str {
+            "loom-comm"
+        }
+
+        fn device_memory(&self) -> DeviceMemoryStats {
+            let in_use = lock(&self.state).device.values().sum();
+            DeviceMemoryStats { capacity: 1 << 20, in_use, peak: in_use }
+        }
+
+        fn reset_peak(&self) {}
+
+        fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+            let mut g = lock(&self.state);
+            let id = Self::id(&mut g);
+            g.device.insert(id, bytes);
+            Ok(DeviceBufferId(id))
+        }
+
+        fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()> {
+            let mut g = lock(&self.state);
+            g.device.remove(&buf.0).map(|_| ()).ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })
+        }
+
+        fn device_buffer_len(&self, buf: DeviceBufferId) -> PlatformResult<u64> {
+            let g = lock(&self.state);
+            g.device.get(&buf.0).copied().ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })
+        }
+
+        fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
+            let mut g = lock(&self.state);
+            let id = Self::id(&mut g);
+            g.host.insert(id, (vec![0; bytes as usize], kind));
+            Ok(HostBufferId(id))
+        }
+
+        fn free_host(&self, buf: HostBufferId) -> PlatformResult<()> {
+            let mut g = lock(&self.state);
+            g.host.remove(&buf.0).map(|_| ()).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: buf.0 })
+        }
+
+        fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()> {
+            let mut g = lock(&self.state);
+            let hb =
+                &mut g.host.get_mut(&buf.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: buf.0 })?.0;
+            let (o, size) = (offset as usize, hb.len() as u64);
+            if offset + data.len() as u64 > size {
+                return Err(PlatformError::OutOfBounds { what: "host", offset, len: data.len() as u64, size });
+            }
+            hb[o..o + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+
+        fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()> {
+            let g = lock(&self.state);
+            let hb = &g.host.get(&buf.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: buf.0 })?.0;
+            let (o, size) = (offset as usize, hb.len() as u64);
+            if offset + out.len() as u64 > size {
+                return Err(PlatformError::OutOfBounds { what: "host", offset, len: out.len() as u64, size });
+            }
+            out.copy_from_slice(&hb[o..o + out.len()]);
+            Ok(())
+        }
+
+        fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)> {
+            let g = lock(&self.state);
+            g.host
+                .get(&buf.0)
+                .map(|(b, k)| (b.len() as u64, *k))
+                .ok_or(PlatformError::InvalidHandle { what: "host buffer", id: buf.0 })
+        }
+
+        fn create_stream(&self, _name: &str) -> PlatformResult<StreamId> {
+            let mut g = lock(&self.state);
+            g.streams.push(Vec::new());
+            Ok(StreamId(g.streams.len() as u32 - 1))
+        }
+
+        fn create_event(&self) -> PlatformResult<EventId> {
+            let mut g = lock(&self.state);
+            let id = Self::id(&mut g) as u32;
+            g.events.insert(id, ());
+            Ok(EventId(id))
+        }
+
+        fn destroy_event(&self, event: EventId) -> PlatformResult<()> {
+            let mut g = lock(&self.state);
+            g.events.remove(&event.0).ok_or(PlatformError::InvalidHandle { what: "event", id: event.0 as u64 })
+        }
+
+        fn record_event(&self, event: EventId, stream: StreamId) -> PlatformResult<()> {
+            self.push(stream, event, CommOp::Record(event.0))
+        }
+
+        fn stream_wait_event(&self, stream: StreamId, event: EventId) -> PlatformResult<()> {
+            self.push(stream, event, CommOp::Wait(event.0))
+        }
+
+        fn event_query(&self, event: EventId) -> PlatformResult<bool> {
+            self.check_event(event).map(|()| true)
+        }
+
+        fn event_synchronize(&self, event: EventId) -> PlatformResult<()> {
+            self.check_event(event)
+        }
+
+        fn stream_synchronize(&self, stream: StreamId) -> PlatformResult<()> {
+            if (stream.0 as usize) < lock(&self.state).streams.len() {
+                Ok(())
+            } else {
+                Err(PlatformError::InvalidHandle { what: "stream", id: stream.0 as u64 })
+            }
+        }
+
+        fn copy_h2d(
+            &self,
+            _stream: StreamId,
+            _src: HostBufferId,
+            _src_offset: u64,
+            _dst: DeviceBufferId,
+            _dst_offset: u64,
+            len: u64,
+        ) -> PlatformResult<()> {
+            Err(PlatformError::CopyFailed {
+                direction: "host-to-device",
+                bytes: len,
+                reason: "the loom comm platform has no copies".into(),
+            })
+        }
+
+        fn copy_d2h(
+            &self,
+            _stream: StreamId,
+            _src: DeviceBufferId,
+            _src_offset: u64,
+            _dst: HostBufferId,
+            _dst_offset: u64,
+            len: u64,
+        ) -> PlatformResult<()> {
+            Err(PlatformError::CopyFailed {
+                direction: "device-to-host",
+                bytes: len,
+                reason: "the loom comm platform has no copies".into(),
+            })
+        }
+    }
+
+    /// A loom communicator: what each rank was asked to issue, checked on every call.
+    ///
+    /// Each rank's [`LoomCollective`] appends the tag of every `all_gather` call to its list (its issue order) and
+    /// panics with `collective order violated` when the tag differs from the plan's tag at that position, or with
+    /// `collective order diverged` when another rank already issued a different tag at that position, the way a
+    /// real communicator would match (and here, with equal lengths, silently mis-gather) two different collectives.
+    /// Nothing is enqueued and nothing blocks.
+    #[derive(Debug)]
+    pub struct CommGroup {
+        plan: Option<Vec<u64>>,
+        issued: Mutex<Vec<Vec<u64>>>,
+    }
+
+    impl CommGroup {
+        /// A group of `world` ranks; with `plan`, the tags every rank must issue, in order.
+        pub fn new(world: usize, plan: Option<Vec<u64>>) -> Arc<CommGroup> {
+            Arc::new(CommGroup { plan, issued: Mutex::new(vec![Vec::new(); world]) })
+        }
+
+        /// Rank `rank`'s communicator in `group`.
+        pub fn member(group: &Arc<CommGroup>, rank: usize) -> LoomCollective {
+            let world = lock(&group.issued).len();
+            LoomCollective { group: group.clone(), rank, world }
+        }
+
+        /// The tags each rank issued, in issue order, indexed by rank.
+        pub fn issued(&self) -> Vec<Vec<u64>> {
+            lock(&self.issued).clone()
+        }
+
+        fn record(&self, rank: usize, tag: u64) {
+            let mut g = lock(&self.issued);
+            let pos = g[rank].len();
+            if let Some(&want) = self.plan.as_ref().and_then(|p| p.get(pos)) {
+                assert!(
+                    want == tag,
+                    "collective order violated: rank {rank}'s AllGather #{pos} has tag {tag:#x}, the plan's #{pos} \
+                     is {want:#x}"
+                );
+            }
+            for (other, list) in g.iter().enumerate() {
+                if let Some(&theirs) = list.get(pos) {
+                    assert!(
+                        theirs == tag,
+                        "collective order diverged: AllGather #{pos} has tag {theirs:#x} on rank {other} and {tag:#x} \
+                         on rank {rank}"
+                    );
+                }
+            }
+            g[rank].push(tag);
+        }
+    }
+
+    /// One rank of a [`CommGroup`], handed to the production `CollectiveHandle` through its factory.
+    #[derive(Debug)]
+    pub struct LoomCollective {
+        group: Arc<CommGroup>,
+        rank: usize,
+        world: usize,
+    }
+
+    impl Collective for LoomCollective {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn world(&self) -> usize {
+            self.world
+        }
+
+        fn all_gather(
+            &self,
+            _stream: StreamId,
+            _input: (DeviceBufferId, u64, u64),
+            _output: (DeviceBufferId, u64),
+            tag: u64,
+        ) -> PlatformResult<()> {
+            self.group.record(self.rank, tag);
+            Ok(())
         }
     }
 
