@@ -248,6 +248,38 @@ impl HookRegistry {
     }
 }
 
+/// A forward scope for a non-forward entry point (e.g. a VAE's `decode`): `pre_forward` ran when it was created,
+/// `post_forward` runs when it is dropped — also on an early return or a panic unwinding through it. A failure of
+/// that release is logged, not raised, so it never masks the caller's own error.
+#[must_use = "the module's weights may be released as soon as the scope is dropped"]
+pub struct ForwardScope<'a> {
+    registry: &'a HookRegistry,
+    module: String,
+}
+
+impl HookRegistry {
+    /// Runs `module`'s `pre_forward` hooks and returns a scope whose drop runs its `post_forward` hooks.
+    pub fn scope(&self, module: &str) -> Result<ForwardScope<'_>, HookError> {
+        self.pre_forward(module)?;
+        Ok(ForwardScope { registry: self, module: module.to_string() })
+    }
+}
+
+impl ForwardScope<'_> {
+    /// The module this scope keeps loaded.
+    pub fn module(&self) -> &str {
+        &self.module
+    }
+}
+
+impl Drop for ForwardScope<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.registry.post_forward(&self.module) {
+            tracing::warn!("releasing '{}' at the end of its scope failed: {e}", self.module);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -339,6 +371,24 @@ mod tests {
         assert_eq!(r.offload_owner().as_deref(), Some(LAYERWISE_OFFLOAD_HOOK));
         r.release_offload(LAYERWISE_OFFLOAD_HOOK);
         r.claim_offload(SEQUENTIAL_OFFLOAD_HOOK).unwrap();
+    }
+
+    #[test]
+    fn a_scope_runs_post_forward_when_dropped_even_on_early_exit() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let r = HookRegistry::new();
+        r.register("vae", "sequential_offload", "sequential_offload", rec("s", &log, false)).unwrap();
+        let decode = |fail: bool| -> Result<(), String> {
+            let scope = r.scope("vae").map_err(|e| e.to_string())?;
+            assert_eq!(scope.module(), "vae");
+            if fail {
+                return Err("decode failed".into());
+            }
+            Ok(())
+        };
+        assert_eq!(decode(true), Err("decode failed".to_string()));
+        decode(false).unwrap();
+        assert_eq!(*log.lock().unwrap(), vec!["pre:s:vae", "post:s:vae", "pre:s:vae", "post:s:vae"]);
     }
 
     #[test]
