@@ -8,7 +8,7 @@ use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
 use weightferry::offload::{get_offload_backend, WeightSource};
 use weightferry::plan::presets::preset;
-use weightferry_actors::platform::{Platform, PlatformRef};
+use weightferry_actors::platform::PlatformRef;
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
 #[test]
