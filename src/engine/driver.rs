@@ -101,8 +101,8 @@ pub struct RunOutcome {
     pub trace: Option<RunTrace>,
 }
 
-/// Nearest-rank percentile of sorted durations, in microseconds.
-fn percentile_us(sorted: &[Duration], p: f64) -> f64 {
+/// Nearest-rank percentile of sorted durations, in microseconds (0 for no samples).
+pub fn percentile_us(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }

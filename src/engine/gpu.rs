@@ -106,13 +106,10 @@ pub struct BenchSpec {
     pub seed: u64,
 }
 
+/// Nearest-rank percentile of unsorted durations, in microseconds.
 fn percentile_us(mut v: Vec<Duration>, p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
     v.sort();
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1].as_secs_f64() * 1e6
+    super::driver::percentile_us(&v, p)
 }
 
 fn peak_rss_bytes() -> u64 {
