@@ -31,6 +31,38 @@ impl ModelHook for Hook {
 
 fn main() {
     let blocks = 57;
+    // The scheduler alone: a platform whose operations complete at once (no simulated device threads).
+    for (depth, work_us) in [(2usize, 0u64), (2, 50)] {
+        let (stream, stack) = common::null_stack(blocks, depth);
+        let mut samples = Vec::new();
+        for pass in 0..200 {
+            for i in 0..blocks {
+                let t = Instant::now();
+                stack.pre_forward(i).expect("pre");
+                let pre = t.elapsed();
+                let w = Instant::now();
+                while w.elapsed() < Duration::from_micros(work_us) {
+                    std::hint::spin_loop();
+                }
+                let t = Instant::now();
+                stack.post_forward(i).expect("post");
+                if pass >= 20 {
+                    samples.push(pre + t.elapsed());
+                }
+            }
+        }
+        let (p50, p99, max) = common::percentiles(samples);
+        let st = stack.stats();
+        println!(
+            "hook_latency null platform depth={depth} engine work {work_us} µs/block: pre+post p50 {:.2} µs, p99 {:.2} µs, max {:.1} µs ({} host waits)",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+            max.as_secs_f64() * 1e6,
+            st.record_waits
+        );
+        stack.disable().expect("disable");
+        stream.shutdown();
+    }
     for (depth, work_us) in [(1usize, 0u64), (2, 0), (4, 0), (1, 50), (2, 50), (4, 50)] {
         let (sim, _compute, stream, stack) = common::stack(blocks, 4096, 0, depth);
         let reg = HookRegistry::new();
