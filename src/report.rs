@@ -11,28 +11,8 @@ use crate::plan::{resolve_offload_plan, PipelineDesc, PlanError, ResolvedCompone
 use serde::Serialize;
 use std::fmt;
 
-/// One block stack of a run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct RunStack {
-    /// Stack name.
-    pub name: String,
-    /// Units (blocks, or whole components for model-level swapping).
-    pub units: usize,
-    /// Leading units kept resident.
-    pub resident: usize,
-    /// Prefetch depth (0 = staged: loaded on demand, no prefetch).
-    pub depth: usize,
-    /// Loads issued.
-    pub loads: u64,
-    /// Bytes the stack copied host → device.
-    pub h2d_bytes: u64,
-    /// Units found already prefetched at `pre_forward`.
-    pub prefetch_hits: u64,
-    /// Units found still in a released slot.
-    pub reuse_hits: u64,
-    /// Units fetched synchronously at `pre_forward`.
-    pub sync_fetches: u64,
-}
+/// Per-stack figures of the offloaded run (the backend's own report).
+pub use crate::offload::backend::StackReport as RunStack;
 
 /// What `weightferry run` measured: a resident run and an offloaded run of the same pipeline, compared.
 #[derive(Debug, Clone, PartialEq, Serialize)]

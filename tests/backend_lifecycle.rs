@@ -648,7 +648,7 @@ fn model_level_keeps_only_the_executing_component_resident() {
             assert_eq!(b.locate(dit).unwrap(), dit_at, "{name} during {p}");
             f.hooks.post_forward(p).unwrap();
         }
-        assert_eq!(b.report().stacks[0].resident_head, 1);
+        assert_eq!(b.report().stacks[0].resident, 1);
         b.disable(&mut f.model, &f.hooks).unwrap();
         assert_clean(&f, name);
     }

@@ -58,7 +58,7 @@ fn retune_changes_depth_and_residency_and_stays_bit_exact() {
             "layer_options": {{"dit": {{"prefetch_depth": 3}}}}}}}}"#
     ));
     b.retune(bud, &model, &hooks, engine.stream()).unwrap();
-    assert!(b.report().stacks[0].resident_head >= 2, "{:?}", b.report());
+    assert!(b.report().stacks[0].resident >= 2, "{:?}", b.report());
     sim.reset_peak();
     let base = sim.device_memory().in_use - b.report().fixed_device_bytes - b.report().stacks[0].device_bytes;
     let out = engine.execute(&b, &hooks, &opts, &mut |_| {}).unwrap();

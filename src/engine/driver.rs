@@ -305,22 +305,7 @@ fn run_backend(
         return Ok(Offloaded { out, enabled: false, stacks: Vec::new() });
     }
     let out = engine.execute(backend as &dyn WeightSource, hooks, opts, &mut |p| progress(RunStage::Offloaded, p));
-    let stacks = backend
-        .report()
-        .stacks
-        .into_iter()
-        .map(|s| RunStack {
-            name: s.name,
-            units: s.units,
-            resident: s.resident_head,
-            depth: s.depth,
-            loads: s.loads,
-            h2d_bytes: s.h2d_bytes,
-            prefetch_hits: s.prefetch_hits,
-            reuse_hits: s.reuse_hits,
-            sync_fetches: s.sync_fetches,
-        })
-        .collect();
+    let stacks = backend.report().stacks;
     let disabled = backend.disable(model, hooks);
     let out = out?;
     disabled?;

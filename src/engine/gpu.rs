@@ -297,7 +297,7 @@ fn bench_preset(
                 preset: name.to_string(),
                 config: label,
                 strategy: rep.strategy.clone(),
-                resident_blocks: dit_stack.map_or(0, |s| s.resident_head),
+                resident_blocks: dit_stack.map_or(0, |s| s.resident),
                 depth: dit_stack.map_or(0, |s| s.depth),
                 budget_bytes: budget,
                 step_s: t.step_s,

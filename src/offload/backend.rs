@@ -28,10 +28,10 @@ use weightferry_actors::{
 pub struct StackReport {
     /// Stack name.
     pub name: String,
-    /// Units (blocks or components).
+    /// Units (blocks, or whole components for model-level swapping).
     pub units: usize,
-    /// Resident head.
-    pub resident_head: usize,
+    /// Units kept resident.
+    pub resident: usize,
     /// Prefetch depth (0 = staged).
     pub depth: usize,
     /// Loads issued.
@@ -542,7 +542,7 @@ impl StreamingBackend {
                     r.stacks.push(StackReport {
                         name: sp.name.clone(),
                         units: sp.units.len(),
-                        resident_head: sp.resident_head,
+                        resident: sp.resident_head,
                         depth: sp.depth,
                         loads: s.loads,
                         h2d_bytes: s.h2d_bytes,
