@@ -65,9 +65,10 @@ pub struct BackendReport {
     pub pinned: bool,
 }
 
-struct StackHook {
-    stack: Arc<BlockStack>,
-    unit: usize,
+/// The hook of one unit of a block stack: `pre_forward` / `post_forward` of its module become the stack's.
+pub(crate) struct StackHook {
+    pub(crate) stack: Arc<BlockStack>,
+    pub(crate) unit: usize,
 }
 
 impl ModelHook for StackHook {

@@ -15,6 +15,7 @@
 //! reports [`DistributedRunError::Poisoned`] ("reload the pipeline", invariant 8). Each rank releases everything it
 //! allocated (device buffers, shard masters, actors) before returning, success or not.
 
+use super::backend::StackHook;
 use super::distributed::{build_sharded_masters, DistributedError, ShardedMasters};
 use super::resident::ResidentPlacement;
 use super::units::build_unit_plan;
@@ -22,7 +23,7 @@ use super::{OffloadError, WeightSource};
 use crate::config::OffloadConfig;
 use crate::engine::compute::SimCompute;
 use crate::engine::{Engine, EngineError, ExecOptions};
-use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
+use crate::hooks::{HookRegistry, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
 use crate::model::HostModel;
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::collections::HashMap;
@@ -212,20 +213,6 @@ pub fn run_distributed_sim(
 /// Tag of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gathered section.
 fn tag_of(si: usize, ui: usize, k: usize) -> u64 {
     ((si as u64 + 1) << 40) | ((ui as u64) << 8) | k as u64
-}
-
-struct StackHook {
-    stack: Arc<BlockStack>,
-    unit: usize,
-}
-
-impl ModelHook for StackHook {
-    fn pre_forward(&self, _module: &str) -> Result<(), String> {
-        self.stack.pre_forward(self.unit).map(|_| ()).map_err(|e| e.to_string())
-    }
-    fn post_forward(&self, _module: &str) -> Result<(), String> {
-        self.stack.post_forward(self.unit).map_err(|e| e.to_string())
-    }
 }
 
 /// Where a rank's weights are: gathered stacks for streamed storages, the fixed placement for the rest.
