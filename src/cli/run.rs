@@ -20,6 +20,28 @@ fn engine_error(e: EngineError) -> CliError {
     }
 }
 
+/// The scheduler ordering a `--inject-ordering-fault` value asks for.
+fn ordering_fault(arg: Option<FaultArg>) -> OrderingFault {
+    match arg {
+        None => OrderingFault::None,
+        Some(FaultArg::SkipReadyWait) => OrderingFault::SkipReadyWait,
+        Some(FaultArg::SkipLastUseWait) => OrderingFault::SkipLastUseWait,
+    }
+}
+
+/// Exit code 1 (with the reason) when the offloaded output or the host weights differ from the resident run.
+fn check_outcome(outputs_match: bool, weights_match: bool, offloaded: &str, resident: &str) -> Result<(), CliError> {
+    if !outputs_match {
+        return Err(CliError::failed(format!(
+            "the offloaded output differs from the resident output ({offloaded} vs {resident})"
+        )));
+    }
+    if !weights_match {
+        return Err(CliError::failed("the host weights changed during the offloaded run"));
+    }
+    Ok(())
+}
+
 /// The platform check: `--platform cuda` needs a build with the `cuda` feature.
 pub fn check_platform(p: PlatformArg) -> Result<(), CliError> {
     match p {
@@ -45,11 +67,7 @@ fn run_cuda(
     if let Some(t) = a.tokens {
         tokens = t;
     }
-    let fault = match a.inject_ordering_fault {
-        None => OrderingFault::None,
-        Some(FaultArg::SkipReadyWait) => OrderingFault::SkipReadyWait,
-        Some(FaultArg::SkipLastUseWait) => OrderingFault::SkipLastUseWait,
-    };
+    let fault = ordering_fault(a.inject_ordering_fault);
     let r = gpu_run(
         desc,
         config,
@@ -68,15 +86,7 @@ fn run_cuda(
     })?;
     let text = serde_json::to_string_pretty(&r).map_err(|e| CliError::failed(format!("cannot encode: {e}")))?;
     emit(&format!("{text}\n"));
-    if !r.outputs_match {
-        return Err(CliError::failed(format!(
-            "the offloaded output differs from the resident output ({} vs {})",
-            r.offloaded_checksum, r.resident_checksum
-        )));
-    }
-    if !r.weights_match {
-        return Err(CliError::failed("the host weights changed during the offloaded run"));
-    }
+    check_outcome(r.outputs_match, r.weights_match, &r.offloaded_checksum, &r.resident_checksum)?;
     Ok(0)
 }
 
@@ -137,11 +147,7 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
         spec.sim.h2d_bytes_per_sec = Some(g * 1e9);
     }
     spec.sim.copy_latency = Duration::from_micros(a.sim_copy_latency_us);
-    spec.ordering_fault = match a.inject_ordering_fault {
-        None => OrderingFault::None,
-        Some(FaultArg::SkipReadyWait) => OrderingFault::SkipReadyWait,
-        Some(FaultArg::SkipLastUseWait) => OrderingFault::SkipLastUseWait,
-    };
+    spec.ordering_fault = ordering_fault(a.inject_ordering_fault);
     // Fail on an unwritable trace path before spending time on the run.
     let trace_file = match &a.trace {
         Some(p) => Some(
@@ -168,15 +174,7 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
             emit(&format!("trace written to {}\n", path.display()));
         }
     }
-    if !r.outputs_match {
-        return Err(CliError::failed(format!(
-            "the offloaded output differs from the resident output ({} vs {})",
-            r.offloaded_checksum, r.resident_checksum
-        )));
-    }
-    if !r.weights_match {
-        return Err(CliError::failed("the host weights changed during the offloaded run"));
-    }
+    check_outcome(r.outputs_match, r.weights_match, &r.offloaded_checksum, &r.resident_checksum)?;
     if r.hazard_violations > 0 {
         return Err(CliError::failed(format!(
             "the sim hazard detector recorded {} ordering violations",
