@@ -36,14 +36,9 @@ pub struct HostModel {
     homes: BTreeMap<StorageId, Home>,
 }
 
-/// splitmix64: a tiny deterministic generator for synthetic weights.
-pub fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// splitmix64: the tiny deterministic generator behind synthetic weights (the simulated device's fault plans use
+/// the same one).
+pub use weightferry_actors::sim::fault::splitmix64;
 
 /// f32 → bf16 bits (round to nearest even).
 pub fn f32_to_bf16(x: f32) -> u16 {

@@ -53,8 +53,9 @@ impl FaultPlan {
     }
 }
 
-/// One step of splitmix64 (Steele, Lea, Flood 2014): advances `state` and returns the next output.
-pub(crate) fn splitmix64(state: &mut u64) -> u64 {
+/// One step of splitmix64 (Steele, Lea, Flood 2014): advances `state` and returns the next output. Shared by the
+/// fault plans and the root crate's synthetic weights.
+pub fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
