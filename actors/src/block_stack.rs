@@ -850,23 +850,24 @@ impl BlockStack {
         };
         g.prefetched[s] = false;
         if let SlotState::Loading { ticket, .. } = g.table.state(s) {
-            if self.done_board().poll(ticket).is_none() {
-                g.stats.record_waits += 1;
-                // Never hold the stack lock across a blocking wait.
-                drop(g);
-                let r = self.wait_done(ticket, block);
-                g = lock(&self.inner);
-                if let Err(e) = r {
-                    let _ = g.table.free(s);
-                    // A failed load poisons the stack: later hooks report it too, until disable.
-                    g.failure.get_or_insert(e.clone());
-                    return Err(e);
+            let outcome = match self.done_board().poll(ticket) {
+                Some(r) => {
+                    r.map_err(|source| SchedulerError::LoadFailed { stack: self.name.to_string(), block, source })
                 }
-            } else if let Some(Err(e)) = self.done_board().poll(ticket) {
+                None => {
+                    g.stats.record_waits += 1;
+                    // Never hold the stack lock across a blocking wait.
+                    drop(g);
+                    let r = self.wait_done(ticket, block);
+                    g = lock(&self.inner);
+                    r
+                }
+            };
+            if let Err(e) = outcome {
                 let _ = g.table.free(s);
-                let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source: e };
-                g.failure.get_or_insert(err.clone());
-                return Err(err);
+                // A failed load poisons the stack: later hooks report it too, until disable.
+                g.failure.get_or_insert(e.clone());
+                return Err(e);
             }
             g.table.mark_ready(s, ticket)?;
         }
