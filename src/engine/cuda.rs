@@ -4,8 +4,8 @@
 //! Per module (block or non-block child), with `x` the phase's activation (`tokens × width`, bf16):
 //! - every bf16 weight of rank ≥ 2, viewed as `[out, in]` (contiguous, or stored transposed), is one GEMM
 //!   `y = alpha · input · wᵀ` where `input` is the previous product if it is at least `in` wide, else `x`, else the
-//!   other activation, else a zero-initialised scratch; a product exactly `width` wide is added back into `x`
-//!   (a residual, `axpy`). `alpha = 1 / (√in · σ_w)` keeps magnitudes steady over any depth;
+//!   other activation, else a buffer of zeros (so an execution never reads what an earlier one left behind); a
+//!   product exactly `width` wide is added back into `x` (a residual, `axpy`). `alpha = 1 / (√in · σ_w)` keeps magnitudes steady over any depth;
 //! - a block of a DiT or an encoder (a module whose path ends in a block index) also runs a self-attention proxy of
 //!   the right cost: `S = x·xᵀ` and `O = S·x` chunk by chunk (4·tokens²·width flops), added back into `x`;
 //! - tensors of other dtypes or layouts (norm scales, f32 modulation tables, rope buffers) are not read: their cost
@@ -51,6 +51,10 @@ struct Scratch {
     scores: DeviceBufferId,
     /// Attention output, `tokens × max_width`.
     attn_out: DeviceBufferId,
+    /// Zeros, `tokens × max_dim`, never written after construction: the input of a product whose width matches
+    /// no activation. (Reading a product buffer there instead made the output depend on what earlier executions
+    /// left in it, so two runs of the same pipeline could differ.)
+    zeros: DeviceBufferId,
 }
 
 /// [`Compute`] on a CUDA device.
@@ -136,6 +140,7 @@ impl CudaCompute {
             (rows * max_dim * 2) as u64,
             (ATTN_CHUNK.min(rows) * rows * 2) as u64,
             (rows * latent_width.max(context_width) * 2) as u64,
+            (rows * max_dim * 2) as u64,
         ];
         let mut bufs = Vec::new();
         for &s in &sizes {
@@ -167,7 +172,7 @@ impl CudaCompute {
             latent_width,
             context_width,
             max_dim,
-            scratch: Scratch { prod: [bufs[0], bufs[1]], scores: bufs[2], attn_out: bufs[3] },
+            scratch: Scratch { prod: [bufs[0], bufs[1]], scores: bufs[2], attn_out: bufs[3], zeros: bufs[4] },
             workspace_bytes: sizes.iter().sum(),
             blas: Mutex::new(None),
         })
@@ -208,7 +213,9 @@ impl Drop for CudaCompute {
         if let Ok(mut g) = self.blas.lock() {
             g.take();
         }
-        for b in [self.scratch.prod[0], self.scratch.prod[1], self.scratch.scores, self.scratch.attn_out] {
+        for b in
+            [self.scratch.prod[0], self.scratch.prod[1], self.scratch.scores, self.scratch.attn_out, self.scratch.zeros]
+        {
             let _ = p.free_device(b);
         }
     }
@@ -275,6 +282,7 @@ impl Compute for CudaCompute {
         let x = self.ptr(x_buf)?;
         let other = self.ptr(other_buf)?;
         let prod = [self.ptr(self.scratch.prod[0])?, self.ptr(self.scratch.prod[1])?];
+        let zeros = self.ptr(self.scratch.zeros)?;
         // Weight pointer of each storage in this kernel.
         let mut wptr = std::collections::HashMap::new();
         for w in &kernel.weights {
@@ -297,7 +305,7 @@ impl Compute for CudaCompute {
                     Some((p, wdt, ld, _)) if wdt >= inn => (p, ld),
                     _ if width >= inn => (x, width),
                     _ if other_width >= inn && other_rows >= rows => (other, other_width),
-                    _ => (prod[next ^ 1], inn),
+                    _ => (zeros, inn),
                 };
                 let c = prod[next];
                 let alpha = 1.0 / ((inn as f32).sqrt() * WEIGHT_STD);
