@@ -88,7 +88,7 @@ fn an_execution_does_not_depend_on_earlier_executions() {
     use weightferry::model::HostModel;
     use weightferry::offload::ResidentPlacement;
     use weightferry::platform::cuda::CudaPlatform;
-    use weightferry_actors::platform::{Platform, PlatformRef};
+    use weightferry_actors::platform::PlatformRef;
     // flux-dev's VAE has products wider than any activation: they must not read what an earlier run left behind.
     let desc = preset("flux-dev").unwrap();
     let cuda = Arc::new(CudaPlatform::new(0).unwrap());
