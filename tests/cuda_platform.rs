@@ -332,3 +332,40 @@ fn pinned_h2d_bandwidth_above_10_gbps() {
     assert_eq!(p.device_memory().in_use, 0, "the probe frees its buffers");
     assert!(p.measure_h2d_bandwidth(0, 1).is_err());
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_timeline_times_copies_in_order_and_disarms() {
+    let p = gpu();
+    let s = p.create_stream("timeline").unwrap();
+    let host = p.alloc_host(64 * MIB, HostMemoryKind::Pinned).unwrap();
+    let dev = p.alloc_device(64 * MIB).unwrap();
+    // Not armed: nothing is recorded and collecting says so.
+    p.copy_h2d(s, host, 0, dev, 0, MIB).unwrap();
+    assert!(p.timeline_collect().is_err());
+    p.timeline_arm(s, 8).unwrap();
+    p.copy_h2d(s, host, 0, dev, 0, 32 * MIB).unwrap();
+    p.copy_h2d(s, host, 0, dev, 0, 64 * MIB).unwrap();
+    let k = p.timeline_begin(s, "compute", "marker");
+    p.timeline_end(s, k);
+    let (spans, dropped) = p.timeline_collect().unwrap();
+    assert_eq!(dropped, 0);
+    let labels: Vec<(&str, &str)> = spans.iter().map(|x| (x.lane.as_str(), x.label.as_str())).collect();
+    assert_eq!(labels, [("copy", "h2d 33554432"), ("copy", "h2d 67108864"), ("compute", "marker")]);
+    for w in spans.windows(2) {
+        assert!(w[0].end_us <= w[1].start_us + 1.0, "spans on one stream overlap: {spans:?}");
+    }
+    // 64 MiB at tens of GB/s takes more than 100 µs; twice the bytes take longer.
+    let d: Vec<f64> = spans.iter().map(|x| x.end_us - x.start_us).collect();
+    assert!(d[1] > 100.0 && d[1] > d[0], "{spans:?}");
+    // Disarmed again: a copy records nothing.
+    p.copy_h2d(s, host, 0, dev, 0, MIB).unwrap();
+    assert!(p.timeline_collect().is_err());
+    // A pool of one event drops the second span's end (counted), never blocks.
+    p.timeline_arm(s, 1).unwrap();
+    p.copy_h2d(s, host, 0, dev, 0, MIB).unwrap();
+    let (spans, dropped) = p.timeline_collect().unwrap();
+    assert!(spans.is_empty());
+    assert_eq!(dropped, 1);
+    p.stream_synchronize(s).unwrap();
+}

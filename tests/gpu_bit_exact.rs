@@ -100,7 +100,7 @@ fn an_execution_does_not_depend_on_earlier_executions() {
     let up = platform.create_stream("up").unwrap();
     let mut placement = ResidentPlacement::upload(&platform, &model, &all, up).unwrap();
     let run = |steps: u32| {
-        let opts = ExecOptions { steps, input_seed: 0, skip_seed: None, span_epoch: None };
+        let opts = ExecOptions { steps, input_seed: 0, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
         engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {}).unwrap().output
     };
     let first = run(3);

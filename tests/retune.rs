@@ -26,7 +26,7 @@ fn retune_changes_depth_and_residency_and_stays_bit_exact() {
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 3).unwrap();
     let before = model.checksum().unwrap();
     let engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), &desc).unwrap();
-    let opts = ExecOptions { steps: 2, input_seed: 3, skip_seed: None, span_epoch: None };
+    let opts = ExecOptions { steps: 2, input_seed: 3, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
     let all: Vec<StorageId> = desc.storages.keys().copied().collect();
     let up = platform.create_stream("up").unwrap();
     let mut placement = ResidentPlacement::upload(&platform, &model, &all, up).unwrap();

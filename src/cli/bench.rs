@@ -29,8 +29,15 @@ pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
         [lo, hi] if hi > lo => (*lo, *hi),
         _ => return Err(CliError::invalid("--steps takes two counts LO,HI with HI > LO, e.g. 2,6")),
     };
+    if a.rounds == 0 {
+        return Err(CliError::invalid("--rounds must be at least 1"));
+    }
     if a.budgets.iter().any(|f| !(f.is_finite() && *f > 0.0 && *f <= 1.0)) {
         return Err(CliError::invalid("--budgets are fractions in (0, 1], e.g. 0.25,0.5,0.75"));
+    }
+    if let Some(dir) = &a.trace {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| CliError::invalid(format!("--trace: cannot create directory `{}`: {e}", dir.display())))?;
     }
     let spec = BenchSpec {
         presets,
@@ -40,6 +47,9 @@ pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
         sweep: a.sweep,
         steps,
         seed: 0,
+        trace_dir: a.trace.clone(),
+        rounds: a.rounds,
+        max_blocks_ahead: a.max_blocks_ahead,
     };
     let report = run_bench(&spec, &mut |line| eprintln!("{line}"))
         .map_err(|e| CliError::failed(format!("bench failed: {e}")))?;
@@ -82,6 +92,34 @@ pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
             r.hook_p50_us,
             if r.outputs_match { "yes" } else { "NO" }
         );
+    }
+    if report.rows.iter().any(|r| r.timeline.is_some()) {
+        out += "\nDevice timeline of one traced execution per configuration (DiT window, per step; busy Δ is the DiT \
+                compute time against the resident run's):\n\n";
+        out += "| preset | config | window ms | compute busy ms | busy Δ | stalls | stall ms | longest stall ms | copy busy ms | overlap ms |\n";
+        out += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+        for r in &report.rows {
+            let Some(t) = &r.timeline else { continue };
+            let base = report
+                .rows
+                .iter()
+                .find(|q| q.preset == r.preset && q.config == "resident")
+                .and_then(|q| q.timeline.as_ref())
+                .map_or(t.compute_busy_ms, |q| q.compute_busy_ms);
+            out += &format!(
+                "| {} | {} | {:.2} | {:.2} | {:+.2}% | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+                r.preset,
+                r.config,
+                t.window_ms,
+                t.compute_busy_ms,
+                (t.compute_busy_ms / base.max(1e-9) - 1.0) * 100.0,
+                t.stalls,
+                t.stall_ms,
+                t.longest_stall_ms,
+                t.copy_busy_ms,
+                t.overlap_ms
+            );
+        }
     }
     emit(&out);
     Ok(if report.rows.iter().all(|r| r.outputs_match) { 0 } else { 1 })

@@ -78,6 +78,18 @@ pub struct BenchArgs {
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// After timing each configuration, run it once more with a device timeline (timing events around every
+    /// kernel and copy), add where the DiT time went to the report and write one Chrome trace per configuration
+    /// into DIR.
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<std::path::PathBuf>,
+    /// Rounds over the configuration list, interleaved; each configuration reports its median step time.
+    #[arg(long, value_name = "R", default_value_t = 1)]
+    pub rounds: u32,
+    /// Let the engine's host thread run at most K blocks ahead of the device (default: unbounded, like eager
+    /// frameworks, until the driver's launch queue pushes back).
+    #[arg(long, value_name = "K")]
+    pub max_blocks_ahead: Option<u32>,
 }
 
 /// Where kernels run.

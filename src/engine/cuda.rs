@@ -290,7 +290,8 @@ impl Compute for CudaCompute {
                 wptr.insert(w.storage, self.ptr(w.buffer)? + w.offset);
             }
         }
-        self.with_blas(stream, |blas| {
+        let span = self.platform.timeline_begin(stream, super::timeline::COMPUTE_LANE, &kernel.label);
+        let r = self.with_blas(stream, |blas| {
             // (pointer, valid width, row stride) of the latest product; which product buffer it is in.
             let mut cur: Option<(u64, usize, usize, usize)> = None;
             let mut next = 0usize;
@@ -360,7 +361,9 @@ impl Compute for CudaCompute {
                 blas.axpy_bf16(rows * width, RESIDUAL, o, x)?;
             }
             Ok(())
-        })
+        });
+        self.platform.timeline_end(stream, span);
+        r
     }
 
     fn read_back(&self, stream: StreamId, buffer: DeviceBufferId, len: u64) -> Result<Vec<u8>, EngineError> {

@@ -206,7 +206,13 @@ fn run_on(
     let mut engine = Engine::new(compute, &spec.pipeline)?;
     let upload = platform.create_stream("resident-upload")?;
     let all: Vec<StorageId> = spec.pipeline.storages.keys().copied().collect();
-    let opts = ExecOptions { steps: spec.steps, input_seed: spec.seed, skip_seed: spec.skip_seed, span_epoch: None };
+    let opts = ExecOptions {
+        steps: spec.steps,
+        input_seed: spec.seed,
+        skip_seed: spec.skip_seed,
+        span_epoch: None,
+        max_blocks_ahead: None,
+    };
 
     // Resident baseline.
     let mut placement = ResidentPlacement::upload(platform, model, &all, upload)?;

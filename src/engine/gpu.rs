@@ -9,6 +9,7 @@
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
 use super::cuda::{CudaCompute, GpuShape};
+use super::timeline::{summarize, to_chrome_json, TimelineSummary};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
 use crate::config::OffloadConfig;
 use crate::hooks::HookRegistry;
@@ -50,8 +51,10 @@ pub struct BenchRow {
     pub depth: usize,
     /// Device budget of the config, if any.
     pub budget_bytes: Option<u64>,
-    /// Seconds per DiT step.
+    /// Seconds per DiT step (the median of the rounds).
     pub step_s: f64,
+    /// Seconds per DiT step of each round, in order.
+    pub step_samples: Vec<f64>,
     /// The bound: max(compute, streamed bytes / bandwidth), seconds.
     pub bound_s: f64,
     /// `step_s / bound_s`.
@@ -68,6 +71,31 @@ pub struct BenchRow {
     pub hook_p99_us: f64,
     /// Whether the output equals the resident run's bit for bit.
     pub outputs_match: bool,
+    /// Where the DiT time went in one traced execution (with `--trace`).
+    pub timeline: Option<StepTimeline>,
+}
+
+/// A traced execution's DiT window, per step.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepTimeline {
+    /// DiT window (first DiT kernel start to last DiT kernel end), ms per step.
+    pub window_ms: f64,
+    /// Compute stream busy inside it, ms per step.
+    pub compute_busy_ms: f64,
+    /// Compute-stream gaps of at least 20 µs per step (a copy arriving late).
+    pub stalls: f64,
+    /// Their total, ms per step.
+    pub stall_ms: f64,
+    /// The longest, ms.
+    pub longest_stall_ms: f64,
+    /// Copy stream busy inside the window, ms per step.
+    pub copy_busy_ms: f64,
+    /// Both busy, ms per step.
+    pub overlap_ms: f64,
+    /// Spans dropped for want of timing events (0 unless the pool was too small).
+    pub dropped: u64,
+    /// The raw summary of the whole traced execution.
+    pub summary: TimelineSummary,
 }
 
 /// Everything `bench` measured.
@@ -104,6 +132,24 @@ pub struct BenchSpec {
     pub steps: (u32, u32),
     /// Seed of weights and inputs.
     pub seed: u64,
+    /// Trace every configuration once more and write Chrome traces here.
+    pub trace_dir: Option<std::path::PathBuf>,
+    /// Rounds over the configuration list (interleaved, so slow drifts of the GPU's clocks hit every
+    /// configuration alike); each row reports the median.
+    pub rounds: u32,
+    /// Bound on how many blocks the engine's host thread runs ahead of the device (`None`: unbounded).
+    pub max_blocks_ahead: Option<u32>,
+}
+
+/// Median of a non-empty sample (0 for an empty one).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// Nearest-rank percentile of unsorted durations, in microseconds.
@@ -137,11 +183,13 @@ fn timed(
     backend: Option<&StreamingBackend>,
     steps: (u32, u32),
     seed: u64,
+    ahead: Option<u32>,
 ) -> Result<Timed, EngineError> {
     let h2d =
         |b: Option<&StreamingBackend>| b.map_or(0, |b| b.report().stacks.iter().map(|s| s.h2d_bytes).sum::<u64>());
     let run = |n: u32| -> Result<(f64, ExecOutput), EngineError> {
-        let opts = ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None };
+        let opts =
+            ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: ahead };
         let t = Instant::now();
         let out = engine.execute(source, hooks, &opts, &mut |_| {})?;
         Ok((t.elapsed().as_secs_f64(), out))
@@ -154,6 +202,53 @@ fn timed(
     let d = f64::from(steps.1 - steps.0);
     let bytes = ((b2 - b1).saturating_sub(b1 - b0)) as f64 / d;
     Ok(Timed { step_s: (t_hi - t_lo) / d, out, bytes_per_step: bytes as u64 })
+}
+
+/// Runs `steps` steps once with the device timeline armed; summarises the DiT window and writes the Chrome trace.
+#[allow(clippy::too_many_arguments)]
+fn traced(
+    cuda: &CudaPlatform,
+    engine: &Engine,
+    source: &dyn WeightSource,
+    hooks: &HookRegistry,
+    dit: &[String],
+    steps: u32,
+    seed: u64,
+    ahead: Option<u32>,
+    file: Option<std::path::PathBuf>,
+    title: &str,
+) -> Result<StepTimeline, EngineError> {
+    cuda.timeline_arm(engine.stream(), 1 << 16)?;
+    let opts = ExecOptions { steps, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: ahead };
+    let out = engine.execute(source, hooks, &opts, &mut |_| {});
+    let collected = cuda.timeline_collect();
+    out?;
+    let (spans, dropped) = collected?;
+    let summary = summarize(&spans, |label| dit.iter().any(|d| label == d || label.starts_with(&format!("{d}."))));
+    if let Some(path) = file {
+        let text = to_chrome_json(&spans, title).to_string();
+        std::fs::write(&path, text)
+            .map_err(|e| EngineError::Invalid(format!("cannot write trace `{}`: {e}", path.display())))?;
+    }
+    let n = f64::from(steps.max(1));
+    Ok(StepTimeline {
+        window_ms: summary.window_us / 1e3 / n,
+        compute_busy_ms: summary.compute_busy_us / 1e3 / n,
+        stalls: summary.stalls as f64 / n,
+        stall_ms: summary.stall_us / 1e3 / n,
+        longest_stall_ms: summary.longest_stall_us / 1e3,
+        copy_busy_ms: summary.copy_busy_us / 1e3 / n,
+        overlap_ms: summary.overlap_us / 1e3 / n,
+        dropped,
+        summary,
+    })
+}
+
+/// A file name for a configuration's trace.
+fn trace_file(dir: &std::path::Path, preset: &str, config: &str) -> std::path::PathBuf {
+    let slug: String =
+        config.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect::<String>().replace("--", "-");
+    dir.join(format!("{preset}-{}.json", slug.trim_matches('-')))
 }
 
 fn layer_config(depth: Option<u32>, budget: Option<u64>) -> Result<OffloadConfig, EngineError> {
@@ -206,14 +301,35 @@ fn bench_preset(
     let all: Vec<StorageId> = desc.storages.keys().copied().collect();
     let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
     // Warm up first: the first execution pays cuBLAS handle creation and kernel loading.
-    let warm = ExecOptions { steps: 1, input_seed: spec.seed, skip_seed: None, span_epoch: None };
+    let warm =
+        ExecOptions { steps: 1, input_seed: spec.seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
     if let Err(e) = engine.execute(&placement, &HookRegistry::new(), &warm, &mut |_| {}) {
         placement.release()?;
         return Err(e);
     }
-    let resident = timed(&engine, &placement, &HookRegistry::new(), None, spec.steps, spec.seed);
+    let dit_paths: Vec<String> = desc.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone());
+    let trace_steps = spec.steps.0.max(1);
+    let resident = timed(&engine, &placement, &HookRegistry::new(), None, spec.steps, spec.seed, spec.max_blocks_ahead)
+        .and_then(|t| {
+            let tl = match &spec.trace_dir {
+                Some(dir) => Some(traced(
+                    &cuda,
+                    &engine,
+                    &placement,
+                    &HookRegistry::new(),
+                    &dit_paths,
+                    trace_steps,
+                    spec.seed,
+                    spec.max_blocks_ahead,
+                    Some(trace_file(dir, name, "resident")),
+                    &format!("{name} resident"),
+                )?),
+                None => None,
+            };
+            Ok((t, tl))
+        });
     placement.release()?;
-    let resident = resident?;
+    let (resident, resident_timeline) = resident?;
     let mut compute_s = resident.step_s;
     progress(&format!("{name}: resident {compute_s:.4} s/step ({:.1} s)", t0.elapsed().as_secs_f64()));
     report.compute_s.push((name.to_string(), compute_s));
@@ -225,6 +341,7 @@ fn bench_preset(
         depth: 0,
         budget_bytes: None,
         step_s: compute_s,
+        step_samples: vec![compute_s],
         bound_s: compute_s,
         ratio: 1.0,
         streamed_bytes_per_step: 0,
@@ -233,6 +350,7 @@ fn bench_preset(
         hook_p50_us: 0.0,
         hook_p99_us: 0.0,
         outputs_match: true,
+        timeline: resident_timeline,
     });
 
     // Bytes that stay on the device whatever the budget (everything but the DiT's blocks), for budget configs.
@@ -268,63 +386,114 @@ fn bench_preset(
     let mut backend: Option<StreamingBackend> = None;
     // Device memory that is not weights (activations, engine workspace).
     let base = cuda.device_memory().in_use;
+    let mut rows: Vec<BenchRow> = Vec::new();
+    let rounds = spec.rounds.max(1);
     let result = (|| -> Result<(), EngineError> {
-        for (label, cfg, budget) in configs {
-            match backend.as_mut() {
-                None => {
-                    let Some(mut b) = get_offload_backend(&cfg, platform.clone())? else { continue };
-                    b.enable(&mut model, &hooks, engine.stream())?;
-                    backend = Some(b);
+        for round in 0..rounds {
+            for (i, (label, cfg, budget)) in configs.iter().enumerate() {
+                match backend.as_mut() {
+                    None => {
+                        let Some(mut b) = get_offload_backend(cfg, platform.clone())? else { continue };
+                        b.enable(&mut model, &hooks, engine.stream())?;
+                        backend = Some(b);
+                    }
+                    Some(b) => b.retune(cfg.clone(), &model, &hooks, engine.stream())?,
                 }
-                Some(b) => b.retune(cfg, &model, &hooks, engine.stream())?,
-            }
-            let Some(b) = backend.as_ref() else { continue };
-            cuda.reset_peak();
-            let t = timed(&engine, b, &hooks, Some(b), spec.steps, spec.seed)?;
-            let rep = b.report();
-            master_bytes = master_bytes.max(rep.master_host_bytes);
-            let planned = b.plan().map_or(0, |p| p.budget.device_weight_bytes);
-            let peak = cuda.device_memory().peak.saturating_sub(base);
-            let dit_stack = rep.stacks.first();
-            if label == RESIDENT_VIA_BACKEND && t.bytes_per_step == 0 {
-                compute_s = compute_s.min(t.step_s);
-                if let Some(c) = report.compute_s.iter_mut().find(|(p, _)| p == name) {
-                    c.1 = compute_s;
+                let Some(b) = backend.as_ref() else { continue };
+                cuda.reset_peak();
+                let t = timed(&engine, b, &hooks, Some(b), spec.steps, spec.seed, spec.max_blocks_ahead)?;
+                let matches = t.out.output == resident.out.output;
+                let peak = cuda.device_memory().peak.saturating_sub(base);
+                if round > 0 {
+                    if let Some(row) = rows.get_mut(i) {
+                        row.step_samples.push(t.step_s);
+                        row.outputs_match &= matches;
+                        row.peak_weight_bytes = row.peak_weight_bytes.max(peak);
+                        progress(&format!(
+                            "{name} {label} (round {}): {:.4} s/step ({:.1} s)",
+                            round + 1,
+                            t.step_s,
+                            t0.elapsed().as_secs_f64()
+                        ));
+                    }
+                    continue;
                 }
+                let timeline = match &spec.trace_dir {
+                    Some(dir) => Some(traced(
+                        &cuda,
+                        &engine,
+                        b,
+                        &hooks,
+                        &dit_paths,
+                        trace_steps,
+                        spec.seed,
+                        spec.max_blocks_ahead,
+                        Some(trace_file(dir, name, label)),
+                        &format!("{name} {label}"),
+                    )?),
+                    None => None,
+                };
+                let rep = b.report();
+                master_bytes = master_bytes.max(rep.master_host_bytes);
+                let planned = b.plan().map_or(0, |p| p.budget.device_weight_bytes);
+                let dit_stack = rep.stacks.first();
+                let row = BenchRow {
+                    preset: name.to_string(),
+                    config: label.clone(),
+                    strategy: rep.strategy.clone(),
+                    resident_blocks: dit_stack.map_or(0, |s| s.resident),
+                    depth: dit_stack.map_or(0, |s| s.depth),
+                    budget_bytes: *budget,
+                    step_s: t.step_s,
+                    step_samples: vec![t.step_s],
+                    bound_s: 0.0,
+                    ratio: 0.0,
+                    streamed_bytes_per_step: t.bytes_per_step,
+                    peak_weight_bytes: peak,
+                    planned_weight_bytes: planned,
+                    hook_p50_us: percentile_us(t.out.hook_latencies.clone(), 50.0),
+                    hook_p99_us: percentile_us(t.out.hook_latencies.clone(), 99.0),
+                    outputs_match: matches,
+                    timeline,
+                };
+                progress(&format!(
+                    "{name} {}: {:.4} s/step, {} resident, depth {}, bit-exact {} ({:.1} s)",
+                    row.config,
+                    row.step_s,
+                    row.resident_blocks,
+                    row.depth,
+                    row.outputs_match,
+                    t0.elapsed().as_secs_f64()
+                ));
+                rows.push(row);
             }
-            let bound = compute_s.max(t.bytes_per_step as f64 / bw);
-            let row = BenchRow {
-                preset: name.to_string(),
-                config: label,
-                strategy: rep.strategy.clone(),
-                resident_blocks: dit_stack.map_or(0, |s| s.resident),
-                depth: dit_stack.map_or(0, |s| s.depth),
-                budget_bytes: budget,
-                step_s: t.step_s,
-                bound_s: bound,
-                ratio: t.step_s / bound,
-                streamed_bytes_per_step: t.bytes_per_step,
-                peak_weight_bytes: peak,
-                planned_weight_bytes: planned,
-                hook_p50_us: percentile_us(t.out.hook_latencies.clone(), 50.0),
-                hook_p99_us: percentile_us(t.out.hook_latencies.clone(), 99.0),
-                outputs_match: t.out.output == resident.out.output,
-            };
-            progress(&format!(
-                "{name} {}: {:.4} s/step, bound {:.4} s, ratio {:.3}, {} resident, depth {}, bit-exact {} ({:.1} s)",
-                row.config,
-                row.step_s,
-                row.bound_s,
-                row.ratio,
-                row.resident_blocks,
-                row.depth,
-                row.outputs_match,
-                t0.elapsed().as_secs_f64()
-            ));
-            report.rows.push(row);
         }
         Ok(())
     })();
+    // Step time of a configuration: the median of its rounds. The compute time: the faster of the resident
+    // placement and the median of the configuration that keeps every block resident through the backend.
+    for row in &mut rows {
+        row.step_s = median(&row.step_samples);
+        if row.config == RESIDENT_VIA_BACKEND && row.streamed_bytes_per_step == 0 {
+            compute_s = compute_s.min(row.step_s);
+        }
+    }
+    if let Some(c) = report.compute_s.iter_mut().find(|(p, _)| p == name) {
+        c.1 = compute_s;
+    }
+    for mut row in rows {
+        row.bound_s = compute_s.max(row.streamed_bytes_per_step as f64 / bw);
+        row.ratio = row.step_s / row.bound_s;
+        progress(&format!(
+            "{name} {}: median {:.4} s/step of {} rounds, bound {:.4} s, ratio {:.3}",
+            row.config,
+            row.step_s,
+            row.step_samples.len(),
+            row.bound_s,
+            row.ratio
+        ));
+        report.rows.push(row);
+    }
     if let Some(mut b) = backend {
         let d = b.disable(&mut model, &hooks);
         result?;
@@ -407,7 +576,7 @@ pub fn gpu_run(
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), seed)?;
     let before = model.checksum()?;
     let engine = Engine::new(compute, desc)?;
-    let opts = ExecOptions { steps, input_seed: seed, skip_seed, span_epoch: None };
+    let opts = ExecOptions { steps, input_seed: seed, skip_seed, span_epoch: None, max_blocks_ahead: None };
     let upload = platform.create_stream("resident-upload")?;
     let all: Vec<StorageId> = desc.storages.keys().copied().collect();
     let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;

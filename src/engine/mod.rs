@@ -5,6 +5,7 @@
 //! - [`math`]: what one module does to the activations (matrix products, bounded mixing, byte hashing).
 //! - [`compute`]: the [`compute::Compute`] trait kernels are enqueued through, and its sim implementation.
 //! - [`driver`]: the `run` driver — resident run, offloaded run, comparison and report.
+//! - [`timeline`]: device timelines (GPU timing spans) summarised into compute busy time, stalls and copy overlap.
 //!
 //! [`Engine`] owns the compute stream and the activation buffers (allocated at construction, before any offload is
 //! enabled, so they are never counted as weight memory). [`Engine::execute`] runs encoders → DiT × steps → VAE,
@@ -23,6 +24,7 @@ pub mod math;
 pub mod program;
 #[cfg(feature = "cuda")]
 pub mod slow;
+pub mod timeline;
 
 use crate::hooks::{HookError, HookRegistry};
 use crate::model::{fnv1a, splitmix64, FNV_OFFSET};
@@ -34,7 +36,7 @@ use program::{ComponentProgram, Op, Program};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weightferry_actors::platform::{PlatformError, StreamId};
+use weightferry_actors::platform::{EventId, PlatformError, PlatformRef, StreamId};
 
 /// Errors of the reference engine and the run driver.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -67,6 +69,10 @@ pub struct ExecOptions {
     pub skip_seed: Option<u64>,
     /// Record hook spans relative to this instant (for traces).
     pub span_epoch: Option<Instant>,
+    /// Bound how far the host runs ahead of the device: before launching a block, wait until the block launched
+    /// this many blocks earlier has finished (`None`: run ahead until the driver's launch queue pushes back, as
+    /// eager frameworks do). Changes no result, only where the host waits.
+    pub max_blocks_ahead: Option<u32>,
 }
 
 /// Which hook a span is.
@@ -200,8 +206,26 @@ impl Engine {
     ) -> Result<ExecOutput, EngineError> {
         let acts = self.acts.ok_or_else(|| EngineError::Invalid("the engine was released".into()))?;
         let start = Instant::now();
-        let mut run = Run { engine: self, source, hooks, opts, acts, out: ExecOutput::default() };
+        let platform = self.compute.platform();
+        let mut ahead = AheadRing::default();
+        if let Some(k) = opts.max_blocks_ahead.filter(|k| *k > 0) {
+            for _ in 0..k {
+                match platform.create_event() {
+                    Ok(e) => ahead.free.push(e),
+                    Err(e) => {
+                        ahead.destroy(&platform);
+                        return Err(e.into());
+                    }
+                }
+            }
+        }
+        let mut run = Run { engine: self, source, hooks, opts, acts, out: ExecOutput::default(), ahead };
         let result = run.all(progress);
+        let sync = platform.stream_synchronize(self.stream);
+        run.ahead.destroy(&platform);
+        if let (Ok(()), Err(e)) = (&result, sync) {
+            return Err(e.into());
+        }
         if let Err(e) = result {
             // Leave no kernel of ours running behind the caller's cleanup.
             let _ = self.compute.platform().stream_synchronize(self.stream);
@@ -232,6 +256,21 @@ impl Drop for Engine {
     }
 }
 
+/// Events marking the ends of the last launched blocks, for [`ExecOptions::max_blocks_ahead`].
+#[derive(Default)]
+struct AheadRing {
+    free: Vec<EventId>,
+    in_flight: std::collections::VecDeque<EventId>,
+}
+
+impl AheadRing {
+    fn destroy(&mut self, platform: &PlatformRef) {
+        for e in self.free.drain(..).chain(self.in_flight.drain(..)) {
+            let _ = platform.destroy_event(e);
+        }
+    }
+}
+
 /// State of one execution.
 struct Run<'a> {
     engine: &'a Engine,
@@ -240,6 +279,7 @@ struct Run<'a> {
     opts: &'a ExecOptions,
     acts: Activations,
     out: ExecOutput,
+    ahead: AheadRing,
 }
 
 impl Run<'_> {
@@ -308,10 +348,14 @@ impl Run<'_> {
                         self.launch(c.phase, k)?;
                         continue;
                     }
+                    if k.block.is_some() {
+                        self.wait_for_room()?;
+                    }
                     let pre = self.hook(&k.path, HookKind::Pre)?;
                     self.launch(c.phase, k)?;
                     let post = self.hook(&k.path, HookKind::Post)?;
                     if k.block.is_some() {
+                        self.mark_block_end()?;
                         self.out.blocks_run += 1;
                         self.out.hook_latencies.push(pre + post);
                     }
@@ -320,6 +364,26 @@ impl Run<'_> {
         }
         let post = self.hook(&c.path, HookKind::Post)?;
         self.out.hook_latencies.push(pre + post);
+        Ok(())
+    }
+
+    /// With a run-ahead bound, waits (on the host) until a block's end event is free.
+    fn wait_for_room(&mut self) -> Result<(), EngineError> {
+        if self.ahead.free.is_empty() {
+            if let Some(e) = self.ahead.in_flight.pop_front() {
+                self.engine.compute.platform().event_synchronize(e)?;
+                self.ahead.free.push(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// With a run-ahead bound, records the end of the block just launched.
+    fn mark_block_end(&mut self) -> Result<(), EngineError> {
+        if let Some(e) = self.ahead.free.pop() {
+            self.engine.compute.platform().record_event(e, self.engine.stream)?;
+            self.ahead.in_flight.push_back(e);
+        }
         Ok(())
     }
 
@@ -380,7 +444,8 @@ mod tests {
             hooks.register(m, "rec", "test", Arc::new(Rec(log.clone()))).unwrap();
         }
         let seed = (0..100u64).find(|&s| skips_block(s, 1, 1) && !skips_block(s, 2, 1)).unwrap();
-        let opts = ExecOptions { steps: 3, input_seed: 0, skip_seed: Some(seed), span_epoch: None };
+        let opts =
+            ExecOptions { steps: 3, input_seed: 0, skip_seed: Some(seed), span_epoch: None, max_blocks_ahead: None };
         let out = engine.execute(&placement, &hooks, &opts, &mut |_| {}).unwrap();
         let got = log.lock().unwrap().clone();
         let b1 = ["pre transformer.transformer_blocks.1", "post transformer.transformer_blocks.1"];
@@ -399,6 +464,11 @@ mod tests {
         let full = ExecOptions { skip_seed: None, ..opts };
         let full_sum = engine.execute(&placement, &hooks, &full, &mut |_| {}).unwrap().checksum;
         assert_ne!(full_sum, out.checksum);
+        // Bounding the host's run-ahead changes where the host waits, not a bit of the output.
+        for k in [1, 3] {
+            let bounded = ExecOptions { max_blocks_ahead: Some(k), ..opts.clone() };
+            assert_eq!(engine.execute(&placement, &hooks, &bounded, &mut |_| {}).unwrap().output, out.output);
+        }
         assert!(sim.violations().is_empty());
         // One stale byte in one weight of one block (the low mantissa byte of a bf16 bias element) changes the output.
         let blk = desc.module("transformer.single_transformer_blocks.30.linear2").unwrap();

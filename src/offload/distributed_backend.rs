@@ -146,7 +146,7 @@ pub fn resident_output(pipeline: &PipelineDesc, steps: u32, seed: u64) -> Result
         let upload = platform.create_stream("resident-upload")?;
         let all: Vec<StorageId> = pipeline.storages.keys().copied().collect();
         let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
-        let opts = ExecOptions { steps, input_seed: seed, skip_seed: None, span_epoch: None };
+        let opts = ExecOptions { steps, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
         let out = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {});
         let released = engine.release();
         placement.release()?;
@@ -408,7 +408,13 @@ fn rank_run(
         return Err(DistributedRunError::Invalid("fixed placement missing".into()));
     };
     let source = RankSource { stacks: &parts.stacks, locations, fixed };
-    let opts = ExecOptions { steps: spec.steps, input_seed: spec.seed, skip_seed: None, span_epoch: None };
+    let opts = ExecOptions {
+        steps: spec.steps,
+        input_seed: spec.seed,
+        skip_seed: None,
+        span_epoch: None,
+        max_blocks_ahead: None,
+    };
     let out = engine.execute(&source, &hooks, &opts, &mut |_| {});
     hooks.remove_owned_by(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK);
     let released = engine.release();

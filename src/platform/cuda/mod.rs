@@ -18,6 +18,7 @@
 pub mod blas;
 mod driver;
 mod resources;
+pub mod timeline;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,6 +58,8 @@ pub struct CudaPlatform {
     /// Freed pinned buffers kept for reuse, by exact size (pinning costs ≈0.43 s per GiB; an offload backend that is
     /// disabled and enabled again asks for the same sizes).
     pinned_cache: std::sync::Mutex<PinnedCache>,
+    /// Timing spans of copies and kernels, when armed (see [`timeline`]).
+    timeline: timeline::Timeline,
 }
 
 /// Pinned buffers kept after `free_host`, up to a byte limit.
@@ -94,6 +97,7 @@ impl CudaPlatform {
             streams: HandleTable::new(),
             events: HandleTable::new(),
             pinned_cache: std::sync::Mutex::new(PinnedCache::default()),
+            timeline: timeline::Timeline::default(),
         })
     }
 
@@ -559,10 +563,15 @@ impl Platform for CudaPlatform {
             return Ok(());
         }
         self.bind_to_thread()?;
+        let span = if self.timeline.armed() {
+            self.timeline_begin(stream, crate::engine::timeline::COPY_LANE, &format!("h2d {len}"))
+        } else {
+            None
+        };
         // SAFETY: both ranges were bounds-checked against live buffers (held by their `Arc`s across the call) and
         // the stream is live. The copy runs asynchronously after this returns: the contract obliges the caller to
         // observe its completion before freeing or rewriting either buffer.
-        unsafe {
+        let r = unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 dev.ptr() + dst_offset,
                 host.ptr().add(host_usize(src_offset)).cast_const().cast(),
@@ -571,7 +580,9 @@ impl Platform for CudaPlatform {
             )
         }
         .result()
-        .map_err(|e| PlatformError::CopyFailed { direction: H2D, bytes: len, reason: describe(e) })
+        .map_err(|e| PlatformError::CopyFailed { direction: H2D, bytes: len, reason: describe(e) });
+        self.timeline_end(stream, span);
+        r
     }
 
     fn copy_d2h(
@@ -623,6 +634,7 @@ impl Drop for CudaPlatform {
                 );
             }
         }
+        self.timeline.destroy_all();
         drop(self.events.drain());
         drop(self.device.drain());
         drop(self.host.drain());

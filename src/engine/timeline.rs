@@ -1,0 +1,219 @@
+//! Device timelines of the GPU engine: spans (stream lane, label, start, end) as the CUDA platform's timing events
+//! measured them, summarised into where a DiT pass spends its time, and written as a Chrome / Perfetto trace.
+//!
+//! The summary answers the questions a missed benchmark target raises: was the compute stream ever idle inside the
+//! DiT window (a copy arrived late: a *stall*), and did the compute itself take longer than in the resident run
+//! (copies contending with kernels for memory bandwidth). Everything here is pure arithmetic on spans, so it is
+//! tested on the CPU; the spans come from `platform::cuda::timeline` on a GPU.
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+/// Lane of the engine's kernels.
+pub const COMPUTE_LANE: &str = "compute";
+/// Lane of host-to-device copies.
+pub const COPY_LANE: &str = "copy";
+/// Gaps on the compute lane shorter than this are launch gaps, not stalls.
+pub const STALL_THRESHOLD_US: f64 = 20.0;
+
+/// One timed span on one lane, in microseconds after a common origin.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeviceSpan {
+    /// The lane (one per stream role: [`COMPUTE_LANE`], [`COPY_LANE`]).
+    pub lane: String,
+    /// What ran (a module path, `h2d <bytes>`).
+    pub label: String,
+    /// Start, µs.
+    pub start_us: f64,
+    /// End, µs.
+    pub end_us: f64,
+}
+
+/// Where the time of a window of compute spans went.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TimelineSummary {
+    /// From the first selected compute span's start to the last one's end, µs.
+    pub window_us: f64,
+    /// Time the compute lane was busy inside the window (union of its spans), µs.
+    pub compute_busy_us: f64,
+    /// Sum of the compute lane's gaps of at least [`STALL_THRESHOLD_US`] inside the window, µs.
+    pub stall_us: f64,
+    /// Number of such gaps.
+    pub stalls: usize,
+    /// Longest such gap, µs.
+    pub longest_stall_us: f64,
+    /// Time the copy lane was busy inside the window (union of its spans), µs.
+    pub copy_busy_us: f64,
+    /// Time both lanes were busy, µs.
+    pub overlap_us: f64,
+    /// Selected compute spans.
+    pub kernels: usize,
+    /// Copy spans inside the window.
+    pub copies: usize,
+}
+
+/// Union of intervals, sorted and merged.
+fn merged(mut v: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    v.retain(|(a, b)| b > a);
+    v.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let mut out: Vec<(f64, f64)> = Vec::with_capacity(v.len());
+    for (a, b) in v {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+fn clipped(v: &[(f64, f64)], lo: f64, hi: f64) -> Vec<(f64, f64)> {
+    v.iter().map(|&(a, b)| (a.max(lo), b.min(hi))).filter(|(a, b)| b > a).collect()
+}
+
+fn length(v: &[(f64, f64)]) -> f64 {
+    v.iter().map(|(a, b)| b - a).sum()
+}
+
+/// Total length of the intersection of two merged interval lists.
+fn intersection(a: &[(f64, f64)], b: &[(f64, f64)]) -> f64 {
+    let (mut i, mut j, mut total) = (0, 0, 0.0);
+    while i < a.len() && j < b.len() {
+        let lo = a[i].0.max(b[j].0);
+        let hi = a[i].1.min(b[j].1);
+        if hi > lo {
+            total += hi - lo;
+        }
+        if a[i].1 < b[j].1 {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    total
+}
+
+/// Summarises the compute spans for which `select(label)` holds (e.g. the DiT's modules) and the copies inside
+/// their window. An empty selection gives the default (all zero) summary.
+pub fn summarize(spans: &[DeviceSpan], select: impl Fn(&str) -> bool) -> TimelineSummary {
+    let compute: Vec<(f64, f64)> =
+        spans.iter().filter(|s| s.lane == COMPUTE_LANE && select(&s.label)).map(|s| (s.start_us, s.end_us)).collect();
+    let kernels = compute.len();
+    let compute = merged(compute);
+    let (Some(first), Some(last)) = (compute.first(), compute.last()) else { return TimelineSummary::default() };
+    let (lo, hi) = (first.0, last.1);
+    let copies_raw: Vec<(f64, f64)> =
+        spans.iter().filter(|s| s.lane == COPY_LANE).map(|s| (s.start_us, s.end_us)).collect();
+    let copies_in: Vec<(f64, f64)> = clipped(&copies_raw, lo, hi);
+    let copies = copies_in.len();
+    let copy = merged(copies_in);
+    let (mut stall_us, mut stalls, mut longest) = (0.0, 0, 0.0f64);
+    for w in compute.windows(2) {
+        let gap = w[1].0 - w[0].1;
+        if gap >= STALL_THRESHOLD_US {
+            stall_us += gap;
+            stalls += 1;
+            longest = longest.max(gap);
+        }
+    }
+    TimelineSummary {
+        window_us: hi - lo,
+        compute_busy_us: length(&compute),
+        stall_us,
+        stalls,
+        longest_stall_us: longest,
+        copy_busy_us: length(&copy),
+        overlap_us: intersection(&compute, &copy),
+        kernels,
+        copies,
+    }
+}
+
+/// The spans as a Chrome / Perfetto trace: one thread per lane (compute first), complete (`"X"`) events.
+pub fn to_chrome_json(spans: &[DeviceSpan], process: &str) -> Value {
+    let mut lanes: Vec<&str> = vec![COMPUTE_LANE];
+    for s in spans {
+        if !lanes.contains(&s.lane.as_str()) {
+            lanes.push(&s.lane);
+        }
+    }
+    let mut events: Vec<Value> = vec![json!({"ph": "M", "pid": 1, "name": "process_name", "args": {"name": process}})];
+    for (tid, lane) in lanes.iter().enumerate() {
+        events.push(json!({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": lane}}));
+    }
+    for s in spans {
+        let tid = lanes.iter().position(|l| *l == s.lane).unwrap_or(0);
+        events.push(json!({
+            "ph": "X", "pid": 1, "tid": tid, "name": s.label, "cat": s.lane,
+            "ts": s.start_us, "dur": (s.end_us - s.start_us).max(0.0),
+        }));
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(lane: &str, label: &str, a: f64, b: f64) -> DeviceSpan {
+        DeviceSpan { lane: lane.into(), label: label.into(), start_us: a, end_us: b }
+    }
+
+    #[test]
+    fn stalls_busy_time_and_overlap_are_measured_inside_the_selected_window() {
+        let spans = vec![
+            span(COMPUTE_LANE, "encoder.0", 0.0, 50.0),
+            span(COMPUTE_LANE, "dit.blocks.0", 100.0, 200.0),
+            span(COMPUTE_LANE, "dit.blocks.1", 205.0, 300.0), // 5 µs launch gap: not a stall
+            span(COMPUTE_LANE, "dit.blocks.2", 400.0, 450.0), // 100 µs stall
+            span(COMPUTE_LANE, "vae", 500.0, 900.0),
+            span(COPY_LANE, "h2d 1", 20.0, 150.0),  // clipped to 100..150
+            span(COPY_LANE, "h2d 2", 250.0, 420.0), // 250..420
+            span(COPY_LANE, "h2d 3", 600.0, 700.0), // outside the window
+        ];
+        let s = summarize(&spans, |l| l.starts_with("dit."));
+        assert_eq!(s.window_us, 350.0);
+        assert_eq!(s.compute_busy_us, 245.0);
+        assert_eq!(s.stalls, 1);
+        assert_eq!(s.stall_us, 100.0);
+        assert_eq!(s.longest_stall_us, 100.0);
+        assert_eq!(s.copy_busy_us, 50.0 + 170.0);
+        // Overlap: 100..150 (50) + 250..300 (50) + 400..420 (20).
+        assert_eq!(s.overlap_us, 120.0);
+        assert_eq!((s.kernels, s.copies), (3, 2));
+    }
+
+    #[test]
+    fn overlapping_spans_on_one_lane_count_once() {
+        let spans = vec![
+            span(COMPUTE_LANE, "dit.a", 0.0, 10.0),
+            span(COMPUTE_LANE, "dit.b", 5.0, 30.0),
+            span(COPY_LANE, "h2d", 0.0, 20.0),
+            span(COPY_LANE, "h2d", 10.0, 25.0),
+        ];
+        let s = summarize(&spans, |_| true);
+        assert_eq!((s.window_us, s.compute_busy_us, s.copy_busy_us, s.overlap_us), (30.0, 30.0, 25.0, 25.0));
+        assert_eq!(s.stalls, 0);
+    }
+
+    #[test]
+    fn an_empty_selection_summarises_to_zero() {
+        let spans = vec![span(COPY_LANE, "h2d", 0.0, 20.0)];
+        assert_eq!(summarize(&spans, |_| true), TimelineSummary::default());
+    }
+
+    #[test]
+    fn the_chrome_trace_has_one_thread_per_lane_and_one_event_per_span() {
+        let spans = vec![span(COPY_LANE, "h2d 8", 1.0, 3.0), span(COMPUTE_LANE, "dit.blocks.0", 2.0, 5.0)];
+        let v = to_chrome_json(&spans, "flux-dev depth=1");
+        let ev = v["traceEvents"].as_array().unwrap();
+        let x: Vec<&Value> = ev.iter().filter(|e| e["ph"] == "X").collect();
+        assert_eq!(x.len(), 2);
+        assert_eq!(x[0]["tid"], 1);
+        assert_eq!(x[0]["dur"], 2.0);
+        assert_eq!(x[1]["tid"], 0);
+        assert_eq!(x[1]["name"], "dit.blocks.0");
+        let names: Vec<&str> =
+            ev.iter().filter(|e| e["name"] == "thread_name").map(|e| e["args"]["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["compute", "copy"]);
+    }
+}
