@@ -15,7 +15,9 @@ measured), then one row per configuration of each system. Columns:
   holds every component of the pipeline); peers: one process per variant (torch + CUDA context included; `base`
   in the JSON is its RSS before the model was built).
 - host / offloaded: peak host memory over the offloaded DiT weights. Ours: (peak RSS - bytes of the non-DiT
-  components, which its host model holds but the peer model does not have) / DiT bytes; peers: peak RSS / DiT bytes.
+  components, which its host model holds but the peer model does not have) / DiT bytes, then in brackets its pinned
+  host masters / DiT bytes (the steady state while streaming); peers: peak RSS / DiT bytes, then in brackets the
+  RSS after the timed passes / DiT bytes.
 - check: ours: output bit-exact vs resident; peers: output checksum equal to the resident variant's.
 """
 
@@ -113,7 +115,8 @@ def render(ours_reports, peer_reports):
                     f"| {preset} | weightferry | {r['config']} | {r['step_s']:.4f} | {r['bound_s']:.4f} "
                     f"| {r['ratio']:.3f} | {r['streamed_bytes_per_step'] / GB:.2f} "
                     f"| {fmt(dev_dit / GB if dev_dit is not None else None, '.2f')} | {fmt(rss / GB if rss else None, '.2f')} "
-                    f"| {fmt(host_ratio, '.2f')} | {'bit-exact' if r['outputs_match'] else 'NOT bit-exact'} |")
+                    f"| {fmt(host_ratio, '.2f')} (masters {fmt(masters / dit if hm and dit else None, '.3f')}) "
+                    f"| {'bit-exact' if r['outputs_match'] else 'NOT bit-exact'} |")
         if p:
             for r in p["rows"]:
                 name = r["variant"]
@@ -124,11 +127,12 @@ def render(ours_reports, peer_reports):
                     name += f" (extrapolated from {r['extrapolated_from_blocks']} blocks per list)"
                 system = {"resident": "pytorch", "sequential": "accelerate"}.get(r["variant"], "diffusers")
                 chk = r.get("output_matches_resident")
+                after = r.get("rss_after_passes")
                 lines.append(
                     f"| {preset} | {system} | {name} | {r['step_s']:.4f} | {fmt(r.get('bound_s'), '.4f')} "
                     f"| {fmt(r.get('ratio'), '.3f')} | {r['streamed_bytes'] / GB:.2f} "
                     f"| {r['peak_device_weight_bytes'] / GB:.2f} | {r['peak_host_rss'] / GB:.2f} "
-                    f"| {r['peak_host_rss'] / dit:.2f} "
+                    f"| {r['peak_host_rss'] / dit:.2f} (after passes {fmt(after / dit if after else None, '.2f')}) "
                     f"| {'n/a' if chk is None else ('= resident' if chk else 'differs')} |")
     return "\n".join(lines + [""] + notes) + "\n"
 

@@ -88,9 +88,9 @@ class TableTests(unittest.TestCase):
         cells = [c.strip() for c in rows[0].split("|")]
         self.assertEqual(cells[2], "weightferry")
         self.assertEqual(cells[8], "2.00")  # DiT weights on device: the other components subtracted
-        self.assertEqual(cells[10], "1.04")  # (RSS - other components) / DiT
+        self.assertEqual(cells[10], "1.04 (masters 0.995)")  # (RSS - other components) / DiT
         cells = [c.strip() for c in rows[1].split("|")]
-        self.assertEqual((cells[2], cells[6], cells[10]), ("diffusers", "1.277", "2.00"))
+        self.assertEqual((cells[2], cells[6], cells[10]), ("diffusers", "1.277", "2.00 (after passes n/a)"))
         self.assertIn("not run: skipped", rows[2])
 
 
