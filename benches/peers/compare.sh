@@ -9,6 +9,7 @@
 #   OURS_ARGS  extra `weightferry bench` args  (default: --steps 1,3 --depths 1 --budgets 0.25,0.5,0.75)
 #   PEER_ARGS  extra peer_bench.py args        (default: --steps 2 --warmup 1)
 #   BUDGET_S   seconds for the whole script     (default 560); later stages are skipped, never the table
+#   PEER_MIN_S seconds of each preset's share kept for the peers (default 90); ours gets the rest
 #   WF_BIN     weightferry binary (default .devbin/weightferry)
 #   WEIGHTS    "preset:weight ..." share of the time per preset (default flux-dev:2 wan-14b:3 qwen-image:3)
 # Writes to $OUT (or /tmp/peers-out): ours-<preset>.json, peers-<preset>.json, run.log, table.md.
@@ -50,8 +51,10 @@ for p in $presets; do
   share=$((left * w / total_w))
   total_w=$((total_w - w))
   pdeadline=$((now + share))
-  # ours first, bounded so that at least ~40% of the preset's share is left for the peers
-  ours_limit=$((share * 60 / 100))
+  # ours first, bounded so that PEER_MIN_S (default 90 s) of the preset's share is left for the peers (time that a
+  # preset leaves unused goes to the next one)
+  ours_limit=$((share - ${PEER_MIN_S:-90}))
+  [ "$ours_limit" -lt $((share / 2)) ] && ours_limit=$((share / 2))
   echo "== $p: ${share} s (ours at most ${ours_limit} s): $bin bench --preset $p $ours_args --json"
   if [ "$ours_limit" -gt 30 ]; then
     timeout "$ours_limit" "$bin" bench --preset "$p" $ours_args --json > "$out/ours-$p.json" 2>> "$log"
@@ -65,7 +68,7 @@ for p in $presets; do
   echo "== $p: peer_bench.py $peer_args (until $(( pdeadline - $(date +%s) )) s from now)"
   python3 benches/peers/peer_bench.py --preset "$p" $peer_args --weightferry "$bin" --deadline "$pdeadline" \
     --json "$out/peers-$p.json" 2>> "$log" | tail -n +2
-  echo "peers exit $? ($(( $(date +%s) - now )) s for $p)"
+  echo "peers exit ${PIPESTATUS[0]} ($(( $(date +%s) - now )) s for $p)"
   [ -s "$out/peers-$p.json" ] && peer_files="$peer_files --peers $out/peers-$p.json"
 done
 echo "== table ($(( $(date +%s) - start )) s)"
