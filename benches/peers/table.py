@@ -95,7 +95,9 @@ def render(ours_reports, peer_reports):
             checks = p.get("plan_check")
             if checks:
                 ok = all(c["equal"] for c in checks)
-                head.append(f"DiT {dit / GB:.3f} GB, {p['spec']['blocks']} blocks: peer model bytes "
+                lists = " + ".join(f"{v['blocks']} x {'/'.join(f'{b:,}' for b in v['bytes_per_block'])} B"
+                                   for v in p["spec"]["block_lists"].values())
+                head.append(f"DiT {dit:,} B ({lists} in blocks): peer model bytes "
                             f"{'equal' if ok else 'DIFFER FROM'} weightferry plan")
         elif dit:
             head.append(f"DiT {dit / GB:.3f} GB")
