@@ -32,29 +32,41 @@ impl ModelHook for Hook {
 fn main() {
     let blocks = 57;
     // The scheduler alone: a platform whose operations complete at once (no simulated device threads).
-    for (depth, work_us) in [(2usize, 0u64), (2, 50)] {
+    // The engine's pace between pre_forward and post_forward: spinning (the host thread stays on its core) or
+    // sleeping (the host thread blocks, as it does inside the driver when the GPU runs long blocks; then every
+    // thread the hooks wake has been parked for that long too). Sleeping paces show the cost of waking parked
+    // threads on this machine (on a VM, an inter-processor interrupt through the hypervisor).
+    let paces: [(usize, u64, bool, usize); 5] =
+        [(2, 0, false, 200), (2, 50, false, 200), (2, 500, true, 60), (2, 4_000, true, 21), (2, 70_000, true, 2)];
+    for (depth, work_us, sleep, passes) in paces {
         let (stream, stack) = common::null_stack(blocks, depth);
         let mut samples = Vec::new();
-        for pass in 0..200 {
+        let warm = (passes / 10).max(1);
+        for pass in 0..passes {
             for i in 0..blocks {
                 let t = Instant::now();
                 stack.pre_forward(i).expect("pre");
                 let pre = t.elapsed();
-                let w = Instant::now();
-                while w.elapsed() < Duration::from_micros(work_us) {
-                    std::hint::spin_loop();
+                if sleep {
+                    std::thread::sleep(Duration::from_micros(work_us));
+                } else {
+                    let w = Instant::now();
+                    while w.elapsed() < Duration::from_micros(work_us) {
+                        std::hint::spin_loop();
+                    }
                 }
                 let t = Instant::now();
                 stack.post_forward(i).expect("post");
-                if pass >= 20 {
+                if pass >= warm {
                     samples.push(pre + t.elapsed());
                 }
             }
         }
         let (p50, p99, max) = common::percentiles(samples);
         let st = stack.stats();
+        let how = if sleep { "sleeps" } else { "spins" };
         println!(
-            "hook_latency null platform depth={depth} engine work {work_us} µs/block: pre+post p50 {:.2} µs, p99 {:.2} µs, max {:.1} µs ({} host waits)",
+            "hook_latency null platform depth={depth} engine {how} {work_us} µs/block: pre+post p50 {:.2} µs, p99 {:.2} µs, max {:.1} µs ({} host waits)",
             p50.as_secs_f64() * 1e6,
             p99.as_secs_f64() * 1e6,
             max.as_secs_f64() * 1e6,
@@ -62,6 +74,9 @@ fn main() {
         );
         stack.disable().expect("disable");
         stream.shutdown();
+    }
+    if std::env::var_os("HOOK_LATENCY_NULL_ONLY").is_some() {
+        return;
     }
     for (depth, work_us) in [(1usize, 0u64), (2, 0), (4, 0), (1, 50), (2, 50), (4, 50)] {
         let (sim, _compute, stream, stack) = common::stack(blocks, 4096, 0, depth);
