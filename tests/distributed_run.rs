@@ -3,7 +3,9 @@
 //! bit-identical to the fully resident single-rank output; every rank issues the same AllGathers (sequence numbers
 //! and tags) in the same order; no rank sees a hazard; each rank's host shards are 1/N of the streamed sections
 //! (plus padding) and each rank copies only its shards host → device. A failed AllGather on one rank makes every
-//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned.
+//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned. Chunked
+//! transport (one AllGather per chunk) is bit-exact at chunk sizes that do not divide the sections and larger
+//! than them.
 
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
@@ -56,6 +58,44 @@ fn every_rank_is_bit_exact_with_the_resident_run() {
                     assert!(run.h2d_bytes >= 3 * run.shard_host_bytes, "{what}: h2d {}", run.h2d_bytes);
                     assert!(run.h2d_bytes <= 4 * run.shard_host_bytes, "{what}: h2d {}", run.h2d_bytes);
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn chunked_transport_is_bit_exact_at_several_chunk_sizes() {
+    // 4000 and 12345 gathered bytes do not divide the tiny sections; 1 GiB is larger than every section (one chunk
+    // each: the same gathers as unchunked).
+    for name in ["flux-tiny", "wan-tiny"] {
+        let desc = preset(name).expect("preset");
+        let resident = resident_output(&desc, 2, 0).expect("resident");
+        for world in [2usize, 4] {
+            let mut spec = DistributedRunSpec::new(desc.clone(), world);
+            spec.steps = 2;
+            let unchunked = ok_ranks(&spec)[0].issued.len();
+            for chunk in [Some(4000u64), Some(12_345), Some(1 << 30)] {
+                let what = format!("{name} N={world} chunk {chunk:?}");
+                spec.chunk_bytes = chunk;
+                let runs = ok_ranks(&spec);
+                for (r, run) in runs.iter().enumerate() {
+                    assert!(run.output == resident, "{what}: rank {r} output differs from the resident run");
+                    assert_eq!(run.hazard_violations, 0, "{what}: rank {r}");
+                    assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+                    let n = world as u64;
+                    assert!(run.shard_host_bytes * n - run.full_section_bytes < run.sections * n * 8, "{what}");
+                }
+                let gathers = runs[0].issued.len();
+                if chunk == Some(1 << 30) {
+                    assert_eq!(gathers, unchunked, "{what}: one chunk per section");
+                } else {
+                    assert!(gathers > unchunked, "{what}: {gathers} gathers, unchunked {unchunked}");
+                }
+                // Tags are distinct within one block load: no two gathers of a pass share a tag.
+                let mut tags: Vec<u64> = runs[0].issued.iter().map(|x| x.1).collect();
+                tags.sort_unstable();
+                tags.dedup();
+                assert!(tags.len() * 3 >= gathers, "{what}: tags repeat more than once per pass");
             }
         }
     }

@@ -97,10 +97,13 @@ pub struct DistributedRunSpec {
     pub fail_gather: Option<(usize, u64)>,
     /// Longest time a rank's AllGather waits for its peers before the group is poisoned.
     pub timeout: Duration,
+    /// Chunked transport: gathered bytes per AllGather (each section is cut into chunks so the AllGather of one
+    /// chunk overlaps the copy of the next). `None` or 0: one AllGather per section.
+    pub chunk_bytes: Option<u64>,
 }
 
 impl DistributedRunSpec {
-    /// `world` ranks, depth 1, 3 steps, seed 0, no fault, a 30 s group timeout.
+    /// `world` ranks, depth 1, 3 steps, seed 0, no fault, a 30 s group timeout, unchunked.
     pub fn new(pipeline: PipelineDesc, world: usize) -> Self {
         DistributedRunSpec {
             pipeline,
@@ -110,6 +113,7 @@ impl DistributedRunSpec {
             seed: 0,
             fail_gather: None,
             timeout: Duration::from_secs(30),
+            chunk_bytes: None,
         }
     }
 }
@@ -210,9 +214,10 @@ pub fn run_distributed_sim(
     Ok(results)
 }
 
-/// Tag of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gathered section.
-fn tag_of(si: usize, ui: usize, k: usize) -> u64 {
-    ((si as u64 + 1) << 40) | ((ui as u64) << 8) | k as u64
+/// Tag of chunk `j` of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gather (chunks
+/// stay below 2^20, sections below 2^8, units below 2^24).
+fn tag_of(si: usize, ui: usize, k: usize, j: u64) -> u64 {
+    ((si as u64 + 1) << 52) | ((ui as u64) << 28) | ((k as u64) << 20) | j
 }
 
 /// Where a rank's weights are: gathered stacks for streamed storages, the fixed placement for the rest.
@@ -345,7 +350,8 @@ fn rank_run(
     let mut locations = HashMap::new();
     let (mut full, mut sections) = (0u64, 0u64);
     for (si, sp) in units.stacks.iter().enumerate() {
-        let masters = build_sharded_masters(model, &sp.units, spec.world, rank, HostMemoryKind::Pinned)?;
+        let masters =
+            build_sharded_masters(model, &sp.units, spec.world, rank, HostMemoryKind::Pinned, spec.chunk_bytes)?;
         let gather_blocks: Vec<GatherBlock> = masters
             .units
             .iter()
@@ -355,12 +361,14 @@ fn rank_run(
                     .sections
                     .iter()
                     .enumerate()
-                    .map(|(k, s)| GatherSection {
-                        host: s.host,
-                        host_offset: 0,
-                        shard_bytes: s.spec.shard_bytes(),
-                        output_offset: s.device_offset,
-                        tag: tag_of(si, ui, k),
+                    .flat_map(|(k, s)| {
+                        s.spec.chunks().map(move |c| GatherSection {
+                            host: s.host,
+                            host_offset: c.shard_offset,
+                            shard_bytes: c.shard_bytes,
+                            output_offset: s.device_offset + c.gathered_offset,
+                            tag: tag_of(si, ui, k, c.index),
+                        })
                     })
                     .collect(),
             })
