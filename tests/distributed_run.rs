@@ -5,14 +5,16 @@
 //! (plus padding) and each rank copies only its shards host → device. A failed AllGather on one rank makes every
 //! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned. Chunked
 //! transport (one AllGather per chunk) is bit-exact at chunk sizes that do not divide the sections and larger
-//! than them.
+//! than them. Under randomized per-rank timings (hooks sleeping, comm streams slowed differently) every rank still
+//! issues the same gathers in the same order; the group-size matrix of the config (data / sequence / tensor
+//! parallel sizes) sets the rank count of runs that are bit-exact on every rank.
 
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
 use weightferry::engine::driver::{run, RunSpec};
 use weightferry::model::{fnv1a, FNV_OFFSET};
 use weightferry::offload::distributed_backend::{
-    resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, RankRun,
+    resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, Jitter, RankRun,
 };
 use weightferry::plan::presets::preset;
 
@@ -99,6 +101,109 @@ fn chunked_transport_is_bit_exact_at_several_chunk_sizes() {
             }
         }
     }
+}
+
+#[test]
+fn randomized_rank_timings_give_identical_gather_sequences() {
+    // Each rank sleeps its own random amounts (< 300 µs) before every hook and its comm stream runs every op up to
+    // 1 ms slower, so ranks reach their hooks and gathers at different times; the gather order still comes from
+    // the hook order alone.
+    let desc = preset("wan-tiny").expect("preset");
+    let resident = resident_output(&desc, 2, 0).expect("resident");
+    for seed in 0u64..4 {
+        let world = [2usize, 3, 4][seed as usize % 3];
+        let chunk = if seed % 2 == 0 { None } else { Some(4000) };
+        let what = format!("seed {seed} N={world} chunk {chunk:?}");
+        let mut spec = DistributedRunSpec::new(desc.clone(), world);
+        spec.steps = 2;
+        spec.depth = 1 + seed as usize % 2;
+        spec.chunk_bytes = chunk;
+        spec.jitter = Some(Jitter {
+            seed,
+            max_hook_sleep: Duration::from_micros(300),
+            max_stream_delay: Duration::from_millis(1),
+        });
+        let delays: Vec<Duration> = (0..world).map(|r| spec.jitter.unwrap().stream_delay(r)).collect();
+        assert!(delays.windows(2).any(|w| w[0] != w[1]), "{what}: ranks should be slowed differently: {delays:?}");
+        let runs = ok_ranks(&spec);
+        for (r, run) in runs.iter().enumerate() {
+            assert!(run.output == resident, "{what}: rank {r} output differs from the resident run");
+            assert_eq!(run.hazard_violations, 0, "{what}: rank {r}");
+            assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+        }
+        assert!(!runs[0].issued.is_empty(), "{what}");
+    }
+}
+
+#[test]
+fn the_group_size_matrix_drives_the_rank_count() {
+    // (dp, sp, tp, allgather) -> group size, as in the config's group derivation matrix; the run uses that many
+    // ranks and is bit-exact on each.
+    let desc = preset("flux-tiny").expect("preset");
+    let resident = resident_output(&desc, 2, 0).expect("resident");
+    let matrix = [
+        ((1, 1, 1, true), 1usize),
+        ((2, 1, 1, true), 2),
+        ((1, 4, 1, true), 4),
+        ((2, 2, 2, true), 2),
+        ((2, 2, 2, false), 1),
+        ((1, 4, 2, false), 1),
+        ((1, 1, 8, true), 1),
+    ];
+    for ((dp, sp, tp, ag), size) in matrix {
+        for chunk in [None, Some("3KiB")] {
+            if chunk.is_some() && !ag {
+                continue;
+            }
+            let what = format!("(dp, sp, tp, allgather) = ({dp}, {sp}, {tp}, {ag}) chunk {chunk:?}");
+            let transfer = if ag { "allgather" } else { "rank-local" };
+            let mut dit = serde_json::json!({"weight_transfer": transfer, "prefetch_depth": 1});
+            if let Some(c) = chunk {
+                dit["allgather_chunk_size"] = c.into();
+            }
+            let text = serde_json::json!({
+                "data_parallel_size": dp,
+                "sequence_parallel_size": sp,
+                "tensor_parallel_size": tp,
+                "diffusion_offload_config": {"mode": "layer", "components": ["dit"], "layer_options": {"dit": dit}},
+            })
+            .to_string();
+            let config = OffloadConfig::from_json_str(&text).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(config.group.size as usize, size, "{what}");
+            let mut spec = DistributedRunSpec::from_config(desc.clone(), &config).expect("spec");
+            assert_eq!(spec.world, size, "{what}");
+            assert_eq!(spec.depth, 1, "{what}");
+            assert_eq!(spec.chunk_bytes, chunk.map(|_| 3072), "{what}");
+            spec.steps = 2;
+            let runs = ok_ranks(&spec);
+            assert_eq!(runs.len(), size, "{what}");
+            for (r, run) in runs.iter().enumerate() {
+                assert!(run.output == resident, "{what}: rank {r} output differs from the resident run");
+                assert_eq!(run.issued, runs[0].issued, "{what}: rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn configs_the_runner_cannot_run_are_named() {
+    let desc = preset("flux-tiny").unwrap();
+    let module =
+        OffloadConfig::from_json_str(r#"{"diffusion_offload_config": {"mode": "module", "components": ["dit"]}}"#)
+            .unwrap();
+    let e = DistributedRunSpec::from_config(desc.clone(), &module).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "a distributed run needs layerwise offload, but the config selects model; set diffusion_offload_config.mode \
+         = \"layer\""
+    );
+    let resident = OffloadConfig::from_json_str(
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "layer_options": {"dit": {"resident_layers": 2}}}}"#,
+    )
+    .unwrap();
+    let e = DistributedRunSpec::from_config(desc, &resident).unwrap_err();
+    assert!(e.to_string().starts_with("resident DiT layers use rank-local transfer"), "{e}");
 }
 
 #[test]

@@ -20,10 +20,11 @@ use super::distributed::{build_sharded_masters, DistributedError, ShardedMasters
 use super::resident::ResidentPlacement;
 use super::units::build_unit_plan;
 use super::{OffloadError, WeightSource};
-use crate::config::OffloadConfig;
+use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compute::SimCompute;
 use crate::engine::{Engine, EngineError, ExecOptions};
-use crate::hooks::{HookRegistry, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
+use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
+use crate::model::splitmix64;
 use crate::model::HostModel;
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::collections::HashMap;
@@ -37,6 +38,9 @@ use weightferry_actors::{
     BlockSpec, BlockStack, GatherBlock, GatherPath, GatherSection, GatherSequence, StackSpec, StreamHandle,
     StreamOptions,
 };
+
+/// Name of a rank's comm stream (the collective actor's stream).
+pub const COMM_STREAM: &str = "comm";
 
 /// Errors of a distributed run (per rank).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -100,6 +104,98 @@ pub struct DistributedRunSpec {
     /// Chunked transport: gathered bytes per AllGather (each section is cut into chunks so the AllGather of one
     /// chunk overlaps the copy of the next). `None` or 0: one AllGather per section.
     pub chunk_bytes: Option<u64>,
+    /// Testing aid: randomized per-rank timing (hooks sleep, and on the simulated device each rank's comm stream
+    /// is slowed by its own amount), so ranks reach their hooks at different times.
+    pub jitter: Option<Jitter>,
+}
+
+impl DistributedRunSpec {
+    /// The run `config` describes for `pipeline`: `world` = the config's offload group size (1 when the DiT is not
+    /// gathered across a group), the DiT's `prefetch_depth` (default 2) and `allgather_chunk_size`; 3 steps, seed
+    /// 0. Fails (naming the key and the fix) for a config this runner cannot run: not `mode = "layer"`, or resident
+    /// DiT layers (those run rank-local through the single-process backend).
+    pub fn from_config(pipeline: PipelineDesc, config: &OffloadConfig) -> Result<Self, DistributedRunError> {
+        if !matches!(config.strategy, Strategy::LayerWise | Strategy::DistributedLayerWise) {
+            return Err(DistributedRunError::Invalid(format!(
+                "a distributed run needs layerwise offload, but the config selects {}; set \
+                 diffusion_offload_config.mode = \"layer\"",
+                config.strategy.report_name()
+            )));
+        }
+        if config.resident_layers > 0 {
+            return Err(DistributedRunError::Invalid(
+                "resident DiT layers use rank-local transfer, which the distributed runner does not stream; remove \
+                 layer_options.dit.resident_layers (or run without a group)"
+                    .into(),
+            ));
+        }
+        let world = if config.uses_allgather(Component::Dit) { config.group.size as usize } else { 1 };
+        let mut spec = DistributedRunSpec::new(pipeline, world);
+        spec.depth = config.prefetch_depth(Component::Dit).map_or(2, |d| d as usize);
+        spec.chunk_bytes = config.allgather_chunk_bytes(Component::Dit);
+        Ok(spec)
+    }
+}
+
+/// Randomized per-rank timing for tests: every rank draws from its own generator seeded by `seed` and its rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Jitter {
+    /// Seed of every rank's generator.
+    pub seed: u64,
+    /// Longest sleep before a hook (each hook sleeps a random amount below it).
+    pub max_hook_sleep: Duration,
+    /// Longest extra time per op on a rank's comm stream (simulated device only; each rank draws one amount).
+    pub max_stream_delay: Duration,
+}
+
+impl Jitter {
+    /// The generator state of `rank`.
+    fn state(&self, rank: usize) -> u64 {
+        self.seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// A duration in `[0, max)` drawn from `state`.
+    fn draw(state: &mut u64, max: Duration) -> Duration {
+        let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        if nanos == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_nanos(splitmix64(state) % nanos)
+    }
+
+    /// The extra time per op of `rank`'s comm stream.
+    pub fn stream_delay(&self, rank: usize) -> Duration {
+        let mut st = self.state(rank).rotate_left(17);
+        Self::draw(&mut st, self.max_stream_delay)
+    }
+}
+
+/// A hook that sleeps a random amount, then runs the wrapped hook.
+struct JitterHook {
+    inner: Arc<dyn ModelHook>,
+    state: std::sync::Mutex<u64>,
+    max: Duration,
+}
+
+impl JitterHook {
+    fn sleep(&self) {
+        let d = {
+            let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            Jitter::draw(&mut st, self.max)
+        };
+        std::thread::sleep(d);
+    }
+}
+
+impl ModelHook for JitterHook {
+    fn pre_forward(&self, module: &str) -> Result<(), String> {
+        self.sleep();
+        self.inner.pre_forward(module)
+    }
+    fn post_forward(&self, module: &str) -> Result<(), String> {
+        self.sleep();
+        self.inner.post_forward(module)
+    }
 }
 
 impl DistributedRunSpec {
@@ -114,6 +210,7 @@ impl DistributedRunSpec {
             fail_gather: None,
             timeout: Duration::from_secs(30),
             chunk_bytes: None,
+            jitter: None,
         }
     }
 }
@@ -179,7 +276,13 @@ pub fn run_distributed_sim(
         }
     }
     let sims: Vec<Arc<SimPlatform>> = (0..spec.world)
-        .map(|_| SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).map(Arc::new))
+        .map(|rank| {
+            let mut config = SimConfig { tracing: false, ..SimConfig::default() };
+            if let Some(j) = &spec.jitter {
+                config.faults.slow_stream = Some((COMM_STREAM.to_string(), j.stream_delay(rank)));
+            }
+            SimPlatform::new(config).map(Arc::new)
+        })
         .collect::<Result<_, _>>()?;
     let comms = SimCollectiveGroup::with_options(sims.clone(), SimCollectiveOptions { timeout: spec.timeout });
     let results = std::thread::scope(|scope| {
@@ -338,8 +441,11 @@ fn rank_run(
         return Err(DistributedRunError::Invalid(format!("stack '{}' is staged, not layerwise", sp.name)));
     }
     let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), desc)?;
-    let collective =
-        CollectiveHandle::spawn(platform.clone(), "comm", Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>)))?;
+    let collective = CollectiveHandle::spawn(
+        platform.clone(),
+        COMM_STREAM,
+        Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>)),
+    )?;
     parts.collective = Some(collective.clone());
     let stream = StreamHandle::spawn(platform.clone(), "copy", StreamOptions::default()).map_err(OffloadError::from)?;
     parts.stream = Some(stream.clone());
@@ -405,9 +511,14 @@ fn rank_run(
     }
     let hooks = HookRegistry::new();
     hooks.claim_offload(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK).map_err(OffloadError::from)?;
+    let mut jitter_state = spec.jitter.map(|j| j.state(rank));
     for (si, sp) in units.stacks.iter().enumerate() {
         for (ui, unit) in sp.units.iter().enumerate() {
-            let hook = Arc::new(StackHook { stack: parts.stacks[si].clone(), unit: ui });
+            let mut hook: Arc<dyn ModelHook> = Arc::new(StackHook { stack: parts.stacks[si].clone(), unit: ui });
+            if let (Some(j), Some(st)) = (&spec.jitter, jitter_state.as_mut()) {
+                let state = std::sync::Mutex::new(splitmix64(st));
+                hook = Arc::new(JitterHook { inner: hook, state, max: j.max_hook_sleep });
+            }
             let name = DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK;
             hooks.register(&unit.path, name, name, hook).map_err(OffloadError::from)?;
         }
