@@ -7,16 +7,25 @@
 //! transport (one AllGather per chunk) is bit-exact at chunk sizes that do not divide the sections and larger
 //! than them. Under randomized per-rank timings (hooks sleeping, comm streams slowed differently) every rank still
 //! issues the same gathers in the same order; the group-size matrix of the config (data / sequence / tensor
-//! parallel sizes) sets the rank count of runs that are bit-exact on every rank.
+//! parallel sizes) sets the rank count of runs that are bit-exact on every rank. The public, platform-generic
+//! `run_rank` gives the same results one rank at a time, warms the communicator up with the first AllGather, and
+//! rejects a rank / world that does not match the spec or the communicator.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
+use weightferry::engine::compute::{Compute, SimCompute};
 use weightferry::engine::driver::{run, RunSpec};
 use weightferry::model::{fnv1a, FNV_OFFSET};
+use weightferry::offload::distributed_backend::run_rank;
 use weightferry::offload::distributed_backend::{
     resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, Jitter, RankRun,
 };
 use weightferry::plan::presets::preset;
+use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup};
+use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
+use weightferry_actors::platform::{Platform, PlatformRef};
+use weightferry_actors::sim::{SimConfig, SimPlatform};
 
 fn ok_ranks(spec: &DistributedRunSpec) -> Vec<RankRun> {
     run_distributed_sim(spec)
@@ -47,6 +56,8 @@ fn every_rank_is_bit_exact_with_the_resident_run() {
                     assert_eq!(run.hazard_violations, 0, "{what}: rank {r}");
                     // Every rank issues the same gathers in the same order, numbered 0, 1, 2, … without gaps.
                     assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+                    // The warm-up AllGather comes first.
+                    assert_eq!(run.issued[0], (0, WARM_UP_TAG), "{what}");
                     let seqs: Vec<u64> = run.issued.iter().map(|(s, _)| *s).collect();
                     assert_eq!(seqs, (0..run.issued.len() as u64).collect::<Vec<_>>(), "{what}");
                     // At least one gather per section per pass (3 passes), none before the first forward.
@@ -204,6 +215,78 @@ fn configs_the_runner_cannot_run_are_named() {
     .unwrap();
     let e = DistributedRunSpec::from_config(desc, &resident).unwrap_err();
     assert!(e.to_string().starts_with("resident DiT layers use rank-local transfer"), "{e}");
+}
+
+/// One rank's platform, compute and communicator on the simulated device, for `run_rank`.
+fn sim_rank(comm: SimCollective) -> (Arc<SimPlatform>, PlatformRef, Arc<dyn Compute>, CollectiveFactory) {
+    let sim = comm.platform().clone();
+    let platform: PlatformRef = sim.clone();
+    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
+    (sim, platform, compute, factory)
+}
+
+fn sims(world: usize) -> Vec<Arc<SimPlatform>> {
+    (0..world)
+        .map(|_| Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap()))
+        .collect()
+}
+
+#[test]
+fn run_rank_runs_one_rank_on_any_platform_handle() {
+    // Two ranks driven through the public `run_rank`, each on its own thread with its own platform: the same
+    // outputs and gathers as `run_distributed_sim`.
+    let desc = preset("flux-tiny").unwrap();
+    let mut spec = DistributedRunSpec::new(desc.clone(), 2);
+    spec.steps = 2;
+    let expected = ok_ranks(&spec);
+    let comms = SimCollectiveGroup::new(sims(2));
+    let runs: Vec<RankRun> = std::thread::scope(|s| {
+        let spec = &spec;
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                s.spawn(move || {
+                    let (sim, platform, compute, factory) = sim_rank(comm);
+                    let run = run_rank(platform, compute, factory, rank, 2, spec).unwrap();
+                    assert!(sim.violations().is_empty(), "rank {rank}");
+                    assert_eq!(sim.device_memory().in_use, 0, "rank {rank} leaked device memory");
+                    run
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, run) in runs.iter().enumerate() {
+        assert_eq!(run.output, expected[r].output, "rank {r}");
+        assert_eq!(run.issued, expected[r].issued, "rank {r}");
+        assert_eq!(run.hazard_violations, 0, "run_rank leaves hazard counting to the caller");
+    }
+}
+
+#[test]
+fn run_rank_rejects_a_mismatched_rank_or_world() {
+    let desc = preset("flux-tiny").unwrap();
+    let spec = DistributedRunSpec::new(desc, 1);
+    // world differs from the spec's.
+    let comm = SimCollectiveGroup::new(sims(1)).pop().unwrap();
+    let (_sim, platform, compute, factory) = sim_rank(comm);
+    let e = run_rank(platform, compute, factory, 0, 2, &spec).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "rank 0 of 2 ranks does not fit a run of 1 ranks; give every rank the same world size and a rank below it"
+    );
+    // The communicator reports another group.
+    let mut comms = SimCollectiveGroup::new(sims(2));
+    let other = comms.pop().unwrap();
+    let (sim, platform, compute, factory) = sim_rank(other);
+    let e = run_rank(platform, compute, factory, 0, 1, &spec).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "the communicator is rank 1 of 2 ranks, but this is rank 0 of 1; build it from the same rank and world size"
+    );
+    assert_eq!(sim.device_memory().in_use, 0, "a refused rank leaked device memory");
 }
 
 #[test]

@@ -116,7 +116,9 @@ impl GatherSequence {
     pub fn peek(&self) -> u64 {
         self.0.load(Ordering::SeqCst)
     }
-    fn take(&self, n: u64) -> u64 {
+    /// Claims `n` consecutive numbers and returns the first. Ranks must claim in one order (the hook order, and
+    /// the warm-up gather first).
+    pub fn claim(&self, n: u64) -> u64 {
         self.0.fetch_add(n, Ordering::SeqCst)
     }
 }
@@ -743,7 +745,7 @@ impl BlockStack {
         g.stats.loads += 1;
         g.stats.h2d_bytes += g.gather_blocks[block].shard_bytes();
         let count = g.gather_blocks[block].sections.len();
-        let first = gs.sequence.take(count as u64);
+        let first = gs.sequence.claim(count as u64);
         let mut off = 0u64;
         for k in 0..count {
             let sec = g.gather_blocks[block].sections[k];

@@ -1,12 +1,15 @@
-//! Distributed layerwise offload run end to end on the simulated device: `N` ranks as threads of this process,
-//! each with its own [`SimPlatform`], its own synthetic model (same seed on every rank), its own reference
-//! [`Engine`] and hook registry, sharing one [`SimCollectiveGroup`].
+//! Distributed layerwise offload end to end, one rank at a time: [`run_rank`] runs one rank of a group on any
+//! platform (one process per GPU with CUDA + NCCL, one process per rank on the simulated device with a TCP
+//! collective, or one thread per rank); [`run_distributed_sim`] runs `N` ranks as threads of this process, each
+//! with its own [`SimPlatform`], its own synthetic model (same seed on every rank), its own reference [`Engine`]
+//! and hook registry, sharing one [`SimCollectiveGroup`].
 //!
-//! Per rank: the DiT stacks of the layerwise plan keep only the rank's sharded host masters
-//! ([`build_sharded_masters`]); every block is rebuilt in a device slot by the H2D of the rank's shard then one
-//! AllGather per dtype section, through gather-path [`BlockStack`]s that share one [`GatherSequence`] and one
-//! collective actor. Everything outside the DiT stacks is placed on the device once ([`ResidentPlacement`]). No
-//! block is prefetched before the first forward, so every rank's first gather happens inside the same hook
+//! Per rank: the communicator is warmed up by one small AllGather first; the DiT stacks of the layerwise plan keep
+//! only the rank's sharded host masters ([`build_sharded_masters`]); every block is rebuilt in a device slot by the
+//! H2D of the rank's shard then one AllGather per dtype section (or per chunk of one, with
+//! [`DistributedRunSpec::chunk_bytes`]), through gather-path [`BlockStack`]s that share one [`GatherSequence`] and
+//! one collective actor. Everything outside the DiT stacks is placed on the device once ([`ResidentPlacement`]).
+//! No block is prefetched before the first forward, so every rank's first gather happens inside the same hook
 //! sequence.
 //!
 //! Invariants: every rank runs the same deterministic hook sequence (same plan, same program, no block skips), so
@@ -21,7 +24,7 @@ use super::resident::ResidentPlacement;
 use super::units::build_unit_plan;
 use super::{OffloadError, WeightSource};
 use crate::config::{Component, OffloadConfig, Strategy};
-use crate::engine::compute::SimCompute;
+use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::{Engine, EngineError, ExecOptions};
 use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
 use crate::model::splitmix64;
@@ -30,8 +33,8 @@ use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup, SimCollectiveOptions};
-use weightferry_actors::collective_actor::{CollectiveHandle, GatherError};
+use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
+use weightferry_actors::collective_actor::{CollectiveFactory, CollectiveHandle, GatherError};
 use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, PlatformError, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 use weightferry_actors::{
@@ -110,6 +113,19 @@ pub struct DistributedRunSpec {
 }
 
 impl DistributedRunSpec {
+    /// Checks what every rank needs: at least one rank, a prefetch depth of at least 1.
+    pub fn validate(&self) -> Result<(), DistributedRunError> {
+        if self.world == 0 {
+            return Err(DistributedRunError::Invalid("a distributed run needs at least one rank".into()));
+        }
+        if self.depth == 0 {
+            return Err(DistributedRunError::Invalid(
+                "distributed layerwise needs a prefetch depth of at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The run `config` describes for `pipeline`: `world` = the config's offload group size (1 when the DiT is not
     /// gathered across a group), the DiT's `prefetch_depth` (default 2) and `allgather_chunk_size`; 3 steps, seed
     /// 0. Fails (naming the key and the fix) for a config this runner cannot run: not `mode = "layer"`, or resident
@@ -264,12 +280,7 @@ pub fn resident_output(pipeline: &PipelineDesc, steps: u32, seed: u64) -> Result
 pub fn run_distributed_sim(
     spec: &DistributedRunSpec,
 ) -> Result<Vec<Result<RankRun, DistributedRunError>>, DistributedRunError> {
-    if spec.world == 0 {
-        return Err(DistributedRunError::Invalid("a distributed run needs at least one rank".into()));
-    }
-    if spec.depth == 0 {
-        return Err(DistributedRunError::Invalid("distributed layerwise needs a prefetch depth of at least 1".into()));
-    }
+    spec.validate()?;
     if let Some((rank, _)) = spec.fail_gather {
         if rank >= spec.world {
             return Err(DistributedRunError::Invalid(format!("fault on rank {rank} of {} ranks", spec.world)));
@@ -297,9 +308,16 @@ pub fn run_distributed_sim(
                         comm.fail_nth_call(n);
                     }
                 }
-                std::thread::Builder::new()
-                    .name(format!("wf-rank-{rank}"))
-                    .spawn_scoped(scope, move || rank_main(spec, rank, sim, comm))
+                let world = spec.world;
+                std::thread::Builder::new().name(format!("wf-rank-{rank}")).spawn_scoped(scope, move || {
+                    let platform: PlatformRef = sim.clone();
+                    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+                    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
+                    run_rank(platform, compute, factory, rank, world, spec).map(|mut r| {
+                        r.hazard_violations = sim.violations().len();
+                        r
+                    })
+                })
             })
             .collect();
         handles
@@ -355,22 +373,46 @@ struct RankParts {
     stacks: Vec<Arc<BlockStack>>,
 }
 
-fn rank_main(
-    spec: &DistributedRunSpec,
+/// Runs rank `rank` of a `world`-rank distributed layerwise run of `spec` on `platform`: this process's (or this
+/// thread's) part of the group. Generic over the platform: the simulated device with a
+/// [`SimCollective`](weightferry_actors::collective::SimCollective) (as
+/// [`run_distributed_sim`] does, one thread per rank), or one process per rank — the simulated device with a
+/// TCP collective, or CUDA with an NCCL collective.
+///
+/// - `compute` runs the engine's kernels on `platform`.
+/// - `collective` builds the communicator (on the collective actor's own thread); it must report `rank` and
+///   `world`.
+/// - `world` must equal `spec.world`.
+///
+/// Loads the pipeline with synthetic weights of `spec.seed`, builds this rank's sharded masters of the DiT stacks,
+/// spawns the collective actor and **warms the communicator** (one small AllGather, sequence number 0, tag
+/// [`WARM_UP_TAG`](weightferry_actors::collective_actor::WARM_UP_TAG), before anything else is gathered: NCCL's first AllGather on a new communicator takes about
+/// 2.5 s, which must not land inside the first step), runs `spec.steps` steps through gather-path block stacks,
+/// and releases everything before returning, success or not. [`RankRun::hazard_violations`] is left at 0: a
+/// caller on the simulated device fills it in from its platform.
+///
+/// Errors: an invalid spec or mismatched rank / world ([`DistributedRunError::Invalid`]); any failure of the
+/// run. When an AllGather failed to start on this rank, the error is [`DistributedRunError::Poisoned`]: the
+/// collective issued nothing further and the pipeline must be reloaded.
+pub fn run_rank(
+    platform: PlatformRef,
+    compute: Arc<dyn Compute>,
+    collective: CollectiveFactory,
     rank: usize,
-    sim: Arc<SimPlatform>,
-    comm: SimCollective,
+    world: usize,
+    spec: &DistributedRunSpec,
 ) -> Result<RankRun, DistributedRunError> {
-    let platform: PlatformRef = sim.clone();
-    let model = match HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed) {
-        Ok(m) => m,
-        Err(e) => {
-            drop(comm);
-            return Err(e.into());
-        }
-    };
+    spec.validate()?;
+    if world != spec.world || rank >= world {
+        return Err(DistributedRunError::Invalid(format!(
+            "rank {rank} of {world} ranks does not fit a run of {} ranks; give every rank the same world size and \
+             a rank below it",
+            spec.world
+        )));
+    }
+    let model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)?;
     let mut parts = RankParts::default();
-    let result = rank_run(spec, rank, &sim, &platform, &model, comm, &mut parts);
+    let result = rank_run(spec, (rank, world), &platform, compute, &model, collective, &mut parts);
     let poisoned = parts.collective.as_ref().and_then(|c| c.poisoned());
     let cleanup = release(&platform, parts);
     model.release();
@@ -380,10 +422,7 @@ fn rank_main(
     };
     match (run, poisoned) {
         (Err(e), Some(cause)) => Err(DistributedRunError::Poisoned { rank, cause, run: e.to_string() }),
-        (run, _) => run.map(|mut r| {
-            r.hazard_violations = sim.violations().len();
-            r
-        }),
+        (run, _) => run,
     }
 }
 
@@ -418,11 +457,11 @@ fn release(platform: &PlatformRef, parts: RankParts) -> Result<(), DistributedRu
 
 fn rank_run(
     spec: &DistributedRunSpec,
-    rank: usize,
-    sim: &Arc<SimPlatform>,
+    (rank, world): (usize, usize),
     platform: &PlatformRef,
+    compute: Arc<dyn Compute>,
     model: &HostModel,
-    comm: SimCollective,
+    make_collective: CollectiveFactory,
     parts: &mut RankParts,
 ) -> Result<RankRun, DistributedRunError> {
     let desc = &spec.pipeline;
@@ -440,24 +479,28 @@ fn rank_run(
     if let Some(sp) = units.stacks.iter().find(|s| s.depth == 0) {
         return Err(DistributedRunError::Invalid(format!("stack '{}' is staged, not layerwise", sp.name)));
     }
-    let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), desc)?;
-    let collective = CollectiveHandle::spawn(
-        platform.clone(),
-        COMM_STREAM,
-        Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>)),
-    )?;
+    let mut engine = Engine::new(compute, desc)?;
+    let collective = CollectiveHandle::spawn(platform.clone(), COMM_STREAM, make_collective)?;
     parts.collective = Some(collective.clone());
+    if (collective.rank(), collective.world()) != (rank, world) {
+        return Err(DistributedRunError::Invalid(format!(
+            "the communicator is rank {} of {} ranks, but this is rank {rank} of {world}; build it from the same \
+             rank and world size",
+            collective.rank(),
+            collective.world()
+        )));
+    }
+    let sequence = GatherSequence::new();
+    collective.warm_up(sequence.claim(1))?;
     let stream = StreamHandle::spawn(platform.clone(), "copy", StreamOptions::default()).map_err(OffloadError::from)?;
     parts.stream = Some(stream.clone());
     let upload = platform.create_stream("placement")?;
     parts.fixed = Some(ResidentPlacement::upload(platform, model, &units.fixed, upload)?);
 
-    let sequence = GatherSequence::new();
     let mut locations = HashMap::new();
     let (mut full, mut sections) = (0u64, 0u64);
     for (si, sp) in units.stacks.iter().enumerate() {
-        let masters =
-            build_sharded_masters(model, &sp.units, spec.world, rank, HostMemoryKind::Pinned, spec.chunk_bytes)?;
+        let masters = build_sharded_masters(model, &sp.units, world, rank, HostMemoryKind::Pinned, spec.chunk_bytes)?;
         let gather_blocks: Vec<GatherBlock> = masters
             .units
             .iter()
