@@ -30,10 +30,12 @@ pub enum LaunchEnvError {
         var: &'static str,
     },
     /// A variable a multi-process run needs is not set.
-    #[error("{var} is not set but WORLD_SIZE={world}; {fix}")]
+    #[error("{var} is not set but {world_var}={world} asks for a distributed run; {fix}")]
     Missing {
         /// The variable.
         var: &'static str,
+        /// The variable the world size was read from (`WORLD_SIZE` or `SLURM_NTASKS`).
+        world_var: &'static str,
         /// The world size.
         world: usize,
         /// How to fix it.
@@ -93,16 +95,16 @@ impl LaunchEnv {
         let read = |names: &[&'static str]| -> Option<(&'static str, String)> {
             names.iter().find_map(|&n| var(n).filter(|v| !v.trim().is_empty()).map(|v| (n, v)))
         };
-        let world = match read(&["WORLD_SIZE", "SLURM_NTASKS"]) {
-            None => 1,
+        let (world_var, world) = match read(&["WORLD_SIZE", "SLURM_NTASKS"]) {
+            None => ("WORLD_SIZE", 1),
             Some((name, v)) => match number(name, &v, "a positive integer", WORLD_FIX)? {
                 0 => return Err(LaunchEnvError::ZeroWorld { var: name }),
-                n => n,
+                n => (name, n),
             },
         };
         let rank = match read(&["RANK", "SLURM_PROCID"]) {
             None if world == 1 => 0,
-            None => return Err(LaunchEnvError::Missing { var: "RANK", world, fix: RANK_FIX }),
+            None => return Err(LaunchEnvError::Missing { var: "RANK", world_var, world, fix: RANK_FIX }),
             Some((name, v)) => {
                 let rank = number(name, &v, "a rank (an integer from 0)", RANK_FIX)?;
                 if rank >= world {
@@ -119,10 +121,10 @@ impl LaunchEnv {
             return Ok(LaunchEnv { rank, world, local_rank, master_addr: None, master_port: None });
         }
         let Some((_, addr)) = read(&["MASTER_ADDR"]) else {
-            return Err(LaunchEnvError::Missing { var: "MASTER_ADDR", world, fix: ADDR_FIX });
+            return Err(LaunchEnvError::Missing { var: "MASTER_ADDR", world_var, world, fix: ADDR_FIX });
         };
         let Some((_, port)) = read(&["MASTER_PORT"]) else {
-            return Err(LaunchEnvError::Missing { var: "MASTER_PORT", world, fix: PORT_FIX });
+            return Err(LaunchEnvError::Missing { var: "MASTER_PORT", world_var, world, fix: PORT_FIX });
         };
         let master_port = match port.trim().parse::<u16>() {
             Ok(p) if p > 0 => p,
@@ -212,6 +214,12 @@ mod tests {
         let mut both = OK.to_vec();
         both.extend([("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8")]);
         assert_eq!((env(&both).unwrap().rank, env(&both).unwrap().world), (1, 2));
+        // SLURM's world size without a rendezvous address says where it came from.
+        assert_eq!(
+            env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]).unwrap_err().to_string(),
+            "MASTER_ADDR is not set but SLURM_NTASKS=4 asks for a distributed run; set MASTER_ADDR to the address of \
+             the rank-0 host, reachable from every rank"
+        );
     }
 
     #[test]
@@ -222,17 +230,17 @@ mod tests {
         );
         assert_eq!(
             err(&[("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]),
-            "RANK is not set but WORLD_SIZE=2; set RANK to this process's rank, from 0 to WORLD_SIZE - 1 (torchrun \
+            "RANK is not set but WORLD_SIZE=2 asks for a distributed run; set RANK to this process's rank, from 0 to WORLD_SIZE - 1 (torchrun \
              and weightferry launch set it)"
         );
         assert_eq!(
             err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]),
-            "MASTER_ADDR is not set but WORLD_SIZE=2; set MASTER_ADDR to the address of the rank-0 host, reachable \
+            "MASTER_ADDR is not set but WORLD_SIZE=2 asks for a distributed run; set MASTER_ADDR to the address of the rank-0 host, reachable \
              from every rank"
         );
         assert_eq!(
             err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]),
-            "MASTER_PORT is not set but WORLD_SIZE=2; set MASTER_PORT to a free TCP port on the rank-0 host, the same \
+            "MASTER_PORT is not set but WORLD_SIZE=2 asks for a distributed run; set MASTER_PORT to a free TCP port on the rank-0 host, the same \
              on every rank"
         );
         for port in ["70000", "0", "http", "-1"] {

@@ -3,15 +3,26 @@
 //! `MASTER_ADDR = 127.0.0.1` and `MASTER_PORT` (the given port, or a free one); every line it prints is forwarded
 //! with a `[rank i] ` prefix (stdout to stdout, stderr to stderr).
 //!
-//! Invariant: launch returns only after every child has exited and its output has been forwarded; when a child
-//! fails (non-zero exit or a signal), every other child still running is killed, and the error names the first
-//! rank that failed and how.
+//! Invariant: launch returns only after every child has exited and its output has been forwarded (or, if a
+//! grandchild keeps a pipe open, [`OUTPUT_GRACE`] later); when a child fails (non-zero exit or a signal), every
+//! other child still running is killed, and the error names the first rank that failed on its own and how. A rank
+//! that stopped only because another one failed exits with [`PEER_FAILED_EXIT`]; launch then waits up to
+//! [`ROOT_CAUSE_GRACE`] for a rank that failed otherwise and names that one.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// Exit code of a rank that stopped because another rank failed (its rendezvous or collective broke).
+pub const PEER_FAILED_EXIT: i32 = 3;
+
+/// How long launch waits, after a rank exited with [`PEER_FAILED_EXIT`], for the rank that failed first.
+pub const ROOT_CAUSE_GRACE: Duration = Duration::from_secs(3);
+
+/// How long launch keeps forwarding output after every child exited (their pipes normally close at once).
+pub const OUTPUT_GRACE: Duration = Duration::from_secs(2);
 
 /// What to launch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,7 +152,8 @@ pub fn launch(spec: &LaunchSpec) -> Result<(), LaunchError> {
         None => free_port()?,
     };
     let mut children: Vec<Option<Child>> = Vec::with_capacity(spec.nproc);
-    let mut forwarders = Vec::new();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let mut forwarders = 0usize;
     for rank in 0..spec.nproc {
         let spawned = Command::new(&spec.program)
             .args(&spec.args)
@@ -167,15 +179,26 @@ pub fn launch(spec: &LaunchSpec) -> Result<(), LaunchError> {
         };
         let prefix = format!("[rank {rank}] ");
         if let Some(out) = child.stdout.take() {
-            let p = prefix.clone();
-            forwarders.push(std::thread::spawn(move || forward(out, p, stdout_sink)));
+            let (p, done) = (prefix.clone(), done_tx.clone());
+            std::thread::spawn(move || {
+                forward(out, p, stdout_sink);
+                let _ = done.send(());
+            });
+            forwarders += 1;
         }
         if let Some(err) = child.stderr.take() {
-            forwarders.push(std::thread::spawn(move || forward(err, prefix, stderr_sink)));
+            let done = done_tx.clone();
+            std::thread::spawn(move || {
+                forward(err, prefix, stderr_sink);
+                let _ = done.send(());
+            });
+            forwarders += 1;
         }
         children.push(Some(child));
     }
-    let mut failure = None;
+    // The first failure of a rank on its own, else the first rank that failed because of another.
+    let mut failure: Option<LaunchError> = None;
+    let mut secondary: Option<(LaunchError, Instant)> = None;
     while failure.is_none() && children.iter().any(Option::is_some) {
         let mut progressed = false;
         for (rank, slot) in children.iter_mut().enumerate() {
@@ -185,8 +208,14 @@ pub fn launch(spec: &LaunchSpec) -> Result<(), LaunchError> {
                 Ok(Some(status)) => {
                     progressed = true;
                     *slot = None;
-                    if !status.success() {
-                        failure = Some(LaunchError::RankFailed { rank, status: describe_status(status) });
+                    if status.success() {
+                        continue;
+                    }
+                    let e = LaunchError::RankFailed { rank, status: describe_status(status) };
+                    if status.code() == Some(PEER_FAILED_EXIT) {
+                        secondary.get_or_insert((e, Instant::now()));
+                    } else {
+                        failure = Some(e);
                         break;
                     }
                 }
@@ -196,13 +225,23 @@ pub fn launch(spec: &LaunchSpec) -> Result<(), LaunchError> {
                 }
             }
         }
+        if secondary.as_ref().is_some_and(|(_, since)| since.elapsed() >= ROOT_CAUSE_GRACE) {
+            break;
+        }
         if !progressed && failure.is_none() {
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
+    let failure = failure.or(secondary.map(|(e, _)| e));
     stop(&mut children);
-    for f in forwarders {
-        let _ = f.join();
+    // Every child has exited; its output ends when its pipes close. A grandchild it left behind may hold them
+    // open: forwarding stops waiting after a grace period (the forwarding threads end with this process).
+    let deadline = Instant::now() + OUTPUT_GRACE;
+    for _ in 0..forwarders {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if done_rx.recv_timeout(left).is_err() {
+            break;
+        }
     }
     match failure {
         Some(e) => Err(e),

@@ -11,7 +11,7 @@
 //! timeout at worst, at once when the peer's process exits).
 
 use super::rendezvous::Rendezvous;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use weightferry_actors::collective::{Collective, CollectiveError};
 use weightferry_actors::platform::{DeviceBufferId, PlatformError, StreamId};
@@ -24,6 +24,7 @@ pub struct TcpCollective {
     next_seq: Mutex<u64>,
     fail_at: AtomicU64,
     poison: Arc<Mutex<Option<CollectiveError>>>,
+    peer_failed: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for TcpCollective {
@@ -50,7 +51,15 @@ impl TcpCollective {
             next_seq: Mutex::new(0),
             fail_at: AtomicU64::new(u64::MAX),
             poison: Arc::new(Mutex::new(None)),
+            peer_failed: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// A flag set when an exchange with the other ranks failed (a peer left, timed out, or rank 0 ended the
+    /// rendezvous): this rank then fails because another one did. Readable after the collective moved into its
+    /// actor.
+    pub fn peer_failed_flag(&self) -> Arc<AtomicBool> {
+        self.peer_failed.clone()
     }
 
     /// Testing aid: makes this rank's `nth` call (0-based, counting every call) fail at enqueue.
@@ -97,7 +106,7 @@ impl Collective for TcpCollective {
         let Some(out_len) = len.checked_mul(self.world() as u64) else {
             return Err(fail(format!("an AllGather of {len} bytes per rank overflows")));
         };
-        let (rdv, slot) = (self.rendezvous.clone(), self.poison.clone());
+        let (rdv, slot, peer_failed) = (self.rendezvous.clone(), self.poison.clone(), self.peer_failed.clone());
         let body = move |ctx: &SimKernelCtx| -> Result<(), String> {
             let failed = |e: CollectiveError| poison(&slot, e).to_string();
             if let Some(p) = lock(&slot).clone() {
@@ -107,9 +116,10 @@ impl Collective for TcpCollective {
             payload.resize(8 + len as usize, 0);
             ctx.read(in_buf, in_off, &mut payload[8..])
                 .map_err(|e| failed(CollectiveError::RankFailed { rank, seq, reason: e.to_string() }))?;
-            let all = rdv
-                .all_gather_bytes(&payload)
-                .map_err(|e| failed(CollectiveError::RankFailed { rank, seq, reason: e.to_string() }))?;
+            let all = rdv.all_gather_bytes(&payload).map_err(|e| {
+                peer_failed.store(true, Ordering::SeqCst);
+                failed(CollectiveError::RankFailed { rank, seq, reason: e.to_string() })
+            })?;
             let mut gathered = Vec::with_capacity(out_len as usize);
             for (r, b) in all.iter().enumerate() {
                 let their_tag = b.get(..8).map(|t| u64::from_le_bytes(t.try_into().unwrap_or([0; 8])));
