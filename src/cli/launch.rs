@@ -1,5 +1,5 @@
 //! `weightferry launch --nproc N [--master-port P] -- <command>`: runs `N` copies of this executable with
-//! `<command>` as the ranks of one distributed run on this machine (see [`crate::dist::launch`]). Exit codes: 0
+//! `<command>` as the ranks of one distributed run on this machine (see [`crate::dist::launch()`]). Exit codes: 0
 //! when every rank succeeded; 1 when one failed (the message names the first rank that failed and its exit
 //! status; the others are stopped); 2 for invalid arguments.
 

@@ -1,13 +1,13 @@
 //! Multi-process distributed runs: one process per rank (per GPU), launched the way the ecosystem launches
 //! PyTorch jobs.
 //!
-//! - [`env`]: [`LaunchEnv`], this process's rank, world size, local rank and rendezvous address, read from
+//! - [`env`](mod@env): [`LaunchEnv`], this process's rank, world size, local rank and rendezvous address, read from
 //!   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` (torchrun, `weightferry launch`, job scripts;
 //!   SLURM's `SLURM_PROCID` / `SLURM_NTASKS` / `SLURM_LOCALID` as fallbacks).
 //! - [`rendezvous`]: [`Rendezvous`], a small TCP exchange through rank 0 (broadcast, all-gather of bytes, barrier)
 //!   that ships the NCCL unique id and carries the simulated collective.
 //! - [`tcp_collective`]: [`TcpCollective`], the AllGather contract across processes on the simulated device.
-//! - [`launch`]: `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
+//! - [`launch`](mod@launch): `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
 //!   prefixed.
 //!
 //! Invariant: every rank of a run calls the same rendezvous operations and the same AllGathers in the same order;
