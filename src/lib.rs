@@ -4,10 +4,12 @@
 //! - [`config`]: the offload config file (compact and legacy keys), validated into an [`config::OffloadConfig`].
 //! - [`plan`]: pipeline descriptions, presets, and the pure plan resolver.
 //! - [`hooks`]: the forward-hook registry the strategies install into.
+//! - [`dist`]: multi-process runs: the launch environment, the TCP rendezvous, the process launcher.
 
 pub mod cli;
 pub mod config;
 pub mod diag;
+pub mod dist;
 pub mod engine;
 pub mod hooks;
 pub mod model;

@@ -5,7 +5,13 @@ use serde_json::Value;
 use std::process::{Command, Output};
 
 fn wf(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_weightferry")).args(args).env_remove("RUST_LOG").output().expect("spawn")
+    let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
+    c.args(args).env_remove("RUST_LOG");
+    // A launch environment in the test's own environment would turn `run` into one rank of a distributed run.
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"] {
+        c.env_remove(v);
+    }
+    c.output().expect("spawn")
 }
 
 fn stdout_json(o: &Output) -> Value {

@@ -600,7 +600,7 @@ fn unknown_layer_option_lists_valid_keys() {
             "layer_options": {"dit": {"prefetch": 2}}}}"#,
         "diffusion_offload_config.layer_options.dit.prefetch",
         "diffusion_offload_config.layer_options.dit.prefetch: unknown layer option (did you mean \
-         `prefetch_depth`?); valid keys are: weight_transfer, resident_layers, prefetch_depth",
+         `prefetch_depth`?); valid keys are: weight_transfer, resident_layers, prefetch_depth, allgather_chunk_size",
     );
 }
 
@@ -909,6 +909,48 @@ fn byte_size_rejections() {
         parse_byte_size("0.0001KB", "device_budget").unwrap_err().to_string(),
         "device_budget: \"0.0001KB\" is zero bytes; give a positive size, or remove the key for no limit"
     );
+}
+
+#[test]
+fn allgather_chunk_size_is_read_and_validated() {
+    let with = |transfer: &str, v: &str| {
+        compact(&format!(
+            r#""mode": "layer", "components": ["dit"],
+               "layer_options": {{"dit": {{{transfer}"allgather_chunk_size": {v}}}}}"#
+        ))
+    };
+    let ag = r#""weight_transfer": "allgather", "#;
+    let c = ok(&with(ag, r#""64MiB""#));
+    assert_eq!(c.allgather_chunk_bytes(Component::Dit), Some(64 << 20));
+    assert_eq!(c.allgather_chunk_bytes(Component::TextEncoder), None);
+    assert_eq!(ok(&with(ag, "1000")).allgather_chunk_bytes(Component::Dit), Some(1000));
+    let key = "diffusion_offload_config.layer_options.dit.allgather_chunk_size";
+    assert_err(
+        &with("", r#""64MiB""#),
+        key,
+        &format!(
+            "{key}: the chunk size applies only to AllGather transfer; set \
+             diffusion_offload_config.layer_options.dit.weight_transfer = \"allgather\" or remove allgather_chunk_size"
+        ),
+    );
+    assert_err(
+        &with(ag, "0"),
+        key,
+        &format!(
+            "{key}: 0 bytes is no chunk size; give a positive size such as \"64MiB\", or remove the key for one \
+             AllGather per section"
+        ),
+    );
+    assert_err(
+        &with(ag, r#""0MiB""#),
+        key,
+        &format!(
+            "{key}: \"0MiB\" is zero bytes; give a positive size, or remove the key for one AllGather per section"
+        ),
+    );
+    assert_err(&with(ag, "true"), key, &format!("{key}: expected {FORMS}, found the boolean true"));
+    // Without the key: one AllGather per section.
+    assert_eq!(ok(&compact(r#""mode": "layer", "components": ["dit"]"#)).allgather_chunk_bytes(Component::Dit), None);
 }
 
 #[test]

@@ -3,16 +3,29 @@
 //! bit-identical to the fully resident single-rank output; every rank issues the same AllGathers (sequence numbers
 //! and tags) in the same order; no rank sees a hazard; each rank's host shards are 1/N of the streamed sections
 //! (plus padding) and each rank copies only its shards host → device. A failed AllGather on one rank makes every
-//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned.
+//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned. Chunked
+//! transport (one AllGather per chunk) is bit-exact at chunk sizes that do not divide the sections and larger
+//! than them. Under randomized per-rank timings (hooks sleeping, comm streams slowed differently) every rank still
+//! issues the same gathers in the same order; the group-size matrix of the config (data / sequence / tensor
+//! parallel sizes) sets the rank count of runs that are bit-exact on every rank. The public, platform-generic
+//! `run_rank` gives the same results one rank at a time, warms the communicator up with the first AllGather, and
+//! rejects a rank / world that does not match the spec or the communicator.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
+use weightferry::engine::compute::{Compute, SimCompute};
 use weightferry::engine::driver::{run, RunSpec};
 use weightferry::model::{fnv1a, FNV_OFFSET};
+use weightferry::offload::distributed_backend::run_rank;
 use weightferry::offload::distributed_backend::{
-    resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, RankRun,
+    resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, Jitter, RankRun,
 };
 use weightferry::plan::presets::preset;
+use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup};
+use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
+use weightferry_actors::platform::{Platform, PlatformRef};
+use weightferry_actors::sim::{SimConfig, SimPlatform};
 
 fn ok_ranks(spec: &DistributedRunSpec) -> Vec<RankRun> {
     run_distributed_sim(spec)
@@ -43,6 +56,8 @@ fn every_rank_is_bit_exact_with_the_resident_run() {
                     assert_eq!(run.hazard_violations, 0, "{what}: rank {r}");
                     // Every rank issues the same gathers in the same order, numbered 0, 1, 2, … without gaps.
                     assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+                    // The warm-up AllGather comes first.
+                    assert_eq!(run.issued[0], (0, WARM_UP_TAG), "{what}");
                     let seqs: Vec<u64> = run.issued.iter().map(|(s, _)| *s).collect();
                     assert_eq!(seqs, (0..run.issued.len() as u64).collect::<Vec<_>>(), "{what}");
                     // At least one gather per section per pass (3 passes), none before the first forward.
@@ -59,6 +74,219 @@ fn every_rank_is_bit_exact_with_the_resident_run() {
             }
         }
     }
+}
+
+#[test]
+fn chunked_transport_is_bit_exact_at_several_chunk_sizes() {
+    // 4000 and 12345 gathered bytes do not divide the tiny sections; 1 GiB is larger than every section (one chunk
+    // each: the same gathers as unchunked).
+    for name in ["flux-tiny", "wan-tiny"] {
+        let desc = preset(name).expect("preset");
+        let resident = resident_output(&desc, 2, 0).expect("resident");
+        for world in [2usize, 4] {
+            let mut spec = DistributedRunSpec::new(desc.clone(), world);
+            spec.steps = 2;
+            let unchunked = ok_ranks(&spec)[0].issued.len();
+            for chunk in [Some(4000u64), Some(12_345), Some(1 << 30)] {
+                let what = format!("{name} N={world} chunk {chunk:?}");
+                spec.chunk_bytes = chunk;
+                let runs = ok_ranks(&spec);
+                for (r, run) in runs.iter().enumerate() {
+                    assert!(run.output == resident, "{what}: rank {r} output differs from the resident run");
+                    assert_eq!(run.hazard_violations, 0, "{what}: rank {r}");
+                    assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+                    let n = world as u64;
+                    assert!(run.shard_host_bytes * n - run.full_section_bytes < run.sections * n * 8, "{what}");
+                }
+                let gathers = runs[0].issued.len();
+                if chunk == Some(1 << 30) {
+                    assert_eq!(gathers, unchunked, "{what}: one chunk per section");
+                } else {
+                    assert!(gathers > unchunked, "{what}: {gathers} gathers, unchunked {unchunked}");
+                }
+                // Tags are distinct within one block load: no two gathers of a pass share a tag.
+                let mut tags: Vec<u64> = runs[0].issued.iter().map(|x| x.1).collect();
+                tags.sort_unstable();
+                tags.dedup();
+                assert!(tags.len() * 3 >= gathers, "{what}: tags repeat more than once per pass");
+            }
+        }
+    }
+}
+
+#[test]
+fn randomized_rank_timings_give_identical_gather_sequences() {
+    // Each rank sleeps its own random amounts (< 300 µs) before every hook and its comm stream runs every op up to
+    // 1 ms slower, so ranks reach their hooks and gathers at different times; the gather order still comes from
+    // the hook order alone.
+    let desc = preset("wan-tiny").expect("preset");
+    let resident = resident_output(&desc, 2, 0).expect("resident");
+    for seed in 0u64..4 {
+        let world = [2usize, 3, 4][seed as usize % 3];
+        let chunk = if seed % 2 == 0 { None } else { Some(4000) };
+        let what = format!("seed {seed} N={world} chunk {chunk:?}");
+        let mut spec = DistributedRunSpec::new(desc.clone(), world);
+        spec.steps = 2;
+        spec.depth = 1 + seed as usize % 2;
+        spec.chunk_bytes = chunk;
+        spec.jitter = Some(Jitter {
+            seed,
+            max_hook_sleep: Duration::from_micros(300),
+            max_stream_delay: Duration::from_millis(1),
+        });
+        let delays: Vec<Duration> = (0..world).map(|r| spec.jitter.unwrap().stream_delay(r)).collect();
+        assert!(delays.windows(2).any(|w| w[0] != w[1]), "{what}: ranks should be slowed differently: {delays:?}");
+        let runs = ok_ranks(&spec);
+        for (r, run) in runs.iter().enumerate() {
+            assert!(run.output == resident, "{what}: rank {r} output differs from the resident run");
+            assert_eq!(run.hazard_violations, 0, "{what}: rank {r}");
+            assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+        }
+        assert!(!runs[0].issued.is_empty(), "{what}");
+    }
+}
+
+#[test]
+fn the_group_size_matrix_drives_the_rank_count() {
+    // (dp, sp, tp, allgather) -> group size, as in the config's group derivation matrix; the run uses that many
+    // ranks and is bit-exact on each.
+    let desc = preset("flux-tiny").expect("preset");
+    let resident = resident_output(&desc, 2, 0).expect("resident");
+    let matrix = [
+        ((1, 1, 1, true), 1usize),
+        ((2, 1, 1, true), 2),
+        ((1, 4, 1, true), 4),
+        ((2, 2, 2, true), 2),
+        ((2, 2, 2, false), 1),
+        ((1, 4, 2, false), 1),
+        ((1, 1, 8, true), 1),
+    ];
+    for ((dp, sp, tp, ag), size) in matrix {
+        for chunk in [None, Some("3KiB")] {
+            if chunk.is_some() && !ag {
+                continue;
+            }
+            let what = format!("(dp, sp, tp, allgather) = ({dp}, {sp}, {tp}, {ag}) chunk {chunk:?}");
+            let transfer = if ag { "allgather" } else { "rank-local" };
+            let mut dit = serde_json::json!({"weight_transfer": transfer, "prefetch_depth": 1});
+            if let Some(c) = chunk {
+                dit["allgather_chunk_size"] = c.into();
+            }
+            let text = serde_json::json!({
+                "data_parallel_size": dp,
+                "sequence_parallel_size": sp,
+                "tensor_parallel_size": tp,
+                "diffusion_offload_config": {"mode": "layer", "components": ["dit"], "layer_options": {"dit": dit}},
+            })
+            .to_string();
+            let config = OffloadConfig::from_json_str(&text).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(config.group.size as usize, size, "{what}");
+            let mut spec = DistributedRunSpec::from_config(desc.clone(), &config).expect("spec");
+            assert_eq!(spec.world, size, "{what}");
+            assert_eq!(spec.depth, 1, "{what}");
+            assert_eq!(spec.chunk_bytes, chunk.map(|_| 3072), "{what}");
+            spec.steps = 2;
+            let runs = ok_ranks(&spec);
+            assert_eq!(runs.len(), size, "{what}");
+            for (r, run) in runs.iter().enumerate() {
+                assert!(run.output == resident, "{what}: rank {r} output differs from the resident run");
+                assert_eq!(run.issued, runs[0].issued, "{what}: rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn configs_the_runner_cannot_run_are_named() {
+    let desc = preset("flux-tiny").unwrap();
+    let module =
+        OffloadConfig::from_json_str(r#"{"diffusion_offload_config": {"mode": "module", "components": ["dit"]}}"#)
+            .unwrap();
+    let e = DistributedRunSpec::from_config(desc.clone(), &module).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "a distributed run needs layerwise offload, but the config selects model; set diffusion_offload_config.mode \
+         = \"layer\""
+    );
+    let resident = OffloadConfig::from_json_str(
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "layer_options": {"dit": {"resident_layers": 2}}}}"#,
+    )
+    .unwrap();
+    let e = DistributedRunSpec::from_config(desc, &resident).unwrap_err();
+    assert!(e.to_string().starts_with("resident DiT layers use rank-local transfer"), "{e}");
+}
+
+/// One rank's platform, compute and communicator on the simulated device, for `run_rank`.
+fn sim_rank(comm: SimCollective) -> (Arc<SimPlatform>, PlatformRef, Arc<dyn Compute>, CollectiveFactory) {
+    let sim = comm.platform().clone();
+    let platform: PlatformRef = sim.clone();
+    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
+    (sim, platform, compute, factory)
+}
+
+fn sims(world: usize) -> Vec<Arc<SimPlatform>> {
+    (0..world)
+        .map(|_| Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap()))
+        .collect()
+}
+
+#[test]
+fn run_rank_runs_one_rank_on_any_platform_handle() {
+    // Two ranks driven through the public `run_rank`, each on its own thread with its own platform: the same
+    // outputs and gathers as `run_distributed_sim`.
+    let desc = preset("flux-tiny").unwrap();
+    let mut spec = DistributedRunSpec::new(desc.clone(), 2);
+    spec.steps = 2;
+    let expected = ok_ranks(&spec);
+    let comms = SimCollectiveGroup::new(sims(2));
+    let runs: Vec<RankRun> = std::thread::scope(|s| {
+        let spec = &spec;
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                s.spawn(move || {
+                    let (sim, platform, compute, factory) = sim_rank(comm);
+                    let run = run_rank(platform, compute, factory, rank, 2, spec).unwrap();
+                    assert!(sim.violations().is_empty(), "rank {rank}");
+                    assert_eq!(sim.device_memory().in_use, 0, "rank {rank} leaked device memory");
+                    run
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, run) in runs.iter().enumerate() {
+        assert_eq!(run.output, expected[r].output, "rank {r}");
+        assert_eq!(run.issued, expected[r].issued, "rank {r}");
+        assert_eq!(run.hazard_violations, 0, "run_rank leaves hazard counting to the caller");
+    }
+}
+
+#[test]
+fn run_rank_rejects_a_mismatched_rank_or_world() {
+    let desc = preset("flux-tiny").unwrap();
+    let spec = DistributedRunSpec::new(desc, 1);
+    // world differs from the spec's.
+    let comm = SimCollectiveGroup::new(sims(1)).pop().unwrap();
+    let (_sim, platform, compute, factory) = sim_rank(comm);
+    let e = run_rank(platform, compute, factory, 0, 2, &spec).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "rank 0 of 2 ranks does not fit a run of 1 ranks; give every rank the same world size and a rank below it"
+    );
+    // The communicator reports another group.
+    let mut comms = SimCollectiveGroup::new(sims(2));
+    let other = comms.pop().unwrap();
+    let (sim, platform, compute, factory) = sim_rank(other);
+    let e = run_rank(platform, compute, factory, 0, 1, &spec).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "the communicator is rank 1 of 2 ranks, but this is rank 0 of 1; build it from the same rank and world size"
+    );
+    assert_eq!(sim.device_memory().in_use, 0, "a refused rank leaked device memory");
 }
 
 #[test]

@@ -1,7 +1,9 @@
-//! Sharded host masters of distributed layerwise offload on the tiny presets: for groups of 2, 3 and 4 ranks, the
-//! shards of all ranks reassemble every section of every streamed unit bit-exactly, every shard is zero-padded,
+//! Sharded host masters of distributed layerwise offload on the tiny presets: for groups of 2, 3 and 4 ranks,
+//! unchunked and at several chunk sizes (not dividing the sections, and larger than them), the shards of all ranks
+//! reassemble every section of every streamed unit bit-exactly, every shard is zero-padded,
 //! and the host bytes of all ranks together equal one copy of the sections plus less than `N · ALIGN` bytes of
-//! padding per section.
+//! padding per section. A chunk size so small that a block would need more AllGathers than a stack holds events
+//! for is a typed error.
 
 use std::sync::Arc;
 use weightferry::config::OffloadConfig;
@@ -16,6 +18,10 @@ use weightferry_actors::shard::{reassemble, ShardError};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
 const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];
+
+/// Chunk sizes (gathered bytes per AllGather): none, smaller than most sections and not dividing them, larger
+/// than every section.
+const CHUNKS: [Option<u64>; 4] = [None, Some(100), Some(1000), Some(1 << 30)];
 
 /// The tiny preset loaded with synthetic weights, and the units its layerwise plan streams.
 fn model_and_units(name: &str) -> (HostModel, Vec<UnitLayout>) {
@@ -41,22 +47,26 @@ fn shards_of_all_ranks_reassemble_every_section_of_the_tiny_presets() {
         let platform = model.platform().clone();
         let full_bytes: u64 = units.iter().flat_map(|u| &u.sections).map(|s| s.len).sum();
         let sections: u64 = units.iter().map(|u| u.sections.len() as u64).sum();
-        for world in [2usize, 3, 4] {
+        for (world, chunk) in [2usize, 3, 4].into_iter().flat_map(|w| CHUNKS.map(|c| (w, c))) {
             let masters: Vec<ShardedMasters> = (0..world)
-                .map(|rank| build_sharded_masters(&model, &units, world, rank, HostMemoryKind::Pinned).unwrap())
+                .map(|rank| build_sharded_masters(&model, &units, world, rank, HostMemoryKind::Pinned, chunk).unwrap())
                 .collect();
             let mut padding_total = 0u64;
             for (u, unit) in units.iter().enumerate() {
                 for (s, sec) in unit.sections.iter().enumerate() {
-                    let what = format!("{name} N={world} unit {} section {:?}", unit.path, sec.dtype);
+                    let what = format!("{name} N={world} chunk {chunk:?} unit {} section {:?}", unit.path, sec.dtype);
                     let full = section_bytes(&model, sec).unwrap();
                     let shards: Vec<Vec<u8>> = masters.iter().map(|m| m.read_shard(&platform, u, s).unwrap()).collect();
                     let spec = masters[0].units[u].sections[s].spec;
                     assert_eq!(spec.total_bytes(), sec.len, "{what}");
                     assert_eq!(spec.elem_size(), sec.dtype.size_bytes(), "{what}");
                     assert!(shards.iter().all(|x| x.len() as u64 == spec.shard_bytes()), "{what}");
-                    assert_eq!(reassemble(&shards, full.len()).unwrap(), full, "{what}: not bit-exact");
-                    let gathered = shards.concat();
+                    assert_eq!(spec.reassemble(&shards).unwrap(), full, "{what}: not bit-exact");
+                    if chunk.is_none() {
+                        assert_eq!(spec.chunk_count(), 1, "{what}");
+                        assert_eq!(reassemble(&shards, full.len()).unwrap(), full, "{what}: not bit-exact");
+                    }
+                    let gathered = spec.gather(&shards).unwrap();
                     assert!(gathered[full.len()..].iter().all(|&b| b == 0), "{what}: padding is not zero");
                     assert!(spec.padding_bytes() < world as u64 * ALIGN, "{what}");
                     padding_total += spec.padding_bytes();
@@ -66,12 +76,12 @@ fn shards_of_all_ranks_reassemble_every_section_of_the_tiny_presets() {
                     }
                 }
             }
-            if world == 3 {
+            if world == 3 && chunk.is_none() {
                 // Sections are multiples of 256 bytes, so only a group of 3 pads; make sure padding is exercised.
                 assert!(padding_total > 0, "{name}: no padded section at N=3");
             }
             let host: u64 = masters.iter().map(ShardedMasters::host_bytes).sum();
-            assert_eq!(host, full_bytes + padding_total, "{name} N={world}");
+            assert_eq!(host, full_bytes + padding_total, "{name} N={world} chunk {chunk:?}");
             assert!(host < full_bytes + sections * world as u64 * ALIGN, "{name} N={world}");
             for m in masters {
                 m.free(&platform).unwrap();
@@ -84,7 +94,7 @@ fn shards_of_all_ranks_reassemble_every_section_of_the_tiny_presets() {
 fn one_rank_keeps_the_whole_master() {
     let (model, units) = model_and_units("flux-tiny");
     let platform = model.platform().clone();
-    let m = build_sharded_masters(&model, &units, 1, 0, HostMemoryKind::Pageable).unwrap();
+    let m = build_sharded_masters(&model, &units, 1, 0, HostMemoryKind::Pageable, None).unwrap();
     let full_bytes: u64 = units.iter().flat_map(|u| &u.sections).map(|s| s.len).sum();
     assert_eq!(m.host_bytes(), full_bytes);
     assert_eq!(m.read_shard(&platform, 0, 0).unwrap(), section_bytes(&model, &units[0].sections[0]).unwrap());
@@ -98,12 +108,37 @@ fn one_rank_keeps_the_whole_master() {
 #[test]
 fn a_bad_group_is_a_typed_error() {
     let (model, units) = model_and_units("wan-tiny");
-    match build_sharded_masters(&model, &units, 2, 2, HostMemoryKind::Pinned) {
+    match build_sharded_masters(&model, &units, 2, 2, HostMemoryKind::Pinned, None) {
         Err(DistributedError::Shard { source: ShardError::RankOutOfRange { rank: 2, world: 2 }, .. }) => {}
         other => panic!("expected a rank error, got {other:?}"),
     }
-    match build_sharded_masters(&model, &units, 0, 0, HostMemoryKind::Pinned) {
+    match build_sharded_masters(&model, &units, 0, 0, HostMemoryKind::Pinned, None) {
         Err(DistributedError::Shard { source: ShardError::ZeroRanks, .. }) => {}
         other => panic!("expected a zero-ranks error, got {other:?}"),
+    }
+}
+
+#[test]
+fn chunked_sections_split_into_several_gathers() {
+    let (model, units) = model_and_units("flux-tiny");
+    let platform = model.platform().clone();
+    let whole = build_sharded_masters(&model, &units, 2, 0, HostMemoryKind::Pinned, None).unwrap();
+    let chunked = build_sharded_masters(&model, &units, 2, 0, HostMemoryKind::Pinned, Some(1000)).unwrap();
+    let count =
+        |m: &ShardedMasters| -> u64 { m.units.iter().flat_map(|u| &u.sections).map(|s| s.spec.chunk_count()).sum() };
+    assert_eq!(count(&whole), units.iter().map(|u| u.sections.len() as u64).sum::<u64>());
+    assert!(count(&chunked) > count(&whole), "a 1000-byte chunk should split the tiny sections");
+    whole.free(&platform).unwrap();
+    chunked.free(&platform).unwrap();
+}
+
+#[test]
+fn a_chunk_too_small_for_the_gather_limit_is_a_typed_error() {
+    let (model, units) = model_and_units("flux-tiny");
+    match build_sharded_masters(&model, &units, 2, 0, HostMemoryKind::Pinned, Some(1)) {
+        Err(e @ DistributedError::TooManyGathers { chunk_bytes: 1, max: 4096, .. }) => {
+            assert!(e.to_string().contains("use a larger chunk size"), "{e}");
+        }
+        other => panic!("expected TooManyGathers, got {other:?}"),
     }
 }

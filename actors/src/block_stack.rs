@@ -15,9 +15,13 @@
 //!
 //! **Gather path** (distributed layerwise offload, [`BlockStack::with_gather`]): each rank holds only its shard of
 //! every block. A load then has two stages: the stack enqueues the rank's shard copies itself on its own shard
-//! stream (behind the slot's last-use event) into the slot's own shard buffer and records the slot's shard-ready
-//! event; then it sends one [`GatherCmd`] per section to the collective actor (waiting on shard-ready and on the
-//! slot's last-use event) that rebuilds the block in the slot and records the slot's ready event. Sequence numbers
+//! stream (behind the slot's last-use event) into the slot's own shard buffer, one copy per gather (a section, or a
+//! chunk of one), each followed by a record of that gather's own shard-ready event; then it sends one
+//! [`GatherCmd`] per gather to the collective actor, each waiting only on its own shard-ready event (the first
+//! also on the slot's last-use event; the comm stream is in order), so the AllGather of chunk `j` overlaps the
+//! copy of chunk `j + 1`. Every gather records the slot's ready event; compute waits on its last record. The
+//! shard-ready events of a slot are created with the stack, as many as the largest block has gathers (at most
+//! [`MAX_GATHERS_PER_BLOCK`]): none is created on the hook path. Sequence numbers
 //! come from a [`GatherSequence`] shared by every gather stack of the rank, taken on the engine's thread in hook
 //! order, so ranks that run the same hook sequence number the same gathers alike (invariant 4). "Recorded" is
 //! then read from the gather board (published by the collective actor after the last section's AllGather), never
@@ -29,7 +33,7 @@
 use crate::collective_actor::{CollectiveHandle, GatherCmd, GatherError};
 use crate::error::SchedulerError;
 use crate::messages::{Completion, CopyDirection, CopyOp, LoadCmd, TicketBoard};
-use crate::platform::{DeviceBufferId, EventId, HostBufferId, PlatformRef, StreamId};
+use crate::platform::{DeviceBufferId, EventId, HostBufferId, PlatformError, PlatformRef, StreamId};
 use crate::slot::{SlotState, SlotTable, Ticket};
 use crate::stream_actor::StreamHandle;
 use crate::sync::atomic::{AtomicU64, Ordering};
@@ -65,7 +69,8 @@ impl BlockSpec {
     }
 }
 
-/// One AllGather of a gather-path block: this rank's shard of one section (one dtype) of the block.
+/// One AllGather of a gather-path block: this rank's shard of one section (one dtype) of the block, or of one
+/// chunk of a section (chunked transport: the section's chunks are consecutive gathers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GatherSection {
     /// Host buffer holding this rank's shard.
@@ -80,10 +85,14 @@ pub struct GatherSection {
     pub tag: u64,
 }
 
+/// Most AllGathers one gather-path block may need (sections × chunks): a block asking for more is an invalid spec
+/// (its chunk size is too small), since every slot holds one shard-ready event per gather.
+pub const MAX_GATHERS_PER_BLOCK: usize = 4096;
+
 /// The AllGathers that rebuild one block, issued in this order.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct GatherBlock {
-    /// Sections (at least one).
+    /// Gathers: sections, or chunks of sections (at least one, at most [`MAX_GATHERS_PER_BLOCK`]).
     pub sections: Vec<GatherSection>,
 }
 
@@ -107,7 +116,9 @@ impl GatherSequence {
     pub fn peek(&self) -> u64 {
         self.0.load(Ordering::SeqCst)
     }
-    fn take(&self, n: u64) -> u64 {
+    /// Claims `n` consecutive numbers and returns the first. Ranks must claim in one order (the hook order, and
+    /// the warm-up gather first).
+    pub fn claim(&self, n: u64) -> u64 {
         self.0.fetch_add(n, Ordering::SeqCst)
     }
 }
@@ -215,9 +226,9 @@ struct Inner {
     failure: Option<SchedulerError>,
     /// Gather path: per block its AllGathers (empty without a gather path).
     gather_blocks: Vec<GatherBlock>,
-    /// Gather path: per slot its shard buffer and shard-ready event.
+    /// Gather path: per slot its shard buffer and one shard-ready event per gather of the largest block.
     shard_bufs: Vec<DeviceBufferId>,
-    shard_ready: Vec<EventId>,
+    shard_ready: Vec<Vec<EventId>>,
 }
 
 /// What a gather stack shares between its hooks: the collective, the shard stream and the gather board.
@@ -332,6 +343,7 @@ impl BlockStack {
         // Per block: bytes its slot must hold (the gathered sections may extend past the region by their padding).
         let mut region: Vec<u64> = spec.blocks.iter().map(|b| b.device_bytes).collect();
         let mut shard_size = 0u64;
+        let mut gathers_per_slot = 0usize;
         if let Some(gp) = &gather {
             if gp.blocks.len() != n {
                 return Err(invalid(format!("gather path has {} blocks for {n} blocks", gp.blocks.len())));
@@ -347,6 +359,13 @@ impl BlockStack {
                 if gb.sections.is_empty() {
                     return Err(invalid(format!("block {i}: a gathered block needs at least one section")));
                 }
+                if gb.sections.len() > MAX_GATHERS_PER_BLOCK {
+                    return Err(invalid(format!(
+                        "block {i} needs {} AllGathers, more than {MAX_GATHERS_PER_BLOCK}; use a larger chunk size",
+                        gb.sections.len()
+                    )));
+                }
+                gathers_per_slot = gathers_per_slot.max(gb.sections.len());
                 let mut total = 0u64;
                 for sec in &gb.sections {
                     let end = sec.shard_bytes.checked_mul(world).and_then(|l| l.checked_add(sec.output_offset));
@@ -407,9 +426,13 @@ impl BlockStack {
                 let buf = platform.alloc_device(shard_size.max(1))?;
                 bufs.push(buf);
                 shard_bufs.push(buf);
-                let e = platform.create_event()?;
-                events.push(e);
-                shard_ready.push(e);
+                let mut per_gather = Vec::with_capacity(gathers_per_slot);
+                for _ in 0..gathers_per_slot {
+                    let e = platform.create_event()?;
+                    events.push(e);
+                    per_gather.push(e);
+                }
+                shard_ready.push(per_gather);
             }
             let shared = match &gather {
                 Some(gp) => Some(GatherShared {
@@ -680,8 +703,9 @@ impl BlockStack {
         Ok(s)
     }
 
-    /// Gather path of a load into slot `s`: the shard copies on the shard stream behind the slot's last use, then
-    /// one AllGather per section into the slot, numbered from the shared sequence.
+    /// Gather path of a load into slot `s`: per gather, the shard copy on the shard stream (behind the slot's last
+    /// use) and a record of its own shard-ready event; then one AllGather per gather into the slot, numbered from
+    /// the shared sequence, each waiting only on its own copy.
     fn issue_gather(
         &self,
         g: &mut Inner,
@@ -691,22 +715,27 @@ impl BlockStack {
         ticket: Ticket,
     ) -> Result<(), SchedulerError> {
         let skip_last_use = g.fault == OrderingFault::SkipLastUseWait;
-        let (shard_buf, shard_ready, last_use, slot_buf) =
-            (g.shard_bufs[s], g.shard_ready[s], g.last_use_ev[s], g.slot_bufs[s]);
-        let sections = g.gather_blocks[block].sections.clone();
+        let (shard_buf, last_use, slot_buf) = (g.shard_bufs[s], g.last_use_ev[s], g.slot_bufs[s]);
+        let gathers = &g.gather_blocks[block].sections;
+        let shard_ready = &g.shard_ready[s];
         let p = &self.platform;
         let enqueued = (|| {
+            if gathers.len() > shard_ready.len() {
+                let reason = format!("{} gathers but {} shard-ready events", gathers.len(), shard_ready.len());
+                return Err(PlatformError::Driver(reason));
+            }
             if !skip_last_use {
                 p.stream_wait_event(gs.shard_stream, last_use)?;
             }
             let mut off = 0u64;
-            for sec in &sections {
+            for (sec, &ready) in gathers.iter().zip(shard_ready) {
                 if sec.shard_bytes > 0 {
                     p.copy_h2d(gs.shard_stream, sec.host, sec.host_offset, shard_buf, off, sec.shard_bytes)?;
                 }
+                p.record_event(ready, gs.shard_stream)?;
                 off += sec.shard_bytes;
             }
-            p.record_event(shard_ready, gs.shard_stream)
+            Ok(())
         })();
         if let Err(source) = enqueued {
             let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source };
@@ -715,17 +744,20 @@ impl BlockStack {
         }
         g.stats.loads += 1;
         g.stats.h2d_bytes += g.gather_blocks[block].shard_bytes();
-        let first = gs.sequence.take(sections.len() as u64);
-        let waits = if skip_last_use { vec![shard_ready] } else { vec![shard_ready, last_use] };
+        let count = g.gather_blocks[block].sections.len();
+        let first = gs.sequence.claim(count as u64);
         let mut off = 0u64;
-        for (k, sec) in sections.iter().enumerate() {
-            let last = k + 1 == sections.len();
+        for k in 0..count {
+            let sec = g.gather_blocks[block].sections[k];
+            let last = k + 1 == count;
+            let ready = g.shard_ready[s][k];
+            let waits = if k == 0 && !skip_last_use { vec![ready, last_use] } else { vec![ready] };
             let cmd = GatherCmd {
                 seq: first + k as u64,
                 ticket,
                 target: s,
                 block,
-                waits: waits.clone(),
+                waits,
                 input: (shard_buf, off, sec.shard_bytes),
                 output: (slot_buf, sec.output_offset),
                 ready: g.ready_ev[s],
@@ -964,7 +996,12 @@ impl BlockStack {
                 }
             }
         }
-        for &e in g.last_use_ev.iter().chain(g.ready_ev.iter()).chain(g.resident_ev.iter()).chain(g.shard_ready.iter())
+        for &e in g
+            .last_use_ev
+            .iter()
+            .chain(g.ready_ev.iter())
+            .chain(g.resident_ev.iter())
+            .chain(g.shard_ready.iter().flatten())
         {
             if skip_sync {
                 break;
@@ -993,7 +1030,7 @@ impl BlockStack {
             .drain(..)
             .chain(inner.last_use_ev.drain(..))
             .chain(inner.resident_ev.take())
-            .chain(inner.shard_ready.drain(..))
+            .chain(inner.shard_ready.drain(..).flatten())
             .collect();
         g.stats.device_bytes = 0;
         drop(g);

@@ -2,7 +2,8 @@
 //! own simulated platform. Blocks of odd sizes are sharded (`shard`), each rank uploads only its shard, the
 //! collective actor gathers, and a kernel on a compute stream must see exactly the full block; the AllGather order
 //! must be identical on every rank whatever order each rank submits its requests in; a tag mismatch, a rank that
-//! never shows up, and an injected failure must fail every rank (poisoning), quickly and never by hanging.
+//! never shows up, and an injected failure must fail every rank (poisoning), quickly and never by hanging. The
+//! warm-up AllGather runs once on every rank, frees its buffers, and a failed warm-up poisons the group.
 
 #![cfg(not(weightferry_loom))]
 
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use weightferry_actors::collective::{
     Collective, CollectiveError, SimCollective, SimCollectiveGroup, SimCollectiveOptions,
 };
-use weightferry_actors::collective_actor::{CollectiveHandle, GatherCmd};
+use weightferry_actors::collective_actor::{CollectiveHandle, GatherCmd, WARM_UP_TAG};
 use weightferry_actors::messages::{Completion, TicketBoard};
 use weightferry_actors::platform::{DeviceBufferId, EventId, HostMemoryKind, Platform, PlatformRef, StreamId};
 use weightferry_actors::shard::ShardSpec;
@@ -452,4 +453,47 @@ fn the_poison_reason_names_the_injected_failure() {
     assert_eq!(err, expected.clone().into());
     assert_eq!(p.comms[0].poison_reason(), Some(expected));
     assert!(p.sims[0].stream_synchronize(p.streams[0]).is_err());
+}
+
+#[test]
+fn warm_up_gathers_once_on_every_rank_and_frees_its_buffers() {
+    for world in [1usize, 2, 3] {
+        let rs = ranks(world, SimCollectiveOptions { timeout: Duration::from_secs(10) }, |_| {});
+        let results: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = rs.iter().map(|r| s.spawn(move || r.actor.warm_up(0))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (r, res)) in rs.iter().zip(results).enumerate() {
+            assert_eq!(res, Ok(()), "N={world} rank {rank}");
+            assert_eq!(r.actor.issued(), vec![(0, WARM_UP_TAG)], "N={world} rank {rank}");
+            assert_eq!(r.sim.device_memory().in_use, 0, "N={world} rank {rank}: warm-up buffers leaked");
+            assert!(r.sim.violations().is_empty());
+            assert_eq!(r.actor.fence(), Ok(()));
+            r.actor.shutdown();
+        }
+    }
+}
+
+#[test]
+fn a_failed_warm_up_poisons_the_group() {
+    let rs = ranks(2, SimCollectiveOptions { timeout: Duration::from_secs(10) }, |c| {
+        if c.rank() == 1 {
+            c.fail_nth_call(0);
+        }
+    });
+    let t = Instant::now();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = rs.iter().map(|r| s.spawn(move || r.actor.warm_up(0))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    for (rank, res) in results.iter().enumerate() {
+        let e = res.as_ref().expect_err("warm-up should fail");
+        assert!(e.to_string().contains("injected AllGather failure"), "rank {rank}: {e}");
+    }
+    assert!(rs[1].actor.poisoned().is_some(), "rank 1 started no collective and is poisoned");
+    for r in &rs {
+        assert_eq!(r.sim.device_memory().in_use, 0);
+        r.actor.shutdown();
+    }
 }

@@ -1,14 +1,18 @@
 //! The `weightferry` command line: argument definitions (clap derive), input loading, and the exit-code contract.
 //!
-//! Commands: `run` ([`run`]) executes a pipeline resident and offloaded on the simulated platform and reports;
-//! `plan` ([`plan`]) prints the resolved offload plan without running anything.
+//! Commands: `run` ([`run`]) executes a pipeline resident and offloaded on the simulated platform and reports —
+//! or, when the launch environment has `WORLD_SIZE > 1`, runs this process's rank of a distributed run
+//! ([`dist_run`]); `plan` ([`plan`]) prints the resolved offload plan without running anything; `launch`
+//! ([`launch`]) starts `N` local ranks of a command with the launch environment set.
 //!
 //! Exit codes: 0 success; 1 a run whose checks failed (outputs or host weights differ, hazard violations) or a
 //! runtime failure; 2 invalid input — bad arguments, an unreadable or invalid config or pipeline file, an unknown
-//! preset, an unsupported platform, a config the pipeline cannot use. Every failure prints exactly one line on
-//! stderr, starting with `error: `.
+//! preset, an unsupported platform, a config the pipeline cannot use; 3 a rank of a distributed run that stopped
+//! because another rank failed. Every failure prints exactly one line on stderr, starting with `error: `.
 
 pub mod bench;
+pub mod dist_run;
+pub mod launch;
 pub mod plan;
 pub mod run;
 
@@ -51,6 +55,22 @@ pub enum Command {
     Plan(PlanArgs),
     /// Measure step time against the physical bound on a GPU (needs the `cuda` feature).
     Bench(BenchArgs),
+    /// Run N copies of a weightferry command on this machine as the ranks of one distributed run.
+    Launch(LaunchArgs),
+}
+
+/// Arguments of `launch`.
+#[derive(Debug, clap::Args)]
+pub struct LaunchArgs {
+    /// Processes (ranks) to start on this machine, one per GPU.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub nproc: u32,
+    /// Port rank 0 listens on for the rendezvous (default: a free port).
+    #[arg(long, value_name = "P", value_parser = clap::value_parser!(u16).range(1..))]
+    pub master_port: Option<u16>,
+    /// The weightferry command every rank runs, after `--` (e.g. `-- run --preset flux-tiny`).
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
 }
 
 /// Arguments of `bench`.
@@ -144,6 +164,10 @@ pub struct RunArgs {
     /// Testing aid: run the scheduler with a deliberately broken ordering to prove the checks fail.
     #[arg(long, value_enum, hide = true)]
     pub inject_ordering_fault: Option<FaultArg>,
+    /// Testing aid (distributed runs): `RANK:N` makes that rank's N-th AllGather (0-based, the warm-up is 0) fail
+    /// to start.
+    #[arg(long, value_name = "RANK:N", hide = true)]
+    pub inject_gather_failure: Option<String>,
 }
 
 /// Deliberately broken orderings (testing aid).
@@ -271,7 +295,8 @@ where
             }
             if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
                 eprintln!(
-                    "error: no command given; use `weightferry run` or `weightferry plan` (see weightferry --help)"
+                    "error: no command given; use `weightferry run`, `weightferry plan` or `weightferry launch` (see \
+                     weightferry --help)"
                 );
                 return 2;
             }
@@ -286,6 +311,7 @@ where
         Command::Run(a) => run::run(a),
         Command::Plan(a) => plan::plan(a),
         Command::Bench(a) => bench::bench(a),
+        Command::Launch(a) => launch::launch(a),
     };
     match result {
         Ok(code) => code,

@@ -1,8 +1,10 @@
 //! `weightferry run`: loads the pipeline and config, runs the [`driver`](crate::engine::driver) on the simulated
-//! platform, prints the report (text, or one JSON object with `--json`), writes the trace, and maps the outcome to
-//! an exit code (1 when outputs or weights differ or the hazard detector fired).
+//! platform (or, when the launch environment has `WORLD_SIZE > 1`, one rank of a distributed run: see
+//! [`super::dist_run`]), prints the report (text, or one JSON object with `--json`), writes the trace, and maps
+//! the outcome to an exit code (1 when outputs or weights differ or the hazard detector fired).
 
 use super::{emit, load_config, load_pipeline, CliError, FaultArg, PlatformArg, RunArgs, DEFAULT_PRESET};
+use crate::dist::LaunchEnv;
 use crate::engine::driver::{run as drive, RunSpec, RunStage};
 use crate::engine::{EngineError, Progress};
 use crate::offload::OffloadError;
@@ -127,6 +129,15 @@ impl ProgressLine {
 
 /// Runs `weightferry run`; returns the exit code.
 pub fn run(a: &RunArgs) -> Result<i32, CliError> {
+    let env = LaunchEnv::from_env().map_err(|e| CliError::invalid(e.to_string()))?;
+    if env.is_distributed() {
+        return super::dist_run::run_distributed(a, &env);
+    }
+    if a.inject_gather_failure.is_some() {
+        return Err(CliError::invalid(
+            "--inject-gather-failure applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry launch)",
+        ));
+    }
     check_platform(a.platform)?;
     let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
     let pipeline = load_pipeline(spec_name)?;

@@ -1,4 +1,4 @@
-//! Byte sizes for `device_budget`: a positive integer number of bytes, or a string with an optional decimal
+//! Byte sizes for `device_budget` and `allgather_chunk_size`: a positive integer number of bytes, or a string with an optional decimal
 //! fraction and a unit (`"24GiB"`, `"512MiB"`, `"1.5GB"`, `"8000000000"`). Decimal units (KB, MB, GB, TB) are
 //! powers of 1000, binary units (KiB, MiB, GiB, TiB) powers of 1024. Fractions of a byte are rounded down.
 
@@ -30,6 +30,11 @@ fn unit_multiplier(unit: &str) -> Option<u128> {
 /// Parses a byte size such as `"24GiB"`, `"1.5GB"`, `"512 MiB"` or `"8000000000"`; `key` names the setting in
 /// the error. One space is allowed between the number and the unit. The result is always greater than zero.
 pub fn parse_byte_size(text: &str, key: &str) -> Result<Bytes, ConfigError> {
+    parse_byte_size_or(text, key, "or remove the key for no limit")
+}
+
+/// [`parse_byte_size`] with `when_zero` ending the message for a zero size (`"... give a positive size, {when_zero}"`).
+fn parse_byte_size_or(text: &str, key: &str, when_zero: &str) -> Result<Bytes, ConfigError> {
     let bad = |why: String| ConfigError::invalid(key, format!("{why}; expected {ACCEPTED_FORMS}"));
     if text.starts_with('-') {
         return Err(bad(format!("{} is negative", quote(text))));
@@ -72,10 +77,26 @@ pub fn parse_byte_size(text: &str, key: &str) -> Result<Bytes, ConfigError> {
     if total == 0 {
         return Err(ConfigError::invalid(
             key,
-            format!("{} is zero bytes; give a positive size, or remove the key for no limit", quote(text)),
+            format!("{} is zero bytes; give a positive size, {when_zero}", quote(text)),
         ));
     }
     Ok(total)
+}
+
+/// What to do instead of a zero chunk size.
+const CHUNK_WHEN_ZERO: &str = "or remove the key for one AllGather per section";
+
+/// Parses the `allgather_chunk_size` value at `path`: like [`parse_budget_value`] (a positive integer or a size
+/// string), with messages for a chunk size.
+pub(crate) fn parse_chunk_value(path: &str, value: &Value) -> Result<Bytes, ConfigError> {
+    match value {
+        Value::String(s) => parse_byte_size_or(s, path, CHUNK_WHEN_ZERO),
+        Value::Number(n) if n.as_u64() == Some(0) => Err(ConfigError::invalid(
+            path,
+            format!("0 bytes is no chunk size; give a positive size such as \"64MiB\", {CHUNK_WHEN_ZERO}"),
+        )),
+        other => parse_budget_value(path, other),
+    }
 }
 
 /// Parses the `device_budget` value at `path`: a positive JSON/TOML integer, or a string for [`parse_byte_size`].

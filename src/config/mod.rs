@@ -137,6 +137,9 @@ pub struct LayerOptions {
     pub weight_transfer: WeightTransfer,
     /// Prefetch depth if the user set one; `None` lets the planner choose.
     pub prefetch_depth: Option<u32>,
+    /// Chunked AllGather transport: gathered bytes per AllGather (`allgather_chunk_size`); `None` = one AllGather
+    /// per block section. Only set with `weight_transfer = "allgather"`.
+    pub allgather_chunk_bytes: Option<Bytes>,
 }
 
 /// A byte count parsed from a number or a string such as `"24GiB"`.
@@ -171,7 +174,11 @@ pub struct OffloadConfig {
 impl OffloadConfig {
     /// Offload disabled.
     pub fn disabled() -> Self {
-        let opts = LayerOptions { weight_transfer: WeightTransfer::RankLocal, prefetch_depth: None };
+        let opts = LayerOptions {
+            weight_transfer: WeightTransfer::RankLocal,
+            prefetch_depth: None,
+            allgather_chunk_bytes: None,
+        };
         OffloadConfig {
             strategy: Strategy::None,
             components: None,
@@ -203,5 +210,9 @@ impl OffloadConfig {
     /// User-set prefetch depth for a component.
     pub fn prefetch_depth(&self, c: Component) -> Option<u32> {
         self.layer_options.get(&c).and_then(|o| o.prefetch_depth)
+    }
+    /// User-set AllGather chunk size of a component (`None`: one AllGather per block section).
+    pub fn allgather_chunk_bytes(&self, c: Component) -> Option<Bytes> {
+        self.layer_options.get(&c).and_then(|o| o.allgather_chunk_bytes)
     }
 }

@@ -2,7 +2,7 @@
 //! compact `diffusion_offload_config` rules, the legacy flag priority, compact/legacy conflicts, the weight-sharding
 //! group derivation, and the cross-feature guards (step cache, prompt-embedding cache, HSDP).
 
-use super::budget::parse_budget_value;
+use super::budget::{parse_budget_value, parse_chunk_value};
 use super::walk::{describe, quote, suggest, type_error, Table};
 use super::{
     Component, ConfigError, GroupAxis, LayerOptions, OffloadConfig, OffloadGroup, ParallelConfig, Strategy,
@@ -35,7 +35,8 @@ pub(crate) const COMPACT_KEYS: &[&str] =
     &["mode", "components", "layer_options", "pin_memory", "device_budget", "keep_dit_resident"];
 
 /// Every accepted key of `diffusion_offload_config.layer_options.<component>`.
-pub(crate) const LAYER_KEYS: &[&str] = &["weight_transfer", "resident_layers", "prefetch_depth"];
+pub(crate) const LAYER_KEYS: &[&str] =
+    &["weight_transfer", "resident_layers", "prefetch_depth", "allgather_chunk_size"];
 
 /// The compact config's object key, used in paths.
 const COMPACT: &str = "diffusion_offload_config";
@@ -193,6 +194,7 @@ struct RawLayer {
     weight_transfer: Option<WeightTransfer>,
     resident_layers: Option<u32>,
     prefetch_depth: Option<u32>,
+    allgather_chunk_bytes: Option<u64>,
 }
 
 /// The compact object, type-checked and validated on its own.
@@ -457,7 +459,21 @@ fn read_layer(layer: &Table<'_>, component: Component) -> Result<RawLayer, Confi
         ));
     }
     let prefetch_depth = layer.opt_u32("prefetch_depth", 1, MAX_PREFETCH_DEPTH)?;
-    Ok(RawLayer { weight_transfer, resident_layers, prefetch_depth })
+    let chunk_path = layer.key_path("allgather_chunk_size");
+    let allgather_chunk_bytes = match layer.get("allgather_chunk_size") {
+        None => None,
+        Some(_) if weight_transfer != Some(WeightTransfer::Allgather) => {
+            return Err(ConfigError::invalid(
+                chunk_path,
+                format!(
+                    "the chunk size applies only to AllGather transfer; set {transfer_path} = \"allgather\" or \
+                     remove allgather_chunk_size"
+                ),
+            ))
+        }
+        Some(v) => Some(parse_chunk_value(&chunk_path, v)?),
+    };
+    Ok(RawLayer { weight_transfer, resident_layers, prefetch_depth, allgather_chunk_bytes })
 }
 
 /// Rejects legacy settings that contradict (or duplicate with other values) the compact config.
@@ -493,7 +509,8 @@ fn check_compact_against_legacy(legacy: &Legacy, strategy: Strategy) -> Result<(
 }
 
 fn default_layer_options() -> BTreeMap<Component, LayerOptions> {
-    let opts = LayerOptions { weight_transfer: WeightTransfer::RankLocal, prefetch_depth: None };
+    let opts =
+        LayerOptions { weight_transfer: WeightTransfer::RankLocal, prefetch_depth: None, allgather_chunk_bytes: None };
     Component::ALL.iter().map(|&c| (c, opts)).collect()
 }
 
@@ -504,6 +521,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy) -> Result<OffloadConfig, 
     for (c, opts) in layer_options.iter_mut() {
         opts.weight_transfer = compact.transfer(*c);
         opts.prefetch_depth = compact.layers.get(c).and_then(|l| l.prefetch_depth);
+        opts.allgather_chunk_bytes = compact.layers.get(c).and_then(|l| l.allgather_chunk_bytes);
     }
     Ok(OffloadConfig {
         strategy,

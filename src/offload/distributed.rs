@@ -4,7 +4,9 @@
 //! section's flat bytes: `ceil(T / N)` elements of the section's dtype, taken from elements `[r·s, (r+1)·s)` and
 //! zero-padded at the end (see [`weightferry_actors::shard`]). An AllGather of the ranks' shards rebuilds the
 //! section followed by fewer than `N` zero elements, so across the group host memory totals one model copy plus
-//! that padding. Not yet wired into `get_offload_backend`.
+//! that padding. With a chunk size (chunked transport) the shards use the chunk-major layout of
+//! [`ShardSpec::chunked`]: one AllGather per chunk rebuilds the chunk in place. Not wired into
+//! `get_offload_backend`: distributed runs go through [`super::distributed_backend`].
 //!
 //! Invariant: [`build_sharded_masters`] either returns every shard of every section or fails having freed every
 //! host buffer it allocated (it never changes the model's homes); the shards of ranks `0..N` of one section
@@ -15,6 +17,7 @@ use crate::model::HostModel;
 use crate::plan::DType;
 use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
 use weightferry_actors::shard::{ShardError, ShardSpec};
+use weightferry_actors::MAX_GATHERS_PER_BLOCK;
 
 /// Why sharded masters could not be built or read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -32,6 +35,21 @@ pub enum DistributedError {
     /// The platform failed to read the model or to allocate or fill a host buffer.
     #[error(transparent)]
     Platform(#[from] PlatformError),
+    /// The chunk size asks for more AllGathers per block than a gather stack holds events for.
+    #[error(
+        "unit '{unit}' needs {gathers} AllGathers with a chunk size of {chunk_bytes} bytes, more than {max}; use a \
+         larger chunk size (allgather_chunk_size)"
+    )]
+    TooManyGathers {
+        /// Module path of the unit.
+        unit: String,
+        /// AllGathers the unit would need.
+        gathers: u64,
+        /// The chunk size asked for.
+        chunk_bytes: u64,
+        /// Most AllGathers per block.
+        max: usize,
+    },
     /// A unit or section index outside the masters.
     #[error("no section {section} in unit {unit}")]
     NoSuchSection {
@@ -105,9 +123,16 @@ impl ShardedMasters {
     }
 }
 
-/// The sharding of one section over `world` ranks.
-pub fn section_spec(unit: &str, dtype: DType, len: u64, world: usize) -> Result<ShardSpec, DistributedError> {
-    ShardSpec::new(len, dtype.size_bytes(), world).map_err(|source| DistributedError::Shard {
+/// The sharding of one section over `world` ranks, in chunks of about `chunk_bytes` gathered bytes (`None` or 0:
+/// one chunk).
+pub fn section_spec(
+    unit: &str,
+    dtype: DType,
+    len: u64,
+    world: usize,
+    chunk_bytes: Option<u64>,
+) -> Result<ShardSpec, DistributedError> {
+    ShardSpec::chunked(len, dtype.size_bytes(), world, chunk_bytes).map_err(|source| DistributedError::Shard {
         unit: unit.to_string(),
         dtype,
         source,
@@ -115,17 +140,19 @@ pub fn section_spec(unit: &str, dtype: DType, len: u64, world: usize) -> Result<
 }
 
 /// Builds rank `rank`'s sharded masters of `units` (in a group of `world` ranks) from the model's current bytes,
-/// in host buffers of `kind`. On failure every buffer allocated so far is freed.
+/// in host buffers of `kind`, chunked by `chunk_bytes` (`None` or 0: one chunk per section). On failure every
+/// buffer allocated so far is freed.
 pub fn build_sharded_masters(
     model: &HostModel,
     units: &[UnitLayout],
     world: usize,
     rank: usize,
     kind: HostMemoryKind,
+    chunk_bytes: Option<u64>,
 ) -> Result<ShardedMasters, DistributedError> {
     let platform = model.platform().clone();
     let mut made: Vec<HostBufferId> = Vec::new();
-    let result = build_into(model, &platform, units, world, rank, kind, &mut made);
+    let result = build_into(model, &platform, units, (world, rank), kind, chunk_bytes, &mut made);
     if result.is_err() {
         for buf in made {
             let _ = platform.free_host(buf);
@@ -138,16 +165,28 @@ fn build_into(
     model: &HostModel,
     platform: &PlatformRef,
     units: &[UnitLayout],
-    world: usize,
-    rank: usize,
+    (world, rank): (usize, usize),
     kind: HostMemoryKind,
+    chunk_bytes: Option<u64>,
     made: &mut Vec<HostBufferId>,
 ) -> Result<ShardedMasters, DistributedError> {
     let mut out = Vec::with_capacity(units.len());
     for unit in units {
-        let mut sections = Vec::with_capacity(unit.sections.len());
+        let mut specs = Vec::with_capacity(unit.sections.len());
         for sec in &unit.sections {
-            let spec = section_spec(&unit.path, sec.dtype, sec.len, world)?;
+            specs.push(section_spec(&unit.path, sec.dtype, sec.len, world, chunk_bytes)?);
+        }
+        let gathers: u64 = specs.iter().map(ShardSpec::chunk_count).sum();
+        if gathers > MAX_GATHERS_PER_BLOCK as u64 {
+            return Err(DistributedError::TooManyGathers {
+                unit: unit.path.clone(),
+                gathers,
+                chunk_bytes: chunk_bytes.unwrap_or(0),
+                max: MAX_GATHERS_PER_BLOCK,
+            });
+        }
+        let mut sections = Vec::with_capacity(unit.sections.len());
+        for (sec, spec) in unit.sections.iter().zip(specs) {
             let bytes = section_bytes(model, sec)?;
             let shard = spec.shard(&bytes, rank).map_err(|source| DistributedError::Shard {
                 unit: unit.path.clone(),

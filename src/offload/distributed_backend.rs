@@ -1,12 +1,15 @@
-//! Distributed layerwise offload run end to end on the simulated device: `N` ranks as threads of this process,
-//! each with its own [`SimPlatform`], its own synthetic model (same seed on every rank), its own reference
-//! [`Engine`] and hook registry, sharing one [`SimCollectiveGroup`].
+//! Distributed layerwise offload end to end, one rank at a time: [`run_rank`] runs one rank of a group on any
+//! platform (one process per GPU with CUDA + NCCL, one process per rank on the simulated device with a TCP
+//! collective, or one thread per rank); [`run_distributed_sim`] runs `N` ranks as threads of this process, each
+//! with its own [`SimPlatform`], its own synthetic model (same seed on every rank), its own reference [`Engine`]
+//! and hook registry, sharing one [`SimCollectiveGroup`].
 //!
-//! Per rank: the DiT stacks of the layerwise plan keep only the rank's sharded host masters
-//! ([`build_sharded_masters`]); every block is rebuilt in a device slot by the H2D of the rank's shard then one
-//! AllGather per dtype section, through gather-path [`BlockStack`]s that share one [`GatherSequence`] and one
-//! collective actor. Everything outside the DiT stacks is placed on the device once ([`ResidentPlacement`]). No
-//! block is prefetched before the first forward, so every rank's first gather happens inside the same hook
+//! Per rank: the communicator is warmed up by one small AllGather first; the DiT stacks of the layerwise plan keep
+//! only the rank's sharded host masters ([`build_sharded_masters`]); every block is rebuilt in a device slot by the
+//! H2D of the rank's shard then one AllGather per dtype section (or per chunk of one, with
+//! [`DistributedRunSpec::chunk_bytes`]), through gather-path [`BlockStack`]s that share one [`GatherSequence`] and
+//! one collective actor. Everything outside the DiT stacks is placed on the device once ([`ResidentPlacement`]).
+//! No block is prefetched before the first forward, so every rank's first gather happens inside the same hook
 //! sequence.
 //!
 //! Invariants: every rank runs the same deterministic hook sequence (same plan, same program, no block skips), so
@@ -20,23 +23,27 @@ use super::distributed::{build_sharded_masters, DistributedError, ShardedMasters
 use super::resident::ResidentPlacement;
 use super::units::build_unit_plan;
 use super::{OffloadError, WeightSource};
-use crate::config::OffloadConfig;
-use crate::engine::compute::SimCompute;
+use crate::config::{Component, OffloadConfig, Strategy};
+use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::{Engine, EngineError, ExecOptions};
-use crate::hooks::{HookRegistry, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
+use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
+use crate::model::splitmix64;
 use crate::model::HostModel;
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup, SimCollectiveOptions};
-use weightferry_actors::collective_actor::{CollectiveHandle, GatherError};
+use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
+use weightferry_actors::collective_actor::{CollectiveFactory, CollectiveHandle, GatherError};
 use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, PlatformError, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 use weightferry_actors::{
     BlockSpec, BlockStack, GatherBlock, GatherPath, GatherSection, GatherSequence, StackSpec, StreamHandle,
     StreamOptions,
 };
+
+/// Name of a rank's comm stream (the collective actor's stream).
+pub const COMM_STREAM: &str = "comm";
 
 /// Errors of a distributed run (per rank).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -97,10 +104,118 @@ pub struct DistributedRunSpec {
     pub fail_gather: Option<(usize, u64)>,
     /// Longest time a rank's AllGather waits for its peers before the group is poisoned.
     pub timeout: Duration,
+    /// Chunked transport: gathered bytes per AllGather (each section is cut into chunks so the AllGather of one
+    /// chunk overlaps the copy of the next). `None` or 0: one AllGather per section.
+    pub chunk_bytes: Option<u64>,
+    /// Testing aid: randomized per-rank timing (hooks sleep, and on the simulated device each rank's comm stream
+    /// is slowed by its own amount), so ranks reach their hooks at different times.
+    pub jitter: Option<Jitter>,
 }
 
 impl DistributedRunSpec {
-    /// `world` ranks, depth 1, 3 steps, seed 0, no fault, a 30 s group timeout.
+    /// Checks what every rank needs: at least one rank, a prefetch depth of at least 1.
+    pub fn validate(&self) -> Result<(), DistributedRunError> {
+        if self.world == 0 {
+            return Err(DistributedRunError::Invalid("a distributed run needs at least one rank".into()));
+        }
+        if self.depth == 0 {
+            return Err(DistributedRunError::Invalid(
+                "distributed layerwise needs a prefetch depth of at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The run `config` describes for `pipeline`: `world` = the config's offload group size (1 when the DiT is not
+    /// gathered across a group), the DiT's `prefetch_depth` (default 2) and `allgather_chunk_size`; 3 steps, seed
+    /// 0. Fails (naming the key and the fix) for a config this runner cannot run: not `mode = "layer"`, or resident
+    /// DiT layers (those run rank-local through the single-process backend).
+    pub fn from_config(pipeline: PipelineDesc, config: &OffloadConfig) -> Result<Self, DistributedRunError> {
+        if !matches!(config.strategy, Strategy::LayerWise | Strategy::DistributedLayerWise) {
+            return Err(DistributedRunError::Invalid(format!(
+                "a distributed run needs layerwise offload, but the config selects {}; set \
+                 diffusion_offload_config.mode = \"layer\"",
+                config.strategy.report_name()
+            )));
+        }
+        if config.resident_layers > 0 {
+            return Err(DistributedRunError::Invalid(
+                "resident DiT layers use rank-local transfer, which the distributed runner does not stream; remove \
+                 layer_options.dit.resident_layers (or run without a group)"
+                    .into(),
+            ));
+        }
+        let world = if config.uses_allgather(Component::Dit) { config.group.size as usize } else { 1 };
+        let mut spec = DistributedRunSpec::new(pipeline, world);
+        spec.depth = config.prefetch_depth(Component::Dit).map_or(2, |d| d as usize);
+        spec.chunk_bytes = config.allgather_chunk_bytes(Component::Dit);
+        Ok(spec)
+    }
+}
+
+/// Randomized per-rank timing for tests: every rank draws from its own generator seeded by `seed` and its rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Jitter {
+    /// Seed of every rank's generator.
+    pub seed: u64,
+    /// Longest sleep before a hook (each hook sleeps a random amount below it).
+    pub max_hook_sleep: Duration,
+    /// Longest extra time per op on a rank's comm stream (simulated device only; each rank draws one amount).
+    pub max_stream_delay: Duration,
+}
+
+impl Jitter {
+    /// The generator state of `rank`.
+    fn state(&self, rank: usize) -> u64 {
+        self.seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// A duration in `[0, max)` drawn from `state`.
+    fn draw(state: &mut u64, max: Duration) -> Duration {
+        let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        if nanos == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_nanos(splitmix64(state) % nanos)
+    }
+
+    /// The extra time per op of `rank`'s comm stream.
+    pub fn stream_delay(&self, rank: usize) -> Duration {
+        let mut st = self.state(rank).rotate_left(17);
+        Self::draw(&mut st, self.max_stream_delay)
+    }
+}
+
+/// A hook that sleeps a random amount, then runs the wrapped hook.
+struct JitterHook {
+    inner: Arc<dyn ModelHook>,
+    state: std::sync::Mutex<u64>,
+    max: Duration,
+}
+
+impl JitterHook {
+    fn sleep(&self) {
+        let d = {
+            let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            Jitter::draw(&mut st, self.max)
+        };
+        std::thread::sleep(d);
+    }
+}
+
+impl ModelHook for JitterHook {
+    fn pre_forward(&self, module: &str) -> Result<(), String> {
+        self.sleep();
+        self.inner.pre_forward(module)
+    }
+    fn post_forward(&self, module: &str) -> Result<(), String> {
+        self.sleep();
+        self.inner.post_forward(module)
+    }
+}
+
+impl DistributedRunSpec {
+    /// `world` ranks, depth 1, 3 steps, seed 0, no fault, a 30 s group timeout, unchunked.
     pub fn new(pipeline: PipelineDesc, world: usize) -> Self {
         DistributedRunSpec {
             pipeline,
@@ -110,6 +225,8 @@ impl DistributedRunSpec {
             seed: 0,
             fail_gather: None,
             timeout: Duration::from_secs(30),
+            chunk_bytes: None,
+            jitter: None,
         }
     }
 }
@@ -163,19 +280,20 @@ pub fn resident_output(pipeline: &PipelineDesc, steps: u32, seed: u64) -> Result
 pub fn run_distributed_sim(
     spec: &DistributedRunSpec,
 ) -> Result<Vec<Result<RankRun, DistributedRunError>>, DistributedRunError> {
-    if spec.world == 0 {
-        return Err(DistributedRunError::Invalid("a distributed run needs at least one rank".into()));
-    }
-    if spec.depth == 0 {
-        return Err(DistributedRunError::Invalid("distributed layerwise needs a prefetch depth of at least 1".into()));
-    }
+    spec.validate()?;
     if let Some((rank, _)) = spec.fail_gather {
         if rank >= spec.world {
             return Err(DistributedRunError::Invalid(format!("fault on rank {rank} of {} ranks", spec.world)));
         }
     }
     let sims: Vec<Arc<SimPlatform>> = (0..spec.world)
-        .map(|_| SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).map(Arc::new))
+        .map(|rank| {
+            let mut config = SimConfig { tracing: false, ..SimConfig::default() };
+            if let Some(j) = &spec.jitter {
+                config.faults.slow_stream = Some((COMM_STREAM.to_string(), j.stream_delay(rank)));
+            }
+            SimPlatform::new(config).map(Arc::new)
+        })
         .collect::<Result<_, _>>()?;
     let comms = SimCollectiveGroup::with_options(sims.clone(), SimCollectiveOptions { timeout: spec.timeout });
     let results = std::thread::scope(|scope| {
@@ -190,9 +308,16 @@ pub fn run_distributed_sim(
                         comm.fail_nth_call(n);
                     }
                 }
-                std::thread::Builder::new()
-                    .name(format!("wf-rank-{rank}"))
-                    .spawn_scoped(scope, move || rank_main(spec, rank, sim, comm))
+                let world = spec.world;
+                std::thread::Builder::new().name(format!("wf-rank-{rank}")).spawn_scoped(scope, move || {
+                    let platform: PlatformRef = sim.clone();
+                    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+                    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
+                    run_rank(platform, compute, factory, rank, world, spec).map(|mut r| {
+                        r.hazard_violations = sim.violations().len();
+                        r
+                    })
+                })
             })
             .collect();
         handles
@@ -210,9 +335,10 @@ pub fn run_distributed_sim(
     Ok(results)
 }
 
-/// Tag of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gathered section.
-fn tag_of(si: usize, ui: usize, k: usize) -> u64 {
-    ((si as u64 + 1) << 40) | ((ui as u64) << 8) | k as u64
+/// Tag of chunk `j` of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gather (chunks
+/// stay below 2^20, sections below 2^8, units below 2^24).
+fn tag_of(si: usize, ui: usize, k: usize, j: u64) -> u64 {
+    ((si as u64 + 1) << 52) | ((ui as u64) << 28) | ((k as u64) << 20) | j
 }
 
 /// Where a rank's weights are: gathered stacks for streamed storages, the fixed placement for the rest.
@@ -247,22 +373,46 @@ struct RankParts {
     stacks: Vec<Arc<BlockStack>>,
 }
 
-fn rank_main(
-    spec: &DistributedRunSpec,
+/// Runs rank `rank` of a `world`-rank distributed layerwise run of `spec` on `platform`: this process's (or this
+/// thread's) part of the group. Generic over the platform: the simulated device with a
+/// [`SimCollective`](weightferry_actors::collective::SimCollective) (as
+/// [`run_distributed_sim`] does, one thread per rank), or one process per rank — the simulated device with a
+/// TCP collective, or CUDA with an NCCL collective.
+///
+/// - `compute` runs the engine's kernels on `platform`.
+/// - `collective` builds the communicator (on the collective actor's own thread); it must report `rank` and
+///   `world`.
+/// - `world` must equal `spec.world`.
+///
+/// Loads the pipeline with synthetic weights of `spec.seed`, builds this rank's sharded masters of the DiT stacks,
+/// spawns the collective actor and **warms the communicator** (one small AllGather, sequence number 0, tag
+/// [`WARM_UP_TAG`](weightferry_actors::collective_actor::WARM_UP_TAG), before anything else is gathered: NCCL's first AllGather on a new communicator takes about
+/// 2.5 s, which must not land inside the first step), runs `spec.steps` steps through gather-path block stacks,
+/// and releases everything before returning, success or not. [`RankRun::hazard_violations`] is left at 0: a
+/// caller on the simulated device fills it in from its platform.
+///
+/// Errors: an invalid spec or mismatched rank / world ([`DistributedRunError::Invalid`]); any failure of the
+/// run. When an AllGather failed to start on this rank, the error is [`DistributedRunError::Poisoned`]: the
+/// collective issued nothing further and the pipeline must be reloaded.
+pub fn run_rank(
+    platform: PlatformRef,
+    compute: Arc<dyn Compute>,
+    collective: CollectiveFactory,
     rank: usize,
-    sim: Arc<SimPlatform>,
-    comm: SimCollective,
+    world: usize,
+    spec: &DistributedRunSpec,
 ) -> Result<RankRun, DistributedRunError> {
-    let platform: PlatformRef = sim.clone();
-    let model = match HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed) {
-        Ok(m) => m,
-        Err(e) => {
-            drop(comm);
-            return Err(e.into());
-        }
-    };
+    spec.validate()?;
+    if world != spec.world || rank >= world {
+        return Err(DistributedRunError::Invalid(format!(
+            "rank {rank} of {world} ranks does not fit a run of {} ranks; give every rank the same world size and \
+             a rank below it",
+            spec.world
+        )));
+    }
+    let model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)?;
     let mut parts = RankParts::default();
-    let result = rank_run(spec, rank, &sim, &platform, &model, comm, &mut parts);
+    let result = rank_run(spec, (rank, world), &platform, compute, &model, collective, &mut parts);
     let poisoned = parts.collective.as_ref().and_then(|c| c.poisoned());
     let cleanup = release(&platform, parts);
     model.release();
@@ -272,10 +422,7 @@ fn rank_main(
     };
     match (run, poisoned) {
         (Err(e), Some(cause)) => Err(DistributedRunError::Poisoned { rank, cause, run: e.to_string() }),
-        (run, _) => run.map(|mut r| {
-            r.hazard_violations = sim.violations().len();
-            r
-        }),
+        (run, _) => run,
     }
 }
 
@@ -310,11 +457,11 @@ fn release(platform: &PlatformRef, parts: RankParts) -> Result<(), DistributedRu
 
 fn rank_run(
     spec: &DistributedRunSpec,
-    rank: usize,
-    sim: &Arc<SimPlatform>,
+    (rank, world): (usize, usize),
     platform: &PlatformRef,
+    compute: Arc<dyn Compute>,
     model: &HostModel,
-    comm: SimCollective,
+    make_collective: CollectiveFactory,
     parts: &mut RankParts,
 ) -> Result<RankRun, DistributedRunError> {
     let desc = &spec.pipeline;
@@ -332,20 +479,28 @@ fn rank_run(
     if let Some(sp) = units.stacks.iter().find(|s| s.depth == 0) {
         return Err(DistributedRunError::Invalid(format!("stack '{}' is staged, not layerwise", sp.name)));
     }
-    let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), desc)?;
-    let collective =
-        CollectiveHandle::spawn(platform.clone(), "comm", Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>)))?;
+    let mut engine = Engine::new(compute, desc)?;
+    let collective = CollectiveHandle::spawn(platform.clone(), COMM_STREAM, make_collective)?;
     parts.collective = Some(collective.clone());
+    if (collective.rank(), collective.world()) != (rank, world) {
+        return Err(DistributedRunError::Invalid(format!(
+            "the communicator is rank {} of {} ranks, but this is rank {rank} of {world}; build it from the same \
+             rank and world size",
+            collective.rank(),
+            collective.world()
+        )));
+    }
+    let sequence = GatherSequence::new();
+    collective.warm_up(sequence.claim(1))?;
     let stream = StreamHandle::spawn(platform.clone(), "copy", StreamOptions::default()).map_err(OffloadError::from)?;
     parts.stream = Some(stream.clone());
     let upload = platform.create_stream("placement")?;
     parts.fixed = Some(ResidentPlacement::upload(platform, model, &units.fixed, upload)?);
 
-    let sequence = GatherSequence::new();
     let mut locations = HashMap::new();
     let (mut full, mut sections) = (0u64, 0u64);
     for (si, sp) in units.stacks.iter().enumerate() {
-        let masters = build_sharded_masters(model, &sp.units, spec.world, rank, HostMemoryKind::Pinned)?;
+        let masters = build_sharded_masters(model, &sp.units, world, rank, HostMemoryKind::Pinned, spec.chunk_bytes)?;
         let gather_blocks: Vec<GatherBlock> = masters
             .units
             .iter()
@@ -355,12 +510,14 @@ fn rank_run(
                     .sections
                     .iter()
                     .enumerate()
-                    .map(|(k, s)| GatherSection {
-                        host: s.host,
-                        host_offset: 0,
-                        shard_bytes: s.spec.shard_bytes(),
-                        output_offset: s.device_offset,
-                        tag: tag_of(si, ui, k),
+                    .flat_map(|(k, s)| {
+                        s.spec.chunks().map(move |c| GatherSection {
+                            host: s.host,
+                            host_offset: c.shard_offset,
+                            shard_bytes: c.shard_bytes,
+                            output_offset: s.device_offset + c.gathered_offset,
+                            tag: tag_of(si, ui, k, c.index),
+                        })
                     })
                     .collect(),
             })
@@ -397,9 +554,14 @@ fn rank_run(
     }
     let hooks = HookRegistry::new();
     hooks.claim_offload(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK).map_err(OffloadError::from)?;
+    let mut jitter_state = spec.jitter.map(|j| j.state(rank));
     for (si, sp) in units.stacks.iter().enumerate() {
         for (ui, unit) in sp.units.iter().enumerate() {
-            let hook = Arc::new(StackHook { stack: parts.stacks[si].clone(), unit: ui });
+            let mut hook: Arc<dyn ModelHook> = Arc::new(StackHook { stack: parts.stacks[si].clone(), unit: ui });
+            if let (Some(j), Some(st)) = (&spec.jitter, jitter_state.as_mut()) {
+                let state = std::sync::Mutex::new(splitmix64(st));
+                hook = Arc::new(JitterHook { inner: hook, state, max: j.max_hook_sleep });
+            }
             let name = DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK;
             hooks.register(&unit.path, name, name, hook).map_err(OffloadError::from)?;
         }

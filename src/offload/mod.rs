@@ -6,7 +6,8 @@
 //! - [`units`] decides, per strategy, what the stacks and their units are (blocks for the layerwise strategies,
 //!   whole components for model-level swapping and on-demand staging).
 //! - [`distributed`] builds per-rank sharded host masters; [`distributed_backend`] runs distributed layerwise
-//!   offload end to end on simulated ranks (gather-path block stacks over a simulated collective).
+//!   offload end to end, one rank at a time on any platform ([`distributed_backend::run_rank`]) or with simulated
+//!   ranks as threads (gather-path block stacks over a collective).
 //!
 //! Lifecycle contract: `enable` is transactional (any failure removes every installed hook, frees every device
 //! buffer and gives every storage its own host buffer back, so the pipeline can be retried); `disable` releases

@@ -1,0 +1,25 @@
+//! `weightferry launch --nproc N [--master-port P] -- <command>`: runs `N` copies of this executable with
+//! `<command>` as the ranks of one distributed run on this machine (see [`crate::dist::launch()`]). Exit codes: 0
+//! when every rank succeeded; 1 when one failed (the message names the first rank that failed and its exit
+//! status; the others are stopped); 2 for invalid arguments.
+
+use super::{CliError, LaunchArgs};
+use crate::dist::{LaunchError, LaunchSpec};
+use std::ffi::OsString;
+
+/// Runs `weightferry launch`; returns the exit code.
+pub fn launch(a: &LaunchArgs) -> Result<i32, CliError> {
+    let program = std::env::current_exe()
+        .map_err(|e| CliError::failed(format!("cannot find the weightferry executable to launch: {e}")))?;
+    let spec = LaunchSpec {
+        nproc: a.nproc as usize,
+        master_port: a.master_port,
+        program,
+        args: a.command.iter().map(OsString::from).collect(),
+    };
+    match crate::dist::launch(&spec) {
+        Ok(()) => Ok(0),
+        Err(e @ (LaunchError::NoProcesses | LaunchError::NoCommand)) => Err(CliError::invalid(e.to_string())),
+        Err(e) => Err(CliError::failed(e.to_string())),
+    }
+}

@@ -1,0 +1,279 @@
+//! The launch environment of one process of a distributed run, read the way the ecosystem sets it: `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` (torchrun, `weightferry launch`, or a job script),
+//! falling back to SLURM's `SLURM_PROCID`, `SLURM_NTASKS` and `SLURM_LOCALID` for rank, world size and local rank
+//! when the torchrun variables are not set (`srun` sets those; `MASTER_ADDR` / `MASTER_PORT` still come from the
+//! job script).
+//!
+//! Invariant: a [`LaunchEnv`] exists only if it is consistent: `world >= 1`, `rank < world`, and, when
+//! `world > 1`, a non-empty master address and a port in `1..=65535`. Every rejection is a [`LaunchEnvError`]
+//! naming the variable, its value and the fix.
+
+/// Why the launch environment is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LaunchEnvError {
+    /// A variable is not a number of the expected kind.
+    #[error("{var}={value:?} is not {expected}; {fix}")]
+    NotANumber {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What it should be.
+        expected: &'static str,
+        /// How to fix it.
+        fix: &'static str,
+    },
+    /// `WORLD_SIZE` is 0.
+    #[error("{var}=0: a run needs at least one process; set {var} to the number of processes (one per GPU)")]
+    ZeroWorld {
+        /// The variable read (`WORLD_SIZE` or `SLURM_NTASKS`).
+        var: &'static str,
+    },
+    /// A variable a multi-process run needs is not set.
+    #[error("{var} is not set but {world_var}={world} asks for a distributed run; {fix}")]
+    Missing {
+        /// The variable.
+        var: &'static str,
+        /// The variable the world size was read from (`WORLD_SIZE` or `SLURM_NTASKS`).
+        world_var: &'static str,
+        /// The world size.
+        world: usize,
+        /// How to fix it.
+        fix: &'static str,
+    },
+    /// The rank is not below the world size.
+    #[error("{var}={rank} is not below WORLD_SIZE={world}; ranks run from 0 to {last}, one per process", last = world - 1)]
+    RankOutOfRange {
+        /// The variable read (`RANK` or `SLURM_PROCID`).
+        var: &'static str,
+        /// The rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// The port is not a TCP port.
+    #[error("MASTER_PORT={value:?} is not a TCP port; use a free port in 1..=65535 (the same on every rank)")]
+    BadPort {
+        /// The value.
+        value: String,
+    },
+}
+
+/// Where this process sits in a distributed run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// This process's rank (`RANK`), in `0..world`.
+    pub rank: usize,
+    /// Processes in the run (`WORLD_SIZE`); 1 when not set.
+    pub world: usize,
+    /// This process's rank on its node (`LOCAL_RANK`; defaults to `rank`): which GPU it drives.
+    pub local_rank: usize,
+    /// Address of the rank-0 host (`MASTER_ADDR`); `None` only when `world == 1`.
+    pub master_addr: Option<String>,
+    /// Port rank 0 listens on for the rendezvous (`MASTER_PORT`); `None` only when `world == 1`.
+    pub master_port: Option<u16>,
+}
+
+impl LaunchEnv {
+    /// A single process (rank 0 of 1).
+    pub fn single() -> LaunchEnv {
+        LaunchEnv { rank: 0, world: 1, local_rank: 0, master_addr: None, master_port: None }
+    }
+
+    /// Whether more than one process takes part.
+    pub fn is_distributed(&self) -> bool {
+        self.world > 1
+    }
+
+    /// Reads the process environment.
+    pub fn from_env() -> Result<LaunchEnv, LaunchEnvError> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// Reads the variables through `var` (`None` = not set), so tests need not touch the process environment.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvError> {
+        let read = |names: &[&'static str]| -> Option<(&'static str, String)> {
+            names.iter().find_map(|&n| var(n).filter(|v| !v.trim().is_empty()).map(|v| (n, v)))
+        };
+        let (world_var, world) = match read(&["WORLD_SIZE", "SLURM_NTASKS"]) {
+            None => ("WORLD_SIZE", 1),
+            Some((name, v)) => match number(name, &v, "a positive integer", WORLD_FIX)? {
+                0 => return Err(LaunchEnvError::ZeroWorld { var: name }),
+                n => (name, n),
+            },
+        };
+        let rank = match read(&["RANK", "SLURM_PROCID"]) {
+            None if world == 1 => 0,
+            None => return Err(LaunchEnvError::Missing { var: "RANK", world_var, world, fix: RANK_FIX }),
+            Some((name, v)) => {
+                let rank = number(name, &v, "a rank (an integer from 0)", RANK_FIX)?;
+                if rank >= world {
+                    return Err(LaunchEnvError::RankOutOfRange { var: name, rank, world });
+                }
+                rank
+            }
+        };
+        let local_rank = match read(&["LOCAL_RANK", "SLURM_LOCALID"]) {
+            None => rank,
+            Some((name, v)) => number(name, &v, "a local rank (an integer from 0)", LOCAL_FIX)?,
+        };
+        if world == 1 {
+            return Ok(LaunchEnv { rank, world, local_rank, master_addr: None, master_port: None });
+        }
+        let Some((_, addr)) = read(&["MASTER_ADDR"]) else {
+            return Err(LaunchEnvError::Missing { var: "MASTER_ADDR", world_var, world, fix: ADDR_FIX });
+        };
+        let Some((_, port)) = read(&["MASTER_PORT"]) else {
+            return Err(LaunchEnvError::Missing { var: "MASTER_PORT", world_var, world, fix: PORT_FIX });
+        };
+        let master_port = match port.trim().parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            _ => return Err(LaunchEnvError::BadPort { value: port }),
+        };
+        Ok(LaunchEnv {
+            rank,
+            world,
+            local_rank,
+            master_addr: Some(addr.trim().to_string()),
+            master_port: Some(master_port),
+        })
+    }
+}
+
+const WORLD_FIX: &str = "set WORLD_SIZE to the number of processes (one per GPU)";
+const RANK_FIX: &str =
+    "set RANK to this process's rank, from 0 to WORLD_SIZE - 1 (torchrun and weightferry launch set it)";
+const LOCAL_FIX: &str = "set LOCAL_RANK to this process's rank on its node (its GPU index), or unset it";
+const ADDR_FIX: &str = "set MASTER_ADDR to the address of the rank-0 host, reachable from every rank";
+const PORT_FIX: &str = "set MASTER_PORT to a free TCP port on the rank-0 host, the same on every rank";
+
+fn number(var: &'static str, value: &str, expected: &'static str, fix: &'static str) -> Result<usize, LaunchEnvError> {
+    value.trim().parse::<usize>().map_err(|_| LaunchEnvError::NotANumber {
+        var,
+        value: value.to_string(),
+        expected,
+        fix,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<LaunchEnv, LaunchEnvError> {
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        LaunchEnv::from_vars(|n| map.get(n).cloned())
+    }
+
+    fn err(pairs: &[(&str, &str)]) -> String {
+        env(pairs).unwrap_err().to_string()
+    }
+
+    const OK: [(&str, &str); 4] =
+        [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")];
+
+    #[test]
+    fn nothing_set_is_a_single_process() {
+        assert_eq!(env(&[]).unwrap(), LaunchEnv::single());
+        assert!(!LaunchEnv::single().is_distributed());
+        assert_eq!(env(&[("WORLD_SIZE", "1")]).unwrap(), LaunchEnv::single());
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let e = env(&OK).unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                rank: 1,
+                world: 2,
+                local_rank: 1,
+                master_addr: Some("10.0.0.1".into()),
+                master_port: Some(29500)
+            }
+        );
+        assert!(e.is_distributed());
+        let mut with_local = OK.to_vec();
+        with_local.push(("LOCAL_RANK", "0"));
+        assert_eq!(env(&with_local).unwrap().local_rank, 0);
+    }
+
+    #[test]
+    fn slurm_variables_are_the_fallback() {
+        let e = env(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29400"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world, e.local_rank), (3, 8, 1));
+        // torchrun's variables win over SLURM's.
+        let mut both = OK.to_vec();
+        both.extend([("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8")]);
+        assert_eq!((env(&both).unwrap().rank, env(&both).unwrap().world), (1, 2));
+        // SLURM's world size without a rendezvous address says where it came from.
+        assert_eq!(
+            env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]).unwrap_err().to_string(),
+            "MASTER_ADDR is not set but SLURM_NTASKS=4 asks for a distributed run; set MASTER_ADDR to the address of \
+             the rank-0 host, reachable from every rank"
+        );
+    }
+
+    #[test]
+    fn bad_environments_name_the_variable_and_the_fix() {
+        assert_eq!(
+            err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]),
+            "RANK=2 is not below WORLD_SIZE=2; ranks run from 0 to 1, one per process"
+        );
+        assert_eq!(
+            err(&[("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]),
+            "RANK is not set but WORLD_SIZE=2 asks for a distributed run; set RANK to this process's rank, from 0 to WORLD_SIZE - 1 (torchrun \
+             and weightferry launch set it)"
+        );
+        assert_eq!(
+            err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]),
+            "MASTER_ADDR is not set but WORLD_SIZE=2 asks for a distributed run; set MASTER_ADDR to the address of the rank-0 host, reachable \
+             from every rank"
+        );
+        assert_eq!(
+            err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]),
+            "MASTER_PORT is not set but WORLD_SIZE=2 asks for a distributed run; set MASTER_PORT to a free TCP port on the rank-0 host, the same \
+             on every rank"
+        );
+        for port in ["70000", "0", "http", "-1"] {
+            assert_eq!(
+                err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", port)]),
+                format!(
+                    "MASTER_PORT={port:?} is not a TCP port; use a free port in 1..=65535 (the same on every rank)"
+                )
+            );
+        }
+        assert_eq!(
+            err(&[("WORLD_SIZE", "two")]),
+            "WORLD_SIZE=\"two\" is not a positive integer; set WORLD_SIZE to the number of processes (one per GPU)"
+        );
+        assert_eq!(
+            err(&[("WORLD_SIZE", "0")]),
+            "WORLD_SIZE=0: a run needs at least one process; set WORLD_SIZE to the number of processes (one per GPU)"
+        );
+        assert_eq!(
+            err(&[("RANK", "-1"), ("WORLD_SIZE", "2")]),
+            "RANK=\"-1\" is not a rank (an integer from 0); set RANK to this process's rank, from 0 to WORLD_SIZE - 1 \
+             (torchrun and weightferry launch set it)"
+        );
+        assert_eq!(
+            err(&[("SLURM_PROCID", "4"), ("SLURM_NTASKS", "4")]),
+            "SLURM_PROCID=4 is not below WORLD_SIZE=4; ranks run from 0 to 3, one per process"
+        );
+        let mut bad_local = OK.to_vec();
+        bad_local.push(("LOCAL_RANK", "x"));
+        assert_eq!(
+            err(&bad_local),
+            "LOCAL_RANK=\"x\" is not a local rank (an integer from 0); set LOCAL_RANK to this process's rank on its \
+             node (its GPU index), or unset it"
+        );
+    }
+}

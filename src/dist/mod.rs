@@ -1,0 +1,25 @@
+//! Multi-process distributed runs: one process per rank (per GPU), launched the way the ecosystem launches
+//! PyTorch jobs.
+//!
+//! - [`env`](mod@env): [`LaunchEnv`], this process's rank, world size, local rank and rendezvous address, read from
+//!   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` (torchrun, `weightferry launch`, job scripts;
+//!   SLURM's `SLURM_PROCID` / `SLURM_NTASKS` / `SLURM_LOCALID` as fallbacks).
+//! - [`rendezvous`]: [`Rendezvous`], a small TCP exchange through rank 0 (broadcast, all-gather of bytes, barrier)
+//!   that ships the NCCL unique id and carries the simulated collective.
+//! - [`tcp_collective`]: [`TcpCollective`], the AllGather contract across processes on the simulated device.
+//! - [`launch`](mod@launch): `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
+//!   prefixed.
+//!
+//! Invariant: every rank of a run calls the same rendezvous operations and the same AllGathers in the same order;
+//! any failure (bad environment, a rank out of step or gone, a failed AllGather) is an error naming the rank,
+//! never a hang longer than the rendezvous timeout.
+
+pub mod env;
+pub mod launch;
+pub mod rendezvous;
+pub mod tcp_collective;
+
+pub use env::{LaunchEnv, LaunchEnvError};
+pub use launch::{launch, LaunchError, LaunchSpec};
+pub use rendezvous::{Rendezvous, RendezvousError, RendezvousOptions};
+pub use tcp_collective::TcpCollective;

@@ -1,0 +1,178 @@
+//! Multi-process distributed runs through the binary: `weightferry launch --nproc N -- run …` starts N processes
+//! that find each other through the TCP rendezvous, each runs its rank on the simulated device with the TCP
+//! collective, and rank 0 reports every rank bit-exact with the resident run (text and JSON, unchunked and
+//! chunked, the rank count from the config's group); a rank whose AllGather fails makes launch exit 1 naming it;
+//! a bad launch environment or a config whose group does not match `WORLD_SIZE` is an exact one-line error (exit
+//! 2) before anything runs.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+/// Variables of the launch environment; removed from every child so the test's own environment cannot leak in.
+const LAUNCH_VARS: [&str; 8] =
+    ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"];
+
+fn wf(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
+    c.args(args).env_remove("RUST_LOG");
+    for v in LAUNCH_VARS {
+        c.env_remove(v);
+    }
+    c.envs(env.iter().copied()).output().expect("spawn")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn temp(name: &str, contents: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("weightferry-dist-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, contents).unwrap();
+    p
+}
+
+#[test]
+fn launch_two_ranks_reports_every_rank_bit_exact() {
+    let o = wf(&["launch", "--nproc", "2", "--", "run", "--steps", "2"], &[]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "stdout: {out}\nstderr: {err}");
+    assert!(err.is_empty(), "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    assert!(lines.iter().all(|l| l.starts_with("[rank 0] ")), "only rank 0 reports: {out}");
+    assert!(lines[0].starts_with("[rank 0] weightferry distributed run: flux-tiny on 2 sim ranks"), "{out}");
+    assert!(lines[1].starts_with("[rank 0] rank 0: bit-exact with the resident run"), "{out}");
+    assert!(lines[2].starts_with("[rank 0] rank 1: bit-exact with the resident run"), "{out}");
+    assert!(lines[3].starts_with("[rank 0] all 2 ranks bit-exact with the resident run"), "{out}");
+}
+
+#[test]
+fn launch_three_ranks_from_the_config_group_with_chunks_in_json() {
+    let config = temp(
+        "sp3-chunked.json",
+        r#"{"sequence_parallel_size": 3, "diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "layer_options": {"dit": {"weight_transfer": "allgather", "prefetch_depth": 1,
+                                      "allgather_chunk_size": "4KiB"}}}}"#,
+    );
+    let config = config.to_str().unwrap();
+    let args =
+        ["launch", "--nproc", "3", "--", "run", "--preset", "wan-tiny", "--steps", "2", "--json", "--config", config];
+    let o = wf(&args, &[]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "stdout: {out}\nstderr: {err}");
+    let json: String = out.lines().map(|l| l.strip_prefix("[rank 0] ").expect("rank 0 only")).collect();
+    let v: Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    assert_eq!(v["pipeline"], "wan-tiny");
+    assert_eq!(v["world"], 3);
+    assert_eq!(v["depth"], 1);
+    assert_eq!(v["chunk_bytes"], 4096);
+    assert_eq!(v["all_bit_exact"], true);
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 3);
+    for (r, rank) in ranks.iter().enumerate() {
+        assert_eq!(rank["rank"], r);
+        assert_eq!(rank["bit_exact"], true);
+        assert_eq!(rank["checksum"], v["resident_checksum"]);
+        assert_eq!(rank["hazard_violations"], 0);
+        assert_eq!(rank["all_gathers"], ranks[0]["all_gathers"]);
+    }
+}
+
+#[test]
+fn a_failing_rank_fails_the_launch_naming_it() {
+    let args = ["launch", "--nproc", "3", "--", "run", "--steps", "2", "--inject-gather-failure", "1:5"];
+    let o = wf(&args, &[]);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().last(), Some("error: rank 1 failed (exit status 1); the other ranks were stopped"), "{err}");
+    let line = err.lines().find(|l| l.starts_with("[rank 1] error: ")).unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.starts_with("[rank 1] error: rank 1: the distributed run failed: rank 1: collective poisoned"),
+        "{line}"
+    );
+    assert!(line.contains("AllGather #5 failed on rank 1: injected AllGather failure"), "{line}");
+    assert!(line.ends_with("the pipeline must be reloaded"), "{line}");
+}
+
+#[test]
+fn the_warm_up_gather_failing_fails_the_launch_too() {
+    let args = ["launch", "--nproc", "2", "--", "run", "--steps", "1", "--inject-gather-failure", "0:0"];
+    let o = wf(&args, &[]);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().last(), Some("error: rank 0 failed (exit status 1); the other ranks were stopped"), "{err}");
+}
+
+/// Exit code 2 and exactly `expected` on stderr (one line), nothing on stdout.
+fn invalid(args: &[&str], env: &[(&str, &str)], expected: &str) {
+    let o = wf(args, env);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{args:?} {env:?}: {err}");
+    assert_eq!(err.trim_end(), expected, "{args:?} {env:?}");
+    assert!(o.stdout.is_empty(), "{args:?}");
+}
+
+#[test]
+fn a_bad_launch_environment_is_an_exact_error() {
+    invalid(
+        &["run"],
+        &[("RANK", "5"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")],
+        "error: RANK=5 is not below WORLD_SIZE=2; ranks run from 0 to 1, one per process",
+    );
+    invalid(
+        &["run"],
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "29500")],
+        "error: MASTER_ADDR is not set but WORLD_SIZE=2 asks for a distributed run; set MASTER_ADDR to the address \
+         of the rank-0 host, reachable from every rank",
+    );
+    invalid(
+        &["run"],
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "99999")],
+        "error: MASTER_PORT=\"99999\" is not a TCP port; use a free port in 1..=65535 (the same on every rank)",
+    );
+    invalid(
+        &["run"],
+        &[("WORLD_SIZE", "two")],
+        "error: WORLD_SIZE=\"two\" is not a positive integer; set WORLD_SIZE to the number of processes (one per GPU)",
+    );
+}
+
+#[test]
+fn a_config_group_that_does_not_match_world_size_is_an_exact_error() {
+    let config = temp(
+        "dp4.json",
+        r#"{"data_parallel_size": 4, "diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "layer_options": {"dit": {"weight_transfer": "allgather"}}}}"#,
+    );
+    invalid(
+        &["run", "--config", config.to_str().unwrap()],
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")],
+        "error: the config gathers the DiT across an offload group of 4 rank(s), but WORLD_SIZE=2; set \
+         data_parallel_size (or sequence_parallel_size) to 2 with \
+         diffusion_offload_config.layer_options.dit.weight_transfer = \"allgather\", or launch 4 process(es)",
+    );
+    invalid(
+        &["run", "--trace", "t.json"],
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")],
+        "error: --trace is not supported in a distributed run (WORLD_SIZE=2); remove it, or run one process without \
+         WORLD_SIZE",
+    );
+    invalid(
+        &["run", "--inject-gather-failure", "0:1"],
+        &[],
+        "error: --inject-gather-failure applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry \
+         launch)",
+    );
+}
+
+#[test]
+fn launch_needs_a_command() {
+    let o = wf(&["launch", "--nproc", "2"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o.stderr);
+    assert!(err.starts_with("error: ") && err.lines().count() == 1, "{err}");
+    let o = wf(&["launch", "--nproc", "0", "--", "run"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+}

@@ -1,0 +1,60 @@
+//! The process launcher (`weightferry::dist::launch`) with `sh` as the program: every rank gets the launch
+//! environment; a failing rank stops the others (a sleeping rank is killed, not waited for) and is named with its
+//! exit status; a rank that exits with `PEER_FAILED_EXIT` (it failed because another did) is named only when no
+//! rank failed on its own.
+
+#![cfg(unix)]
+
+use std::ffi::OsString;
+use std::time::{Duration, Instant};
+use weightferry::dist::launch::{launch, LaunchError, LaunchSpec, PEER_FAILED_EXIT};
+
+fn sh(nproc: usize, script: &str) -> LaunchSpec {
+    LaunchSpec {
+        nproc,
+        master_port: Some(29_999),
+        program: "sh".into(),
+        args: vec![OsString::from("-c"), OsString::from(script)],
+    }
+}
+
+#[test]
+fn every_rank_gets_the_launch_environment() {
+    let script = r#"test "$WORLD_SIZE" = 3 && test "$RANK" = "$LOCAL_RANK" && test "$RANK" -lt 3 \
+        && test "$MASTER_ADDR" = 127.0.0.1 && test "$MASTER_PORT" = 29999"#;
+    assert_eq!(launch(&sh(3, script)), Ok(()));
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_named() {
+    let t = Instant::now();
+    let r = launch(&sh(3, r#"if [ "$RANK" = 2 ]; then exit 7; fi; sleep 30"#));
+    assert_eq!(r, Err(LaunchError::RankFailed { rank: 2, status: "exit status 7".into() }));
+    assert!(t.elapsed() < Duration::from_secs(10), "the sleeping ranks were waited for: {:?}", t.elapsed());
+    assert_eq!(r.unwrap_err().to_string(), "rank 2 failed (exit status 7); the other ranks were stopped");
+}
+
+#[test]
+fn the_rank_that_failed_on_its_own_is_named_before_ranks_that_followed_it() {
+    let script = format!(r#"if [ "$RANK" = 0 ]; then exit {PEER_FAILED_EXIT}; fi; sleep 0.3; exit 1"#);
+    let r = launch(&sh(2, &script));
+    assert_eq!(r, Err(LaunchError::RankFailed { rank: 1, status: "exit status 1".into() }));
+    // Only ranks that failed because of another: the first is named.
+    let script = format!(r#"if [ "$RANK" = 1 ]; then exit {PEER_FAILED_EXIT}; fi; sleep 0.2"#);
+    let r = launch(&sh(2, &script));
+    assert_eq!(r, Err(LaunchError::RankFailed { rank: 1, status: format!("exit status {PEER_FAILED_EXIT}") }));
+}
+
+#[test]
+fn bad_launches_are_errors() {
+    assert_eq!(launch(&sh(0, "true")), Err(LaunchError::NoProcesses));
+    let mut spec = sh(1, "true");
+    spec.args.clear();
+    assert_eq!(launch(&spec), Err(LaunchError::NoCommand));
+    spec.program = "/nonexistent/weightferry".into();
+    spec.args = vec!["run".into()];
+    match launch(&spec) {
+        Err(LaunchError::Spawn { rank: 0, .. }) => {}
+        other => panic!("expected a spawn error, got {other:?}"),
+    }
+}
