@@ -323,6 +323,12 @@ impl NcclCollective {
         Ok(NcclCollective { platform, comm, rank, world, state: RefCell::new(State::default()) })
     }
 
+    /// [`NcclCollective::new`] from the id's bytes as shipped by rank 0 (exactly [`NCCL_UNIQUE_ID_BYTES`]; any
+    /// other length is [`NcclError::InvalidUniqueId`], before anything is initialised).
+    pub fn from_id_bytes(platform: Arc<CudaPlatform>, id: &[u8], rank: usize, world: usize) -> Result<Self, NcclError> {
+        NcclCollective::new(platform, &NcclUniqueId::from_bytes(id)?, rank, world)
+    }
+
     /// The platform this rank runs on.
     pub fn platform(&self) -> &Arc<CudaPlatform> {
         &self.platform
