@@ -1,7 +1,7 @@
 //! The `weightferry` command line: argument definitions (clap derive), input loading, and the exit-code contract.
 //!
 //! Commands: `run` ([`run`]) executes a pipeline resident and offloaded on the simulated platform and reports;
-//! `plan` ([`plan`]) prints the resolved offload plan without running anything; `bench` ([`bench`], feature
+//! `plan` ([`plan`]) prints the resolved offload plan without running anything; `bench` ([`mod@bench`], feature
 //! `cuda`) and `bench-gather` ([`bench_gather`], feature `nccl`) measure GPUs.
 //!
 //! Exit codes: 0 success; 1 a run whose checks failed (outputs or host weights differ, hazard violations) or a
