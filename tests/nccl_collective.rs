@@ -153,6 +153,10 @@ fn world_one_all_gather_copies_exactly() {
     assert_eq!(comm.enqueued(), 4);
     assert_eq!(comm.poison_reason(), None);
     comm.check_async_error().expect("no asynchronous error");
+    // An explicit abort returns without waiting and leaves the platform usable.
+    comm.abort();
+    let again = upload(&p, s, &data);
+    assert_bytes(&download(&p, s, again), &data, "platform after abort");
 }
 
 #[test]

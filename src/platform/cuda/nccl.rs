@@ -270,13 +270,16 @@ struct State {
     poison: Option<NcclError>,
     issued: Vec<u64>,
     enqueued: u64,
+    /// Set by [`NcclCollective::abort`]: drop aborts instead of destroying.
+    abort: bool,
 }
 
 /// One rank of an NCCL communicator on one [`CudaPlatform`].
 ///
 /// Not `Send` and not `Sync` (an NCCL communicator belongs to the thread that uses it): build it on its thread,
 /// e.g. through [`factory`] on the collective actor's thread. Dropping it destroys the communicator
-/// (`ncclCommDestroy`, which waits for its pending AllGathers), or aborts it (`ncclCommAbort`) once poisoned.
+/// (`ncclCommDestroy`, which waits for its pending AllGathers, so their peers must issue them too), or aborts it
+/// (`ncclCommAbort`) once poisoned or after [`NcclCollective::abort`].
 pub struct NcclCollective {
     platform: Arc<CudaPlatform>,
     comm: sys::ncclComm_t,
@@ -348,6 +351,14 @@ impl NcclCollective {
     /// The failure that poisoned the collective, if any.
     pub fn poison_reason(&self) -> Option<NcclError> {
         self.state.borrow().poison.clone()
+    }
+
+    /// Aborts the communicator now (`ncclCommAbort`), cancelling its pending AllGathers instead of waiting for
+    /// them as dropping a healthy collective does. For a group whose peer is known to be gone (a healthy drop
+    /// would wait for it forever). The buffers those AllGathers touched hold undefined bytes afterwards.
+    pub fn abort(self) {
+        self.state.borrow_mut().abort = true;
+        drop(self);
     }
 
     /// Asks NCCL for an asynchronous error on the communicator (`ncclCommGetAsyncError`); an error poisons the
@@ -519,7 +530,7 @@ impl Drop for NcclCollective {
         if let Err(e) = self.platform.bind_to_thread() {
             tracing::warn!(target: "weightferry::nccl", "dropping the NCCL communicator: {e}");
         }
-        let failed = self.poison_reason().is_some() || self.async_error().is_err();
+        let failed = self.state.borrow().abort || self.poison_reason().is_some() || self.async_error().is_err();
         // SAFETY: the communicator is live and is destroyed (or aborted) exactly once, here.
         let (call, result) = if failed {
             ("ncclCommAbort", unsafe { nccl::comm_abort(self.comm) })
