@@ -219,3 +219,16 @@ fn failed_checks_exit_1() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("error: "), "{err}");
 }
+
+#[test]
+fn bench_gather_rejects_bad_arguments_in_one_line() {
+    let e = invalid(&["bench-gather", "--modes", "teleport"]);
+    assert!(e.contains("teleport"), "{e}");
+    if cfg!(feature = "nccl") {
+        let e = invalid(&["bench-gather", "--gemm", "1,2"]);
+        assert!(e.contains("--gemm takes three positive sizes"), "{e}");
+    } else {
+        let e = invalid(&["bench-gather"]);
+        assert!(e.contains("--features nccl"), "{e}");
+    }
+}

@@ -3,7 +3,8 @@
 //! Commands: `run` ([`run`]) executes a pipeline resident and offloaded on the simulated platform and reports —
 //! or, when the launch environment has `WORLD_SIZE > 1`, runs this process's rank of a distributed run
 //! ([`dist_run`]); `plan` ([`plan`]) prints the resolved offload plan without running anything; `launch`
-//! ([`launch`]) starts `N` local ranks of a command with the launch environment set.
+//! ([`launch`]) starts `N` local ranks of a command with the launch environment set; `bench` ([`mod@bench`],
+//! feature `cuda`) and `bench-gather` ([`bench_gather`], feature `nccl`) measure GPUs.
 //!
 //! Exit codes: 0 success; 1 a run whose checks failed (outputs or host weights differ, hazard violations) or a
 //! runtime failure; 2 invalid input — bad arguments, an unreadable or invalid config or pipeline file, an unknown
@@ -11,6 +12,7 @@
 //! because another rank failed. Every failure prints exactly one line on stderr, starting with `error: `.
 
 pub mod bench;
+pub mod bench_gather;
 pub mod dist_run;
 pub mod launch;
 pub mod plan;
@@ -57,6 +59,69 @@ pub enum Command {
     Bench(BenchArgs),
     /// Run N copies of a weightferry command on this machine as the ranks of one distributed run.
     Launch(LaunchArgs),
+    /// Measure the block-rebuild rate of shard H2D + NCCL AllGather on 1 and N GPUs, and the compute slowdown it
+    /// causes (needs the `nccl` feature). NVLink multicast stays off: NCCL_NVLS_ENABLE must be unset (it is then
+    /// set to 0) or 0.
+    BenchGather(BenchGatherArgs),
+}
+
+/// Arguments of `bench-gather`.
+#[derive(Debug, clap::Args)]
+pub struct BenchGatherArgs {
+    /// Full-block size in MiB (each of N ranks holds 1/N of it in pinned host memory).
+    #[arg(long, value_name = "MIB", default_value_t = 512)]
+    pub block_mib: u64,
+    /// Chunk sizes in MiB of full block (0 = the whole block as one chunk); rounded down to a multiple of
+    /// N × 256 bytes.
+    #[arg(long, value_name = "MIB", value_delimiter = ',', default_value = "16,64,256,0")]
+    pub chunk_mib: Vec<u64>,
+    /// Timed blocks per run.
+    #[arg(long, value_name = "N", default_value_t = 24)]
+    pub blocks: u32,
+    /// Untimed blocks before each configuration.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub warmup: u32,
+    /// Timed runs per configuration (the median is reported).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub repeats: u32,
+    /// Group sizes to measure, one thread per GPU 0..N (default: 1 and the number of visible GPUs).
+    #[arg(long, value_name = "N", value_delimiter = ',')]
+    pub worlds: Vec<usize>,
+    /// Modes: gather (separate shard slots, the production layout), in-place, h2d-only (no collective).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "gather,in-place,h2d-only")]
+    pub modes: Vec<GatherModeArg>,
+    /// GEMM shape M,N,K of the compute-slowdown loop (bf16).
+    #[arg(long, value_name = "M,N,K", value_delimiter = ',', default_value = "4096,12288,3072")]
+    pub gemm: Vec<usize>,
+    /// GEMMs per timed loop.
+    #[arg(long, value_name = "N", default_value_t = 300)]
+    pub gemm_iters: u32,
+    /// Chunk size (MiB, 0 = whole block) of the transfers running beside the GEMMs.
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    pub compute_chunk_mib: u64,
+    /// Mode of the gathering transfers beside the GEMMs.
+    #[arg(long, value_enum, default_value_t = GatherModeArg::Gather)]
+    pub compute_mode: GatherModeArg,
+    /// Skip the compute-slowdown measurement.
+    #[arg(long)]
+    pub skip_compute: bool,
+    /// Print the report as one JSON object instead of markdown.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON report to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json_out: Option<PathBuf>,
+}
+
+/// How `bench-gather` rebuilds a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GatherModeArg {
+    /// Host-to-device copies of the shard only.
+    H2dOnly,
+    /// Shard slot, then AllGather into the output slot.
+    Gather,
+    /// Shard copied into its place in the output slot, AllGather in place.
+    InPlace,
 }
 
 /// Arguments of `launch`.
@@ -312,6 +377,7 @@ where
         Command::Plan(a) => plan::plan(a),
         Command::Bench(a) => bench::bench(a),
         Command::Launch(a) => launch::launch(a),
+        Command::BenchGather(a) => bench_gather::bench_gather(a),
     };
     match result {
         Ok(code) => code,

@@ -18,6 +18,8 @@ pub mod compute;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod driver;
+#[cfg(feature = "nccl")]
+pub mod gather_bench;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod math;

@@ -6,6 +6,8 @@
 //! - `cuda` (feature `cuda`): `cuda::CudaPlatform`, NVIDIA GPUs through the CUDA driver API, loaded at run time
 //!   (a build without the CUDA toolkit works; a machine without a driver gets
 //!   [`weightferry_actors::platform::PlatformError::Unavailable`], never a panic).
+//! - `nccl` (feature `nccl`, implies `cuda`): `cuda::nccl::NcclCollective`, the collective contract
+//!   ([`weightferry_actors::collective::Collective`]) over NCCL AllGather on a `CudaPlatform`.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

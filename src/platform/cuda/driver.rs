@@ -75,7 +75,21 @@ pub(crate) fn open_context(ordinal: usize) -> PlatformResult<OpenedDevice> {
     }
 }
 
-fn open_context_inner(ordinal: usize) -> PlatformResult<OpenedDevice> {
+/// Loads and initialises the driver and returns the number of CUDA devices (0 is not an error here).
+///
+/// Never panics, like [`open_context`].
+pub(crate) fn device_count() -> PlatformResult<usize> {
+    match panic::catch_unwind(AssertUnwindSafe(init_and_count)) {
+        Ok(result) => result,
+        Err(payload) => Err(PlatformError::Unavailable(format!(
+            "CUDA driver initialisation panicked ({}); use --platform sim",
+            panic_message(payload.as_ref())
+        ))),
+    }
+}
+
+/// Checks the library and its symbols, initialises the driver, and counts devices.
+fn init_and_count() -> PlatformResult<usize> {
     // SAFETY: `is_culib_present` only tries to dlopen the candidate library names and drops what it opened; it
     // calls no driver function. Loading libcuda runs its initialisers, which is what any CUDA program does.
     if !unsafe { sys::is_culib_present() } {
@@ -100,10 +114,14 @@ fn open_context_inner(ordinal: usize) -> PlatformResult<OpenedDevice> {
     let count = result::device::get_count().map_err(|e| {
         PlatformError::Unavailable(format!("cannot count CUDA devices ({}); use --platform sim", describe(e)))
     })?;
-    if count <= 0 {
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+fn open_context_inner(ordinal: usize) -> PlatformResult<OpenedDevice> {
+    let count = init_and_count()?;
+    if count == 0 {
         return Err(PlatformError::Unavailable("no CUDA device found; use --platform sim".to_string()));
     }
-    let count = usize::try_from(count).unwrap_or(0);
     if ordinal >= count {
         return Err(PlatformError::Unavailable(format!(
             "CUDA device {ordinal} does not exist ({count} device(s) present)"

@@ -17,6 +17,8 @@
 
 pub mod blas;
 mod driver;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod resources;
 pub mod timeline;
 
@@ -99,6 +101,14 @@ impl CudaPlatform {
             pinned_cache: std::sync::Mutex::new(PinnedCache::default()),
             timeline: timeline::Timeline::default(),
         })
+    }
+
+    /// Number of CUDA devices visible to this process (honouring `CUDA_VISIBLE_DEVICES`).
+    ///
+    /// Returns [`PlatformError::Unavailable`] (never panics) when libcuda cannot be loaded or initialised; a
+    /// working driver with no device gives `Ok(0)`.
+    pub fn device_count() -> PlatformResult<usize> {
+        driver::device_count()
     }
 
     /// Keeps up to `bytes` of freed pinned host memory for reuse by later allocations of the same size (0, the

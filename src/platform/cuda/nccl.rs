@@ -1,0 +1,608 @@
+//! NCCL AllGather on a [`CudaPlatform`]: the [`Collective`] contract on real GPUs (feature `nccl`).
+//!
+//! [`NcclCollective`] is one rank of an NCCL communicator on one device. Its AllGather moves bytes
+//! (`ncclUint8`) between device buffers of its platform, named by the platform's handles, and is enqueued on the
+//! platform stream the caller names (the collective actor's comm stream). libnccl is loaded at run time through
+//! cudarc (`dynamic-loading`): a machine without it gets [`NcclError::Unavailable`], never a panic.
+//!
+//! Ranks meet through an [`NcclUniqueId`]: rank 0 generates it ([`NcclUniqueId::generate`]), ships its 128 bytes
+//! to the other ranks by any means ([`NcclUniqueId::to_bytes`] / [`NcclUniqueId::from_bytes`]), and every rank
+//! calls [`NcclCollective::new`] with it (which blocks until all `world` ranks joined). The communicator is not
+//! `Send`: it is built on the thread that uses it, by [`factory`] on the collective actor's thread.
+//!
+//! Invariant (the same contract as `SimCollective`): a collective never enters an unmatched AllGather after a
+//! failure. The first failure of a call — a range outside its buffer, an unknown handle, an overlap of input and
+//! output, an error NCCL reported asynchronously ([`ncclCommGetAsyncError`], checked before every enqueue) or the
+//! failed `ncclAllGather` itself — *poisons* the collective before anything is enqueued for that call; every later
+//! call fails at once with [`NcclError::Poisoned`] and enqueues nothing. (A rank that stopped cannot stop its
+//! peers, which then wait in their AllGather: the caller must abort the whole group — dropping a poisoned
+//! collective calls `ncclCommAbort`.) Tags of every call not refused for an earlier poisoning are recorded in call
+//! order.
+//!
+//! [`ncclCommGetAsyncError`]: https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/api/comms.html
+
+use std::cell::RefCell;
+use std::ffi::{c_void, CStr};
+use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys;
+use weightferry_actors::collective::Collective;
+use weightferry_actors::collective_actor::CollectiveFactory;
+use weightferry_actors::platform::{DeviceBufferId, PlatformError, StreamId};
+
+use super::CudaPlatform;
+
+/// Size of an NCCL unique id in bytes (`NCCL_UNIQUE_ID_BYTES`).
+pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
+
+/// Every NCCL entry point this module calls, checked once before the first call so cudarc's lazy symbol loader
+/// can never panic later.
+const REQUIRED_SYMBOLS: &[&str] = &[
+    "ncclGetVersion",
+    "ncclGetUniqueId",
+    "ncclCommInitRank",
+    "ncclAllGather",
+    "ncclCommGetAsyncError",
+    "ncclCommAbort",
+    "ncclCommDestroy",
+    "ncclGetErrorString",
+    "ncclGetLastError",
+];
+
+/// Errors of the NCCL collective.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NcclError {
+    /// libnccl (or one of the symbols this module calls) could not be loaded.
+    #[error("NCCL unavailable: {0}")]
+    Unavailable(String),
+    /// An NCCL call returned an error.
+    #[error("{call} failed: {code} ({message})")]
+    Call {
+        /// The NCCL function.
+        call: &'static str,
+        /// The `ncclResult_t` name.
+        code: String,
+        /// NCCL's description and last-error text.
+        message: String,
+    },
+    /// NCCL reported an asynchronous error on the communicator (a failed or aborted collective).
+    #[error("NCCL communicator error (rank {rank}): {code} ({message})")]
+    Async {
+        /// This rank.
+        rank: usize,
+        /// The `ncclResult_t` name.
+        code: String,
+        /// NCCL's description and last-error text.
+        message: String,
+    },
+    /// A range outside its buffer (nothing was enqueued).
+    #[error("{what} range {offset}+{len} exceeds its buffer of {size} bytes")]
+    OutOfBounds {
+        /// Input or output.
+        what: &'static str,
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Size of the buffer.
+        size: u64,
+    },
+    /// Input and output ranges overlap other than as NCCL's in-place AllGather (input at `output + rank · len`).
+    #[error("AllGather input {in_offset}+{len} overlaps output {out_offset}+{out_len} of the same buffer")]
+    Overlap {
+        /// Input offset.
+        in_offset: u64,
+        /// Input length.
+        len: u64,
+        /// Output offset.
+        out_offset: u64,
+        /// Output length (`len · world`).
+        out_len: u64,
+    },
+    /// A stream or buffer handle the platform does not know.
+    #[error("invalid {what} handle {id}")]
+    InvalidHandle {
+        /// Kind of handle.
+        what: &'static str,
+        /// Its numeric value.
+        id: u64,
+    },
+    /// A unique id of the wrong length.
+    #[error("an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len}")]
+    InvalidUniqueId {
+        /// The length given.
+        len: usize,
+    },
+    /// A rank outside `0..world`, an empty group, or a group too large for NCCL.
+    #[error("invalid rank {rank} in a group of {world}")]
+    InvalidRank {
+        /// The rank.
+        rank: usize,
+        /// The group size.
+        world: usize,
+    },
+    /// An earlier failure poisoned the collective; this call enqueued nothing.
+    #[error("NCCL collective poisoned by an earlier failure ({cause}); the group must be rebuilt")]
+    Poisoned {
+        /// The failure that poisoned it.
+        cause: Box<NcclError>,
+    },
+    /// The CUDA platform failed (binding its context).
+    #[error(transparent)]
+    Platform(#[from] PlatformError),
+}
+
+impl From<NcclError> for PlatformError {
+    /// Bounds, handle, availability and platform errors keep their platform kind; the rest become driver errors.
+    fn from(e: NcclError) -> PlatformError {
+        match e {
+            NcclError::OutOfBounds { what, offset, len, size } => {
+                PlatformError::OutOfBounds { what, offset, len, size }
+            }
+            NcclError::InvalidHandle { what, id } => PlatformError::InvalidHandle { what, id },
+            NcclError::Unavailable(msg) => PlatformError::Unavailable(format!("NCCL: {msg}")),
+            NcclError::Platform(p) => p,
+            other => PlatformError::Driver(other.to_string()),
+        }
+    }
+}
+
+/// Checks once (per process) that libnccl and every symbol this module calls are present; returns NCCL's
+/// version code (e.g. `22803` for 2.28.3).
+///
+/// Never panics: a missing library or symbol, or a panic in the loader, comes back as
+/// [`NcclError::Unavailable`].
+pub fn nccl_version() -> Result<i32, NcclError> {
+    static LOADED: OnceLock<Result<i32, String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| match panic::catch_unwind(AssertUnwindSafe(load_library)) {
+            Ok(result) => result,
+            Err(_) => Err("loading libnccl panicked".to_string()),
+        })
+        .clone()
+        .map_err(NcclError::Unavailable)
+}
+
+fn load_library() -> Result<i32, String> {
+    // SAFETY: `is_culib_present` only tries to dlopen the candidate names and drops what it opened.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("libnccl.so could not be loaded (is NCCL on the loader path?)".to_string());
+    }
+    // SAFETY: the library was just shown to load, so `culib` returns it (a panic would be caught by our caller).
+    let lib = unsafe { sys::culib() };
+    for name in REQUIRED_SYMBOLS {
+        // SAFETY: `get` only resolves the address; the symbol is dropped without being called.
+        let found = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_ok();
+        if !found {
+            return Err(format!("libnccl lacks {name}"));
+        }
+    }
+    nccl::get_nccl_version().map_err(|e| format!("ncclGetVersion failed: {:?}", e.0))
+}
+
+/// `ncclResult_t` name and NCCL's description of it, plus the communicator's last-error text when known.
+fn describe(code: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> (String, String) {
+    // SAFETY: only called after `nccl_version` succeeded, so the symbol exists; NCCL returns a static string.
+    let text = unsafe { cstr(sys::ncclGetErrorString(code)) };
+    // SAFETY: as above; `comm` is a live communicator (or null, which NCCL accepts: the process' last error).
+    let last = unsafe { cstr(sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut()))) };
+    let message = if last.is_empty() { text } else { format!("{text}; {last}") };
+    (format!("{code:?}"), message)
+}
+
+/// Copies a C string NCCL returned (null gives an empty string).
+///
+/// # Safety
+/// `p` must be null or point to a NUL-terminated string that stays valid for the call.
+unsafe fn cstr(p: *const std::ffi::c_char) -> String {
+    if p.is_null() {
+        String::new()
+    } else {
+        // SAFETY: the caller guarantees a valid NUL-terminated string.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+fn call_error(call: &'static str, e: nccl::NcclError, comm: Option<sys::ncclComm_t>) -> NcclError {
+    let (code, message) = describe(e.0, comm);
+    NcclError::Call { call, code, message }
+}
+
+/// The 128-byte id by which the ranks of one communicator find each other.
+///
+/// Generated once, on rank 0, and shipped to the other ranks as bytes. It holds a bootstrap address, not a
+/// secret, and is only meaningful until the communicator is built.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NcclUniqueId([u8; NCCL_UNIQUE_ID_BYTES]);
+
+impl fmt::Debug for NcclUniqueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NcclUniqueId(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "…)")
+    }
+}
+
+impl NcclUniqueId {
+    /// Generates a fresh id (`ncclGetUniqueId`; opens the bootstrap listener). Call it on rank 0 only.
+    pub fn generate() -> Result<NcclUniqueId, NcclError> {
+        nccl_version()?;
+        let id = nccl::get_uniqueid().map_err(|e| call_error("ncclGetUniqueId", e, None))?;
+        Ok(NcclUniqueId(id.internal.map(|c| c as u8)))
+    }
+
+    /// The id from exactly [`NCCL_UNIQUE_ID_BYTES`] bytes; any other length is [`NcclError::InvalidUniqueId`].
+    pub fn from_bytes(bytes: &[u8]) -> Result<NcclUniqueId, NcclError> {
+        let arr: [u8; NCCL_UNIQUE_ID_BYTES] =
+            bytes.try_into().map_err(|_| NcclError::InvalidUniqueId { len: bytes.len() })?;
+        Ok(NcclUniqueId(arr))
+    }
+
+    /// The id's bytes, to ship to the other ranks.
+    pub fn to_bytes(&self) -> [u8; NCCL_UNIQUE_ID_BYTES] {
+        self.0
+    }
+
+    /// The id's bytes, borrowed.
+    pub fn as_bytes(&self) -> &[u8; NCCL_UNIQUE_ID_BYTES] {
+        &self.0
+    }
+
+    fn to_sys(self) -> sys::ncclUniqueId {
+        sys::ncclUniqueId { internal: self.0.map(|b| b as std::ffi::c_char) }
+    }
+}
+
+impl From<[u8; NCCL_UNIQUE_ID_BYTES]> for NcclUniqueId {
+    fn from(bytes: [u8; NCCL_UNIQUE_ID_BYTES]) -> NcclUniqueId {
+        NcclUniqueId(bytes)
+    }
+}
+
+/// Mutable bookkeeping of one rank.
+#[derive(Default)]
+struct State {
+    poison: Option<NcclError>,
+    issued: Vec<u64>,
+    enqueued: u64,
+    /// Set by [`NcclCollective::abort`]: drop aborts instead of destroying.
+    abort: bool,
+}
+
+/// One rank of an NCCL communicator on one [`CudaPlatform`].
+///
+/// Not `Send` and not `Sync` (an NCCL communicator belongs to the thread that uses it): build it on its thread,
+/// e.g. through [`factory`] on the collective actor's thread. Dropping it destroys the communicator
+/// (`ncclCommDestroy`, which waits for its pending AllGathers, so their peers must issue them too), or aborts it
+/// (`ncclCommAbort`) once poisoned or after [`NcclCollective::abort`].
+pub struct NcclCollective {
+    platform: Arc<CudaPlatform>,
+    comm: sys::ncclComm_t,
+    rank: usize,
+    world: usize,
+    state: RefCell<State>,
+}
+
+impl fmt::Debug for NcclCollective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclCollective")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("device", &self.platform.ordinal())
+            .finish()
+    }
+}
+
+impl NcclCollective {
+    /// Joins communicator `id` as `rank` of `world` on `platform`'s device: binds the platform's context to this
+    /// thread and calls `ncclCommInitRank`, which blocks until every rank joined.
+    pub fn new(platform: Arc<CudaPlatform>, id: &NcclUniqueId, rank: usize, world: usize) -> Result<Self, NcclError> {
+        let invalid = || NcclError::InvalidRank { rank, world };
+        if world == 0 || rank >= world {
+            return Err(invalid());
+        }
+        let nranks = i32::try_from(world).map_err(|_| invalid())?;
+        let my_rank = i32::try_from(rank).map_err(|_| invalid())?;
+        nccl_version()?;
+        platform.bind_to_thread()?;
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer for one communicator handle; the id is a plain 128-byte value;
+        // the platform's context (the device's primary context, which NCCL's runtime calls use too) is current.
+        unsafe { nccl::comm_init_rank(&mut comm, nranks, id.to_sys(), my_rank) }
+            .map_err(|e| call_error("ncclCommInitRank", e, None))?;
+        if comm.is_null() {
+            return Err(NcclError::Call {
+                call: "ncclCommInitRank",
+                code: "null communicator".to_string(),
+                message: "NCCL returned success without a communicator".to_string(),
+            });
+        }
+        tracing::debug!(target: "weightferry::nccl", rank, world, device = platform.ordinal(), "joined communicator");
+        Ok(NcclCollective { platform, comm, rank, world, state: RefCell::new(State::default()) })
+    }
+
+    /// [`NcclCollective::new`] from the id's bytes as shipped by rank 0 (exactly [`NCCL_UNIQUE_ID_BYTES`]; any
+    /// other length is [`NcclError::InvalidUniqueId`], before anything is initialised).
+    pub fn from_id_bytes(platform: Arc<CudaPlatform>, id: &[u8], rank: usize, world: usize) -> Result<Self, NcclError> {
+        NcclCollective::new(platform, &NcclUniqueId::from_bytes(id)?, rank, world)
+    }
+
+    /// The platform this rank runs on.
+    pub fn platform(&self) -> &Arc<CudaPlatform> {
+        &self.platform
+    }
+
+    /// The tags of every call, in call order (calls refused because the collective was already poisoned are not
+    /// recorded; a call that failed and poisoned it is).
+    pub fn issued_tags(&self) -> Vec<u64> {
+        self.state.borrow().issued.clone()
+    }
+
+    /// How many `ncclAllGather`s were enqueued (zero-length gathers enqueue nothing and are not counted).
+    pub fn enqueued(&self) -> u64 {
+        self.state.borrow().enqueued
+    }
+
+    /// The failure that poisoned the collective, if any.
+    pub fn poison_reason(&self) -> Option<NcclError> {
+        self.state.borrow().poison.clone()
+    }
+
+    /// Aborts the communicator now (`ncclCommAbort`), cancelling its pending AllGathers instead of waiting for
+    /// them as dropping a healthy collective does. For a group whose peer is known to be gone (a healthy drop
+    /// would wait for it forever). The buffers those AllGathers touched hold undefined bytes afterwards.
+    pub fn abort(self) {
+        self.state.borrow_mut().abort = true;
+        drop(self);
+    }
+
+    /// Asks NCCL for an asynchronous error on the communicator (`ncclCommGetAsyncError`); an error poisons the
+    /// collective. Returns the poisoning error if the collective is (now) poisoned.
+    pub fn check_async_error(&self) -> Result<(), NcclError> {
+        if let Some(p) = self.poison_reason() {
+            return Err(p);
+        }
+        self.async_error().map_err(|e| self.poison(e))
+    }
+
+    fn async_error(&self) -> Result<(), NcclError> {
+        let mut raw: u32 = 0;
+        // SAFETY: the communicator is live (destroyed only in `drop`); NCCL writes one `ncclResult_t` (a 32-bit
+        // enum) through the pointer, which we read as a plain `u32` so that an unknown code cannot be an invalid
+        // Rust enum value.
+        let status = unsafe { sys::ncclCommGetAsyncError(self.comm, (&mut raw as *mut u32).cast()) };
+        status.result().map_err(|e| call_error("ncclCommGetAsyncError", e, Some(self.comm)))?;
+        // 0 is ncclSuccess and 7 ncclInProgress (a non-blocking communicator still initialising): no error.
+        if raw == 0 || raw == 7 {
+            return Ok(());
+        }
+        let (code, message) = match result_from_raw(raw) {
+            Some(code) => describe(code, Some(self.comm)),
+            None => (format!("ncclResult_t {raw}"), String::new()),
+        };
+        Err(NcclError::Async { rank: self.rank, code, message })
+    }
+
+    /// Records `e` as the poisoning failure unless one is recorded; returns `e`.
+    fn poison(&self, e: NcclError) -> NcclError {
+        self.state.borrow_mut().poison.get_or_insert_with(|| e.clone());
+        e
+    }
+
+    /// The typed form of [`Collective::all_gather`]: enqueues on `stream` an AllGather of
+    /// `input = (buffer, offset, len)` of every rank into `output = (buffer, offset)`, which receives
+    /// `len · world` bytes, rank 0's first. Every check happens before anything is enqueued; any failure poisons
+    /// the collective (see the module documentation).
+    ///
+    /// The caller keeps both buffers and the stream alive until the gather has completed on the device (the
+    /// platform contract: memory is freed only after its last use was observed).
+    pub fn gather(
+        &self,
+        stream: StreamId,
+        input: (DeviceBufferId, u64, u64),
+        output: (DeviceBufferId, u64),
+        tag: u64,
+    ) -> Result<(), NcclError> {
+        if let Some(cause) = self.poison_reason() {
+            return Err(NcclError::Poisoned { cause: Box::new(cause) });
+        }
+        self.state.borrow_mut().issued.push(tag);
+        match self.enqueue(stream, input, output) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.poison(e)),
+        }
+    }
+
+    fn enqueue(
+        &self,
+        stream: StreamId,
+        (in_buf, in_off, len): (DeviceBufferId, u64, u64),
+        (out_buf, out_off): (DeviceBufferId, u64),
+    ) -> Result<(), NcclError> {
+        self.async_error()?;
+        let raw_stream = self
+            .platform
+            .raw_stream(stream)
+            .ok_or(NcclError::InvalidHandle { what: "stream", id: u64::from(stream.0) })?;
+        let (in_ptr, in_size) =
+            self.platform.device_ptr(in_buf).ok_or(NcclError::InvalidHandle { what: "device buffer", id: in_buf.0 })?;
+        let (out_ptr, out_size) = self
+            .platform
+            .device_ptr(out_buf)
+            .ok_or(NcclError::InvalidHandle { what: "device buffer", id: out_buf.0 })?;
+        check_range("AllGather input", in_off, len, in_size)?;
+        let out_len = len.checked_mul(self.world as u64).ok_or(NcclError::OutOfBounds {
+            what: "AllGather output",
+            offset: out_off,
+            len: u64::MAX,
+            size: out_size,
+        })?;
+        check_range("AllGather output", out_off, out_len, out_size)?;
+        if in_buf == out_buf {
+            let overlaps = in_off < out_off + out_len && out_off < in_off + len;
+            let in_place = in_off == out_off + self.rank as u64 * len;
+            if overlaps && !in_place {
+                return Err(NcclError::Overlap { in_offset: in_off, len, out_offset: out_off, out_len });
+            }
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let count = usize::try_from(len).map_err(|_| NcclError::OutOfBounds {
+            what: "AllGather input",
+            offset: in_off,
+            len,
+            size: in_size,
+        })?;
+        self.platform.bind_to_thread()?;
+        // SAFETY: both ranges were checked against the live buffers' sizes (`in_off + len <= in_size`,
+        // `out_off + len · world <= out_size`), they do not overlap unless in place, which NCCL supports; the
+        // stream belongs to the same platform (context) as the buffers and the communicator's device; the caller
+        // keeps buffers and stream alive until the gather completed (platform contract). A driver `CUstream` and
+        // a runtime `cudaStream_t` are the same object.
+        let status = unsafe {
+            nccl::all_gather(
+                (in_ptr + in_off) as *const c_void,
+                (out_ptr + out_off) as *mut c_void,
+                count,
+                sys::ncclDataType_t::ncclUint8,
+                self.comm,
+                raw_stream as sys::cudaStream_t,
+            )
+        };
+        status.map_err(|e| call_error("ncclAllGather", e, Some(self.comm)))?;
+        self.state.borrow_mut().enqueued += 1;
+        Ok(())
+    }
+}
+
+/// The `ncclResult_t` of a raw code this module knows how to name.
+fn result_from_raw(raw: u32) -> Option<sys::ncclResult_t> {
+    use sys::ncclResult_t::*;
+    Some(match raw {
+        0 => ncclSuccess,
+        1 => ncclUnhandledCudaError,
+        2 => ncclSystemError,
+        3 => ncclInternalError,
+        4 => ncclInvalidArgument,
+        5 => ncclInvalidUsage,
+        6 => ncclRemoteError,
+        7 => ncclInProgress,
+        _ => return None,
+    })
+}
+
+/// Checks `offset + len <= size` without overflow.
+fn check_range(what: &'static str, offset: u64, len: u64, size: u64) -> Result<(), NcclError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(NcclError::OutOfBounds { what, offset, len, size }),
+    }
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(
+        &self,
+        stream: StreamId,
+        input: (DeviceBufferId, u64, u64),
+        output: (DeviceBufferId, u64),
+        tag: u64,
+    ) -> Result<(), PlatformError> {
+        self.gather(stream, input, output, tag).map_err(Into::into)
+    }
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        if let Err(e) = self.platform.bind_to_thread() {
+            tracing::warn!(target: "weightferry::nccl", "dropping the NCCL communicator: {e}");
+        }
+        let failed = self.state.borrow().abort || self.poison_reason().is_some() || self.async_error().is_err();
+        // SAFETY: the communicator is live and is destroyed (or aborted) exactly once, here.
+        let (call, result) = if failed {
+            ("ncclCommAbort", unsafe { nccl::comm_abort(self.comm) })
+        } else {
+            ("ncclCommDestroy", unsafe { nccl::comm_destroy(self.comm) })
+        };
+        if let Err(e) = result {
+            tracing::warn!(target: "weightferry::nccl", "{call} failed: {:?}", e.0);
+        }
+    }
+}
+
+/// A [`CollectiveFactory`] that joins communicator `id` as `rank` of `world` on `platform` — on the collective
+/// actor's thread, which then owns the communicator. Pass the same platform (as a `PlatformRef`) to
+/// `CollectiveHandle::spawn`, so the comm stream it creates belongs to this communicator's device.
+pub fn factory(platform: Arc<CudaPlatform>, id: NcclUniqueId, rank: usize, world: usize) -> CollectiveFactory {
+    Box::new(move || {
+        let comm = NcclCollective::new(platform, &id, rank, world).map_err(PlatformError::from)?;
+        Ok(Box::new(comm) as Box<dyn Collective>)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_id_round_trips_its_bytes() {
+        let bytes: [u8; NCCL_UNIQUE_ID_BYTES] = std::array::from_fn(|i| (i as u8).wrapping_mul(37) ^ 0x5a);
+        let id = NcclUniqueId::from_bytes(&bytes).unwrap();
+        assert_eq!(id.to_bytes(), bytes);
+        assert_eq!(id.as_bytes(), &bytes);
+        assert_eq!(NcclUniqueId::from(bytes), id);
+        let sys_id = id.to_sys();
+        assert_eq!(sys_id.internal.map(|c| c as u8), bytes);
+    }
+
+    #[test]
+    fn unique_id_of_the_wrong_length_is_refused() {
+        for len in [0, 1, 127, 129, 256] {
+            assert_eq!(NcclUniqueId::from_bytes(&vec![7u8; len]), Err(NcclError::InvalidUniqueId { len }));
+        }
+    }
+
+    #[test]
+    fn errors_map_to_platform_kinds() {
+        let oob = NcclError::OutOfBounds { what: "AllGather input", offset: 3, len: 9, size: 10 };
+        assert_eq!(
+            PlatformError::from(oob),
+            PlatformError::OutOfBounds { what: "AllGather input", offset: 3, len: 9, size: 10 }
+        );
+        assert_eq!(
+            PlatformError::from(NcclError::InvalidHandle { what: "stream", id: 4 }),
+            PlatformError::InvalidHandle { what: "stream", id: 4 }
+        );
+        let poisoned = NcclError::Poisoned { cause: Box::new(NcclError::InvalidRank { rank: 2, world: 2 }) };
+        match PlatformError::from(poisoned) {
+            PlatformError::Driver(msg) => assert!(msg.contains("poisoned") && msg.contains("invalid rank 2"), "{msg}"),
+            other => panic!("expected a driver error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn range_checks_reject_overflow() {
+        assert!(check_range("x", 0, 10, 10).is_ok());
+        assert!(check_range("x", 1, 10, 10).is_err());
+        assert!(check_range("x", u64::MAX, 2, u64::MAX).is_err());
+    }
+
+    #[test]
+    fn raw_result_codes_are_named_without_transmuting() {
+        assert_eq!(result_from_raw(5), Some(sys::ncclResult_t::ncclInvalidUsage));
+        assert_eq!(result_from_raw(42), None);
+    }
+}
