@@ -143,11 +143,14 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
              without WORLD_SIZE"
         ))
     };
-    if a.platform == PlatformArg::Cuda {
+    if a.platform == PlatformArg::Cuda && !cfg!(feature = "nccl") {
         return Err(CliError::invalid(format!(
-            "a distributed run (WORLD_SIZE={world}) on --platform cuda needs the NCCL collective, which this build \
-             does not have yet; run with --platform sim"
+            "a distributed run (WORLD_SIZE={world}) on --platform cuda needs the NCCL collective: rebuild with \
+             --features nccl, or run with --platform sim"
         )));
+    }
+    if a.platform == PlatformArg::Cuda && a.inject_gather_failure.is_some() {
+        return Err(unsupported("--inject-gather-failure on --platform cuda"));
     }
     if a.trace.is_some() {
         return Err(unsupported("--trace"));
@@ -210,28 +213,34 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         )));
     }
 
-    let sim = Arc::new(SimPlatform::new(sim_config).map_err(|e| failed("simulated device", &e))?);
-    let platform: PlatformRef = sim.clone();
-    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
-    let collective = TcpCollective::new(rdv.clone(), sim.clone());
-    let peer_flag = collective.peer_failed_flag();
-    if let Some((r, n)) = fault {
-        if r == rank {
-            collective.fail_nth_call(n);
+    let (run, hazards, resident) = if a.platform == PlatformArg::Cuda {
+        cuda_rank(a, env, &rdv, &pipeline.desc, &pipeline.name, &spec)?
+    } else {
+        let sim = Arc::new(SimPlatform::new(sim_config).map_err(|e| failed("simulated device", &e))?);
+        let platform: PlatformRef = sim.clone();
+        let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+        let collective = TcpCollective::new(rdv.clone(), sim.clone());
+        let peer_flag = collective.peer_failed_flag();
+        if let Some((r, n)) = fault {
+            if r == rank {
+                collective.fail_nth_call(n);
+            }
         }
-    }
-    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
-    let run = run_rank(platform, compute, factory, rank, world, &spec);
-    let hazards = sim.violations().len();
-    sim.shutdown();
-    let run = run.map_err(|e| {
-        if peer_flag.load(std::sync::atomic::Ordering::SeqCst) {
-            peer_failed(rank, &format!("the distributed run failed: {e}"))
-        } else {
-            failed("the distributed run failed", &e)
-        }
-    })?;
-    let resident = resident_output(&pipeline.desc, spec.steps, spec.seed).map_err(|e| failed("resident run", &e))?;
+        let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
+        let run = run_rank(platform, compute, factory, rank, world, &spec);
+        let hazards = sim.violations().len();
+        sim.shutdown();
+        let run = run.map_err(|e| {
+            if peer_flag.load(std::sync::atomic::Ordering::SeqCst) {
+                peer_failed(rank, &format!("the distributed run failed: {e}"))
+            } else {
+                failed("the distributed run failed", &e)
+            }
+        })?;
+        let resident =
+            resident_output(&pipeline.desc, spec.steps, spec.seed).map_err(|e| failed("resident run", &e))?;
+        (run, hazards, resident)
+    };
     let summary = RankSummary {
         rank,
         bit_exact: run.output == resident,
@@ -251,7 +260,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let all_bit_exact = ranks.iter().all(|r| r.bit_exact && r.hazard_violations == 0);
     let report = DistributedReport {
         pipeline: pipeline.name,
-        platform: "sim".into(),
+        platform: if a.platform == PlatformArg::Cuda { "cuda+nccl".into() } else { "sim".into() },
         world,
         steps: spec.steps,
         depth: spec.depth,
@@ -277,4 +286,59 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         )));
     }
     Ok(0)
+}
+
+/// This rank on a GPU: device `LOCAL_RANK`, the GPU reference engine, an NCCL communicator whose unique id rank 0
+/// generates and broadcasts over the rendezvous; then the resident run on the same GPU for the comparison.
+#[cfg(feature = "nccl")]
+fn cuda_rank(
+    a: &RunArgs,
+    env: &LaunchEnv,
+    rdv: &Rendezvous,
+    desc: &crate::plan::PipelineDesc,
+    name: &str,
+    spec: &DistributedRunSpec,
+) -> Result<(crate::offload::distributed_backend::RankRun, usize, Vec<u8>), CliError> {
+    use crate::engine::cuda::{CudaCompute, GpuShape};
+    use crate::engine::gpu::default_tokens;
+    use crate::platform::cuda::nccl::{factory, NcclUniqueId};
+    use crate::platform::cuda::CudaPlatform;
+    let rank = env.rank;
+    let failed = |what: &str, e: &dyn fmt::Display| CliError::failed(format!("rank {rank}: {what}: {e}"));
+    let cuda = Arc::new(CudaPlatform::new(env.local_rank).map_err(|e| {
+        CliError::invalid(format!("rank {rank}: --platform cuda: GPU {} (LOCAL_RANK): {e}", env.local_rank))
+    })?);
+    let (mut tokens, context_tokens) = default_tokens(name);
+    if let Some(t) = a.tokens {
+        tokens = t;
+    }
+    let compute: Arc<dyn Compute> = Arc::new(
+        CudaCompute::new(cuda.clone(), desc, GpuShape { tokens, context_tokens })
+            .map_err(|e| failed("GPU engine", &e))?,
+    );
+    let id = if rank == 0 {
+        let id = NcclUniqueId::generate().map_err(|e| failed("NCCL unique id", &e))?;
+        rdv.broadcast(Some(id.as_bytes())).map_err(|e| rendezvous_error(rank, e))?
+    } else {
+        rdv.broadcast(None).map_err(|e| rendezvous_error(rank, e))?
+    };
+    let id = NcclUniqueId::from_bytes(&id).map_err(|e| failed("NCCL unique id", &e))?;
+    let run =
+        run_rank(cuda.clone(), compute.clone(), factory(cuda.clone(), id, rank, env.world), rank, env.world, spec)
+            .map_err(|e| failed("the distributed run failed", &e))?;
+    let resident = crate::offload::distributed_backend::resident_output_on(compute, desc, spec.steps, spec.seed)
+        .map_err(|e| failed("resident run", &e))?;
+    Ok((run, 0, resident))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn cuda_rank(
+    _a: &RunArgs,
+    _env: &LaunchEnv,
+    _rdv: &Rendezvous,
+    _desc: &crate::plan::PipelineDesc,
+    _name: &str,
+    _spec: &DistributedRunSpec,
+) -> Result<(crate::offload::distributed_backend::RankRun, usize, Vec<u8>), CliError> {
+    Err(CliError::invalid("--platform cuda needs a build with --features nccl".to_string()))
 }

@@ -256,10 +256,24 @@ pub struct RankRun {
 /// the `run` driver's baseline computes it.
 pub fn resident_output(pipeline: &PipelineDesc, steps: u32, seed: u64) -> Result<Vec<u8>, EngineError> {
     let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() })?);
-    let platform: PlatformRef = sim.clone();
+    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+    let result = resident_output_on(compute, pipeline, steps, seed);
+    sim.shutdown();
+    result
+}
+
+/// The output of the fully resident single-rank run of `pipeline` on `compute`'s platform (a GPU, say): the
+/// baseline a rank of a distributed run on that platform compares its output with.
+pub fn resident_output_on(
+    compute: Arc<dyn Compute>,
+    pipeline: &PipelineDesc,
+    steps: u32,
+    seed: u64,
+) -> Result<Vec<u8>, EngineError> {
+    let platform = compute.platform();
     let model = HostModel::synthetic(platform.clone(), Arc::new(pipeline.clone()), seed)?;
     let result = (|| {
-        let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), pipeline)?;
+        let mut engine = Engine::new(compute, pipeline)?;
         let upload = platform.create_stream("resident-upload")?;
         let all: Vec<StorageId> = pipeline.storages.keys().copied().collect();
         let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
@@ -272,7 +286,6 @@ pub fn resident_output(pipeline: &PipelineDesc, steps: u32, seed: u64) -> Result
         Ok(out.output)
     })();
     model.release();
-    sim.shutdown();
     result
 }
 
