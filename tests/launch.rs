@@ -23,6 +23,11 @@ fn every_rank_gets_the_launch_environment() {
     let script = r#"test "$WORLD_SIZE" = 3 && test "$RANK" = "$LOCAL_RANK" && test "$RANK" -lt 3 \
         && test "$MASTER_ADDR" = 127.0.0.1 && test "$MASTER_PORT" = 29999"#;
     assert_eq!(launch(&sh(3, script)), Ok(()));
+    // NCCL defaults (multicast off, 4 channels) unless the launching environment chose otherwise.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() && std::env::var_os("NCCL_MAX_NCHANNELS").is_none() {
+        let script = r#"test "$NCCL_NVLS_ENABLE" = 0 && test "$NCCL_MAX_NCHANNELS" = 4"#;
+        assert_eq!(launch(&sh(2, script)), Ok(()));
+    }
 }
 
 #[test]
