@@ -109,8 +109,9 @@ def render(ours_reports, peer_reports):
             other = weights - dit if (weights is not None and dit) else None
             host_ratio = (rss - other) / dit if (rss and other is not None and dit) else None
             if hm:
+                offl = f", RSS while offloaded {hm[4] / GB:.2f} GB" if len(hm) > 4 and hm[4] else ""
                 notes.append(f"  ours {preset}: host model {weights / GB:.2f} GB (all components), pinned masters "
-                             f"{masters / GB:.2f} GB, peak RSS {rss / GB:.2f} GB")
+                             f"{masters / GB:.2f} GB, peak RSS {rss / GB:.2f} GB{offl}")
             for r in o["rows"]:
                 dev_dit = r["peak_weight_bytes"] - other if other is not None else None
                 lines.append(

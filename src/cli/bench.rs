@@ -65,12 +65,13 @@ pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
         let t = report.tokens.iter().find(|(q, ..)| q == p).map_or(0, |x| x.1);
         out += &format!("{p}: pinned H2D {:.1} GB/s, resident step {:.4} s at {t} tokens\n", gb(*bw), c);
     }
-    for (p, w, m, rss) in &report.host_memory {
+    for (p, w, m, rss, rss_off) in &report.host_memory {
         out += &format!(
-            "{p}: weights {:.2} GB, host masters {:.2} GB ({:.3}×), peak RSS {:.2} GB\n",
+            "{p}: weights {:.2} GB, host masters {:.2} GB ({:.3}×), RSS while offloaded {:.2} GB, peak RSS {:.2} GB\n",
             gb(*w as f64),
             gb(*m as f64),
             *m as f64 / (*w).max(1) as f64,
+            gb(*rss_off as f64),
             gb(*rss as f64)
         );
     }
