@@ -346,3 +346,85 @@ fn bad_requests_are_errors() {
     spec.fail_gather = Some((2, 0));
     assert!(matches!(run_distributed_sim(&spec), Err(DistributedRunError::Invalid(_))));
 }
+
+#[test]
+fn a_timed_run_reports_per_step_bytes_of_one_pass_and_the_hi_output() {
+    // Timing mode: warm-up, lo and hi executions through the same stacks; the output is the hi run's, and one
+    // step moves exactly one pass of shards (every block once).
+    for (name, world, depth, chunk) in [("flux-tiny", 2usize, 2usize, None), ("wan-tiny", 3, 1, Some(4096u64))] {
+        let what = format!("{name} N={world} depth {depth} chunk {chunk:?}");
+        let desc = preset(name).unwrap();
+        let mut spec = DistributedRunSpec::new(desc.clone(), world);
+        spec.depth = depth;
+        spec.chunk_bytes = chunk;
+        spec.steps = 7; // ignored when timed
+        spec.timed_steps = Some((1, 3));
+        let resident = resident_output(&desc, 3, 0).unwrap();
+        let runs = ok_ranks(&spec);
+        for (r, run) in runs.iter().enumerate() {
+            assert!(run.output == resident, "{what}: rank {r} differs from the resident 3-step run");
+            assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+            let t = run.timing.unwrap_or_else(|| panic!("{what}: rank {r} has no timing"));
+            assert_eq!(t.steps, (1, 3), "{what}");
+            assert!(t.hi > Duration::ZERO && t.lo > Duration::ZERO, "{what}");
+            assert_eq!(t.shard_bytes_per_step, run.shard_host_bytes, "{what}: rank {r}");
+            assert_eq!(t.gathered_bytes_per_step, run.shard_host_bytes * world as u64, "{what}");
+            assert_eq!(t.full_bytes_per_step, run.full_section_bytes, "{what}");
+            // warm-up (1) + lo (1) + hi (3) steps of copies, plus at most one pass prefetched ahead.
+            assert!(run.h2d_bytes >= 5 * run.shard_host_bytes, "{what}: h2d {}", run.h2d_bytes);
+            assert!(run.h2d_bytes <= 6 * run.shard_host_bytes, "{what}: h2d {}", run.h2d_bytes);
+        }
+    }
+}
+
+#[test]
+fn an_untimed_run_has_no_timing_and_bad_timed_steps_are_refused() {
+    let desc = preset("flux-tiny").unwrap();
+    let mut spec = DistributedRunSpec::new(desc, 2);
+    spec.steps = 1;
+    assert!(ok_ranks(&spec).iter().all(|r| r.timing.is_none()));
+    for bad in [(0, 2), (3, 3), (4, 2)] {
+        spec.timed_steps = Some(bad);
+        let e = run_distributed_sim(&spec).unwrap_err();
+        assert_eq!(e.to_string(), format!("timed steps ({}, {}): need 1 <= lo < hi, e.g. (1, 3)", bad.0, bad.1));
+    }
+}
+
+#[test]
+fn step_seconds_is_the_difference_over_the_extra_steps() {
+    use weightferry::offload::distributed_backend::step_seconds;
+    let s = step_seconds((1, 3), Duration::from_millis(500), Duration::from_millis(900));
+    assert!((s - 0.2).abs() < 1e-12, "{s}");
+    assert_eq!(step_seconds((2, 2), Duration::from_secs(1), Duration::from_secs(2)), 0.0);
+}
+
+#[test]
+fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
+    use weightferry::model::HostModel;
+    use weightferry::offload::distributed_backend::{resident_run_with_model, run_rank_with_model};
+    let desc = preset("flux-tiny").unwrap();
+    let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
+    let platform: PlatformRef = sim.clone();
+    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+    let model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
+    let r = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((1, 3))).unwrap();
+    assert!(r.output == resident_output(&desc, 3, 0).unwrap());
+    let (steps, lo, hi) = r.timing.unwrap();
+    assert_eq!(steps, (1, 3));
+    assert!(lo > Duration::ZERO && hi > Duration::ZERO);
+    let e = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((2, 1))).unwrap_err();
+    assert_eq!(e.to_string(), "timed steps (2, 1): need 1 <= lo < hi, e.g. (1, 3)");
+    // The same model serves a one-rank distributed run, and stays loaded afterwards.
+    let comm = SimCollectiveGroup::new(vec![sim.clone()]).pop().unwrap();
+    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
+    let mut spec = DistributedRunSpec::new(desc.clone(), 1);
+    spec.timed_steps = Some((1, 3));
+    let run = run_rank_with_model(platform, compute.clone(), factory, 0, 1, &spec, &model).unwrap();
+    assert!(run.output == r.output);
+    let again = resident_run_with_model(compute, &model, &desc, 3, 0, None).unwrap();
+    assert!(again.output == r.output && again.timing.is_none());
+    model.release();
+    assert!(sim.violations().is_empty());
+    assert_eq!(sim.device_memory().in_use, 0);
+    sim.shutdown();
+}

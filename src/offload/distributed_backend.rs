@@ -12,6 +12,11 @@
 //! No block is prefetched before the first forward, so every rank's first gather happens inside the same hook
 //! sequence.
 //!
+//! Timing ([`DistributedRunSpec::timed_steps`]): a rank runs a warm-up step, then `lo` and `hi` steps through the
+//! same stacks and reports [`RankTiming`] (seconds per step and bytes per step from the stacks' counters, derived
+//! as the single-GPU bench does); [`resident_run_with_model`] times the resident baseline the same way, on the
+//! same model ([`run_rank_with_model`]).
+//!
 //! Invariants: every rank runs the same deterministic hook sequence (same plan, same program, no block skips), so
 //! every rank issues the same AllGathers in the same order (invariant 4); a failed AllGather anywhere poisons the
 //! group and every rank's run then returns an error — none hangs — and a rank whose collective actor is poisoned
@@ -32,7 +37,7 @@ use crate::model::HostModel;
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
 use weightferry_actors::collective_actor::{CollectiveFactory, CollectiveHandle, GatherError};
 use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, PlatformError, PlatformRef};
@@ -110,6 +115,10 @@ pub struct DistributedRunSpec {
     /// Testing aid: randomized per-rank timing (hooks sleep, and on the simulated device each rank's comm stream
     /// is slowed by its own amount), so ranks reach their hooks at different times.
     pub jitter: Option<Jitter>,
+    /// Timing mode: `Some((lo, hi))` runs the pipeline three times through the same enabled stacks (one untimed
+    /// warm-up step, then `lo` steps, then `hi` steps) and reports [`RankRun::timing`]; the output is the `hi`
+    /// run's and `steps` is ignored. Needs `1 <= lo < hi`.
+    pub timed_steps: Option<(u32, u32)>,
 }
 
 impl DistributedRunSpec {
@@ -122,6 +131,13 @@ impl DistributedRunSpec {
             return Err(DistributedRunError::Invalid(
                 "distributed layerwise needs a prefetch depth of at least 1".into(),
             ));
+        }
+        if let Some((lo, hi)) = self.timed_steps {
+            if lo == 0 || hi <= lo {
+                return Err(DistributedRunError::Invalid(format!(
+                    "timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)"
+                )));
+            }
         }
         Ok(())
     }
@@ -227,6 +243,7 @@ impl DistributedRunSpec {
             timeout: Duration::from_secs(30),
             chunk_bytes: None,
             jitter: None,
+            timed_steps: None,
         }
     }
 }
@@ -250,6 +267,61 @@ pub struct RankRun {
     pub sections: u64,
     /// Host → device bytes the DiT stacks copied (shards only).
     pub h2d_bytes: u64,
+    /// With [`DistributedRunSpec::timed_steps`]: the timed executions and the bytes one step moved.
+    pub timing: Option<RankTiming>,
+}
+
+/// The timed executions of one rank ([`DistributedRunSpec::timed_steps`]): wall times of the `lo`- and `hi`-step
+/// executions (each ends by reading the output back, so wall time is device time) and what one step moved, taken
+/// from the stacks' copy counters as the difference between the two executions divided by `hi − lo` — which
+/// removes the encoders, the VAE and the first step of each execution, as the single-GPU bench does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankTiming {
+    /// `(lo, hi)` steps.
+    pub steps: (u32, u32),
+    /// Wall time of the `lo`-step execution.
+    pub lo: Duration,
+    /// Wall time of the `hi`-step execution.
+    pub hi: Duration,
+    /// Shard bytes this rank copied host → device per step (padding included).
+    pub shard_bytes_per_step: u64,
+    /// Bytes the AllGathers of one step wrote on this rank (`shard_bytes_per_step × world`, padding included).
+    pub gathered_bytes_per_step: u64,
+    /// Full-block bytes one step rebuilt (padding excluded): what a single GPU would copy host → device per step
+    /// to stream the same blocks. Derived as the passes over every block one step made (shard bytes per step /
+    /// shard bytes of one pass) × the full bytes of one pass.
+    pub full_bytes_per_step: u64,
+}
+
+impl RankTiming {
+    /// Seconds per step: `(hi − lo) / (hi_steps − lo_steps)`.
+    pub fn step_s(&self) -> f64 {
+        step_seconds(self.steps, self.lo, self.hi)
+    }
+}
+
+/// `(t_hi − t_lo) / (hi − lo)` in seconds (0 when `hi <= lo`).
+pub fn step_seconds((lo, hi): (u32, u32), t_lo: Duration, t_hi: Duration) -> f64 {
+    if hi <= lo {
+        return 0.0;
+    }
+    (t_hi.as_secs_f64() - t_lo.as_secs_f64()) / f64::from(hi - lo)
+}
+
+/// Per-step bytes from counter readings before the `lo` run (`b0`), between the runs (`b1`) and after the `hi` run
+/// (`b2`): `((b2 − b1) − (b1 − b0)) / (hi − lo)`, as the single-GPU bench derives them.
+fn bytes_per_step((lo, hi): (u32, u32), b0: u64, b1: u64, b2: u64) -> u64 {
+    let d = u64::from(hi.saturating_sub(lo)).max(1);
+    (b2.saturating_sub(b1)).saturating_sub(b1.saturating_sub(b0)) / d
+}
+
+/// A resident run on a caller's model ([`resident_run_with_model`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResidentRun {
+    /// The output (little-endian `f32` latents): of the `hi`-step execution when timed.
+    pub output: Vec<u8>,
+    /// Timed: `(lo, hi)` steps and the wall times of the two executions.
+    pub timing: Option<((u32, u32), Duration, Duration)>,
 }
 
 /// The output of the fully resident single-rank run of `pipeline` (every storage on the device, no hooks), as
@@ -272,21 +344,55 @@ pub fn resident_output_on(
 ) -> Result<Vec<u8>, EngineError> {
     let platform = compute.platform();
     let model = HostModel::synthetic(platform.clone(), Arc::new(pipeline.clone()), seed)?;
-    let result = (|| {
-        let mut engine = Engine::new(compute, pipeline)?;
-        let upload = platform.create_stream("resident-upload")?;
-        let all: Vec<StorageId> = pipeline.storages.keys().copied().collect();
-        let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
-        let opts = ExecOptions { steps, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
-        let out = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {});
-        let released = engine.release();
-        placement.release()?;
-        let out = out?;
-        released?;
-        Ok(out.output)
-    })();
+    let result = resident_run_with_model(compute, &model, pipeline, steps, seed, None);
     model.release();
-    result
+    result.map(|r| r.output)
+}
+
+/// The fully resident run of `pipeline` on `compute`'s platform with the caller's `model` (loaded on that platform
+/// from `pipeline`; it is left loaded): every storage uploaded once, no hooks. Untimed (`timed = None`): one
+/// execution of `steps` steps. Timed (`Some((lo, hi))`, `1 <= lo < hi`; `steps` is ignored): one untimed warm-up
+/// step (cuBLAS handles, kernel loading), then `lo` and `hi` steps, each timed; the output is the `hi` run's —
+/// the compute time of a step is [`step_seconds`] of the two.
+pub fn resident_run_with_model(
+    compute: Arc<dyn Compute>,
+    model: &HostModel,
+    pipeline: &PipelineDesc,
+    steps: u32,
+    seed: u64,
+    timed: Option<(u32, u32)>,
+) -> Result<ResidentRun, EngineError> {
+    if let Some((lo, hi)) = timed {
+        if lo == 0 || hi <= lo {
+            return Err(EngineError::Invalid(format!("timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)")));
+        }
+    }
+    let platform = compute.platform();
+    let mut engine = Engine::new(compute, pipeline)?;
+    let upload = platform.create_stream("resident-upload")?;
+    let all: Vec<StorageId> = pipeline.storages.keys().copied().collect();
+    let mut placement = ResidentPlacement::upload(&platform, model, &all, upload)?;
+    let run = |n: u32| -> Result<(Duration, Vec<u8>), EngineError> {
+        let opts =
+            ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
+        let t = Instant::now();
+        let out = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {})?;
+        Ok((t.elapsed(), out.output))
+    };
+    let result = match timed {
+        None => run(steps).map(|(_, output)| ResidentRun { output, timing: None }),
+        Some((lo, hi)) => (|| {
+            run(1)?;
+            let (t_lo, _) = run(lo)?;
+            let (t_hi, output) = run(hi)?;
+            Ok(ResidentRun { output, timing: Some(((lo, hi), t_lo, t_hi)) })
+        })(),
+    };
+    let released = engine.release();
+    placement.release()?;
+    let result = result?;
+    released?;
+    Ok(result)
 }
 
 /// Runs `spec` on `spec.world` simulated ranks; returns each rank's result, indexed by rank.
@@ -415,6 +521,15 @@ pub fn run_rank(
     world: usize,
     spec: &DistributedRunSpec,
 ) -> Result<RankRun, DistributedRunError> {
+    check_rank(rank, world, spec)?;
+    let model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)?;
+    let result = run_rank_with_model(platform, compute, collective, rank, world, spec, &model);
+    model.release();
+    result
+}
+
+/// The spec is valid and `rank` of `world` fits it.
+fn check_rank(rank: usize, world: usize, spec: &DistributedRunSpec) -> Result<(), DistributedRunError> {
     spec.validate()?;
     if world != spec.world || rank >= world {
         return Err(DistributedRunError::Invalid(format!(
@@ -423,12 +538,27 @@ pub fn run_rank(
             spec.world
         )));
     }
-    let model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)?;
+    Ok(())
+}
+
+/// [`run_rank`] on the caller's `model` instead of a fresh one: `model` must hold `spec.pipeline` with synthetic
+/// weights of `spec.seed`, loaded on `platform` (so one weight generation serves this run and a resident baseline
+/// on the same device, see [`resident_run_with_model`]). The model is read, never changed, and left loaded;
+/// everything else this rank allocated is released before returning, success or not.
+pub fn run_rank_with_model(
+    platform: PlatformRef,
+    compute: Arc<dyn Compute>,
+    collective: CollectiveFactory,
+    rank: usize,
+    world: usize,
+    spec: &DistributedRunSpec,
+    model: &HostModel,
+) -> Result<RankRun, DistributedRunError> {
+    check_rank(rank, world, spec)?;
     let mut parts = RankParts::default();
-    let result = rank_run(spec, (rank, world), &platform, compute, &model, collective, &mut parts);
+    let result = rank_run(spec, (rank, world), &platform, compute, model, collective, &mut parts);
     let poisoned = parts.collective.as_ref().and_then(|c| c.poisoned());
     let cleanup = release(&platform, parts);
-    model.release();
     let run = match (result, cleanup) {
         (Ok(run), Ok(())) => Ok(run),
         (Err(e), _) | (Ok(_), Err(e)) => Err(e),
@@ -511,7 +641,7 @@ fn rank_run(
     parts.fixed = Some(ResidentPlacement::upload(platform, model, &units.fixed, upload)?);
 
     let mut locations = HashMap::new();
-    let (mut full, mut sections) = (0u64, 0u64);
+    let (mut full, mut sections, mut pass_shard) = (0u64, 0u64, 0u64);
     for (si, sp) in units.stacks.iter().enumerate() {
         let masters = build_sharded_masters(model, &sp.units, world, rank, HostMemoryKind::Pinned, spec.chunk_bytes)?;
         let gather_blocks: Vec<GatherBlock> = masters
@@ -535,6 +665,7 @@ fn rank_run(
                     .collect(),
             })
             .collect();
+        pass_shard += gather_blocks.iter().flat_map(|b| &b.sections).map(|s| s.shard_bytes).sum::<u64>();
         parts.masters.push(masters);
         for (ui, unit) in sp.units.iter().enumerate() {
             for sec in &unit.sections {
@@ -583,29 +714,57 @@ fn rank_run(
         return Err(DistributedRunError::Invalid("fixed placement missing".into()));
     };
     let source = RankSource { stacks: &parts.stacks, locations, fixed };
-    let opts = ExecOptions {
-        steps: spec.steps,
-        input_seed: spec.seed,
-        skip_seed: None,
-        span_epoch: None,
-        max_blocks_ahead: None,
+    let run = |steps: u32| -> Result<(Duration, Vec<u8>), EngineError> {
+        let opts =
+            ExecOptions { steps, input_seed: spec.seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
+        let t = Instant::now();
+        let out = engine.execute(&source, &hooks, &opts, &mut |_| {})?;
+        Ok((t.elapsed(), out.output))
     };
-    let out = engine.execute(&source, &hooks, &opts, &mut |_| {});
+    let h2d = || parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum::<u64>();
+    // Timed: every execution runs through the same stacks (the shard masters are built once, above).
+    let result = match spec.timed_steps {
+        None => run(spec.steps).map(|(_, output)| (output, None)),
+        Some(steps) => (|| {
+            run(1)?;
+            let b0 = h2d();
+            let (t_lo, _) = run(steps.0)?;
+            let b1 = h2d();
+            let (t_hi, output) = run(steps.1)?;
+            let b2 = h2d();
+            let shard = bytes_per_step(steps, b0, b1, b2);
+            let full_per_step = if pass_shard == 0 {
+                0
+            } else {
+                u64::try_from(u128::from(shard) * u128::from(full) / u128::from(pass_shard)).unwrap_or(u64::MAX)
+            };
+            let timing = RankTiming {
+                steps,
+                lo: t_lo,
+                hi: t_hi,
+                shard_bytes_per_step: shard,
+                gathered_bytes_per_step: shard.saturating_mul(world as u64),
+                full_bytes_per_step: full_per_step,
+            };
+            Ok((output, Some(timing)))
+        })(),
+    };
     hooks.remove_owned_by(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK);
     let released = engine.release();
-    let out = out?;
+    let (output, timing) = result?;
     released?;
     for s in &parts.stacks {
         s.fence().map_err(OffloadError::from)?;
     }
     Ok(RankRun {
         rank,
-        output: out.output,
+        output,
         issued: collective.issued(),
         hazard_violations: 0,
         shard_host_bytes: parts.masters.iter().map(|m| m.host_bytes()).sum(),
         full_section_bytes: full,
         sections,
         h2d_bytes: parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum(),
+        timing,
     })
 }
