@@ -232,3 +232,30 @@ fn bench_gather_rejects_bad_arguments_in_one_line() {
         assert!(e.contains("--features nccl"), "{e}");
     }
 }
+
+#[test]
+fn bench_budgets_take_fractions_or_none() {
+    assert_eq!(
+        invalid(&["bench", "--preset", "flux-tiny", "--budgets", "0"]),
+        "error: --budgets \"0\": expected fractions in (0, 1] separated by commas, e.g. 0.25,0.5,0.75, or none for \
+         no budget rows"
+    );
+    assert_eq!(
+        invalid(&["bench", "--preset", "flux-tiny", "--budgets", ""]),
+        "error: --budgets \"\": expected fractions in (0, 1] separated by commas, e.g. 0.25,0.5,0.75, or none for \
+         no budget rows"
+    );
+    // `none` passes the argument checks: only the depth rows are measured.
+    let args = ["bench", "--preset", "flux-tiny", "--steps", "1,2", "--depths", "1", "--budgets", "none"];
+    if cfg!(feature = "cuda") {
+        // A GPU may or may not be present: the arguments are accepted either way.
+        let o = wf(&args);
+        assert_ne!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(!stderr(&o).contains("--budgets"), "{}", stderr(&o));
+    } else {
+        assert_eq!(
+            invalid(&args),
+            "error: bench measures a GPU: rebuild with --features cuda and run it on a machine with a GPU"
+        );
+    }
+}

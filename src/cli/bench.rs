@@ -1,20 +1,45 @@
 //! `weightferry bench`: the GPU benchmark matrix (see `engine::gpu`, built with the `cuda` feature): per preset, the resident step time,
 //! the pinned H2D bandwidth, and every offload configuration's step time as a ratio to its bound, printed as a
-//! markdown table (or one JSON object).
+//! markdown table (or one JSON object). The arguments are checked (exit 2) before the build's GPU support is.
 
 use super::{BenchArgs, CliError};
 
-/// Runs `weightferry bench`; returns the exit code.
-#[cfg(not(feature = "cuda"))]
-pub fn bench(_a: &BenchArgs) -> Result<i32, CliError> {
-    Err(CliError::invalid("bench measures a GPU: rebuild with --features cuda and run it on a machine with a GPU"))
+/// What `--budgets` asks for: fractions of the DiT's bytes in (0, 1], comma-separated, or `none` (only the depth
+/// configurations, no budget rows).
+pub fn parse_budgets(text: &str) -> Result<Vec<f64>, CliError> {
+    let bad = || {
+        CliError::invalid(format!(
+            "--budgets {text:?}: expected fractions in (0, 1] separated by commas, e.g. 0.25,0.5,0.75, or none for \
+             no budget rows"
+        ))
+    };
+    let text_trim = text.trim();
+    if text_trim.eq_ignore_ascii_case("none") {
+        return Ok(Vec::new());
+    }
+    text_trim
+        .split(',')
+        .map(|f| match f.trim().parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 && v <= 1.0 => Ok(v),
+            _ => Err(bad()),
+        })
+        .collect()
 }
 
-/// Runs `weightferry bench`; returns the exit code.
-#[cfg(feature = "cuda")]
-pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
-    use super::emit;
-    use crate::engine::gpu::{bench as run_bench, BenchSpec};
+/// The checked arguments of `bench`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckedBench {
+    /// Presets, in order.
+    pub presets: Vec<String>,
+    /// `(lo, hi)` steps.
+    pub steps: (u32, u32),
+    /// Budget fractions (empty: no budget rows).
+    pub budgets: Vec<f64>,
+}
+
+/// Checks `bench`'s arguments: known presets, `--steps LO,HI` with HI > LO, `--rounds` at least 1, `--budgets`
+/// as [`parse_budgets`] reads them, and at least one configuration besides the resident ones.
+pub fn check_args(a: &BenchArgs) -> Result<CheckedBench, CliError> {
     let presets = if a.preset.is_empty() {
         vec!["flux-dev".to_string(), "wan-14b".to_string(), "qwen-image".to_string()]
     } else {
@@ -32,20 +57,41 @@ pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
     if a.rounds == 0 {
         return Err(CliError::invalid("--rounds must be at least 1"));
     }
-    if a.budgets.iter().any(|f| !(f.is_finite() && *f > 0.0 && *f <= 1.0)) {
-        return Err(CliError::invalid("--budgets are fractions in (0, 1], e.g. 0.25,0.5,0.75"));
+    let budgets = parse_budgets(&a.budgets)?;
+    if budgets.is_empty() && a.depths.is_empty() {
+        return Err(CliError::invalid(
+            "--budgets none leaves nothing to measure without --depths; give --depths (e.g. 1,2) or budgets",
+        ));
     }
+    Ok(CheckedBench { presets, steps, budgets })
+}
+
+/// Runs `weightferry bench`; returns the exit code.
+pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
+    let checked = check_args(a)?;
+    run_checked(a, checked)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_checked(_a: &BenchArgs, _c: CheckedBench) -> Result<i32, CliError> {
+    Err(CliError::invalid("bench measures a GPU: rebuild with --features cuda and run it on a machine with a GPU"))
+}
+
+#[cfg(feature = "cuda")]
+fn run_checked(a: &BenchArgs, c: CheckedBench) -> Result<i32, CliError> {
+    use super::emit;
+    use crate::engine::gpu::{bench as run_bench, BenchSpec};
     if let Some(dir) = &a.trace {
         std::fs::create_dir_all(dir)
             .map_err(|e| CliError::invalid(format!("--trace: cannot create directory `{}`: {e}", dir.display())))?;
     }
     let spec = BenchSpec {
-        presets,
+        presets: c.presets,
         tokens: a.tokens,
         depths: a.depths.clone(),
-        budgets: a.budgets.clone(),
+        budgets: c.budgets,
         sweep: a.sweep,
-        steps,
+        steps: c.steps,
         seed: 0,
         trace_dir: a.trace.clone(),
         rounds: a.rounds,
@@ -124,4 +170,29 @@ pub fn bench(a: &BenchArgs) -> Result<i32, CliError> {
     }
     emit(&out);
     Ok(if report.rows.iter().all(|r| r.outputs_match) { 0 } else { 1 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_fractions_or_none() {
+        assert_eq!(parse_budgets("0.25,0.5, 0.75").unwrap(), vec![0.25, 0.5, 0.75]);
+        assert_eq!(parse_budgets("1").unwrap(), vec![1.0]);
+        assert!(parse_budgets("none").unwrap().is_empty());
+        assert!(parse_budgets(" NONE ").unwrap().is_empty());
+        for bad in ["", "0", "1.5", "0.5,", "nan", "0.5,none", "-0.25"] {
+            let e = parse_budgets(bad).unwrap_err();
+            assert_eq!(e.code, 2, "{bad:?}");
+            assert_eq!(
+                e.message,
+                format!(
+                    "--budgets {bad:?}: expected fractions in (0, 1] separated by commas, e.g. 0.25,0.5,0.75, or \
+                     none for no budget rows"
+                ),
+                "{bad:?}"
+            );
+        }
+    }
 }

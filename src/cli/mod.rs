@@ -151,9 +151,10 @@ pub struct BenchArgs {
     /// Prefetch depths measured with every block streamed.
     #[arg(long, value_name = "D", value_delimiter = ',', default_value = "1,2,3,4")]
     pub depths: Vec<u32>,
-    /// Device budgets as fractions of the DiT's bytes.
-    #[arg(long, value_name = "F", value_delimiter = ',', default_value = "0.25,0.5,0.75")]
-    pub budgets: Vec<f64>,
+    /// Device budgets as fractions of the DiT's bytes in (0, 1], comma-separated; `none` for no budget rows (only
+    /// the resident and depth configurations).
+    #[arg(long, value_name = "F,…|none", default_value = "0.25,0.5,0.75")]
+    pub budgets: String,
     /// Also run depths 1 and 4 (with as many resident blocks as fit) at every budget.
     #[arg(long)]
     pub sweep: bool,
