@@ -3,7 +3,9 @@
 //! collective, and rank 0 reports every rank bit-exact with the resident run (text and JSON, unchunked and
 //! chunked, the rank count from the config's group); a rank whose AllGather fails makes launch exit 1 naming it;
 //! a bad launch environment or a config whose group does not match `WORLD_SIZE` is an exact one-line error (exit
-//! 2) before anything runs.
+//! 2) before anything runs. A timed run (`--time-steps LO,HI`) reports per rank and for the group the step time,
+//! the bytes per step (one pass of shards), the bounds and their ratios, in JSON and text, and stays bit-exact;
+//! bad `--time-steps` values are an exact exit-2 error naming the flag.
 
 use serde_json::Value;
 use std::process::{Command, Output};
@@ -175,4 +177,105 @@ fn launch_needs_a_command() {
     assert!(err.starts_with("error: ") && err.lines().count() == 1, "{err}");
     let o = wf(&["launch", "--nproc", "0", "--", "run"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+}
+
+/// The JSON object rank 0 printed (every line prefixed `[rank 0] `).
+fn rank0_json(out: &str) -> Value {
+    let json: String = out.lines().map(|l| l.strip_prefix("[rank 0] ").expect("rank 0 only")).collect();
+    serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"))
+}
+
+#[test]
+fn a_timed_launch_reports_step_time_bytes_per_step_and_bounds_in_json() {
+    let args = ["launch", "--nproc", "2", "--", "run", "--time-steps", "1,3", "--sim-h2d-gbps", "0.05", "--json"];
+    let o = wf(&args, &[]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "stdout: {out}\nstderr: {err}");
+    let v = rank0_json(&out);
+    assert_eq!(v["steps"], 3, "the HI run is the one compared");
+    assert_eq!(v["all_bit_exact"], true);
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    let f = |x: &Value, k: &str| x[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {x}"));
+    let u = |x: &Value, k: &str| x[k].as_u64().unwrap_or_else(|| panic!("{k} missing: {x}"));
+    for (r, rank) in ranks.iter().enumerate() {
+        assert_eq!(rank["bit_exact"], true, "rank {r}");
+        assert_eq!(rank["checksum"], v["resident_checksum"], "rank {r}");
+        let t = &rank["timing"];
+        assert!(f(t, "step_s") > 0.0, "rank {r}: {t}");
+        assert!(f(t, "hi_s") > f(t, "lo_s"), "rank {r}: {t}");
+        assert!((f(t, "step_s") - (f(t, "hi_s") - f(t, "lo_s")) / 2.0).abs() < 1e-9, "rank {r}: {t}");
+        assert!(f(t, "resident_step_s").is_finite(), "rank {r}: {t}");
+        assert_eq!(f(t, "h2d_bytes_per_s"), 5e7, "rank {r}");
+        // One step copies every block's shard once: the shard bytes of one pass.
+        let shard = u(t, "shard_bytes_per_step");
+        assert_eq!(shard, u(rank, "shard_host_bytes"), "rank {r}: {t}");
+        assert_eq!(u(t, "gathered_bytes_per_step"), 2 * shard, "rank {r}");
+        let full = u(t, "full_bytes_per_step");
+        assert!(full <= 2 * shard && full + 4096 > 2 * shard, "rank {r}: full {full}, shard {shard}");
+        // The simulated copies are throttled to 0.05 GB/s, so a step cannot be much faster than its shards' copies.
+        assert!(f(t, "step_s") > 0.25 * shard as f64 / 5e7, "rank {r}: {t}");
+        let bound = f(t, "resident_step_s").max(shard as f64 / 5e7);
+        assert!((f(t, "bound_s") - bound).abs() < 1e-12, "rank {r}: {t}");
+        assert!((f(t, "ratio") - f(t, "step_s") / bound).abs() < 1e-9, "rank {r}: {t}");
+        let single = f(t, "resident_step_s").max(full as f64 / 5e7);
+        assert!((f(t, "single_gpu_bound_s") - single).abs() < 1e-12, "rank {r}: {t}");
+        assert!(f(t, "single_gpu_bound_s") >= f(t, "bound_s"), "rank {r}: {t}");
+    }
+    let g = &v["timing"];
+    assert_eq!(g["steps"], serde_json::json!([1, 3]));
+    let slowest = ranks.iter().map(|r| f(&r["timing"], "step_s")).fold(0.0, f64::max);
+    assert_eq!(f(g, "step_s"), slowest);
+    assert_eq!(u(g, "shard_bytes_per_step"), u(&ranks[0]["timing"], "shard_bytes_per_step"));
+    assert_eq!(u(g, "full_bytes_per_step"), u(&ranks[0]["timing"], "full_bytes_per_step"));
+    assert!(f(g, "bound_s") > 0.0 && f(g, "ratio") > 0.0, "{g}");
+    assert!((f(g, "ratio_to_single_gpu_bound") - f(g, "step_s") / f(g, "single_gpu_bound_s")).abs() < 1e-9);
+    assert_eq!(g["single_gpu_command"], "weightferry bench --preset flux-tiny --steps 1,3 --depths 2 --budgets none");
+}
+
+#[test]
+fn a_timed_launch_prints_a_timing_line_per_rank_the_group_and_the_single_gpu_command() {
+    let args = ["launch", "--nproc", "2", "--", "run", "--preset", "wan-tiny", "--time-steps", "1,2"];
+    let o = wf(&args, &[]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "stdout: {out}\nstderr: {err}");
+    let lines: Vec<&str> = out.lines().map(|l| l.strip_prefix("[rank 0] ").expect("rank 0 only")).collect();
+    assert_eq!(lines.len(), 8, "{out}");
+    assert!(
+        lines[0].starts_with(
+            "weightferry distributed run: wan-tiny on 2 sim ranks (one process each), timed steps 1,2 after a warm-up \
+             step, depth 2"
+        ),
+        "{out}"
+    );
+    assert!(lines[3].starts_with("rank 0 timing: ") && lines[3].contains(" s/step (LO "), "{out}");
+    assert!(lines[3].contains("pinned H2D") && lines[3].contains(", bound "), "{out}");
+    assert!(lines[4].starts_with("rank 1 timing: "), "{out}");
+    assert!(lines[5].starts_with("all 2 ranks bit-exact with the resident run"), "{out}");
+    assert!(lines[6].starts_with("group: ") && lines[6].contains("single-GPU bound"), "{out}");
+    assert_eq!(
+        lines[7],
+        "single-GPU layerwise of the same preset: weightferry bench --preset wan-tiny --steps 1,2 --depths 2 \
+         --budgets none (its depth=2 row)"
+    );
+}
+
+#[test]
+fn bad_time_steps_are_an_exact_error_naming_the_flag() {
+    let env = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+    for bad in ["3,1", "2,2", "0,2", "1", "a,3", "1,2,3", ""] {
+        invalid(
+            &["run", "--time-steps", bad],
+            &env,
+            &format!(
+                "error: --time-steps {bad:?}: expected two step counts LO,HI with 1 <= LO < HI <= 100000, e.g. 1,3"
+            ),
+        );
+    }
+    invalid(
+        &["run", "--time-steps", "1,3"],
+        &[],
+        "error: --time-steps applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry launch); on \
+         one GPU, weightferry bench times layerwise offload",
+    );
 }

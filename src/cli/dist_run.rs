@@ -9,14 +9,24 @@
 //!
 //! Without `--config`, the DiT is gathered across a data-parallel group of `WORLD_SIZE` ranks; with `--config`,
 //! the config's offload group must have `WORLD_SIZE` ranks.
+//!
+//! With `--time-steps LO,HI` every rank times its run ([`DistributedRunSpec::timed_steps`]: a warm-up step, then
+//! `LO` and `HI` steps through the same stacks), times the resident run on its device the same way (the compute
+//! time), and on CUDA measures its pinned H2D bandwidth, every rank at once after a barrier (on the simulated
+//! device: `--sim-h2d-gbps`, if given);
+//! rank 0 reports per rank and for the group the step time against the bound `max(compute, shard bytes per step /
+//! H2D bandwidth)`, and the single-GPU bound `max(compute, full-block bytes per step / H2D bandwidth)`.
 
 use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DEFAULT_PRESET};
 use crate::config::OffloadConfig;
 use crate::dist::launch::PEER_FAILED_EXIT;
 use crate::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use crate::engine::compute::{Compute, SimCompute};
+use crate::model::HostModel;
 use crate::model::{fnv1a, FNV_OFFSET};
-use crate::offload::distributed_backend::{resident_output, run_rank, DistributedRunSpec};
+use crate::offload::distributed_backend::{
+    resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
+};
 use crate::report::human_bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -36,8 +46,177 @@ pub fn default_distributed_config(world: usize) -> String {
     )
 }
 
+/// Parses `--time-steps LO,HI` (`1 <= LO < HI <= 100000`).
+pub fn parse_time_steps(text: &str) -> Result<(u32, u32), CliError> {
+    let bad = || {
+        CliError::invalid(format!(
+            "--time-steps {text:?}: expected two step counts LO,HI with 1 <= LO < HI <= 100000, e.g. 1,3"
+        ))
+    };
+    let (lo, hi) = text.split_once(',').ok_or_else(bad)?;
+    let lo: u32 = lo.trim().parse().map_err(|_| bad())?;
+    let hi: u32 = hi.trim().parse().map_err(|_| bad())?;
+    if lo == 0 || hi <= lo || hi > 100_000 {
+        return Err(bad());
+    }
+    Ok((lo, hi))
+}
+
+/// `max(compute, bytes / bandwidth)` (just `compute` without a bandwidth).
+fn bound_of(compute_s: f64, bytes: u64, bytes_per_s: Option<f64>) -> f64 {
+    match bytes_per_s {
+        Some(bw) if bw.is_finite() && bw > 0.0 => compute_s.max(bytes as f64 / bw),
+        _ => compute_s,
+    }
+}
+
+/// `step / bound`, when the bound is a positive number.
+fn ratio_of(step_s: f64, bound_s: f64) -> Option<f64> {
+    (bound_s.is_finite() && bound_s > 0.0 && step_s.is_finite()).then(|| step_s / bound_s)
+}
+
+/// One rank's timed run (`--time-steps`). Seconds per step are `(t(HI) − t(LO)) / (HI − LO)`, bytes per step the
+/// same difference of the stacks' copy counters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankTimingReport {
+    /// Wall time of the `LO`-step execution, s.
+    pub lo_s: f64,
+    /// Wall time of the `HI`-step execution, s.
+    pub hi_s: f64,
+    /// Seconds per step of the distributed run.
+    pub step_s: f64,
+    /// Seconds per step of the resident run on the same device (the compute time).
+    pub resident_step_s: f64,
+    /// Pinned H2D bandwidth of this rank, bytes/s (CUDA: measured with 256 MiB copies; simulated device: the
+    /// `--sim-h2d-gbps` throttle; `null` when unthrottled).
+    pub h2d_bytes_per_s: Option<f64>,
+    /// Shard bytes this rank copied host → device per step.
+    pub shard_bytes_per_step: u64,
+    /// Bytes the AllGathers wrote on this rank per step (shard bytes × ranks, padding included).
+    pub gathered_bytes_per_step: u64,
+    /// Full-block bytes rebuilt per step (what one GPU alone would copy host → device per step).
+    pub full_bytes_per_step: u64,
+    /// `max(resident_step_s, shard_bytes_per_step / h2d_bytes_per_s)`.
+    pub bound_s: f64,
+    /// `step_s / bound_s` (`null` when the bound is not positive).
+    pub ratio: Option<f64>,
+    /// The single-GPU bound of the same work: `max(resident_step_s, full_bytes_per_step / h2d_bytes_per_s)`.
+    pub single_gpu_bound_s: f64,
+}
+
+impl RankTimingReport {
+    /// The report of a timed `run` and the timed resident run on the same device.
+    pub fn new(run: &RankRun, resident: &ResidentRun, h2d_bytes_per_s: Option<f64>) -> Option<Self> {
+        let t = run.timing?;
+        let (steps, lo, hi) = resident.timing?;
+        let step_s = t.step_s();
+        let resident_step_s = step_seconds(steps, lo, hi);
+        let bound_s = bound_of(resident_step_s, t.shard_bytes_per_step, h2d_bytes_per_s);
+        Some(RankTimingReport {
+            lo_s: t.lo.as_secs_f64(),
+            hi_s: t.hi.as_secs_f64(),
+            step_s,
+            resident_step_s,
+            h2d_bytes_per_s,
+            shard_bytes_per_step: t.shard_bytes_per_step,
+            gathered_bytes_per_step: t.gathered_bytes_per_step,
+            full_bytes_per_step: t.full_bytes_per_step,
+            bound_s,
+            ratio: ratio_of(step_s, bound_s),
+            single_gpu_bound_s: bound_of(resident_step_s, t.full_bytes_per_step, h2d_bytes_per_s),
+        })
+    }
+}
+
+/// The group's timing: the slowest rank's figures (the ranks wait for each other at every AllGather).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupTiming {
+    /// `[LO, HI]` steps of the timed executions.
+    pub steps: [u32; 2],
+    /// Seconds per step: the largest of the ranks'.
+    pub step_s: f64,
+    /// Resident seconds per step (the compute time): the largest of the ranks'.
+    pub compute_s: f64,
+    /// Pinned H2D bandwidth, bytes/s: the smallest of the ranks' (`null` when no rank has one).
+    pub h2d_bytes_per_s: Option<f64>,
+    /// Shard bytes copied host → device per step and rank: the largest of the ranks'.
+    pub shard_bytes_per_step: u64,
+    /// Bytes the AllGathers wrote per step and rank: the largest of the ranks'.
+    pub gathered_bytes_per_step: u64,
+    /// Full-block bytes rebuilt per step on each rank.
+    pub full_bytes_per_step: u64,
+    /// The group's bound: the largest of the ranks' bounds.
+    pub bound_s: f64,
+    /// `step_s / bound_s` (`null` when the bound is not positive).
+    pub ratio: Option<f64>,
+    /// The single-GPU bound of the same work: the largest of the ranks' `single_gpu_bound_s`.
+    pub single_gpu_bound_s: f64,
+    /// `step_s / single_gpu_bound_s`: below 1 when the group beats any single-GPU layerwise run.
+    pub ratio_to_single_gpu_bound: Option<f64>,
+    /// The command that measures single-GPU layerwise of the same preset and depth (`null` for a pipeline file).
+    pub single_gpu_command: Option<String>,
+}
+
+impl GroupTiming {
+    /// The group's figures from every rank's; `None` when a rank has no timing.
+    pub fn new(steps: (u32, u32), ranks: &[RankSummary], single_gpu_command: Option<String>) -> Option<Self> {
+        let t: Vec<&RankTimingReport> = ranks.iter().map(|r| r.timing.as_ref()).collect::<Option<_>>()?;
+        let fmax = |f: fn(&RankTimingReport) -> f64| t.iter().map(|r| f(r)).fold(f64::NEG_INFINITY, f64::max);
+        let umax = |f: fn(&RankTimingReport) -> u64| t.iter().map(|r| f(r)).max().unwrap_or(0);
+        if t.is_empty() {
+            return None;
+        }
+        let step_s = fmax(|r| r.step_s);
+        let bound_s = fmax(|r| r.bound_s);
+        let single_gpu_bound_s = fmax(|r| r.single_gpu_bound_s);
+        Some(GroupTiming {
+            steps: [steps.0, steps.1],
+            step_s,
+            compute_s: fmax(|r| r.resident_step_s),
+            h2d_bytes_per_s: t.iter().filter_map(|r| r.h2d_bytes_per_s).reduce(f64::min),
+            shard_bytes_per_step: umax(|r| r.shard_bytes_per_step),
+            gathered_bytes_per_step: umax(|r| r.gathered_bytes_per_step),
+            full_bytes_per_step: umax(|r| r.full_bytes_per_step),
+            bound_s,
+            ratio: ratio_of(step_s, bound_s),
+            single_gpu_bound_s,
+            ratio_to_single_gpu_bound: ratio_of(step_s, single_gpu_bound_s),
+            single_gpu_command,
+        })
+    }
+}
+
+/// The single-GPU bench command for the same preset, steps, depth and tokens (`None` for a pipeline file).
+pub fn single_gpu_command(pipeline: &str, steps: (u32, u32), depth: usize, tokens: Option<usize>) -> Option<String> {
+    crate::plan::presets::preset(pipeline)?;
+    let tokens = tokens.map_or_else(String::new, |t| format!(" --tokens {t}"));
+    Some(format!(
+        "weightferry bench --preset {pipeline} --steps {},{} --depths {depth} --budgets none{tokens}",
+        steps.0, steps.1
+    ))
+}
+
+/// Decimal bytes: GB or MB with two decimals, or plain bytes below 1 MB.
+fn gb(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1_000_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 1_000_000 => format!("{:.2} MB", b as f64 / 1e6),
+        b => format!("{b} B"),
+    }
+}
+
+/// `ratio` with three decimals, or `n/a`.
+fn ratio_text(r: Option<f64>) -> String {
+    r.map_or_else(|| "n/a".to_string(), |r| format!("{r:.3}"))
+}
+
+/// A bandwidth in GB/s, or `unthrottled`.
+fn bw_text(b: Option<f64>) -> String {
+    b.map_or_else(|| "unthrottled".to_string(), |b| format!("{:.1} GB/s", b / 1e9))
+}
+
 /// What one rank reports to rank 0.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankSummary {
     /// The rank.
     pub rank: usize,
@@ -53,10 +232,13 @@ pub struct RankSummary {
     pub h2d_bytes: u64,
     /// Hazard violations its simulated device detected.
     pub hazard_violations: usize,
+    /// With `--time-steps`: its timed run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timing: Option<RankTimingReport>,
 }
 
 /// The report rank 0 prints.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DistributedReport {
     /// Preset name or pipeline file.
     pub pipeline: String,
@@ -76,6 +258,9 @@ pub struct DistributedReport {
     pub ranks: Vec<RankSummary>,
     /// Whether every rank was bit-exact without hazards.
     pub all_bit_exact: bool,
+    /// With `--time-steps`: the group's timing (each rank's is in `ranks`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timing: Option<GroupTiming>,
 }
 
 impl fmt::Display for DistributedReport {
@@ -84,10 +269,14 @@ impl fmt::Display for DistributedReport {
             Some(c) => format!("AllGather chunks of {}", human_bytes(c)),
             None => "one AllGather per section".to_string(),
         };
+        let steps = match &self.timing {
+            Some(t) => format!("timed steps {},{} after a warm-up step", t.steps[0], t.steps[1]),
+            None => format!("{} steps", self.steps),
+        };
         writeln!(
             f,
-            "weightferry distributed run: {} on {} {} ranks (one process each), {} steps, depth {}, {chunk}",
-            self.pipeline, self.world, self.platform, self.steps, self.depth
+            "weightferry distributed run: {} on {} {} ranks (one process each), {steps}, depth {}, {chunk}",
+            self.pipeline, self.world, self.platform, self.depth
         )?;
         for r in &self.ranks {
             writeln!(
@@ -102,11 +291,56 @@ impl fmt::Display for DistributedReport {
                 r.hazard_violations
             )?;
         }
-        if self.all_bit_exact {
-            write!(f, "all {} ranks bit-exact with the resident run (checksum {})", self.world, self.resident_checksum)
-        } else {
-            write!(f, "NOT all ranks match the resident run (checksum {})", self.resident_checksum)
+        for r in &self.ranks {
+            let Some(t) = &r.timing else { continue };
+            writeln!(
+                f,
+                "rank {} timing: {:.4} s/step (LO {:.3} s, HI {:.3} s), resident {:.4} s/step, shards {}/step at {} \
+                 pinned H2D, AllGather {}/step, full blocks {}/step, bound {:.4} s, ratio {}, single-GPU bound {:.4} s",
+                r.rank,
+                t.step_s,
+                t.lo_s,
+                t.hi_s,
+                t.resident_step_s,
+                gb(t.shard_bytes_per_step),
+                bw_text(t.h2d_bytes_per_s),
+                gb(t.gathered_bytes_per_step),
+                gb(t.full_bytes_per_step),
+                t.bound_s,
+                ratio_text(t.ratio),
+                t.single_gpu_bound_s
+            )?;
         }
+        if self.all_bit_exact {
+            write!(
+                f,
+                "all {} ranks bit-exact with the resident run (checksum {})",
+                self.world, self.resident_checksum
+            )?;
+        } else {
+            write!(f, "NOT all ranks match the resident run (checksum {})", self.resident_checksum)?;
+        }
+        if let Some(t) = &self.timing {
+            write!(
+                f,
+                "\ngroup: {:.4} s/step, bound {:.4} s = max(compute {:.4} s, {} shards / {}), ratio {}; single-GPU \
+                 bound {:.4} s = max(compute, {} full blocks / {}), step / single-GPU bound {}",
+                t.step_s,
+                t.bound_s,
+                t.compute_s,
+                gb(t.shard_bytes_per_step),
+                bw_text(t.h2d_bytes_per_s),
+                ratio_text(t.ratio),
+                t.single_gpu_bound_s,
+                gb(t.full_bytes_per_step),
+                bw_text(t.h2d_bytes_per_s),
+                ratio_text(t.ratio_to_single_gpu_bound)
+            )?;
+            if let Some(cmd) = &t.single_gpu_command {
+                write!(f, "\nsingle-GPU layerwise of the same preset: {cmd} (its depth={} row)", self.depth)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -162,6 +396,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         return Err(unsupported("--inject-ordering-fault"));
     }
     let fault = a.inject_gather_failure.as_deref().map(parse_fault).transpose()?;
+    let timed = a.time_steps.as_deref().map(parse_time_steps).transpose()?;
     let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
     let pipeline = load_pipeline(spec_name)?;
     let config = match &a.config {
@@ -179,7 +414,8 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             spec.world, spec.world
         )));
     }
-    spec.steps = a.steps;
+    spec.steps = timed.map_or(a.steps, |(_, hi)| hi);
+    spec.timed_steps = timed;
     spec.seed = a.seed;
     let mut sim_config = SimConfig { tracing: false, ..SimConfig::default() };
     if let Some(g) = a.sim_h2d_gbps {
@@ -194,14 +430,16 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let rdv = Arc::new(Rendezvous::connect(env, RendezvousOptions::default()).map_err(|e| rendezvous_error(rank, e))?);
     // Every rank must run the same thing, or the AllGathers would not match.
     let fingerprint = format!(
-        "{}|{:016x}|{}|{}|{}|{:?}|{:?}",
+        "{}|{:016x}|{}|{}|{}|{:?}|{:?}|{:?}|{:?}",
         pipeline.name,
         fnv1a(FNV_OFFSET, format!("{config:?}").as_bytes()),
         spec.steps,
         spec.seed,
         spec.depth,
         spec.chunk_bytes,
-        fault
+        fault,
+        spec.timed_steps,
+        a.tokens
     );
     let all = rdv.all_gather_bytes(fingerprint.as_bytes()).map_err(|e| rendezvous_error(rank, e))?;
     if let Some(r) = all.iter().position(|f| f.as_slice() != all[0].as_slice()) {
@@ -213,10 +451,10 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         )));
     }
 
-    let (run, hazards, resident) = if a.platform == PlatformArg::Cuda {
+    let outcome = if a.platform == PlatformArg::Cuda {
         cuda_rank(a, env, &rdv, &pipeline.desc, &pipeline.name, &spec)?
     } else {
-        let sim = Arc::new(SimPlatform::new(sim_config).map_err(|e| failed("simulated device", &e))?);
+        let sim = Arc::new(SimPlatform::new(sim_config.clone()).map_err(|e| failed("simulated device", &e))?);
         let platform: PlatformRef = sim.clone();
         let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
         let collective = TcpCollective::new(rdv.clone(), sim.clone());
@@ -227,29 +465,32 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             }
         }
         let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
-        let run = run_rank(platform, compute, factory, rank, world, &spec);
+        let outcome = sim_rank(platform, compute, factory, (rank, world), &spec);
         let hazards = sim.violations().len();
         sim.shutdown();
-        let run = run.map_err(|e| {
-            if peer_flag.load(std::sync::atomic::Ordering::SeqCst) {
+        let (run, resident) = outcome.map_err(|e| match e {
+            SimRankError::Resident(e) => failed("resident run", &e),
+            SimRankError::Run(e) if peer_flag.load(std::sync::atomic::Ordering::SeqCst) => {
                 peer_failed(rank, &format!("the distributed run failed: {e}"))
-            } else {
-                failed("the distributed run failed", &e)
             }
+            SimRankError::Run(e) => failed("the distributed run failed", &e),
         })?;
-        let resident =
-            resident_output(&pipeline.desc, spec.steps, spec.seed).map_err(|e| failed("resident run", &e))?;
-        (run, hazards, resident)
+        RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec }
     };
+    let RankOutcome { run, hazards, resident, h2d_bytes_per_s } = outcome;
     let summary = RankSummary {
         rank,
-        bit_exact: run.output == resident,
+        bit_exact: run.output == resident.output,
         checksum: format!("{:016x}", fnv1a(FNV_OFFSET, &run.output)),
         all_gathers: run.issued.len(),
         shard_host_bytes: run.shard_host_bytes,
         h2d_bytes: run.h2d_bytes,
         hazard_violations: hazards,
+        timing: RankTimingReport::new(&run, &resident, h2d_bytes_per_s),
     };
+    if timed.is_some() && summary.timing.is_none() {
+        return Err(failed("timing", &"the timed run returned no timing"));
+    }
     let encoded = serde_json::to_vec(&summary).map_err(|e| failed("encode", &e))?;
     let all = rdv.all_gather_bytes(&encoded).map_err(|e| rendezvous_error(rank, e))?;
     let ranks: Vec<RankSummary> = all
@@ -258,6 +499,10 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         .collect::<Result<_, _>>()
         .map_err(|e| failed("decode the other ranks' results", &e))?;
     let all_bit_exact = ranks.iter().all(|r| r.bit_exact && r.hazard_violations == 0);
+    let group_timing = timed.and_then(|steps| {
+        let cmd = single_gpu_command(&pipeline.name, steps, spec.depth, a.tokens);
+        GroupTiming::new(steps, &ranks, cmd)
+    });
     let report = DistributedReport {
         pipeline: pipeline.name,
         platform: if a.platform == PlatformArg::Cuda { "cuda+nccl".into() } else { "sim".into() },
@@ -265,7 +510,8 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         steps: spec.steps,
         depth: spec.depth,
         chunk_bytes: spec.chunk_bytes,
-        resident_checksum: format!("{:016x}", fnv1a(FNV_OFFSET, &resident)),
+        resident_checksum: format!("{:016x}", fnv1a(FNV_OFFSET, &resident.output)),
+        timing: group_timing,
         ranks,
         all_bit_exact,
     };
@@ -288,6 +534,45 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     Ok(0)
 }
 
+/// What this rank ran: the distributed run, the hazards its simulated device saw (0 on a GPU), the resident run
+/// on the same device, and its pinned H2D bandwidth when known.
+struct RankOutcome {
+    run: RankRun,
+    hazards: usize,
+    resident: ResidentRun,
+    h2d_bytes_per_s: Option<f64>,
+}
+
+/// Which half of a simulated rank failed.
+enum SimRankError {
+    Resident(crate::engine::EngineError),
+    Run(crate::offload::distributed_backend::DistributedRunError),
+}
+
+/// This rank on the simulated device: one synthetic model for the resident run and the distributed run (both
+/// timed with `spec.timed_steps`).
+fn sim_rank(
+    platform: PlatformRef,
+    compute: Arc<dyn Compute>,
+    factory: CollectiveFactory,
+    (rank, world): (usize, usize),
+    spec: &DistributedRunSpec,
+) -> Result<(RankRun, ResidentRun), SimRankError> {
+    let model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)
+        .map_err(|e| SimRankError::Resident(e.into()))?;
+    let resident =
+        resident_run_with_model(compute.clone(), &model, &spec.pipeline, spec.steps, spec.seed, spec.timed_steps)
+            .map_err(SimRankError::Resident);
+    let run = match resident {
+        Ok(resident) => run_rank_with_model(platform, compute, factory, rank, world, spec, &model)
+            .map(|run| (run, resident))
+            .map_err(SimRankError::Run),
+        Err(e) => Err(e),
+    };
+    model.release();
+    run
+}
+
 /// This rank on a GPU: device `LOCAL_RANK`, the GPU reference engine, an NCCL communicator whose unique id rank 0
 /// generates and broadcasts over the rendezvous; then the resident run on the same GPU for the comparison.
 #[cfg(feature = "nccl")]
@@ -298,7 +583,7 @@ fn cuda_rank(
     desc: &crate::plan::PipelineDesc,
     name: &str,
     spec: &DistributedRunSpec,
-) -> Result<(crate::offload::distributed_backend::RankRun, usize, Vec<u8>), CliError> {
+) -> Result<RankOutcome, CliError> {
     use crate::engine::cuda::{CudaCompute, GpuShape};
     use crate::engine::gpu::default_tokens;
     use crate::platform::cuda::nccl::{factory, NcclUniqueId};
@@ -308,6 +593,16 @@ fn cuda_rank(
     let cuda = Arc::new(CudaPlatform::new(env.local_rank).map_err(|e| {
         CliError::invalid(format!("rank {rank}: --platform cuda: GPU {} (LOCAL_RANK): {e}", env.local_rank))
     })?);
+    let platform: PlatformRef = cuda.clone();
+    // Timed: this rank's pinned H2D bandwidth, measured as the single-GPU bench does, by every rank at once (after
+    // a barrier): the ranks copy their shards at the same time, and two GPUs copying at once share the host side.
+    let h2d_bytes_per_s = match spec.timed_steps {
+        Some(_) => {
+            rdv.all_gather_bytes(b"h2d").map_err(|e| rendezvous_error(rank, e))?;
+            Some(cuda.measure_h2d_bandwidth(256 << 20, 16).map_err(|e| failed("pinned H2D bandwidth", &e))?)
+        }
+        None => None,
+    };
     let (mut tokens, context_tokens) = default_tokens(name);
     if let Some(t) = a.tokens {
         tokens = t;
@@ -323,12 +618,26 @@ fn cuda_rank(
         rdv.broadcast(None).map_err(|e| rendezvous_error(rank, e))?
     };
     let id = NcclUniqueId::from_bytes(&id).map_err(|e| failed("NCCL unique id", &e))?;
-    let run =
-        run_rank(cuda.clone(), compute.clone(), factory(cuda.clone(), id, rank, env.world), rank, env.world, spec)
-            .map_err(|e| failed("the distributed run failed", &e))?;
-    let resident = crate::offload::distributed_backend::resident_output_on(compute, desc, spec.steps, spec.seed)
-        .map_err(|e| failed("resident run", &e))?;
-    Ok((run, 0, resident))
+    // One synthetic model serves the resident run (first: it also warms the GPU engine up) and the distributed run.
+    let model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)
+        .map_err(|e| failed("synthetic weights", &e))?;
+    let outcome = (|| {
+        let resident = resident_run_with_model(compute.clone(), &model, desc, spec.steps, spec.seed, spec.timed_steps)
+            .map_err(|e| failed("resident run", &e))?;
+        let run = run_rank_with_model(
+            platform.clone(),
+            compute.clone(),
+            factory(cuda.clone(), id, rank, env.world),
+            rank,
+            env.world,
+            spec,
+            &model,
+        )
+        .map_err(|e| failed("the distributed run failed", &e))?;
+        Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s })
+    })();
+    model.release();
+    outcome
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -339,6 +648,103 @@ fn cuda_rank(
     _desc: &crate::plan::PipelineDesc,
     _name: &str,
     _spec: &DistributedRunSpec,
-) -> Result<(crate::offload::distributed_backend::RankRun, usize, Vec<u8>), CliError> {
+) -> Result<RankOutcome, CliError> {
     Err(CliError::invalid("--platform cuda needs a build with --features nccl".to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_steps_parse_lo_below_hi() {
+        assert_eq!(parse_time_steps("1,3").unwrap(), (1, 3));
+        assert_eq!(parse_time_steps(" 2 , 6 ").unwrap(), (2, 6));
+        for bad in ["", "3", "3,1", "2,2", "0,2", "a,b", "1,2,3", "-1,2", "1,100001"] {
+            let e = parse_time_steps(bad).unwrap_err();
+            assert_eq!(e.code, 2, "{bad:?}");
+            assert_eq!(
+                e.message,
+                format!("--time-steps {bad:?}: expected two step counts LO,HI with 1 <= LO < HI <= 100000, e.g. 1,3")
+            );
+        }
+    }
+
+    fn timing(step_s: f64, resident_step_s: f64, shard: u64, full: u64, bw: Option<f64>) -> RankTimingReport {
+        let bound_s = bound_of(resident_step_s, shard, bw);
+        RankTimingReport {
+            lo_s: 1.0,
+            hi_s: 1.0 + 2.0 * step_s,
+            step_s,
+            resident_step_s,
+            h2d_bytes_per_s: bw,
+            shard_bytes_per_step: shard,
+            gathered_bytes_per_step: shard * 2,
+            full_bytes_per_step: full,
+            bound_s,
+            ratio: ratio_of(step_s, bound_s),
+            single_gpu_bound_s: bound_of(resident_step_s, full, bw),
+        }
+    }
+
+    fn summary(rank: usize, t: Option<RankTimingReport>) -> RankSummary {
+        RankSummary {
+            rank,
+            bit_exact: true,
+            checksum: "0".into(),
+            all_gathers: 1,
+            shard_host_bytes: 1,
+            h2d_bytes: 1,
+            hazard_violations: 0,
+            timing: t,
+        }
+    }
+
+    #[test]
+    fn bounds_and_group_timing_take_the_slowest_rank() {
+        // flux-dev-like: 11.8 GB of shards per step and rank at 55 GB/s, 0.2 s of compute.
+        let a = timing(0.25, 0.20, 11_835_000_000, 23_670_000_000, Some(55e9));
+        assert!((a.bound_s - 0.215_181_818).abs() < 1e-6, "{}", a.bound_s);
+        assert!((a.single_gpu_bound_s - 0.430_363_636).abs() < 1e-6, "{}", a.single_gpu_bound_s);
+        let b = timing(0.26, 0.21, 11_835_000_000, 23_670_000_000, Some(50e9));
+        let g = GroupTiming::new((1, 3), &[summary(0, Some(a.clone())), summary(1, Some(b.clone()))], None).unwrap();
+        assert_eq!(g.steps, [1, 3]);
+        assert_eq!(g.step_s, 0.26);
+        assert_eq!(g.compute_s, 0.21);
+        assert_eq!(g.h2d_bytes_per_s, Some(50e9));
+        assert_eq!(g.bound_s, b.bound_s);
+        assert_eq!(g.ratio, Some(0.26 / b.bound_s));
+        assert_eq!(g.single_gpu_bound_s, b.single_gpu_bound_s);
+        assert_eq!(g.ratio_to_single_gpu_bound, Some(0.26 / b.single_gpu_bound_s));
+        // A rank without timing: no group timing.
+        assert!(GroupTiming::new((1, 3), &[summary(0, Some(a)), summary(1, None)], None).is_none());
+        // Unthrottled and no compute: no ratio rather than a division by zero.
+        let z = timing(0.1, 0.0, 5, 10, None);
+        assert_eq!(z.bound_s, 0.0);
+        assert_eq!(z.ratio, None);
+    }
+
+    #[test]
+    fn the_single_gpu_command_names_the_preset_steps_depth_and_tokens() {
+        assert_eq!(
+            single_gpu_command("flux-dev", (1, 3), 2, None).as_deref(),
+            Some("weightferry bench --preset flux-dev --steps 1,3 --depths 2 --budgets none")
+        );
+        assert_eq!(
+            single_gpu_command("wan-14b", (1, 2), 2, Some(1000)).as_deref(),
+            Some("weightferry bench --preset wan-14b --steps 1,2 --depths 2 --budgets none --tokens 1000")
+        );
+        assert_eq!(single_gpu_command("my/pipeline.json", (1, 2), 2, None), None);
+    }
+
+    #[test]
+    fn a_rank_summary_with_timing_round_trips_and_one_without_keeps_the_old_json() {
+        let s = summary(1, Some(timing(0.25, 0.2, 10, 20, Some(1e9))));
+        let back: RankSummary = serde_json::from_slice(&serde_json::to_vec(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+        let plain = serde_json::to_value(summary(0, None)).unwrap();
+        assert!(plain.get("timing").is_none(), "{plain}");
+        let back: RankSummary = serde_json::from_value(plain).unwrap();
+        assert_eq!(back.timing, None);
+    }
 }

@@ -230,6 +230,11 @@ pub struct RunArgs {
     /// Testing aid: run the scheduler with a deliberately broken ordering to prove the checks fail.
     #[arg(long, value_enum, hide = true)]
     pub inject_ordering_fault: Option<FaultArg>,
+    /// Distributed runs only: time the run (replaces --steps). Each rank runs a warm-up step, then LO and then HI
+    /// steps through the same stacks, and the resident run on its device the same way; rank 0 reports per rank
+    /// and for the group the step time, the resident step time, the bytes per step and the ratio to the bound.
+    #[arg(long, value_name = "LO,HI")]
+    pub time_steps: Option<String>,
     /// Testing aid (distributed runs): `RANK:N` makes that rank's N-th AllGather (0-based, the warm-up is 0) fail
     /// to start.
     #[arg(long, value_name = "RANK:N", hide = true)]

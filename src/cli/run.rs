@@ -138,6 +138,12 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
             "--inject-gather-failure applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry launch)",
         ));
     }
+    if a.time_steps.is_some() {
+        return Err(CliError::invalid(
+            "--time-steps applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry launch); on one \
+             GPU, weightferry bench times layerwise offload",
+        ));
+    }
     check_platform(a.platform)?;
     let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
     let pipeline = load_pipeline(spec_name)?;
