@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Distributed layerwise vs single-GPU layerwise (issue 6), on a 2-GPU machine, from the repository root, with the
+# binary staged by `../shared/tools/gpu-stage nccl` carried in .devbin/ (needed: .devbin/weightferry).
+#
+# Usage: bash benches/gpu/dist.sh [presets]        (default "flux-dev wan-14b")
+#
+# Per preset: (1) the timed distributed run, 2 ranks (one process per GPU, NCCL), depth 2, 64 MiB AllGather
+# chunks: `weightferry launch --nproc 2 -- run --platform cuda --time-steps LO,HI`; (2) single-GPU layerwise of
+# the same preset on GPU 0: `weightferry bench --steps LO,HI --depths 1,2 --budgets none`. Steps: 1,3 for flux,
+# 1,2 for wan-14b (2.9 s per step). Each command has its own timeout; the whole script stays under ~560 s.
+# NCCL_NVLS_ENABLE=0 (NVLink multicast off) is exported; launch adds NCCL_MAX_NCHANNELS=4 unless set.
+# Writes $OUT/dist-<preset>.{json,log,raw}, $OUT/bench-<preset>.{json,log} and $OUT/dist-config.json when $OUT is
+# set (else /tmp), and prints a table last (python3; without it, the raw reports).
+set -u
+export NCCL_NVLS_ENABLE=0
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+out="${OUT:-/tmp}"
+presets="${1:-flux-dev wan-14b}"
+wf=.devbin/weightferry
+[ -x "$wf" ] || { echo "$wf missing: stage it with ../shared/tools/gpu-stage nccl and carry .devbin"; exit 2; }
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -3
+nproc; free -g | head -2
+cat > "$out/dist-config.json" <<'EOF'
+{"data_parallel_size": 2, "diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+ "layer_options": {"dit": {"weight_transfer": "allgather", "prefetch_depth": 2, "allgather_chunk_size": "64MiB"}}}}
+EOF
+status=0
+start=$SECONDS
+for p in $presets; do
+  case "$p" in
+    wan-14b) steps=1,2; tdist=150; tbench=200 ;;
+    *) steps=1,3; tdist=100; tbench=110 ;;
+  esac
+  echo "== $p: distributed, 2 ranks, depth 2, 64 MiB chunks, --time-steps $steps (timeout $tdist s)"
+  t0=$SECONDS
+  timeout "$tdist" "$wf" launch --nproc 2 -- run --platform cuda --preset "$p" --config "$out/dist-config.json" \
+    --time-steps "$steps" --json > "$out/dist-$p.raw" 2> "$out/dist-$p.log"
+  rc=$?
+  sed -n 's/^\[rank 0\] //p' "$out/dist-$p.raw" > "$out/dist-$p.json"
+  echo "distributed $p exit $rc ($((SECONDS - t0)) s)"
+  tail -4 "$out/dist-$p.log"
+  [ "$rc" = 0 ] || status=1
+  echo "== $p: single GPU (GPU 0), bench --steps $steps --depths 1,2 --budgets none (timeout $tbench s)"
+  t0=$SECONDS
+  CUDA_VISIBLE_DEVICES=0 timeout "$tbench" "$wf" bench --preset "$p" --steps "$steps" --depths 1,2 --budgets none \
+    --json > "$out/bench-$p.json" 2> "$out/bench-$p.log"
+  rc=$?
+  echo "bench $p exit $rc ($((SECONDS - t0)) s)"
+  tail -3 "$out/bench-$p.log"
+  [ "$rc" = 0 ] || status=1
+done
+echo "== total $((SECONDS - start)) s"
+if command -v python3 > /dev/null; then
+  python3 - "$out" $presets <<'EOF'
+import json, sys
+out, presets = sys.argv[1], sys.argv[2:]
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except Exception as e:
+        print(f"({path}: {e})")
+        return None
+gb = lambda b: f"{b / 1e9:.2f}"
+num = lambda x, d=4: "n/a" if x is None else f"{x:.{d}f}"
+print("| preset | run | step s | compute s | H2D GB/s | GB copied/step per GPU | bound s | ratio | "
+      "single-GPU bound s | step / single-GPU bound | bit-exact |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for p in presets:
+    d, b = load(f"{out}/dist-{p}.json"), load(f"{out}/bench-{p}.json")
+    dist_step = None
+    if d and d.get("timing"):
+        t = d["timing"]
+        dist_step = t["step_s"]
+        bw = t["h2d_bytes_per_s"]
+        chunk = f"{d['chunk_bytes'] / 2**20:g} MiB chunks" if d.get("chunk_bytes") else "one AllGather per section"
+        print(f"| {p} | 2 GPUs, depth {d['depth']}, {chunk} (group) | {num(t['step_s'])} | "
+              f"{num(t['compute_s'])} | {num(bw and bw / 1e9, 1)} | {gb(t['shard_bytes_per_step'])} | "
+              f"{num(t['bound_s'])} | {num(t['ratio'], 3)} | {num(t['single_gpu_bound_s'])} | "
+              f"{num(t['ratio_to_single_gpu_bound'], 3)} | {'yes' if d['all_bit_exact'] else 'NO'} |")
+        for r in d["ranks"]:
+            rt = r["timing"]
+            rbw = rt["h2d_bytes_per_s"]
+            print(f"| {p} | rank {r['rank']} | {num(rt['step_s'])} | {num(rt['resident_step_s'])} | "
+                  f"{num(rbw and rbw / 1e9, 1)} | {gb(rt['shard_bytes_per_step'])} | {num(rt['bound_s'])} | "
+                  f"{num(rt['ratio'], 3)} | {num(rt['single_gpu_bound_s'])} | – | {'yes' if r['bit_exact'] else 'NO'} |")
+    single = {}
+    if b:
+        bw = dict((k, v) for k, v in b["h2d_bytes_per_s"]).get(p)
+        compute = dict((k, v) for k, v in b["compute_s"]).get(p)
+        for r in b["rows"]:
+            if r["preset"] != p or r["config"] == "resident":
+                continue
+            single[r["config"]] = r["step_s"]
+            print(f"| {p} | 1 GPU, {r['config']} | {num(r['step_s'])} | {num(compute)} | {num(bw and bw / 1e9, 1)} | "
+                  f"{gb(r['streamed_bytes_per_step'])} | {num(r['bound_s'])} | {num(r['ratio'], 3)} | – | – | "
+                  f"{'yes' if r['outputs_match'] else 'NO'} |")
+    if dist_step and single.get("depth=2"):
+        print(f"| {p} | 1 GPU depth=2 step / 2 GPUs step | {single['depth=2'] / dist_step:.3f} × | | | | | | | | |")
+EOF
+else
+  for p in $presets; do cat "$out/dist-$p.json"; done
+fi
+exit $status
