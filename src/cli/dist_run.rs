@@ -573,6 +573,21 @@ fn sim_rank(
     run
 }
 
+/// The GPU a rank uses: `LOCAL_RANK` among the visible devices, or the only visible device when a launcher gave
+/// each process one GPU (SLURM's GPU binding, `CUDA_VISIBLE_DEVICES` per rank).
+pub fn gpu_ordinal(local_rank: usize, visible: usize) -> Result<usize, String> {
+    match visible {
+        0 => Err("--platform cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES)".to_string()),
+        1 => Ok(0),
+        n if local_rank < n => Ok(local_rank),
+        n => Err(format!(
+            "LOCAL_RANK={local_rank} but this process sees {n} GPUs (0..{}); start at most {n} ranks per node, or give \
+             each rank one GPU with CUDA_VISIBLE_DEVICES",
+            n - 1
+        )),
+    }
+}
+
 /// This rank on a GPU: device `LOCAL_RANK`, the GPU reference engine, an NCCL communicator whose unique id rank 0
 /// generates and broadcasts over the rendezvous; then the resident run on the same GPU for the comparison.
 #[cfg(feature = "nccl")]
@@ -590,8 +605,11 @@ fn cuda_rank(
     use crate::platform::cuda::CudaPlatform;
     let rank = env.rank;
     let failed = |what: &str, e: &dyn fmt::Display| CliError::failed(format!("rank {rank}: {what}: {e}"));
-    let cuda = Arc::new(CudaPlatform::new(env.local_rank).map_err(|e| {
-        CliError::invalid(format!("rank {rank}: --platform cuda: GPU {} (LOCAL_RANK): {e}", env.local_rank))
+    let visible = CudaPlatform::device_count()
+        .map_err(|e| CliError::invalid(format!("rank {rank}: --platform cuda: {e}; run with --platform sim")))?;
+    let ordinal = gpu_ordinal(env.local_rank, visible).map_err(|m| CliError::invalid(format!("rank {rank}: {m}")))?;
+    let cuda = Arc::new(CudaPlatform::new(ordinal).map_err(|e| {
+        CliError::invalid(format!("rank {rank}: --platform cuda: GPU {ordinal} (LOCAL_RANK {}): {e}", env.local_rank))
     })?);
     let platform: PlatformRef = cuda.clone();
     // Timed: this rank's pinned H2D bandwidth, measured as the single-GPU bench does, by every rank at once (after
@@ -655,6 +673,23 @@ fn cuda_rank(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_takes_its_local_rank_or_the_only_visible_gpu() {
+        assert_eq!(gpu_ordinal(0, 2), Ok(0));
+        assert_eq!(gpu_ordinal(1, 2), Ok(1));
+        assert_eq!(gpu_ordinal(3, 1), Ok(0));
+        assert_eq!(
+            gpu_ordinal(0, 0),
+            Err("--platform cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES)".to_string())
+        );
+        assert_eq!(
+            gpu_ordinal(2, 2),
+            Err("LOCAL_RANK=2 but this process sees 2 GPUs (0..1); start at most 2 ranks per node, or give each rank \
+                 one GPU with CUDA_VISIBLE_DEVICES"
+                .to_string())
+        );
+    }
 
     #[test]
     fn time_steps_parse_lo_below_hi() {
