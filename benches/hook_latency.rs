@@ -7,14 +7,17 @@
 //! shows up as a host wait inside `pre_forward`), and a realistic pace where the engine spends `work_us` per block
 //! enqueueing its kernels between `pre_forward` and `post_forward` (timed separately, not counted in the hook cost).
 //!
-//! Run: `cargo bench --bench hook_latency`
+//! The null-platform rows compare the two submission modes: `actor` (the hook messages the stream actor, which
+//! enqueues the copies) and `hook` (the hook enqueues them itself, see `Submission::Hook`).
+//!
+//! Run: `cargo bench --bench hook_latency` (`HOOK_LATENCY_NULL_ONLY=1` for the null-platform rows only)
 
 mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::hooks::{HookRegistry, ModelHook};
-use weightferry_actors::BlockStack;
+use weightferry_actors::{BlockStack, Submission};
 
 struct Hook {
     stack: Arc<BlockStack>,
@@ -36,10 +39,22 @@ fn main() {
     // sleeping (the host thread blocks, as it does inside the driver when the GPU runs long blocks; then every
     // thread the hooks wake has been parked for that long too). Sleeping paces show the cost of waking parked
     // threads on this machine (on a VM, an inter-processor interrupt through the hypervisor).
-    let paces: [(usize, u64, bool, usize); 5] =
-        [(2, 0, false, 200), (2, 50, false, 200), (2, 500, true, 60), (2, 4_000, true, 21), (2, 70_000, true, 2)];
-    for (depth, work_us, sleep, passes) in paces {
-        let (stream, stack) = common::null_stack(blocks, depth);
+    // Hook-submission rows (the engine thread enqueues the copies itself, no stream-actor thread is woken) at the
+    // 50 µs spin and the 70 ms paces, beside the actor rows at the same paces, for an A/B on one machine.
+    let (actor, hook) = (Submission::Actor, Submission::Hook);
+    let paces: [(Submission, usize, u64, bool, usize); 9] = [
+        (actor, 2, 0, false, 200),
+        (actor, 2, 50, false, 200),
+        (actor, 2, 500, true, 60),
+        (actor, 2, 4_000, true, 21),
+        (actor, 2, 70_000, false, 2),
+        (actor, 2, 70_000, true, 2),
+        (hook, 2, 50, false, 200),
+        (hook, 2, 70_000, false, 2),
+        (hook, 2, 70_000, true, 2),
+    ];
+    for (submission, depth, work_us, sleep, passes) in paces {
+        let (stream, stack) = common::null_stack(blocks, depth, submission);
         let mut samples = Vec::new();
         let warm = (passes / 10).max(1);
         for pass in 0..passes {
@@ -66,7 +81,8 @@ fn main() {
         let st = stack.stats();
         let how = if sleep { "sleeps" } else { "spins" };
         println!(
-            "hook_latency null platform depth={depth} engine {how} {work_us} µs/block: pre+post p50 {:.2} µs, p99 {:.2} µs, max {:.1} µs ({} host waits)",
+            "hook_latency null platform submission={} depth={depth} engine {how} {work_us} µs/block: pre+post p50 {:.2} µs, p99 {:.2} µs, max {:.1} µs ({} host waits)",
+            submission.as_str(),
             p50.as_secs_f64() * 1e6,
             p99.as_secs_f64() * 1e6,
             max.as_secs_f64() * 1e6,

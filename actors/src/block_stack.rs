@@ -13,6 +13,18 @@
 //! that event's completion was observed; (7) device memory is exactly the resident head plus the fixed slot pool
 //! allocated at creation: nothing is allocated on the hook path.
 //!
+//! **Hook submission** ([`Submission::Hook`], rank-local stacks only): the engine thread calling the hook enqueues a
+//! streamed load itself, under the stack's lock, in issue order, on the stack's copy stream — the GPU-side wait on
+//! the slot's last-use event, the flat copies, the record of the slot's ready event: the very operations the stream
+//! actor would enqueue — and the slot is `Ready` at once, so no hook ever waits on the host for a recording and no
+//! thread is woken (waking a stream actor parked for a whole block costs tens of µs). Completions are polled
+//! instead of watched: every hook's drain queries the ready events of the loads still in flight (one entry per
+//! slot, oldest first, stopping at the first incomplete) and turns a failure into the stack's failure as a failed
+//! completion does; `fence` synchronises the copy stream and then observes them. A failure to enqueue leaves the
+//! slot `Free`, poisons the stack and fails the hook that issued the load (`LoadFailed` naming the block). The
+//! resident head still loads through the stream actor, at creation. Invariants (1) and (2) hold unchanged: the
+//! same waits are enqueued on the same streams, only from another thread.
+//!
 //! **Gather path** (distributed layerwise offload, [`BlockStack::with_gather`]): each rank holds only its shard of
 //! every block. A load then has two stages: the stack enqueues the rank's shard copies itself on its own shard
 //! stream (behind the slot's last-use event) into the slot's own shard buffer, one copy per gather (a section, or a
@@ -39,6 +51,7 @@ use crate::stream_actor::StreamHandle;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::mailbox::{self, Receiver, Sender};
 use crate::sync::{lock, Arc, Mutex};
+use std::collections::VecDeque;
 
 /// One flat copy of a block: a run of its host master to an offset inside the block's device region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,6 +165,35 @@ pub enum OrderingFault {
     IgnoreActorStop,
 }
 
+/// Who enqueues a rank-local streamed load on the stack's copy stream.
+///
+/// Both modes enqueue the same operations on the same stream, in the same order: a GPU-side wait on the slot's
+/// last-use event, the flat copies, a record of the slot's ready event. They differ in which thread does it and in
+/// how completion is observed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Submission {
+    /// The hook sends a [`LoadCmd`] to the stream actor, which enqueues it; its completion watcher reports the
+    /// completion. The hook thread never calls the driver for a copy, but each prefetch wakes the actor thread,
+    /// which costs tens of µs when it has been parked for a long block (a compute-bound run).
+    #[default]
+    Actor,
+    /// The engine thread calling the hook enqueues the load itself, under the stack's lock, in issue order: no
+    /// thread is woken, and the load counts as recorded as soon as the hook returns. Completions are polled
+    /// (`event_query` of the ready events of the loads still in flight, oldest first) at every hook, and a fence
+    /// synchronises the copy stream directly. Rank-local stacks only: a gather stack always uses its actors.
+    Hook,
+}
+
+impl Submission {
+    /// The config spelling: `"actor"` or `"hook"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Submission::Actor => "actor",
+            Submission::Hook => "hook",
+        }
+    }
+}
+
 /// What a block stack streams and how.
 #[derive(Debug, Clone)]
 pub struct StackSpec {
@@ -169,6 +211,8 @@ pub struct StackSpec {
     pub eager_prefetch: bool,
     /// Test-only ordering fault.
     pub ordering_fault: OrderingFault,
+    /// Who enqueues streamed loads (see [`Submission`]). Must be [`Submission::Actor`] for a gather stack.
+    pub submission: Submission,
 }
 
 /// Where a block's bytes are on the device.
@@ -229,6 +273,20 @@ struct Inner {
     /// Gather path: per slot its shard buffer and one shard-ready event per gather of the largest block.
     shard_bufs: Vec<DeviceBufferId>,
     shard_ready: Vec<Vec<EventId>>,
+    /// Hook submission: loads enqueued by the hooks whose completion has not been observed yet, in the order of each
+    /// slot's oldest unobserved load. At most one entry per slot (depth + 1 in all): a reload merges into it.
+    in_flight: VecDeque<InFlight>,
+}
+
+/// A load enqueued in hook-submission mode, not yet observed complete.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    slot: usize,
+    /// The block named if the load fails (the oldest of merged loads).
+    block: usize,
+    ready: EventId,
+    /// Loads this entry's completion stands for (more than one after a slot was reloaded while in flight).
+    loads: u64,
 }
 
 /// What a gather stack shares between its hooks: the collective, the shard stream and the gather board.
@@ -248,6 +306,7 @@ pub struct BlockStack {
     board: Arc<TicketBoard>,
     gather: Option<GatherShared>,
     fault: OrderingFault,
+    submission: Submission,
     inner: Mutex<Inner>,
 }
 
@@ -350,6 +409,11 @@ impl BlockStack {
             }
             if spec.eager_prefetch {
                 return Err(invalid("a gather stack defers its first prefetch to the first forward".into()));
+            }
+            if spec.submission != Submission::Actor {
+                return Err(invalid(
+                    "a gather stack submits its loads through its actors (submission \"actor\")".into(),
+                ));
             }
             let world = gp.collective.world() as u64;
             for (i, gb) in gp.blocks.iter().enumerate() {
@@ -466,6 +530,7 @@ impl BlockStack {
             board: Arc::new(TicketBoard::new()),
             gather: shared,
             fault: spec.ordering_fault,
+            submission: spec.submission,
             inner: Mutex::new(Inner {
                 blocks: spec.blocks,
                 resident,
@@ -487,6 +552,7 @@ impl BlockStack {
                 gather_blocks: gather.map(|g| g.blocks).unwrap_or_default(),
                 shard_bufs,
                 shard_ready,
+                in_flight: VecDeque::with_capacity(slots),
             }),
         };
         if let Err(e) =
@@ -629,6 +695,7 @@ impl BlockStack {
                 g.failure.get_or_insert(err);
             }
         }
+        self.poll_in_flight(g);
         if g.disabled {
             return Err(SchedulerError::Disabled { stack: self.name.to_string() });
         }
@@ -636,6 +703,69 @@ impl BlockStack {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
+    }
+
+    /// Hook submission: observes the completion of the loads in flight, in the order of their entries (oldest
+    /// first), stopping at the first one not complete: later entries are observed at a later hook, so one
+    /// `event_query` per hook when nothing completed. A failed one poisons the stack exactly as a failed completion
+    /// reported by a watcher does (`LoadFailed` naming the entry's block).
+    fn poll_in_flight(&self, g: &mut Inner) {
+        while let Some(f) = g.in_flight.front().copied() {
+            let done = match self.platform.event_query(f.ready) {
+                Ok(false) => break,
+                Ok(true) => Ok(()),
+                Err(e) => Err(e),
+            };
+            g.in_flight.pop_front();
+            g.stats.completions += f.loads;
+            if let Err(source) = done {
+                let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block: f.block, source };
+                g.failure.get_or_insert(err);
+            }
+        }
+    }
+
+    /// Hook submission: enqueues the load of `block` into slot `s` on the copy stream from this thread, under the
+    /// stack's lock: the GPU-side wait on the slot's last-use event (unless `skip_last_use`), the flat copies, the
+    /// record of the slot's ready event. On success the load counts as recorded (the slot is `Ready`) and is
+    /// tracked until its completion is observed; on failure the slot is `Free` and the stack poisoned.
+    fn enqueue_here(
+        &self,
+        g: &mut Inner,
+        s: usize,
+        block: usize,
+        ticket: Ticket,
+        skip_last_use: bool,
+    ) -> Result<(), SchedulerError> {
+        let stream = self.stream.stream();
+        let (ready, last_use, dst) = (g.ready_ev[s], g.last_use_ev[s], g.slot_bufs[s]);
+        let p = &self.platform;
+        let enqueued = (|| {
+            if !skip_last_use {
+                p.stream_wait_event(stream, last_use)?;
+            }
+            for seg in &g.blocks[block].segments {
+                p.copy_h2d(stream, seg.host, seg.host_offset, dst, seg.device_offset, seg.len)?;
+            }
+            p.record_event(ready, stream)
+        })();
+        if let Err(source) = enqueued {
+            let _ = g.table.free(s);
+            let err = SchedulerError::LoadFailed { stack: self.name.to_string(), block, source };
+            g.failure.get_or_insert(err.clone());
+            return Err(err);
+        }
+        g.table.mark_ready(s, ticket)?;
+        // A slot reloaded before its previous load was observed complete: the ready event was just re-recorded, so
+        // the older entry now observes this record, whose completion implies the older one's (one in-order stream).
+        // Merge in place, so at most one entry per slot is in flight and an error is still seen first on the entry
+        // of the oldest load it may come from (it names that block, as a watcher synchronising the re-recorded event
+        // would).
+        match g.in_flight.iter_mut().find(|f| f.slot == s) {
+            Some(old) => old.loads += 1,
+            None => g.in_flight.push_back(InFlight { slot: s, block, ready, loads: 1 }),
+        }
+        Ok(())
     }
 
     /// Issues a load of `block` into a victim slot, keeping the slots of `keep`. Returns the slot.
@@ -673,9 +803,16 @@ impl BlockStack {
             .ok_or_else(|| SchedulerError::NoFreeSlot { stack: self.name.to_string(), slots: g.table.len() })?;
         let ticket = g.next_ticket;
         g.next_ticket += 1;
-        let waits = if g.fault == OrderingFault::SkipLastUseWait { Vec::new() } else { vec![g.last_use_ev[s]] };
+        let skip_last_use = g.fault == OrderingFault::SkipLastUseWait;
         g.table.begin_load(s, block, ticket)?;
         g.prefetched[s] = prefetch;
+        if self.submission == Submission::Hook && self.gather.is_none() {
+            g.stats.loads += 1;
+            g.stats.h2d_bytes += g.blocks[block].copy_bytes();
+            self.enqueue_here(g, s, block, ticket, skip_last_use)?;
+            return Ok(s);
+        }
+        let waits = if skip_last_use { Vec::new() } else { vec![g.last_use_ev[s]] };
         if let Some(gs) = &self.gather {
             if let Err(e) = self.issue_gather(g, gs, s, block, ticket) {
                 let _ = g.table.free(s);
@@ -943,7 +1080,14 @@ impl BlockStack {
 
     /// Returns once every load issued so far has completed and every slot's last use has completed.
     pub fn fence(&self) -> Result<(), SchedulerError> {
-        if self.fault == OrderingFault::FenceOnRecord {
+        if self.submission == Submission::Hook {
+            // Every streamed load is recorded when its hook returns; `FenceOnRecord` stops there.
+            if self.fault != OrderingFault::FenceOnRecord {
+                let synced = self.platform.stream_synchronize(self.stream.stream());
+                self.poll_in_flight(&mut lock(&self.inner));
+                synced?;
+            }
+        } else if self.fault == OrderingFault::FenceOnRecord {
             let last = lock(&self.inner).next_ticket - 1;
             self.wait_recorded(last, usize::MAX)?;
         } else {
@@ -977,7 +1121,12 @@ impl BlockStack {
     fn release_all(&self) -> Result<(), SchedulerError> {
         // Observe completion of every copy and every read before freeing anything.
         let skip_sync = self.fault == OrderingFault::FreeWithoutSync;
-        let fenced = if skip_sync { Ok(()) } else { self.stream.fence() };
+        let fenced = match (skip_sync, self.submission) {
+            (true, _) => Ok(()),
+            // The copy stream holds every load the hooks enqueued (and the resident head, fenced at creation).
+            (false, Submission::Hook) => self.platform.stream_synchronize(self.stream.stream()).map_err(Into::into),
+            (false, Submission::Actor) => self.stream.fence(),
+        };
         let mut g = lock(&self.inner);
         let mut sync_err = None;
         if let (Some(gs), false) = (&self.gather, skip_sync) {
@@ -1010,6 +1159,11 @@ impl BlockStack {
                 sync_err.get_or_insert(err);
             }
         }
+        if !skip_sync {
+            // Every ready event was synchronised above: count the hook-submitted loads still tracked as completed.
+            self.poll_in_flight(&mut g);
+        }
+        g.in_flight.clear();
         g.disabled = true;
         for s in 0..g.table.len() {
             if let SlotState::InUse { block, .. } = g.table.state(s) {

@@ -25,7 +25,7 @@ pub mod sync;
 
 pub use block_stack::{
     BlockLocation, BlockSpec, BlockStack, GatherBlock, GatherPath, GatherSection, GatherSequence, OrderingFault,
-    Segment, StackSpec, StackStats, MAX_GATHERS_PER_BLOCK,
+    Segment, StackSpec, StackStats, Submission, MAX_GATHERS_PER_BLOCK,
 };
 pub use error::SchedulerError;
 pub use stream_actor::{StreamHandle, StreamOptions};

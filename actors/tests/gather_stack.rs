@@ -102,6 +102,7 @@ fn run_rank(
         prefetch_depth: depth,
         eager_prefetch: false,
         ordering_fault: fault,
+        submission: Default::default(),
     };
     let path = GatherPath { collective: collective.clone(), sequence: GatherSequence::new(), blocks: gather_blocks };
     let stack = BlockStack::with_gather(p.clone(), spec, None, compute, stream.clone(), path).unwrap();
@@ -301,6 +302,7 @@ fn invalid_gather_specs_are_errors() {
         prefetch_depth: 1,
         eager_prefetch: eager,
         ordering_fault: OrderingFault::None,
+        submission: Default::default(),
     };
     let path = |blocks: Vec<GatherBlock>| GatherPath {
         collective: collective.clone(),

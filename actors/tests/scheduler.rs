@@ -6,7 +6,7 @@ use std::time::Duration;
 use weightferry_actors::platform::{HostMemoryKind, Platform, PlatformRef, StreamId};
 use weightferry_actors::sim::{Access, FaultPlan, HazardKind, SimConfig, SimPlatform};
 use weightferry_actors::{
-    BlockSpec, BlockStack, OrderingFault, SchedulerError, Segment, StackSpec, StreamHandle, StreamOptions,
+    BlockSpec, BlockStack, OrderingFault, SchedulerError, Segment, StackSpec, StreamHandle, StreamOptions, Submission,
 };
 
 struct Rig {
@@ -51,6 +51,10 @@ fn rig(n: usize, config: SimConfig) -> Rig {
 }
 
 fn spec(r: &Rig, head: usize, depth: usize, fault: OrderingFault) -> StackSpec {
+    spec_in(r, Submission::Actor, head, depth, fault)
+}
+
+fn spec_in(r: &Rig, submission: Submission, head: usize, depth: usize, fault: OrderingFault) -> StackSpec {
     StackSpec {
         name: "dit".into(),
         blocks: r.blocks.clone(),
@@ -58,6 +62,7 @@ fn spec(r: &Rig, head: usize, depth: usize, fault: OrderingFault) -> StackSpec {
         prefetch_depth: depth,
         eager_prefetch: true,
         ordering_fault: fault,
+        submission,
     }
 }
 
@@ -114,14 +119,17 @@ fn slow_copies() -> SimConfig {
     SimConfig { h2d_bytes_per_sec: Some(2.0e6), copy_latency: Duration::from_micros(200), ..SimConfig::default() }
 }
 
-#[test]
-fn every_depth_and_head_sees_exact_bytes_without_hazards() {
+fn every_depth_and_head_sees_exact_bytes_without_hazards_in(sub: Submission) {
     for depth in 1..=4 {
         for head in [0usize, 2] {
             let r = rig(6, slow_copies());
-            let stack =
-                BlockStack::new(r.sim.clone(), spec(&r, head, depth, OrderingFault::None), r.compute, r.stream.clone())
-                    .unwrap();
+            let stack = BlockStack::new(
+                r.sim.clone(),
+                spec_in(&r, sub, head, depth, OrderingFault::None),
+                r.compute,
+                r.stream.clone(),
+            )
+            .unwrap();
             let bad = drive(&r, &stack, 3, &|_, _| false, Duration::ZERO);
             assert_eq!(bad, 0, "depth {depth} head {head}: kernels saw wrong bytes");
             assert!(r.sim.violations().is_empty(), "depth {depth} head {head}: {:?}", r.sim.violations());
@@ -142,11 +150,21 @@ fn every_depth_and_head_sees_exact_bytes_without_hazards() {
 }
 
 #[test]
-fn slots_that_hold_every_streamed_block_are_reused_without_copies() {
+fn every_depth_and_head_sees_exact_bytes_without_hazards() {
+    every_depth_and_head_sees_exact_bytes_without_hazards_in(Submission::Actor);
+}
+
+#[test]
+fn every_depth_and_head_sees_exact_bytes_without_hazards_in_hook_mode() {
+    every_depth_and_head_sees_exact_bytes_without_hazards_in(Submission::Hook);
+}
+
+fn slots_that_hold_every_streamed_block_are_reused_without_copies_in(sub: Submission) {
     let r = rig(3, SimConfig::default());
     // 1 resident + 2 streamed blocks with depth 4: the two slots hold both streamed blocks forever.
     let stack =
-        BlockStack::new(r.sim.clone(), spec(&r, 1, 4, OrderingFault::None), r.compute, r.stream.clone()).unwrap();
+        BlockStack::new(r.sim.clone(), spec_in(&r, sub, 1, 4, OrderingFault::None), r.compute, r.stream.clone())
+            .unwrap();
     assert_eq!(drive(&r, &stack, 4, &|_, _| false, Duration::ZERO), 0);
     let st = stack.stats();
     assert_eq!(st.loads, 3, "1 resident load + 2 streamed loads, then reuse");
@@ -155,10 +173,20 @@ fn slots_that_hold_every_streamed_block_are_reused_without_copies() {
 }
 
 #[test]
-fn skipped_blocks_are_fetched_synchronously_and_stay_correct() {
+fn slots_that_hold_every_streamed_block_are_reused_without_copies() {
+    slots_that_hold_every_streamed_block_are_reused_without_copies_in(Submission::Actor);
+}
+
+#[test]
+fn slots_that_hold_every_streamed_block_are_reused_without_copies_in_hook_mode() {
+    slots_that_hold_every_streamed_block_are_reused_without_copies_in(Submission::Hook);
+}
+
+fn skipped_blocks_are_fetched_synchronously_and_stay_correct_in(sub: Submission) {
     let r = rig(7, slow_copies());
     let stack =
-        BlockStack::new(r.sim.clone(), spec(&r, 0, 1, OrderingFault::None), r.compute, r.stream.clone()).unwrap();
+        BlockStack::new(r.sim.clone(), spec_in(&r, sub, 0, 1, OrderingFault::None), r.compute, r.stream.clone())
+            .unwrap();
     let skip = |pass: usize, i: usize| (pass * 7 + i * 3) % 5 == 0;
     assert_eq!(drive(&r, &stack, 4, &skip, Duration::ZERO), 0);
     assert!(r.sim.violations().is_empty(), "{:?}", r.sim.violations());
@@ -167,11 +195,24 @@ fn skipped_blocks_are_fetched_synchronously_and_stay_correct() {
 }
 
 #[test]
-fn skipping_the_ready_wait_is_caught_as_read_before_ready() {
+fn skipped_blocks_are_fetched_synchronously_and_stay_correct() {
+    skipped_blocks_are_fetched_synchronously_and_stay_correct_in(Submission::Actor);
+}
+
+#[test]
+fn skipped_blocks_are_fetched_synchronously_and_stay_correct_in_hook_mode() {
+    skipped_blocks_are_fetched_synchronously_and_stay_correct_in(Submission::Hook);
+}
+
+fn skipping_the_ready_wait_is_caught_as_read_before_ready_in(sub: Submission) {
     let r = rig(4, SimConfig { h2d_bytes_per_sec: Some(2.0e5), ..SimConfig::default() });
-    let stack =
-        BlockStack::new(r.sim.clone(), spec(&r, 0, 1, OrderingFault::SkipReadyWait), r.compute, r.stream.clone())
-            .unwrap();
+    let stack = BlockStack::new(
+        r.sim.clone(),
+        spec_in(&r, sub, 0, 1, OrderingFault::SkipReadyWait),
+        r.compute,
+        r.stream.clone(),
+    )
+    .unwrap();
     drive(&r, &stack, 1, &|_, _| false, Duration::ZERO);
     let kinds: Vec<HazardKind> = r.sim.violations().iter().map(|v| v.kind).collect();
     assert!(kinds.contains(&HazardKind::ReadBeforeReady), "expected ReadBeforeReady, got {kinds:?}");
@@ -179,11 +220,24 @@ fn skipping_the_ready_wait_is_caught_as_read_before_ready() {
 }
 
 #[test]
-fn skipping_the_last_use_wait_is_caught_as_overwrite_before_last_use() {
+fn skipping_the_ready_wait_is_caught_as_read_before_ready() {
+    skipping_the_ready_wait_is_caught_as_read_before_ready_in(Submission::Actor);
+}
+
+#[test]
+fn skipping_the_ready_wait_is_caught_as_read_before_ready_in_hook_mode() {
+    skipping_the_ready_wait_is_caught_as_read_before_ready_in(Submission::Hook);
+}
+
+fn skipping_the_last_use_wait_is_caught_as_overwrite_before_last_use_in(sub: Submission) {
     let r = rig(4, SimConfig::default());
-    let stack =
-        BlockStack::new(r.sim.clone(), spec(&r, 0, 1, OrderingFault::SkipLastUseWait), r.compute, r.stream.clone())
-            .unwrap();
+    let stack = BlockStack::new(
+        r.sim.clone(),
+        spec_in(&r, sub, 0, 1, OrderingFault::SkipLastUseWait),
+        r.compute,
+        r.stream.clone(),
+    )
+    .unwrap();
     drive(&r, &stack, 2, &|_, _| false, Duration::from_millis(5));
     let kinds: Vec<HazardKind> = r.sim.violations().iter().map(|v| v.kind).collect();
     assert!(kinds.contains(&HazardKind::OverwriteBeforeLastUse), "expected OverwriteBeforeLastUse, got {kinds:?}");
@@ -191,27 +245,56 @@ fn skipping_the_last_use_wait_is_caught_as_overwrite_before_last_use() {
 }
 
 #[test]
-fn the_correct_ordering_survives_slow_kernels() {
+fn skipping_the_last_use_wait_is_caught_as_overwrite_before_last_use() {
+    skipping_the_last_use_wait_is_caught_as_overwrite_before_last_use_in(Submission::Actor);
+}
+
+#[test]
+fn skipping_the_last_use_wait_is_caught_as_overwrite_before_last_use_in_hook_mode() {
+    skipping_the_last_use_wait_is_caught_as_overwrite_before_last_use_in(Submission::Hook);
+}
+
+fn the_correct_ordering_survives_slow_kernels_in(sub: Submission) {
     let r = rig(4, SimConfig::default());
     let stack =
-        BlockStack::new(r.sim.clone(), spec(&r, 0, 1, OrderingFault::None), r.compute, r.stream.clone()).unwrap();
+        BlockStack::new(r.sim.clone(), spec_in(&r, sub, 0, 1, OrderingFault::None), r.compute, r.stream.clone())
+            .unwrap();
     assert_eq!(drive(&r, &stack, 2, &|_, _| false, Duration::from_millis(5)), 0);
     assert!(r.sim.violations().is_empty(), "{:?}", r.sim.violations());
     stack.disable().unwrap();
 }
 
 #[test]
-fn out_of_memory_at_creation_frees_what_was_allocated() {
+fn the_correct_ordering_survives_slow_kernels() {
+    the_correct_ordering_survives_slow_kernels_in(Submission::Actor);
+}
+
+#[test]
+fn the_correct_ordering_survives_slow_kernels_in_hook_mode() {
+    the_correct_ordering_survives_slow_kernels_in(Submission::Hook);
+}
+
+fn out_of_memory_at_creation_frees_what_was_allocated_in(sub: Submission) {
     // Allocations: 2 resident blocks, then slots; fail the third allocation (the first slot).
     let r =
         rig(5, SimConfig { faults: FaultPlan { oom_at_alloc: Some(2), ..FaultPlan::none() }, ..SimConfig::default() });
-    let err =
-        BlockStack::new(r.sim.clone(), spec(&r, 2, 1, OrderingFault::None), r.compute, r.stream.clone()).unwrap_err();
+    let err = BlockStack::new(r.sim.clone(), spec_in(&r, sub, 2, 1, OrderingFault::None), r.compute, r.stream.clone())
+        .unwrap_err();
     assert!(
         matches!(err, SchedulerError::Platform(weightferry_actors::platform::PlatformError::OutOfMemory { .. })),
         "{err}"
     );
     assert_eq!(r.sim.device_memory().in_use, 0);
+}
+
+#[test]
+fn out_of_memory_at_creation_frees_what_was_allocated() {
+    out_of_memory_at_creation_frees_what_was_allocated_in(Submission::Actor);
+}
+
+#[test]
+fn out_of_memory_at_creation_frees_what_was_allocated_in_hook_mode() {
+    out_of_memory_at_creation_frees_what_was_allocated_in(Submission::Hook);
 }
 
 #[test]
@@ -232,24 +315,34 @@ fn a_failed_copy_surfaces_as_a_load_error_on_the_hook() {
     assert_eq!(r.sim.device_memory().in_use, 0);
 }
 
-#[test]
-fn an_async_copy_failure_is_reported_by_fence() {
+fn an_async_copy_failure_is_reported_by_fence_in(sub: Submission) {
     let r = rig(
         3,
         SimConfig { faults: FaultPlan { fail_h2d_copy_async: Some(1), ..FaultPlan::none() }, ..SimConfig::default() },
     );
     let stack =
-        BlockStack::new(r.sim.clone(), spec(&r, 0, 1, OrderingFault::None), r.compute, r.stream.clone()).unwrap();
+        BlockStack::new(r.sim.clone(), spec_in(&r, sub, 0, 1, OrderingFault::None), r.compute, r.stream.clone())
+            .unwrap();
     assert!(stack.fence().is_err());
     assert!(stack.disable().is_err(), "disable reports the failed work");
     assert_eq!(r.sim.device_memory().in_use, 0, "and still frees the memory once nothing is pending");
 }
 
 #[test]
-fn protocol_misuse_is_an_error_not_a_panic() {
+fn an_async_copy_failure_is_reported_by_fence() {
+    an_async_copy_failure_is_reported_by_fence_in(Submission::Actor);
+}
+
+#[test]
+fn an_async_copy_failure_is_reported_by_fence_in_hook_mode() {
+    an_async_copy_failure_is_reported_by_fence_in(Submission::Hook);
+}
+
+fn protocol_misuse_is_an_error_not_a_panic_in(sub: Submission) {
     let r = rig(3, SimConfig::default());
     let stack =
-        BlockStack::new(r.sim.clone(), spec(&r, 0, 1, OrderingFault::None), r.compute, r.stream.clone()).unwrap();
+        BlockStack::new(r.sim.clone(), spec_in(&r, sub, 0, 1, OrderingFault::None), r.compute, r.stream.clone())
+            .unwrap();
     assert!(matches!(stack.post_forward(1), Err(SchedulerError::NotInUse { block: 1, .. })));
     assert!(matches!(stack.pre_forward(9), Err(SchedulerError::NoSuchBlock { block: 9, len: 3, .. })));
     stack.pre_forward(0).unwrap();
@@ -260,13 +353,22 @@ fn protocol_misuse_is_an_error_not_a_panic() {
 }
 
 #[test]
-fn a_spread_resident_set_streams_only_the_other_blocks() {
+fn protocol_misuse_is_an_error_not_a_panic() {
+    protocol_misuse_is_an_error_not_a_panic_in(Submission::Actor);
+}
+
+#[test]
+fn protocol_misuse_is_an_error_not_a_panic_in_hook_mode() {
+    protocol_misuse_is_an_error_not_a_panic_in(Submission::Hook);
+}
+
+fn a_spread_resident_set_streams_only_the_other_blocks_in(sub: Submission) {
     for depth in 1..=3 {
         let r = rig(7, slow_copies());
         let mask = vec![false, true, false, false, true, false, true];
         let stack = BlockStack::with_resident_set(
             r.sim.clone(),
-            spec(&r, 0, depth, OrderingFault::None),
+            spec_in(&r, sub, 0, depth, OrderingFault::None),
             Some(mask.clone()),
             r.compute,
             r.stream.clone(),
@@ -293,11 +395,116 @@ fn a_spread_resident_set_streams_only_the_other_blocks() {
     let r = rig(3, SimConfig::default());
     let err = BlockStack::with_resident_set(
         r.sim.clone(),
-        spec(&r, 0, 1, OrderingFault::None),
+        spec_in(&r, sub, 0, 1, OrderingFault::None),
         Some(vec![true]),
         r.compute,
         r.stream.clone(),
     )
     .unwrap_err();
     assert_eq!(err.to_string(), "invalid stack 'dit': resident set has 1 entries for 3 blocks");
+}
+
+#[test]
+fn a_spread_resident_set_streams_only_the_other_blocks() {
+    a_spread_resident_set_streams_only_the_other_blocks_in(Submission::Actor);
+}
+
+#[test]
+fn a_spread_resident_set_streams_only_the_other_blocks_in_hook_mode() {
+    a_spread_resident_set_streams_only_the_other_blocks_in(Submission::Hook);
+}
+
+#[test]
+fn a_failed_copy_at_enqueue_in_hook_mode_fails_the_hook_that_issued_it_and_frees_the_slot() {
+    // As `a_failed_copy_surfaces_as_a_load_error_on_the_hook`: copy 5 is block 2's second segment, enqueued by
+    // pre_forward(1). In hook mode the hook enqueues it itself, so that hook already reports the load error.
+    let r =
+        rig(4, SimConfig { faults: FaultPlan { fail_h2d_copy: Some(5), ..FaultPlan::none() }, ..SimConfig::default() });
+    let stack = BlockStack::new(
+        r.sim.clone(),
+        spec_in(&r, Submission::Hook, 0, 1, OrderingFault::None),
+        r.compute,
+        r.stream.clone(),
+    )
+    .unwrap();
+    stack.pre_forward(0).unwrap();
+    stack.post_forward(0).unwrap();
+    let err = stack.pre_forward(1).unwrap_err();
+    assert!(matches!(err, SchedulerError::LoadFailed { block: 2, .. }), "{err}");
+    // The slot is left free (nothing holds or loads block 2), and the stack stays poisoned with the same error.
+    assert!(stack.slot_states().iter().all(|st| st.block() != Some(2)), "{:?}", stack.slot_states());
+    assert_eq!(stack.pre_forward(2).unwrap_err(), err);
+    assert_eq!(stack.post_forward(1).unwrap_err(), err);
+    assert!(r.sim.violations().is_empty(), "{:?}", r.sim.violations());
+    stack.disable().unwrap();
+    assert_eq!(r.sim.device_memory().in_use, 0);
+}
+
+/// An asynchronous copy failure (the first copy: block 0's, eager prefetch) reaches the hooks as a load error
+/// naming block 0, in both modes: through the watcher (actor) or the hooks' polling (hook).
+fn an_async_copy_failure_reaches_the_hooks_naming_its_block_in(sub: Submission) {
+    let r = rig(
+        3,
+        SimConfig {
+            faults: FaultPlan { fail_h2d_copy_async: Some(1), ..FaultPlan::none() },
+            copy_latency: Duration::from_millis(2),
+            ..SimConfig::default()
+        },
+    );
+    let stack =
+        BlockStack::new(r.sim.clone(), spec_in(&r, sub, 0, 1, OrderingFault::None), r.compute, r.stream.clone())
+            .unwrap();
+    let mut first_err = None;
+    'passes: for _ in 0..50 {
+        for i in 0..3 {
+            if let Err(e) = stack.pre_forward(i) {
+                first_err = Some(e);
+                break 'passes;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            if let Err(e) = stack.post_forward(i) {
+                first_err = Some(e);
+                break 'passes;
+            }
+        }
+    }
+    let err = first_err.expect("the failure reached a hook");
+    assert!(matches!(err, SchedulerError::LoadFailed { block: 0, .. }), "{sub:?}: {err}");
+    assert!(stack.fence().is_err());
+    let _ = stack.disable();
+    assert_eq!(r.sim.device_memory().in_use, 0);
+}
+
+#[test]
+fn an_async_copy_failure_reaches_the_hooks_naming_its_block() {
+    an_async_copy_failure_reaches_the_hooks_naming_its_block_in(Submission::Actor);
+}
+
+#[test]
+fn an_async_copy_failure_reaches_the_hooks_naming_its_block_in_hook_mode() {
+    an_async_copy_failure_reaches_the_hooks_naming_its_block_in(Submission::Hook);
+}
+
+#[test]
+fn hook_mode_streams_without_the_stream_actor_and_observes_every_completion() {
+    let r = rig(6, slow_copies());
+    let stack = BlockStack::new(
+        r.sim.clone(),
+        spec_in(&r, Submission::Hook, 1, 2, OrderingFault::None),
+        r.compute,
+        r.stream.clone(),
+    )
+    .unwrap();
+    // The resident head went through the actor at creation; after that the hooks alone enqueue the loads.
+    r.stream.shutdown();
+    assert_eq!(drive(&r, &stack, 3, &|pass, i| pass == 1 && (2..=4).contains(&i), Duration::ZERO), 0);
+    assert!(r.sim.violations().is_empty(), "{:?}", r.sim.violations());
+    stack.fence().unwrap();
+    let st = stack.stats();
+    assert_eq!(st.record_waits, 0, "a hook-submitted load is recorded when its hook returns");
+    assert!(st.sync_fetches > 0, "the skip forced a synchronous fetch");
+    // Every streamed load's completion was observed without a watcher (the resident head reports none).
+    assert_eq!(st.completions, st.loads - 1, "{st:?}");
+    stack.disable().unwrap();
+    assert_eq!(r.sim.device_memory().in_use, 0);
 }

@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weightferry_actors::platform::{HostMemoryKind, Platform, PlatformRef, StreamId};
 use weightferry_actors::sim::{Access, FaultPlan, HazardKind, SimConfig, SimPlatform};
-use weightferry_actors::{BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StreamHandle, StreamOptions};
+use weightferry_actors::{
+    BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StreamHandle, StreamOptions, Submission,
+};
 
 /// Shape of one block: segment lengths and the gap placed before each segment in the device region, then trailing
 /// padding.
@@ -223,7 +225,7 @@ fn launch_block(
         .unwrap();
 }
 
-fn run_case(c: &Case) -> Result<(), TestCaseError> {
+fn run_case(c: &Case, submission: Submission) -> Result<(), TestCaseError> {
     let r = rig(&c.blocks, sim_config(&c.timing));
     let n = r.specs.len();
     let spec = StackSpec {
@@ -233,6 +235,7 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
         prefetch_depth: c.depth,
         eager_prefetch: true,
         ordering_fault: OrderingFault::None,
+        submission,
     };
     let stack = BlockStack::new(r.sim.clone(), spec, r.compute, r.stream.clone()).unwrap();
     let planned = planned_bytes(&r.specs, c.head, c.depth);
@@ -286,6 +289,13 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
     stack.fence().unwrap();
     prop_assert_eq!(r.sim.stats().h2d_bytes, stack.stats().h2d_bytes);
     prop_assert_eq!(r.sim.stats().kernels, launched);
+    if submission == Submission::Hook {
+        // Every streamed load's completion was observed by polling (the resident head loads report none).
+        let st = stack.stats();
+        let head_loads = c.head.min(n) as u64;
+        prop_assert_eq!(st.completions, st.loads - head_loads, "completions observed in hook mode");
+        prop_assert_eq!(st.record_waits, 0);
+    }
     {
         let s = seen.lock().unwrap();
         prop_assert_eq!(s.ran.len() as u64, launched);
@@ -306,7 +316,12 @@ proptest! {
 
     #[test]
     fn random_schedules_keep_the_ordering_invariants(c in case()) {
-        run_case(&c)?;
+        run_case(&c, Submission::Actor)?;
+    }
+
+    #[test]
+    fn random_schedules_keep_the_ordering_invariants_in_hook_mode(c in case()) {
+        run_case(&c, Submission::Hook)?;
     }
 }
 
@@ -323,6 +338,22 @@ proptest! {
 
     #[test]
     fn skipping_the_ready_wait_is_always_caught((blocks, head, depth) in broken_case()) {
+        broken_ready_wait(&blocks, head, depth, Submission::Actor)?;
+    }
+
+    #[test]
+    fn skipping_the_ready_wait_is_always_caught_in_hook_mode((blocks, head, depth) in broken_case()) {
+        broken_ready_wait(&blocks, head, depth, Submission::Hook)?;
+    }
+}
+
+fn broken_ready_wait(
+    blocks: &[BlockShape],
+    head: usize,
+    depth: usize,
+    submission: Submission,
+) -> Result<(), TestCaseError> {
+    {
         // 20 ms per copy: the first streamed block's kernel starts long before its copy lands.
         let config = SimConfig {
             h2d_bytes_per_sec: Some(1.0e7),
@@ -330,7 +361,7 @@ proptest! {
             tracing: false,
             ..SimConfig::default()
         };
-        let r = rig(&blocks, config);
+        let r = rig(blocks, config);
         let spec = StackSpec {
             name: "broken".into(),
             blocks: r.specs.clone(),
@@ -338,6 +369,7 @@ proptest! {
             prefetch_depth: depth,
             eager_prefetch: true,
             ordering_fault: OrderingFault::SkipReadyWait,
+            submission,
         };
         let stack = BlockStack::new(r.sim.clone(), spec, r.compute, r.stream.clone()).unwrap();
         let seen = Arc::new(Mutex::new(Observed::default()));
@@ -355,4 +387,5 @@ proptest! {
         prop_assert_eq!(r.sim.device_memory().in_use, 0);
         r.stream.shutdown();
     }
+    Ok(())
 }

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use weightferry_actors::platform::{HostMemoryKind, PlatformRef, StreamId};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
-use weightferry_actors::{BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StreamHandle, StreamOptions};
+use weightferry_actors::{
+    BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StreamHandle, StreamOptions, Submission,
+};
 
 /// A stack of `n` blocks of `bytes` each on a fresh sim platform.
 pub fn stack(
@@ -34,6 +36,7 @@ pub fn stack(
         prefetch_depth: depth,
         eager_prefetch: true,
         ordering_fault: OrderingFault::None,
+        submission: Submission::Actor,
     };
     let st = Arc::new(BlockStack::new(p, spec, compute, stream.clone()).expect("stack"));
     (sim, compute, stream, st)
@@ -147,9 +150,9 @@ mod null_impl {
     }
 }
 
-/// A stack of `n` blocks on a [`NullPlatform`].
+/// A stack of `n` blocks on a [`NullPlatform`], its streamed loads enqueued as `submission` says.
 #[allow(dead_code)] // used by hook_latency, not by every bench including this module
-pub fn null_stack(n: usize, depth: usize) -> (StreamHandle, Arc<BlockStack>) {
+pub fn null_stack(n: usize, depth: usize, submission: Submission) -> (StreamHandle, Arc<BlockStack>) {
     let p: PlatformRef = Arc::new(NullPlatform::default());
     let compute = p.create_stream("compute").expect("stream");
     let stream = StreamHandle::spawn(p.clone(), "copy", StreamOptions::default()).expect("actor");
@@ -169,6 +172,7 @@ pub fn null_stack(n: usize, depth: usize) -> (StreamHandle, Arc<BlockStack>) {
         prefetch_depth: depth,
         eager_prefetch: true,
         ordering_fault: OrderingFault::None,
+        submission,
     };
     let st = Arc::new(BlockStack::new(p, spec, compute, stream.clone()).expect("stack"));
     (stream, st)

@@ -35,6 +35,7 @@ mod harness {
     use weightferry_actors::sync::{lock, thread, Arc, Condvar, Mutex, MutexGuard};
     use weightferry_actors::{
         BlockLocation, BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StreamHandle, StreamOptions,
+        Submission,
     };
 
     /// Failures the model platform injects.
@@ -672,7 +673,7 @@ mod harness {
             vec![i as u8 + 1, 0xA0 | i as u8]
         }
 
-        /// A stack spec over all blocks.
+        /// A stack spec over all blocks, its loads submitted through the stream actor.
         pub fn spec(&self, resident_head: usize, prefetch_depth: usize, fault: OrderingFault) -> StackSpec {
             StackSpec {
                 name: "dit".into(),
@@ -681,12 +682,26 @@ mod harness {
                 prefetch_depth,
                 eager_prefetch: true,
                 ordering_fault: fault,
+                submission: Submission::Actor,
             }
         }
 
         /// Creates the production block-stack actor on this rig.
         pub fn stack(&self, resident_head: usize, prefetch_depth: usize, fault: OrderingFault) -> BlockStack {
-            let spec = self.spec(resident_head, prefetch_depth, fault);
+            self.stack_in(Submission::Actor, resident_head, prefetch_depth, fault)
+        }
+
+        /// Creates the production block-stack actor on this rig, its streamed loads submitted as `submission` says
+        /// (with [`Submission::Hook`] the engine thread enqueues them and the stream actor only loads the resident
+        /// head).
+        pub fn stack_in(
+            &self,
+            submission: Submission,
+            resident_head: usize,
+            prefetch_depth: usize,
+            fault: OrderingFault,
+        ) -> BlockStack {
+            let spec = StackSpec { submission, ..self.spec(resident_head, prefetch_depth, fault) };
             BlockStack::new(self.platform_ref(), spec, self.compute, self.stream.clone()).expect("enable the stack")
         }
 

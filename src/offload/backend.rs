@@ -246,6 +246,7 @@ impl StreamingBackend {
                 prefetch_depth: sp.depth,
                 eager_prefetch: sp.eager,
                 ordering_fault,
+                submission: Default::default(),
             };
             let stack = BlockStack::with_resident_set(
                 platform.clone(),

@@ -683,6 +683,7 @@ fn rank_run(
             prefetch_depth: sp.depth,
             eager_prefetch: false,
             ordering_fault: Default::default(),
+            submission: Default::default(),
         };
         let path = GatherPath { collective: collective.clone(), sequence: sequence.clone(), blocks: gather_blocks };
         let stack = BlockStack::with_gather(
