@@ -137,9 +137,12 @@ impl fmt::Display for RunReport {
             writeln!(f, "  skipped: {r}")?;
         }
         for s in &self.stacks {
+            // Hook submission is opt-in: only then is it named (the default reads as before).
+            let how = if s.submission == "hook" { "; copies submitted by the hooks" } else { "" };
             writeln!(
                 f,
-                "  stack {}: {} units, {} resident, depth {}; {} loads, {} prefetch hits, {} reuse hits, {} sync fetches",
+                "  stack {}: {} units, {} resident, depth {}; {} loads, {} prefetch hits, {} reuse hits, {} sync \
+                 fetches{how}",
                 s.name, s.units, s.resident, s.depth, s.loads, s.prefetch_hits, s.reuse_hits, s.sync_fetches
             )?;
         }

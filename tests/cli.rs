@@ -260,3 +260,32 @@ fn bench_budgets_take_fractions_or_none() {
         );
     }
 }
+
+#[test]
+fn run_with_hook_copy_submission_is_bit_exact_and_reports_it() {
+    let cfg = temp(
+        "hook.toml",
+        "[diffusion_offload_config]\nmode = \"layer\"\ncomponents = [\"dit\", \"text_encoder\"]\n\
+         [diffusion_offload_config.layer_options.dit]\nprefetch_depth = 3\ncopy_submission = \"hook\"\n",
+    );
+    let o = wf(&["run", "--preset", "flux-tiny", "--config", cfg.to_str().unwrap(), "--steps", "2", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = stdout_json(&o);
+    assert_eq!(v["outputs_match"], true, "{v}");
+    let stacks = v["stacks"].as_array().unwrap();
+    let dit = stacks.iter().find(|s| s["name"].as_str().unwrap().starts_with("transformer")).unwrap();
+    assert_eq!(dit["submission"], "hook", "{v}");
+    assert!(stacks.iter().any(|s| s["submission"] == "actor"), "the text encoder keeps the actor: {v}");
+    // A wrong value is a one-line error naming the key and the choices.
+    let bad = temp(
+        "bad_hook.toml",
+        "[diffusion_offload_config]\nmode = \"layer\"\ncomponents = [\"dit\"]\n\
+         [diffusion_offload_config.layer_options.dit]\ncopy_submission = \"gpu\"\n",
+    );
+    let line = invalid(&["run", "--preset", "flux-tiny", "--config", bad.to_str().unwrap()]);
+    assert!(
+        line.contains("diffusion_offload_config.layer_options.dit.copy_submission: unknown copy submission \"gpu\"")
+            && line.contains("choose \"actor\" or \"hook\""),
+        "{line}"
+    );
+}

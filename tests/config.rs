@@ -4,8 +4,8 @@
 use serde_json::json;
 use std::collections::BTreeSet;
 use weightferry::config::{
-    parse_byte_size, Component, ConfigError, GroupAxis, OffloadConfig, OffloadGroup, ParallelConfig, Strategy,
-    WeightTransfer,
+    parse_byte_size, Component, ConfigError, CopySubmission, GroupAxis, OffloadConfig, OffloadGroup, ParallelConfig,
+    Strategy, WeightTransfer,
 };
 
 fn ok(text: &str) -> OffloadConfig {
@@ -600,7 +600,8 @@ fn unknown_layer_option_lists_valid_keys() {
             "layer_options": {"dit": {"prefetch": 2}}}}"#,
         "diffusion_offload_config.layer_options.dit.prefetch",
         "diffusion_offload_config.layer_options.dit.prefetch: unknown layer option (did you mean \
-         `prefetch_depth`?); valid keys are: weight_transfer, resident_layers, prefetch_depth, allgather_chunk_size",
+         `prefetch_depth`?); valid keys are: weight_transfer, resident_layers, prefetch_depth, allgather_chunk_size, \
+         copy_submission",
     );
 }
 
@@ -1140,4 +1141,55 @@ fn from_path_errors_name_the_file() {
     let invalid = temp_file("invalid.toml", "use_hsdp = 1\n");
     let e = OffloadConfig::from_path(&invalid).unwrap_err();
     assert_eq!(e.key(), "use_hsdp");
+}
+
+#[test]
+fn copy_submission_is_read_and_validated() {
+    let with = |dit: &str| {
+        compact(&format!(
+            r#""mode": "layer", "components": ["dit", "text_encoder"], "layer_options": {{"dit": {{{dit}}}}}"#
+        ))
+    };
+    // Default: the copy-stream actor, for every component.
+    let c = ok(&with(""));
+    assert_eq!(c.copy_submission(Component::Dit), CopySubmission::Actor);
+    let c = ok(&with(r#""copy_submission": "hook""#));
+    assert_eq!(c.copy_submission(Component::Dit), CopySubmission::Hook);
+    assert_eq!(c.copy_submission(Component::TextEncoder), CopySubmission::Actor, "per component");
+    assert_eq!(ok(&with(r#""copy_submission": "actor""#)).copy_submission(Component::Dit), CopySubmission::Actor);
+    // With resident layers (rank-local, distributed layerwise) it is accepted too.
+    let c = ok(&with(r#""copy_submission": "hook", "resident_layers": 2"#));
+    assert_eq!(c.copy_submission(Component::Dit), CopySubmission::Hook);
+    let key = "diffusion_offload_config.layer_options.dit.copy_submission";
+    assert_err(
+        &with(r#""copy_submission": "hooks""#),
+        key,
+        &format!("{key}: unknown copy submission \"hooks\" (did you mean \"hook\"?); choose \"actor\" or \"hook\""),
+    );
+    assert_err(
+        &with(r#""copy_submission": "thread""#),
+        key,
+        &format!("{key}: unknown copy submission \"thread\"; choose \"actor\" or \"hook\""),
+    );
+    assert_err(
+        &with(r#""copy_submission": 1"#),
+        key,
+        &format!("{key}: expected \"actor\" or \"hook\", found the integer 1"),
+    );
+    assert_err(
+        &with(r#""weight_transfer": "allgather", "copy_submission": "hook""#),
+        key,
+        &format!(
+            "{key}: copy_submission = \"hook\" applies only to rank-local transfer (AllGather stacks submit through \
+             their actors); set diffusion_offload_config.layer_options.dit.weight_transfer = \"rank-local\" or \
+             remove copy_submission"
+        ),
+    );
+    // "actor" is what AllGather stacks do anyway.
+    ok(&with(r#""weight_transfer": "allgather", "copy_submission": "actor""#));
+    // TOML spells it the same way.
+    let toml = "[diffusion_offload_config]\nmode = \"layer\"\ncomponents = [\"dit\"]\n\
+                [diffusion_offload_config.layer_options.dit]\ncopy_submission = \"hook\"\n";
+    let c = OffloadConfig::from_toml_str(toml).unwrap();
+    assert_eq!(c.copy_submission(Component::Dit), CopySubmission::Hook);
 }

@@ -77,6 +77,35 @@ pub enum WeightTransfer {
     Allgather,
 }
 
+/// Who enqueues a rank-local streamed block's copies (`layer_options.<component>.copy_submission`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CopySubmission {
+    /// The copy-stream actor enqueues them (a message from the hook, default).
+    #[default]
+    Actor,
+    /// The engine thread enqueues them inside the hook (no thread woken; completions polled at the hooks).
+    Hook,
+}
+
+impl CopySubmission {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CopySubmission::Actor => "actor",
+            CopySubmission::Hook => "hook",
+        }
+    }
+    /// Parses the config spelling (`"actor"` or `"hook"`).
+    pub fn parse(s: &str) -> Option<CopySubmission> {
+        match s {
+            "actor" => Some(CopySubmission::Actor),
+            "hook" => Some(CopySubmission::Hook),
+            _ => None,
+        }
+    }
+}
+
 /// Parallel layout of the engine, as configured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ParallelConfig {
@@ -140,6 +169,8 @@ pub struct LayerOptions {
     /// Chunked AllGather transport: gathered bytes per AllGather (`allgather_chunk_size`); `None` = one AllGather
     /// per block section. Only set with `weight_transfer = "allgather"`.
     pub allgather_chunk_bytes: Option<Bytes>,
+    /// Who enqueues the copies of streamed blocks (rank-local transfer only; default the copy-stream actor).
+    pub copy_submission: CopySubmission,
 }
 
 /// A byte count parsed from a number or a string such as `"24GiB"`.
@@ -178,6 +209,7 @@ impl OffloadConfig {
             weight_transfer: WeightTransfer::RankLocal,
             prefetch_depth: None,
             allgather_chunk_bytes: None,
+            copy_submission: CopySubmission::Actor,
         };
         OffloadConfig {
             strategy: Strategy::None,
@@ -210,6 +242,10 @@ impl OffloadConfig {
     /// User-set prefetch depth for a component.
     pub fn prefetch_depth(&self, c: Component) -> Option<u32> {
         self.layer_options.get(&c).and_then(|o| o.prefetch_depth)
+    }
+    /// Who enqueues the copies of a component's streamed blocks.
+    pub fn copy_submission(&self, c: Component) -> CopySubmission {
+        self.layer_options.get(&c).map_or(CopySubmission::Actor, |o| o.copy_submission)
     }
     /// User-set AllGather chunk size of a component (`None`: one AllGather per block section).
     pub fn allgather_chunk_bytes(&self, c: Component) -> Option<Bytes> {

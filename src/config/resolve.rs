@@ -5,8 +5,8 @@
 use super::budget::{parse_budget_value, parse_chunk_value};
 use super::walk::{describe, quote, suggest, type_error, Table};
 use super::{
-    Component, ConfigError, GroupAxis, LayerOptions, OffloadConfig, OffloadGroup, ParallelConfig, Strategy,
-    WeightTransfer,
+    Component, ConfigError, CopySubmission, GroupAxis, LayerOptions, OffloadConfig, OffloadGroup, ParallelConfig,
+    Strategy, WeightTransfer,
 };
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,7 +36,7 @@ pub(crate) const COMPACT_KEYS: &[&str] =
 
 /// Every accepted key of `diffusion_offload_config.layer_options.<component>`.
 pub(crate) const LAYER_KEYS: &[&str] =
-    &["weight_transfer", "resident_layers", "prefetch_depth", "allgather_chunk_size"];
+    &["weight_transfer", "resident_layers", "prefetch_depth", "allgather_chunk_size", "copy_submission"];
 
 /// The compact config's object key, used in paths.
 const COMPACT: &str = "diffusion_offload_config";
@@ -195,6 +195,7 @@ struct RawLayer {
     resident_layers: Option<u32>,
     prefetch_depth: Option<u32>,
     allgather_chunk_bytes: Option<u64>,
+    copy_submission: Option<CopySubmission>,
 }
 
 /// The compact object, type-checked and validated on its own.
@@ -473,7 +474,35 @@ fn read_layer(layer: &Table<'_>, component: Component) -> Result<RawLayer, Confi
         }
         Some(v) => Some(parse_chunk_value(&chunk_path, v)?),
     };
-    Ok(RawLayer { weight_transfer, resident_layers, prefetch_depth, allgather_chunk_bytes })
+    let submission_path = layer.key_path("copy_submission");
+    let choices = "\"actor\" or \"hook\"";
+    let copy_submission = match layer.get("copy_submission") {
+        None => None,
+        Some(Value::String(s)) => match CopySubmission::parse(s) {
+            Some(v) => Some(v),
+            None => {
+                let hint = match suggest(s, &["actor", "hook"]) {
+                    Some(v) => format!(" (did you mean \"{v}\"?)"),
+                    None => String::new(),
+                };
+                return Err(ConfigError::invalid(
+                    submission_path,
+                    format!("unknown copy submission {}{hint}; choose {choices}", quote(s)),
+                ));
+            }
+        },
+        Some(other) => return Err(type_error(&submission_path, choices, other)),
+    };
+    if copy_submission == Some(CopySubmission::Hook) && weight_transfer == Some(WeightTransfer::Allgather) {
+        return Err(ConfigError::invalid(
+            submission_path,
+            format!(
+                "copy_submission = \"hook\" applies only to rank-local transfer (AllGather stacks submit through \
+                 their actors); set {transfer_path} = \"rank-local\" or remove copy_submission"
+            ),
+        ));
+    }
+    Ok(RawLayer { weight_transfer, resident_layers, prefetch_depth, allgather_chunk_bytes, copy_submission })
 }
 
 /// Rejects legacy settings that contradict (or duplicate with other values) the compact config.
@@ -509,8 +538,12 @@ fn check_compact_against_legacy(legacy: &Legacy, strategy: Strategy) -> Result<(
 }
 
 fn default_layer_options() -> BTreeMap<Component, LayerOptions> {
-    let opts =
-        LayerOptions { weight_transfer: WeightTransfer::RankLocal, prefetch_depth: None, allgather_chunk_bytes: None };
+    let opts = LayerOptions {
+        weight_transfer: WeightTransfer::RankLocal,
+        prefetch_depth: None,
+        allgather_chunk_bytes: None,
+        copy_submission: CopySubmission::Actor,
+    };
     Component::ALL.iter().map(|&c| (c, opts)).collect()
 }
 
@@ -522,6 +555,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy) -> Result<OffloadConfig, 
         opts.weight_transfer = compact.transfer(*c);
         opts.prefetch_depth = compact.layers.get(c).and_then(|l| l.prefetch_depth);
         opts.allgather_chunk_bytes = compact.layers.get(c).and_then(|l| l.allgather_chunk_bytes);
+        opts.copy_submission = compact.layers.get(c).and_then(|l| l.copy_submission).unwrap_or_default();
     }
     Ok(OffloadConfig {
         strategy,

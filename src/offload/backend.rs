@@ -46,6 +46,11 @@ pub struct StackReport {
     pub sync_fetches: u64,
     /// Device bytes held.
     pub device_bytes: u64,
+    /// Who enqueued the streamed loads: `"actor"` (the copy-stream actor) or `"hook"` (the hooks themselves).
+    pub submission: String,
+    /// Load completions observed so far: by the completion watcher, or in hook mode by the hooks' polling (a slot's
+    /// loads are observed once its latest load completed, so they may lag until a fence or disable).
+    pub completions: u64,
 }
 
 /// What an enabled backend holds and did.
@@ -246,7 +251,7 @@ impl StreamingBackend {
                 prefetch_depth: sp.depth,
                 eager_prefetch: sp.eager,
                 ordering_fault,
-                submission: Default::default(),
+                submission: sp.submission,
             };
             let stack = BlockStack::with_resident_set(
                 platform.clone(),
@@ -552,6 +557,8 @@ impl StreamingBackend {
                         reuse_hits: s.reuse_hits,
                         sync_fetches: s.sync_fetches,
                         device_bytes: s.device_bytes,
+                        submission: sp.submission.as_str().to_string(),
+                        completions: s.completions,
                     });
                 }
             }

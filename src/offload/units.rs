@@ -8,10 +8,12 @@
 //! block's weight stays with the ring.
 
 use super::layout::{storages_of, UnitLayout};
-use crate::config::{OffloadConfig, Strategy};
+use crate::config::{Component, CopySubmission, OffloadConfig, Strategy};
 use crate::hooks::{DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK, LAYERWISE_OFFLOAD_HOOK, SEQUENTIAL_OFFLOAD_HOOK};
+use crate::plan::ComponentKind;
 use crate::plan::{PipelineDesc, ResolvedComponent, ResolvedPlan, StorageId};
 use std::collections::{BTreeMap, BTreeSet};
+use weightferry_actors::Submission;
 
 /// One stack to build.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +30,8 @@ pub struct StackPlan {
     pub depth: usize,
     /// Prefetch at enable.
     pub eager: bool,
+    /// Who enqueues the stack's streamed loads (`copy_submission` of its component; staged stacks use the actor).
+    pub submission: Submission,
 }
 
 /// Everything a backend builds for a plan.
@@ -57,8 +61,22 @@ pub fn hook_name(strategy: Strategy) -> &'static str {
     }
 }
 
-/// A stack before packing: name, `(unit path, storages)`, resident head, resident mask, depth, eager prefetch.
-type RawStack = (String, Vec<(String, Vec<StorageId>)>, usize, Option<Vec<bool>>, usize, bool);
+/// A stack before packing: name, `(unit path, storages)`, resident head, resident mask, depth, eager prefetch,
+/// submission.
+type RawStack = (String, Vec<(String, Vec<StorageId>)>, usize, Option<Vec<bool>>, usize, bool, Submission);
+
+/// The submission mode a component's stacks use: its `copy_submission` (encoder stacks follow `text_encoder`, as
+/// their prefetch depth does).
+fn submission_of(cfg: &OffloadConfig, kind: ComponentKind) -> Submission {
+    let c = match kind {
+        ComponentKind::TextEncoder | ComponentKind::Encoder => Component::TextEncoder,
+        _ => Component::Dit,
+    };
+    match cfg.copy_submission(c) {
+        CopySubmission::Actor => Submission::Actor,
+        CopySubmission::Hook => Submission::Hook,
+    }
+}
 
 /// Builds the unit plan. Returns an empty plan when the strategy has nothing to do for this pipeline.
 pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPlan) -> UnitPlan {
@@ -79,7 +97,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     .map(|c| (c.path.clone(), storages_of(p, &c.path)))
                     .collect();
                 let head = if cfg.keep_dit_resident { dits.len() } else { 0 };
-                stacks.push(("model-swap".to_string(), units, head, None, 0, false));
+                stacks.push(("model-swap".to_string(), units, head, None, 0, false, Submission::Actor));
             }
         }
         Strategy::LayerWise | Strategy::DistributedLayerWise => {
@@ -102,6 +120,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                             s.resident_mask.clone(),
                             s.prefetch_depth as usize,
                             eager,
+                            submission_of(cfg, c.kind),
                         ));
                     }
                 };
@@ -112,7 +131,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     }
                 }
                 if !staged.is_empty() {
-                    stacks.push(("on-demand".to_string(), staged, 0, None, 0, false));
+                    stacks.push(("on-demand".to_string(), staged, 0, None, 0, false, Submission::Actor));
                 }
             }
         }
@@ -132,7 +151,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
     let fixed: Vec<StorageId> = p.storages.keys().copied().filter(|s| !streamed.contains(s)).collect();
     let stacks = stacks
         .into_iter()
-        .map(|(name, units, resident_head, resident_mask, depth, eager)| StackPlan {
+        .map(|(name, units, resident_head, resident_mask, depth, eager, submission)| StackPlan {
             name,
             units: units
                 .into_iter()
@@ -145,6 +164,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
             resident_mask,
             depth,
             eager,
+            submission,
         })
         .collect();
     UnitPlan { hook_name: hook, stacks, fixed }
