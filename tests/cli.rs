@@ -289,3 +289,22 @@ fn run_with_hook_copy_submission_is_bit_exact_and_reports_it() {
         "{line}"
     );
 }
+
+#[test]
+fn bench_takes_a_copy_submission_for_every_configuration() {
+    let e = invalid(&["bench", "--preset", "flux-tiny", "--copy-submission", "gpu"]);
+    assert!(e.contains("invalid value 'gpu' for '--copy-submission <MODE>'"), "{e}");
+    for mode in ["hook", "actor"] {
+        let args = ["bench", "--preset", "flux-tiny", "--depths", "1", "--budgets", "none", "--copy-submission", mode];
+        if cfg!(feature = "cuda") {
+            // A GPU may or may not be present: the arguments are accepted either way.
+            let o = wf(&args);
+            assert_ne!(o.status.code(), Some(2), "{}", stderr(&o));
+        } else {
+            assert_eq!(
+                invalid(&args),
+                "error: bench measures a GPU: rebuild with --features cuda and run it on a machine with a GPU"
+            );
+        }
+    }
+}

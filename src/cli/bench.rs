@@ -96,6 +96,7 @@ fn run_checked(a: &BenchArgs, c: CheckedBench) -> Result<i32, CliError> {
         trace_dir: a.trace.clone(),
         rounds: a.rounds,
         max_blocks_ahead: a.max_blocks_ahead,
+        copy_submission: a.copy_submission.into(),
     };
     let report = run_bench(&spec, &mut |line| eprintln!("{line}"))
         .map_err(|e| CliError::failed(format!("bench failed: {e}")))?;
@@ -105,7 +106,7 @@ fn run_checked(a: &BenchArgs, c: CheckedBench) -> Result<i32, CliError> {
         return Ok(0);
     }
     let gb = |b: f64| b / 1e9;
-    let mut out = format!("device: {}\n\n", report.device);
+    let mut out = format!("device: {}\ncopy submission: {}\n\n", report.device, report.copy_submission);
     for (p, bw) in &report.h2d_bytes_per_s {
         let c = report.compute_s.iter().find(|(q, _)| q == p).map_or(0.0, |x| x.1);
         let t = report.tokens.iter().find(|(q, ..)| q == p).map_or(0, |x| x.1);

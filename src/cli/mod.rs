@@ -176,6 +176,29 @@ pub struct BenchArgs {
     /// frameworks, until the driver's launch queue pushes back).
     #[arg(long, value_name = "K")]
     pub max_blocks_ahead: Option<u32>,
+    /// Who enqueues the streamed blocks' copies in every configuration: `actor` (the copy-stream actor thread, the
+    /// default) or `hook` (the engine thread inside `pre_forward`; the config key
+    /// `layer_options.dit.copy_submission`).
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = CopySubmissionArg::Actor)]
+    pub copy_submission: CopySubmissionArg,
+}
+
+/// Who enqueues the copies of streamed blocks (`bench --copy-submission`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CopySubmissionArg {
+    /// The copy-stream actor thread.
+    Actor,
+    /// The engine thread, inside the hooks.
+    Hook,
+}
+
+impl From<CopySubmissionArg> for crate::config::CopySubmission {
+    fn from(a: CopySubmissionArg) -> Self {
+        match a {
+            CopySubmissionArg::Actor => crate::config::CopySubmission::Actor,
+            CopySubmissionArg::Hook => crate::config::CopySubmission::Hook,
+        }
+    }
 }
 
 /// Where kernels run.

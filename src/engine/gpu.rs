@@ -11,7 +11,7 @@
 use super::cuda::{CudaCompute, GpuShape};
 use super::timeline::{summarize, to_chrome_json, TimelineSummary};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
-use crate::config::OffloadConfig;
+use crate::config::{CopySubmission, OffloadConfig};
 use crate::hooks::HookRegistry;
 use crate::model::HostModel;
 use crate::offload::{get_offload_backend, ResidentPlacement, StreamingBackend, WeightSource};
@@ -103,6 +103,8 @@ pub struct StepTimeline {
 pub struct BenchReport {
     /// Device name.
     pub device: String,
+    /// Who enqueued the streamed blocks' copies in every configuration (`"actor"` or `"hook"`).
+    pub copy_submission: String,
     /// Rows, per preset.
     pub rows: Vec<BenchRow>,
     /// Pinned H2D bandwidth per preset run, bytes/s.
@@ -140,6 +142,8 @@ pub struct BenchSpec {
     pub rounds: u32,
     /// Bound on how many blocks the engine's host thread runs ahead of the device (`None`: unbounded).
     pub max_blocks_ahead: Option<u32>,
+    /// Who enqueues the streamed blocks' copies, in every configuration (`layer_options.dit.copy_submission`).
+    pub copy_submission: CopySubmission,
 }
 
 /// Median of a non-empty sample (0 for an empty one).
@@ -253,11 +257,16 @@ fn trace_file(dir: &std::path::Path, preset: &str, config: &str) -> std::path::P
     dir.join(format!("{preset}-{}.json", slug.trim_matches('-')))
 }
 
-fn layer_config(depth: Option<u32>, budget: Option<u64>) -> Result<OffloadConfig, EngineError> {
+fn layer_config(
+    depth: Option<u32>,
+    budget: Option<u64>,
+    submission: CopySubmission,
+) -> Result<OffloadConfig, EngineError> {
     let mut opts = serde_json::Map::new();
     if let Some(d) = depth {
         opts.insert("prefetch_depth".into(), serde_json::json!(d));
     }
+    opts.insert("copy_submission".into(), serde_json::json!(submission.as_str()));
     let mut doc = serde_json::json!({
         "diffusion_offload_config": {
             "mode": "layer",
@@ -358,7 +367,7 @@ fn bench_preset(
     });
 
     // Bytes that stay on the device whatever the budget (everything but the DiT's blocks), for budget configs.
-    let probe = layer_config(Some(1), None)?;
+    let probe = layer_config(Some(1), None, spec.copy_submission)?;
     let plan = resolve_offload_plan(&desc, &probe).map_err(crate::offload::OffloadError::from)?;
     let fixed = plan.budget.always_resident_bytes;
 
@@ -366,17 +375,25 @@ fn bench_preset(
     // Every block resident through the backend (each block in its own buffer, hooks running, nothing streamed):
     // the second measurement of the compute time. The bound uses the faster of the two.
     let everything = fixed + dit_bytes + dit_bytes / 50;
-    configs.push((RESIDENT_VIA_BACKEND.to_string(), layer_config(None, Some(everything))?, Some(everything)));
+    configs.push((
+        RESIDENT_VIA_BACKEND.to_string(),
+        layer_config(None, Some(everything), spec.copy_submission)?,
+        Some(everything),
+    ));
     for &d in &spec.depths {
-        configs.push((format!("depth={d}"), layer_config(Some(d), None)?, None));
+        configs.push((format!("depth={d}"), layer_config(Some(d), None, spec.copy_submission)?, None));
     }
     for &f in &spec.budgets {
         let budget = fixed + (f * dit_bytes as f64) as u64;
         let pct = (f * 100.0).round();
-        configs.push((format!("budget={pct}% planner"), layer_config(None, Some(budget))?, Some(budget)));
+        configs.push((
+            format!("budget={pct}% planner"),
+            layer_config(None, Some(budget), spec.copy_submission)?,
+            Some(budget),
+        ));
         if spec.sweep {
             for d in [1u32, 4] {
-                if let Ok(cfg) = layer_config(Some(d), Some(budget)) {
+                if let Ok(cfg) = layer_config(Some(d), Some(budget), spec.copy_submission) {
                     if resolve_offload_plan(&desc, &cfg).is_ok() {
                         configs.push((format!("budget={pct}% depth={d}"), cfg, Some(budget)));
                     }
@@ -516,6 +533,7 @@ fn bench_preset(
 pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, EngineError> {
     let mut report = BenchReport {
         device: String::new(),
+        copy_submission: spec.copy_submission.as_str().to_string(),
         rows: Vec::new(),
         h2d_bytes_per_s: Vec::new(),
         compute_s: Vec::new(),
