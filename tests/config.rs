@@ -1187,6 +1187,27 @@ fn copy_submission_is_read_and_validated() {
     );
     // "actor" is what AllGather stacks do anyway.
     ok(&with(r#""weight_transfer": "allgather", "copy_submission": "actor""#));
+    // Pageable masters would make the hook wait for the copy stream: refused, naming the key and both fixes.
+    let pageable = compact(
+        r#""mode": "layer", "components": ["dit", "text_encoder"], "pin_memory": false,
+           "layer_options": {"text_encoder": {"copy_submission": "hook"}}"#,
+    );
+    let te_key = "diffusion_offload_config.layer_options.text_encoder.copy_submission";
+    assert_err(
+        &pageable,
+        te_key,
+        &format!(
+            "{te_key}: copy_submission = \"hook\" needs pinned host masters (a copy from pageable memory makes the \
+             hook wait for the copy stream); set pin_memory = true or use copy_submission = \"actor\""
+        ),
+    );
+    let legacy_unpinned = r#"{"pin_cpu_memory": false, "diffusion_offload_config": {"mode": "layer",
+        "components": ["dit"], "layer_options": {"dit": {"copy_submission": "hook"}}}}"#;
+    assert_eq!(err(legacy_unpinned).key(), key, "pin_memory defaults to pin_cpu_memory");
+    ok(&compact(
+        r#""mode": "layer", "components": ["dit"], "pin_memory": false,
+           "layer_options": {"dit": {"copy_submission": "actor"}}"#,
+    ));
     // TOML spells it the same way.
     let toml = "[diffusion_offload_config]\nmode = \"layer\"\ncomponents = [\"dit\"]\n\
                 [diffusion_offload_config.layer_options.dit]\ncopy_submission = \"hook\"\n";

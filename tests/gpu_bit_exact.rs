@@ -1,7 +1,8 @@
 //! GPU tests (run on the GPU machine with `--include-ignored`; CI has no GPU): the GPU reference engine's output
 //! with offload is bit-identical to the fully resident run for every strategy and prefetch depth 1–4 on the tiny
 //! presets, host weights are bit-identical afterwards, and a deliberately broken ordering (compute not waiting for
-//! the ready event, with copies slowed down so the race must show) is detected by the same comparison.
+//! the ready event, with copies slowed down so the race must show) is detected by the same comparison; the same with
+//! the hooks enqueueing the copies themselves (`copy_submission = "hook"`).
 #![cfg(feature = "cuda")]
 
 use weightferry::config::OffloadConfig;
@@ -27,6 +28,21 @@ fn configs() -> Vec<(String, OffloadConfig)> {
             )),
         ));
     }
+    for d in [1, 2, 4] {
+        v.push((
+            format!("layer depth {d}, hook submission"),
+            cfg(&format!(
+                r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit", "text_encoder"],
+                    "layer_options": {{"dit": {{"prefetch_depth": {d}, "copy_submission": "hook"}},
+                    "text_encoder": {{"prefetch_depth": {d}, "copy_submission": "hook"}}}}}}}}"#
+            )),
+        ));
+    }
+    v.push((
+        "rank-local, 3 resident layers, hook submission".into(),
+        cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "layer_options": {"dit": {"resident_layers": 3, "copy_submission": "hook"}}}}"#),
+    ));
     v.push((
         "distributed layerwise, rank-local, 3 resident layers".into(),
         cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
@@ -108,4 +124,17 @@ fn an_execution_does_not_depend_on_earlier_executions() {
     let again = run(3);
     placement.release().unwrap();
     assert!(first == again, "the same execution gave a different output after another execution");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_broken_ordering_is_detected_on_the_gpu_with_hook_submission() {
+    let desc = preset("flux-tiny").unwrap();
+    let c = cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+        "layer_options": {"dit": {"prefetch_depth": 1, "copy_submission": "hook"}}}}"#);
+    let ok = gpu_run(&desc, &c, 2, SHAPE, 0, None, OrderingFault::None, true).unwrap();
+    assert!(ok.outputs_match, "{ok:?}");
+    let broken = gpu_run(&desc, &c, 2, SHAPE, 0, None, OrderingFault::SkipReadyWait, true).unwrap();
+    assert!(!broken.outputs_match, "the broken ordering went unnoticed: {broken:?}");
+    assert!(broken.weights_match, "host weights must survive even a broken schedule");
 }

@@ -180,7 +180,10 @@ pub enum Submission {
     /// The engine thread calling the hook enqueues the load itself, under the stack's lock, in issue order: no
     /// thread is woken, and the load counts as recorded as soon as the hook returns. Completions are polled
     /// (`event_query` of the ready events of the loads still in flight, oldest first) at every hook, and a fence
-    /// synchronises the copy stream directly. Rank-local stacks only: a gather stack always uses its actors.
+    /// synchronises the copy stream directly. Rank-local stacks only: a gather stack always uses its actors. The
+    /// host masters should be pinned: a copy from pageable memory synchronises its stream before it starts, so the
+    /// hook would wait (holding the stack's lock) for the copy stream, behind the slot's last use (the config
+    /// refuses that combination).
     Hook,
 }
 

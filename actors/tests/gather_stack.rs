@@ -17,7 +17,7 @@ use weightferry_actors::shard::ShardSpec;
 use weightferry_actors::sim::{Access, SimConfig, SimKernelCtx, SimPlatform, TraceEvent, TraceKind};
 use weightferry_actors::{
     BlockSpec, BlockStack, GatherBlock, GatherPath, GatherSection, GatherSequence, OrderingFault, SchedulerError,
-    StackSpec, StreamHandle, StreamOptions,
+    StackSpec, StreamHandle, StreamOptions, Submission,
 };
 
 /// Section element sizes and the device offset of the second section.
@@ -314,6 +314,8 @@ fn invalid_gather_specs_are_errors() {
         (spec(false), path(vec![one.clone()])),
         (spec(true), path(vec![one.clone(), one.clone()])),
         (spec(false), path(vec![one.clone(), GatherBlock::default()])),
+        // A gather stack submits through its actors: hook submission is refused.
+        (StackSpec { submission: Submission::Hook, ..spec(false) }, path(vec![one.clone(), one.clone()])),
     ];
     for (s, g) in cases {
         let r = BlockStack::with_gather(p.clone(), s, None, compute, stream.clone(), g);

@@ -550,6 +550,18 @@ fn default_layer_options() -> BTreeMap<Component, LayerOptions> {
 fn resolve_compact(compact: &Compact, legacy: &Legacy) -> Result<OffloadConfig, ConfigError> {
     let strategy = compact.strategy();
     check_compact_against_legacy(legacy, strategy)?;
+    let pin_memory = compact.pin_memory.unwrap_or(legacy.pin_cpu_memory);
+    if !pin_memory {
+        // A copy from pageable memory synchronises its stream before it starts, so the hook would wait on the host
+        // for the copy stream (behind the slot's last use) while holding the stack's lock.
+        if let Some(c) = compact.layers.iter().find(|(_, l)| l.copy_submission == Some(CopySubmission::Hook)) {
+            return Err(ConfigError::invalid(
+                format!("{COMPACT}.layer_options.{}.copy_submission", c.0.name()),
+                "copy_submission = \"hook\" needs pinned host masters (a copy from pageable memory makes the hook \
+                 wait for the copy stream); set pin_memory = true or use copy_submission = \"actor\"",
+            ));
+        }
+    }
     let mut layer_options = default_layer_options();
     for (c, opts) in layer_options.iter_mut() {
         opts.weight_transfer = compact.transfer(*c);
@@ -562,7 +574,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy) -> Result<OffloadConfig, 
         components: Some(compact.components.clone()),
         layer_options,
         resident_layers: compact.dit_resident_layers(),
-        pin_memory: compact.pin_memory.unwrap_or(legacy.pin_cpu_memory),
+        pin_memory,
         device_budget: compact.device_budget,
         keep_dit_resident: compact.keep_dit_resident,
         parallel: ParallelConfig::default(),
