@@ -2,9 +2,11 @@
 //! broadcast (the 128-byte NCCL unique id), all-gather of bytes of different lengths, barrier, joining through
 //! `LaunchEnv`; and every failure as an exact error: mismatched world sizes, a duplicate rank, ranks out of step,
 //! a peer that leaves, nobody listening, another protocol on the port, a broadcast without its root payload, and
-//! the rendezvous staying broken after a failure.
+//! the rendezvous staying broken after a failure; and rank 0 dropping strangers on its port (silent, garbage,
+//! partial or non-hello frames) without delaying the join, while a weightferry hello of another protocol version or
+//! a rank outside the group still fails it.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 use weightferry::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions};
@@ -190,15 +192,140 @@ fn nobody_listening_is_a_connect_error_after_the_timeout() {
     }
 }
 
+/// A raw rendezvous frame header (`"WFRV"`, `version`, `kind`, rank, seq 0, payload length) and its payload.
+fn frame(version: u16, kind: u8, rank: u32, payload: &[u8]) -> Vec<u8> {
+    let mut b = b"WFRV".to_vec();
+    b.extend_from_slice(&version.to_le_bytes());
+    b.extend_from_slice(&[kind, 0]);
+    b.extend_from_slice(&rank.to_le_bytes());
+    b.extend_from_slice(&0u64.to_le_bytes());
+    b.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    b.extend_from_slice(payload);
+    b
+}
+
+/// Waits (at most 5 s) until rank 0 closes `s`, i.e. dropped it; false if `s` stays open.
+fn closed_by_rank0(mut s: TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 64];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
+/// Rank 0 with a 200 ms handshake and a long rendezvous timeout, strangers connected before the real ranks:
+/// the ranks join at once, broadcast works, and every stranger is dropped.
 #[test]
-fn another_protocol_on_the_port_is_named() {
+fn strangers_on_the_port_neither_delay_nor_break_the_join() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let long = opts(30_000);
+    let t = Instant::now();
+    let root = std::thread::spawn(move || {
+        let rdv = Rendezvous::root_with_handshake(listener, 3, long, Duration::from_millis(200))?;
+        rdv.broadcast(Some(b"nccl-id"))
+    });
+    // Silent (a port scanner, a health check), garbage (HTTP), a partial hello, a weightferry frame that is no
+    // hello: all connected before any real rank, all kept open.
+    let silent = TcpStream::connect(addr).unwrap();
+    let mut http = TcpStream::connect(addr).unwrap();
+    http.write_all(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n").unwrap();
+    let mut partial = TcpStream::connect(addr).unwrap();
+    partial.write_all(&frame(1, 1, 1, &3u64.to_le_bytes())[..10]).unwrap();
+    let mut not_hello = TcpStream::connect(addr).unwrap();
+    not_hello.write_all(&frame(1, 4, 1, b"x")).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let peers: Vec<_> = (1..3)
+        .map(|rank| {
+            let addr = addr.to_string();
+            std::thread::spawn(move || Rendezvous::peer(&addr, rank, 3, long)?.broadcast(None))
+        })
+        .collect();
+    assert_eq!(root.join().unwrap().unwrap(), b"nccl-id");
+    for p in peers {
+        assert_eq!(p.join().unwrap().unwrap(), b"nccl-id");
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "the join took {:?}", t.elapsed());
+    for (name, s) in [("silent", silent), ("http", http), ("partial", partial), ("not a hello", not_hello)] {
+        assert!(closed_by_rank0(s), "rank 0 kept the {name} connection open");
+    }
+}
+
+/// Rank 0's default handshake deadline is 5 s, or the rendezvous timeout when shorter.
+#[test]
+fn the_handshake_deadline_is_five_seconds_at_most() {
+    assert_eq!(RendezvousOptions::default().handshake_timeout(), Duration::from_secs(5));
+    assert_eq!(opts(300).handshake_timeout(), Duration::from_millis(300));
+}
+
+/// A silent connection through `root` (default handshake deadline) does not hold up the ranks either.
+#[test]
+fn a_silent_connection_does_not_hold_up_root() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = Instant::now();
+    let root = std::thread::spawn(move || Rendezvous::root(listener, 2, opts(30_000))?.barrier());
+    let _silent = TcpStream::connect(addr).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let peer = Rendezvous::peer(&addr.to_string(), 1, 2, opts(30_000)).unwrap();
+    peer.barrier().unwrap();
+    root.join().unwrap().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(4), "the join took {:?}", t.elapsed());
+}
+
+/// A weightferry peer of another protocol version is a misconfigured launch, not a stranger: the rendezvous fails.
+#[test]
+fn a_hello_of_another_protocol_version_fails_the_rendezvous() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let root = std::thread::spawn(move || Rendezvous::root(listener, 2, opts(3000)).map(|_| ()));
     let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n").unwrap();
+    s.write_all(&frame(2, 1, 1, &2u64.to_le_bytes())).unwrap();
     let e = root.join().unwrap().unwrap_err();
-    assert!(matches!(e, RendezvousError::Protocol { magic: 0x2054_4547, .. }), "{e:?}");
+    assert!(matches!(e, RendezvousError::Protocol { magic: 0x5652_4657, version: 2, .. }), "{e:?}");
+    assert!(e.to_string().ends_with(
+        "sent magic 0x56524657 version 2, not a weightferry rendezvous v1 frame; is MASTER_PORT used by another \
+         program, or do the ranks run different weightferry versions?"
+    ));
+}
+
+/// A hello with a rank outside the group fails the rendezvous with the exact error.
+#[test]
+fn a_rank_outside_the_group_is_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (root, peer) = std::thread::scope(|s| {
+        let root = s.spawn(move || Rendezvous::root(listener, 3, opts(5000)).map(|_| ()));
+        let peer = s.spawn(|| Rendezvous::peer(&addr, 5, 3, opts(5000)).map(|_| ()));
+        (root.join().unwrap(), peer.join().unwrap())
+    });
+    let expected = "two processes joined as rank 5 (or it is outside 0..3); give every process its own RANK";
+    assert_eq!(root.unwrap_err().to_string(), expected);
+    assert_eq!(peer.unwrap_err().to_string(), format!("rank 0 ended the rendezvous: {expected}"));
+}
+
+/// A rank whose `MASTER_PORT` is another program's (here an HTTP server) names it.
+#[test]
+fn another_protocol_on_the_port_is_named() {
+    let server = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().unwrap();
+    let http = std::thread::spawn(move || {
+        let (mut s, _) = server.accept().unwrap();
+        s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n").unwrap();
+        // Keep the connection open until the rank has read the reply.
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    let e = Rendezvous::peer(&addr.to_string(), 1, 2, opts(3000)).unwrap_err();
+    http.join().unwrap();
+    assert!(matches!(e, RendezvousError::Protocol { magic: 0x5054_5448, .. }), "{e:?}");
+    assert!(
+        e.to_string().starts_with(&format!("{addr} sent magic 0x50545448 version 12591, not a weightferry")),
+        "{e}"
+    );
     assert!(e.to_string().contains("is MASTER_PORT used by another program"), "{e}");
 }
 

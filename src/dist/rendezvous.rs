@@ -8,7 +8,10 @@
 //! Wire format: every message is one frame, a 28-byte little-endian header — magic `"WFRV"` ([`MAGIC`]), protocol
 //! [`VERSION`], kind, a reserved byte, the sender's rank, the operation's sequence number, the payload length —
 //! then the payload (at most [`MAX_PAYLOAD`] bytes). Joining is a `HELLO` carrying the joiner's rank and world
-//! size, answered by `WELCOME` once every rank has joined, or by `REFUSE` with the reason.
+//! size, answered by `WELCOME` once every rank has joined, or by `REFUSE` with the reason. Rank 0 keeps accepting
+//! while it waits, and gives each connection [`RendezvousOptions::handshake_timeout`] to send its hello: strangers
+//! on the port (silent, another protocol, not a hello) are dropped with a warning and cannot delay the join, while a
+//! weightferry hello that cannot join (another version, world size or a taken rank) fails the rendezvous.
 //!
 //! Invariants: operations are collective — every rank calls the same operations in the same order, and each frame
 //! carries the operation's sequence number and kind, so a rank out of step is an error naming it, never a silent
@@ -189,6 +192,17 @@ impl Default for RendezvousOptions {
     }
 }
 
+/// Longest time rank 0 gives one accepted connection to send its hello (unless the rendezvous timeout is shorter).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl RendezvousOptions {
+    /// How long rank 0 gives each accepted connection to send a complete hello before dropping it:
+    /// [`HANDSHAKE_TIMEOUT`], or the rendezvous timeout when that is shorter.
+    pub fn handshake_timeout(&self) -> Duration {
+        self.timeout.min(HANDSHAKE_TIMEOUT)
+    }
+}
+
 struct Frame {
     kind: u8,
     rank: u32,
@@ -233,6 +247,77 @@ fn read_frame(s: &mut TcpStream) -> Result<Frame, FrameError> {
     let mut payload = vec![0u8; len as usize];
     s.read_exact(&mut payload).map_err(FrameError::Io)?;
     Ok(Frame { kind: h[6], rank: le32(&h[8..12]), seq: le64(&h[12..20]), payload })
+}
+
+/// Bytes of a hello: the header and the joiner's world size (`u64`).
+const HELLO_LEN: usize = HEADER + 8;
+
+/// A connection rank 0 accepted that has not sent its whole hello yet (read without blocking).
+struct Pending {
+    stream: TcpStream,
+    peer: std::net::SocketAddr,
+    /// The bytes of the hello so far (never more than [`HELLO_LEN`], so nothing after the hello is consumed).
+    buf: Vec<u8>,
+    /// When it is dropped unless its hello is complete.
+    deadline: Instant,
+}
+
+/// Where one pending connection's handshake stands.
+enum Handshake {
+    /// Its hello is incomplete and its deadline has not passed.
+    Waiting,
+    /// Not a joining weightferry rank (the reason completes "dropped a connection that …"): drop it, go on.
+    Drop(String),
+    /// A weightferry frame (right magic) of another protocol version.
+    Wrong { magic: u32, version: u16 },
+    /// A complete hello.
+    Hello { rank: usize, theirs: usize },
+}
+
+impl Pending {
+    /// Reads what has arrived (without blocking) and judges the bytes so far.
+    fn advance(&mut self) -> Handshake {
+        let mut chunk = [0u8; HELLO_LEN];
+        loop {
+            let want = HELLO_LEN - self.buf.len();
+            if want == 0 {
+                break;
+            }
+            match self.stream.read(&mut chunk[..want]) {
+                Ok(0) => return Handshake::Drop("closed before sending a hello".into()),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Handshake::Drop(format!("failed before sending a hello: {e}")),
+            }
+        }
+        let b = &self.buf;
+        if b.len() >= 4 && b[..4] != MAGIC.to_le_bytes() {
+            let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            return Handshake::Drop(format!("sent magic {magic:#010x}, not a weightferry rendezvous frame"));
+        }
+        if b.len() >= 6 {
+            let version = u16::from_le_bytes([b[4], b[5]]);
+            if version != VERSION {
+                return Handshake::Wrong { magic: MAGIC, version };
+            }
+        }
+        if b.len() >= HEADER {
+            let len = u64::from_le_bytes(b[20..28].try_into().unwrap_or([0; 8]));
+            if b[6] != HELLO || len != 8 {
+                return Handshake::Drop(format!("sent a {} frame of {len} bytes, not a hello", kind_name(b[6])));
+            }
+        }
+        if b.len() == HELLO_LEN {
+            let rank = u32::from_le_bytes(b[8..12].try_into().unwrap_or([0; 4])) as usize;
+            let theirs = u64::from_le_bytes(b[HEADER..].try_into().unwrap_or([0; 8])) as usize;
+            return Handshake::Hello { rank, theirs };
+        }
+        if Instant::now() >= self.deadline {
+            return Handshake::Drop(format!("sent {} of the {HELLO_LEN} bytes of a hello in time", b.len()));
+        }
+        Handshake::Waiting
+    }
 }
 
 fn io_reason(e: &std::io::Error) -> String {
@@ -292,70 +377,134 @@ impl Rendezvous {
         }
     }
 
-    /// Rank 0 of `world` ranks, accepting on `listener` until every other rank joined.
+    /// Rank 0 of `world` ranks, accepting on `listener` until every other rank joined; each accepted connection
+    /// has [`RendezvousOptions::handshake_timeout`] to send its hello (see [`Rendezvous::root_with_handshake`]).
     pub fn root(
         listener: TcpListener,
         world: usize,
         options: RendezvousOptions,
+    ) -> Result<Rendezvous, RendezvousError> {
+        Self::root_with_handshake(listener, world, options, options.handshake_timeout())
+    }
+
+    /// Rank 0 of `world` ranks, accepting on `listener` until every other rank joined or `options.timeout` passed.
+    ///
+    /// Rank 0 keeps accepting while earlier connections are still handshaking, so no connection can hold up the
+    /// others: each accepted connection has `handshake` (from its accept) to send a complete hello, read without
+    /// blocking. Connections that are not joining weightferry ranks are dropped with a `tracing` warning and the
+    /// wait goes on: one that stays silent past `handshake`, closes, does not start with [`MAGIC`] (another
+    /// program: a port scanner, a health check, HTTP), or sends a weightferry frame that is not a hello.
+    /// A hello from a weightferry peer that cannot join fails the whole rendezvous, as a misconfigured launch,
+    /// with the exact error (rank 0 tells the offender and every joined rank why): another protocol
+    /// [`VERSION`] ([`RendezvousError::Protocol`]), another world size ([`RendezvousError::WorldMismatch`]), a
+    /// rank already joined or outside `1..world` ([`RendezvousError::BadRank`]).
+    pub fn root_with_handshake(
+        listener: TcpListener,
+        world: usize,
+        options: RendezvousOptions,
+        handshake: Duration,
     ) -> Result<Rendezvous, RendezvousError> {
         let start = Instant::now();
         let deadline = start + options.timeout;
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
         listener.set_nonblocking(true).map_err(|e| RendezvousError::Listen { port, reason: e.to_string() })?;
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        let refuse_all = |streams: &mut Vec<Option<TcpStream>>, err: &RendezvousError| {
-            for s in streams.iter_mut().flatten() {
-                let _ = write_frame(s, REFUSE, 0, 0, err.to_string().as_bytes());
+        let mut pending: Vec<Pending> = Vec::new();
+        let fail = |streams: &mut Vec<Option<TcpStream>>, offender: Option<&mut TcpStream>, err: RendezvousError| {
+            let reason = err.to_string();
+            for s in offender.into_iter().chain(streams.iter_mut().flatten()) {
+                let _ = write_frame(s, REFUSE, 0, 0, reason.as_bytes());
             }
+            Err(err)
         };
         while streams.iter().skip(1).any(Option::is_none) {
-            let (mut s, peer) = match listener.accept() {
-                Ok(x) => x,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing = (1..world).filter(|&r| streams[r].is_none()).collect();
-                        let err = RendezvousError::Incomplete { world, missing, waited: start.elapsed() };
-                        refuse_all(&mut streams, &err);
-                        return Err(err);
+            let mut progressed = false;
+            loop {
+                match listener.accept() {
+                    Ok((stream, peer)) => {
+                        progressed = true;
+                        let setup = stream.set_nonblocking(true).and_then(|()| stream.set_nodelay(true));
+                        match setup {
+                            Ok(()) => pending.push(Pending {
+                                stream,
+                                peer,
+                                buf: Vec::with_capacity(HELLO_LEN),
+                                deadline: Instant::now() + handshake,
+                            }),
+                            Err(e) => tracing::warn!(%peer, "rendezvous: dropped a connection: {e}"),
+                        }
                     }
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::ConnectionAborted
+                                | std::io::ErrorKind::ConnectionReset
+                                | std::io::ErrorKind::Interrupted
+                        ) =>
+                    {
+                        tracing::warn!("rendezvous: a connection failed before rank 0 accepted it: {e}");
+                    }
+                    Err(e) => return fail(&mut streams, None, RendezvousError::Listen { port, reason: e.to_string() }),
                 }
-                Err(e) => return Err(RendezvousError::Listen { port, reason: e.to_string() }),
-            };
-            let setup = s
-                .set_nonblocking(false)
-                .and_then(|()| s.set_nodelay(true))
-                .and_then(|()| s.set_read_timeout(Some(options.timeout)))
-                .and_then(|()| s.set_write_timeout(Some(options.timeout)));
-            if setup.is_err() {
-                continue;
             }
-            let hello = match read_frame(&mut s) {
-                Ok(f) if f.kind == HELLO && f.payload.len() == 8 => f,
-                Ok(_) | Err(FrameError::Io(_)) | Err(FrameError::TooLarge(_)) => continue,
-                Err(FrameError::Protocol { magic, version }) => {
-                    let err = RendezvousError::Protocol { peer: peer.to_string(), magic, version };
-                    refuse_all(&mut streams, &err);
-                    return Err(err);
+            let mut i = 0;
+            while i < pending.len() {
+                let step = pending[i].advance();
+                if !matches!(step, Handshake::Waiting) {
+                    progressed = true;
                 }
-            };
-            let rank = hello.rank as usize;
-            let theirs = u64::from_le_bytes(hello.payload[..8].try_into().unwrap_or([0; 8])) as usize;
-            let err = if theirs != world {
-                Some(RendezvousError::WorldMismatch { rank, theirs, ours: world })
-            } else if rank == 0 || rank >= world || streams[rank].is_some() {
-                Some(RendezvousError::BadRank { rank, world })
-            } else {
-                None
-            };
-            if let Some(err) = err {
-                let _ = write_frame(&mut s, REFUSE, 0, 0, err.to_string().as_bytes());
-                refuse_all(&mut streams, &err);
-                return Err(err);
+                match step {
+                    Handshake::Waiting => i += 1,
+                    Handshake::Drop(why) => {
+                        let p = pending.swap_remove(i);
+                        tracing::warn!(peer = %p.peer, "rendezvous: dropped a connection that {why}");
+                    }
+                    Handshake::Wrong { magic, version } => {
+                        let mut p = pending.swap_remove(i);
+                        let err = RendezvousError::Protocol { peer: p.peer.to_string(), magic, version };
+                        return fail(&mut streams, Some(&mut p.stream), err);
+                    }
+                    Handshake::Hello { rank, theirs } => {
+                        let mut p = pending.swap_remove(i);
+                        let err = if theirs != world {
+                            Some(RendezvousError::WorldMismatch { rank, theirs, ours: world })
+                        } else if rank == 0 || rank >= world || streams[rank].is_some() {
+                            Some(RendezvousError::BadRank { rank, world })
+                        } else {
+                            None
+                        };
+                        if let Some(err) = err {
+                            return fail(&mut streams, Some(&mut p.stream), err);
+                        }
+                        let setup = p
+                            .stream
+                            .set_nonblocking(false)
+                            .and_then(|()| p.stream.set_read_timeout(Some(options.timeout)))
+                            .and_then(|()| p.stream.set_write_timeout(Some(options.timeout)));
+                        match setup {
+                            Ok(()) => streams[rank] = Some(p.stream),
+                            Err(e) => tracing::warn!(peer = %p.peer, rank, "rendezvous: dropped rank {rank}: {e}"),
+                        }
+                    }
+                }
             }
-            streams[rank] = Some(s);
+            if streams.iter().skip(1).all(Option::is_some) {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let missing = (1..world).filter(|&r| streams[r].is_none()).collect();
+                return fail(
+                    &mut streams,
+                    None,
+                    RendezvousError::Incomplete { world, missing, waited: start.elapsed() },
+                );
+            }
+            if !progressed {
+                std::thread::sleep(Duration::from_millis(2));
+            }
         }
+        drop(pending);
         for (r, s) in streams.iter_mut().enumerate() {
             if let Some(s) = s {
                 write_frame(s, WELCOME, 0, 0, &[]).map_err(|e| RendezvousError::Io {
