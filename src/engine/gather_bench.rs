@@ -24,6 +24,7 @@
 //! order; a rank that fails breaks the group barrier, so its peers stop at their next barrier instead of entering
 //! a collective the failed rank will never issue.
 
+use super::timing::median;
 use super::EngineError;
 use crate::model::splitmix64;
 use crate::platform::cuda::blas::{BLayout, Blas, Gemm};
@@ -288,14 +289,6 @@ fn shard_content(rank: usize, len: u64) -> Vec<u8> {
         out.extend_from_slice(&word[..take]);
     }
     out
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// bf16 bits of small values, so GEMMs see ordinary finite numbers.
@@ -884,12 +877,5 @@ mod tests {
         assert!(check_spec(&GatherBenchSpec { worlds: vec![1], gemm: Some(ok), ..spec.clone() }, 4).is_ok());
         let huge = GemmSpec { shape: (usize::MAX, 2, 2), mode: GatherMode::Gather, ..gemm };
         assert!(check_spec(&GatherBenchSpec { worlds: vec![1], gemm: Some(huge), ..spec }, 4).is_err());
-    }
-
-    #[test]
-    fn median_of_an_odd_and_an_even_count() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0]), 4.0);
-        assert_eq!(median(vec![]), 0.0);
     }
 }

@@ -10,6 +10,7 @@
 
 use super::cuda::{CudaCompute, GpuShape};
 use super::timeline::{summarize, to_chrome_json, TimelineSummary};
+use super::timing::{bytes_per_step, median, step_seconds};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
 use crate::config::{CopySubmission, OffloadConfig};
 use crate::hooks::HookRegistry;
@@ -138,23 +139,12 @@ pub struct BenchSpec {
     /// Trace every configuration once more and write Chrome traces here.
     pub trace_dir: Option<std::path::PathBuf>,
     /// Rounds over the configuration list (interleaved, so slow drifts of the GPU's clocks hit every
-    /// configuration alike); each row reports the median.
+    /// configuration alike); each row reports the median (`timing::median`: the slower middle value of an even count).
     pub rounds: u32,
     /// Bound on how many blocks the engine's host thread runs ahead of the device (`None`: unbounded).
     pub max_blocks_ahead: Option<u32>,
     /// Who enqueues the streamed blocks' copies, in every configuration (`layer_options.dit.copy_submission`).
     pub copy_submission: CopySubmission,
-}
-
-/// Median of a non-empty sample (0 for an empty one).
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 /// Nearest-rank percentile of unsorted durations, in microseconds.
@@ -193,21 +183,19 @@ fn timed(
 ) -> Result<Timed, EngineError> {
     let h2d =
         |b: Option<&StreamingBackend>| b.map_or(0, |b| b.report().stacks.iter().map(|s| s.h2d_bytes).sum::<u64>());
-    let run = |n: u32| -> Result<(f64, ExecOutput), EngineError> {
+    let run = |n: u32| -> Result<(Duration, ExecOutput), EngineError> {
         let opts =
             ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: ahead };
         let t = Instant::now();
         let out = engine.execute(source, hooks, &opts, &mut |_| {})?;
-        Ok((t.elapsed().as_secs_f64(), out))
+        Ok((t.elapsed(), out))
     };
     let b0 = h2d(backend);
     let (t_lo, _) = run(steps.0)?;
     let b1 = h2d(backend);
     let (t_hi, out) = run(steps.1)?;
     let b2 = h2d(backend);
-    let d = f64::from(steps.1 - steps.0);
-    let bytes = ((b2 - b1).saturating_sub(b1 - b0)) as f64 / d;
-    Ok(Timed { step_s: (t_hi - t_lo) / d, out, bytes_per_step: bytes as u64 })
+    Ok(Timed { step_s: step_seconds(steps, t_lo, t_hi), out, bytes_per_step: bytes_per_step(steps, b0, b1, b2) })
 }
 
 /// Runs `steps` steps once with the device timeline armed; summarises the DiT window and writes the Chrome trace.
@@ -494,7 +482,7 @@ fn bench_preset(
     // Step time of a configuration: the median of its rounds. The compute time: the faster of the resident
     // placement and the median of the configuration that keeps every block resident through the backend.
     for row in &mut rows {
-        row.step_s = median(&row.step_samples);
+        row.step_s = median(row.step_samples.clone());
         if row.config == RESIDENT_VIA_BACKEND && row.streamed_bytes_per_step == 0 {
             compute_s = compute_s.min(row.step_s);
         }

@@ -5,6 +5,7 @@
 //! - [`math`]: what one module does to the activations (matrix products, bounded mixing, byte hashing).
 //! - [`compute`]: the [`compute::Compute`] trait kernels are enqueued through, and its sim implementation.
 //! - [`driver`]: the `run` driver — resident run, offloaded run, comparison and report.
+//! - [`timing`]: per-step time and bytes from two executions, and the median of repeated runs.
 //! - [`timeline`]: device timelines (GPU timing spans) summarised into compute busy time, stalls and copy overlap.
 //!
 //! [`Engine`] owns the compute stream and the activation buffers (allocated at construction, before any offload is
@@ -27,6 +28,7 @@ pub mod program;
 #[cfg(feature = "cuda")]
 pub mod slow;
 pub mod timeline;
+pub mod timing;
 
 use crate::hooks::{HookError, HookRegistry};
 use crate::model::{fnv1a, splitmix64, FNV_OFFSET};

@@ -300,20 +300,8 @@ impl RankTiming {
     }
 }
 
-/// `(t_hi − t_lo) / (hi − lo)` in seconds (0 when `hi <= lo`).
-pub fn step_seconds((lo, hi): (u32, u32), t_lo: Duration, t_hi: Duration) -> f64 {
-    if hi <= lo {
-        return 0.0;
-    }
-    (t_hi.as_secs_f64() - t_lo.as_secs_f64()) / f64::from(hi - lo)
-}
-
-/// Per-step bytes from counter readings before the `lo` run (`b0`), between the runs (`b1`) and after the `hi` run
-/// (`b2`): `((b2 − b1) − (b1 − b0)) / (hi − lo)`, as the single-GPU bench derives them.
-fn bytes_per_step((lo, hi): (u32, u32), b0: u64, b1: u64, b2: u64) -> u64 {
-    let d = u64::from(hi.saturating_sub(lo)).max(1);
-    (b2.saturating_sub(b1)).saturating_sub(b1.saturating_sub(b0)) / d
-}
+use crate::engine::timing::bytes_per_step;
+pub use crate::engine::timing::step_seconds;
 
 /// A resident run on a caller's model ([`resident_run_with_model`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
