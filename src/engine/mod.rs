@@ -225,18 +225,18 @@ impl Engine {
         }
         let mut run = Run { engine: self, source, hooks, opts, acts, out: ExecOutput::default(), ahead };
         let result = run.all(progress);
-        let sync = platform.stream_synchronize(self.stream);
-        run.ahead.destroy(&platform);
-        if let (Ok(()), Err(e)) = (&result, sync) {
-            return Err(e.into());
-        }
+        let mut ahead = std::mem::take(&mut run.ahead);
         if let Err(e) = result {
             // Leave no kernel of ours running behind the caller's cleanup.
-            let _ = self.compute.platform().stream_synchronize(self.stream);
+            let _ = platform.stream_synchronize(self.stream);
+            ahead.destroy(&platform);
             return Err(e);
         }
         let mut out = run.out;
-        out.output = self.compute.read_back(self.stream, acts.latent, self.compute.activation_bytes(Phase::Dit))?;
+        // `read_back` waits for the compute stream first, so the run-ahead events are idle when destroyed.
+        let read = self.compute.read_back(self.stream, acts.latent, self.compute.activation_bytes(Phase::Dit));
+        ahead.destroy(&platform);
+        out.output = read?;
         out.checksum = fnv1a(FNV_OFFSET, &out.output);
         out.wall = start.elapsed();
         Ok(out)

@@ -573,6 +573,7 @@ impl Platform for CudaPlatform {
             return Ok(());
         }
         self.bind_to_thread()?;
+        // `timeline_begin` returns at once when disarmed; the label is formatted only when armed.
         let span = if self.timeline.armed() {
             self.timeline_begin(stream, crate::engine::timeline::COPY_LANE, &format!("h2d {len}"))
         } else {

@@ -137,7 +137,9 @@ impl CudaPlatform {
 
     /// Records the end of a span on `stream` (the stream its start was recorded on).
     pub fn timeline_end(&self, stream: StreamId, token: Option<SpanToken>) {
-        let (Some(token), Some(raw)) = (token, self.raw_stream(stream)) else { return };
+        // A `None` token (the timeline is disarmed: every copy and kernel) returns before any lookup.
+        let Some(token) = token else { return };
+        let Some(raw) = self.raw_stream(stream) else { return };
         let mut state = self.timeline.lock();
         let Some(ev) = state.free.pop() else {
             state.dropped += 1;
