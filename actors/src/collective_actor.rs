@@ -12,8 +12,9 @@
 //! fails to start, the actor is poisoned and issues no further collective (every later request is answered with
 //! [`GatherError::Poisoned`]), so a failure never leads a rank into an unmatched collective (invariant 8); a fence
 //! replies only after every gather issued before it has completed on the device, and refuses (rather than waits)
-//! while requests are buffered behind a missing sequence number or once the actor is poisoned. Results go to the request's ticket board (in issue
-//! order; one stack's tickets must increase with its sequence numbers) and, through a completion watcher, to its
+//! while requests are buffered behind a missing sequence number or once the actor is poisoned. Results go to the
+//! request's ticket board (in issue order; one stack's tickets must increase with its sequence numbers) and,
+//! through a completion watcher, to its
 //! notify mailbox.
 
 use crate::collective::Collective;

@@ -1,6 +1,6 @@
-//! `weightferry bench`: the GPU benchmark matrix (see `engine::gpu`, built with the `cuda` feature): per preset, the resident step time,
-//! the pinned H2D bandwidth, and every offload configuration's step time as a ratio to its bound, printed as a
-//! markdown table (or one JSON object). The arguments are checked (exit 2) before the build's GPU support is.
+//! `weightferry bench`: the GPU benchmark matrix (see `engine::gpu`, built with the `cuda` feature): per preset,
+//! the resident step time, the pinned H2D bandwidth, and every offload configuration's step time as a ratio to its
+//! bound, printed as a markdown table (or one JSON object). The arguments are checked (exit 2) before the build's GPU support is.
 
 use super::{BenchArgs, CliError};
 

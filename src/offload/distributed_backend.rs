@@ -493,8 +493,8 @@ struct RankParts {
 ///
 /// Loads the pipeline with synthetic weights of `spec.seed`, builds this rank's sharded masters of the DiT stacks,
 /// spawns the collective actor and **warms the communicator** (one small AllGather, sequence number 0, tag
-/// [`WARM_UP_TAG`](weightferry_actors::collective_actor::WARM_UP_TAG), before anything else is gathered: NCCL's first AllGather on a new communicator takes about
-/// 2.5 s, which must not land inside the first step), runs `spec.steps` steps through gather-path block stacks,
+/// [`WARM_UP_TAG`](weightferry_actors::collective_actor::WARM_UP_TAG), before anything else is gathered: NCCL's
+/// first AllGather on a new communicator takes about 2.5 s, which must not land inside the first step), runs `spec.steps` steps through gather-path block stacks,
 /// and releases everything before returning, success or not. [`RankRun::hazard_violations`] is left at 0: a
 /// caller on the simulated device fills it in from its platform.
 ///
