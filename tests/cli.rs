@@ -293,8 +293,10 @@ fn run_with_hook_copy_submission_is_bit_exact_and_reports_it() {
 #[test]
 fn bench_takes_a_copy_submission_for_every_configuration() {
     let e = invalid(&["bench", "--preset", "flux-tiny", "--copy-submission", "gpu"]);
-    assert!(e.contains("invalid value 'gpu' for '--copy-submission <MODE>'"), "{e}");
-    for mode in ["hook", "actor"] {
+    assert!(e.contains("invalid value 'gpu' for '--copy-submission <MODES>'"), "{e}");
+    let e = invalid(&["bench", "--preset", "flux-tiny", "--depths", "1", "--copy-submission", "hook,actor,hook"]);
+    assert_eq!(e, "error: --copy-submission names `hook` twice; give each mode once, e.g. actor,hook");
+    for mode in ["hook", "actor", "actor,hook"] {
         let args = ["bench", "--preset", "flux-tiny", "--depths", "1", "--budgets", "none", "--copy-submission", mode];
         if cfg!(feature = "cuda") {
             // A GPU may or may not be present: the arguments are accepted either way.

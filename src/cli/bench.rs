@@ -35,10 +35,13 @@ pub struct CheckedBench {
     pub steps: (u32, u32),
     /// Budget fractions (empty: no budget rows).
     pub budgets: Vec<f64>,
+    /// Copy-submission modes, each once, in the order given.
+    pub copy_submission: Vec<crate::config::CopySubmission>,
 }
 
 /// Checks `bench`'s arguments: known presets, `--steps LO,HI` with HI > LO, `--rounds` at least 1, `--budgets`
-/// as [`parse_budgets`] reads them, and at least one configuration besides the resident ones.
+/// as [`parse_budgets`] reads them, at least one configuration besides the resident ones, and no copy-submission
+/// mode named twice.
 pub fn check_args(a: &BenchArgs) -> Result<CheckedBench, CliError> {
     let presets = if a.preset.is_empty() {
         vec!["flux-dev".to_string(), "wan-14b".to_string(), "qwen-image".to_string()]
@@ -63,7 +66,18 @@ pub fn check_args(a: &BenchArgs) -> Result<CheckedBench, CliError> {
             "--budgets none leaves nothing to measure without --depths; give --depths (e.g. 1,2) or budgets",
         ));
     }
-    Ok(CheckedBench { presets, steps, budgets })
+    let mut copy_submission: Vec<crate::config::CopySubmission> = Vec::new();
+    for m in &a.copy_submission {
+        let m = (*m).into();
+        if copy_submission.contains(&m) {
+            return Err(CliError::invalid(format!(
+                "--copy-submission names `{}` twice; give each mode once, e.g. actor,hook",
+                m.as_str()
+            )));
+        }
+        copy_submission.push(m);
+    }
+    Ok(CheckedBench { presets, steps, budgets, copy_submission })
 }
 
 /// Runs `weightferry bench`; returns the exit code.
@@ -96,7 +110,7 @@ fn run_checked(a: &BenchArgs, c: CheckedBench) -> Result<i32, CliError> {
         trace_dir: a.trace.clone(),
         rounds: a.rounds,
         max_blocks_ahead: a.max_blocks_ahead,
-        copy_submission: a.copy_submission.into(),
+        copy_submission: c.copy_submission,
     };
     let report = run_bench(&spec, &mut |line| eprintln!("{line}"))
         .map_err(|e| CliError::failed(format!("bench failed: {e}")))?;

@@ -176,11 +176,11 @@ pub struct BenchArgs {
     /// frameworks, until the driver's launch queue pushes back).
     #[arg(long, value_name = "K")]
     pub max_blocks_ahead: Option<u32>,
-    /// Who enqueues the streamed blocks' copies in every configuration: `actor` (the copy-stream actor thread, the
-    /// default) or `hook` (the engine thread inside `pre_forward`; the config key
-    /// `layer_options.dit.copy_submission`).
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = CopySubmissionArg::Actor)]
-    pub copy_submission: CopySubmissionArg,
+    /// Who enqueues the streamed blocks' copies: `actor` (the copy-stream actor thread, the default) or `hook` (the
+    /// engine thread inside `pre_forward`; the config key `layer_options.dit.copy_submission`). `actor,hook` runs
+    /// every streamed configuration in both modes, side by side in each round.
+    #[arg(long, value_name = "MODES", value_enum, value_delimiter = ',', default_values_t = [CopySubmissionArg::Actor])]
+    pub copy_submission: Vec<CopySubmissionArg>,
 }
 
 /// Who enqueues the copies of streamed blocks (`bench --copy-submission`).

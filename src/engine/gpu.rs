@@ -104,7 +104,8 @@ pub struct StepTimeline {
 pub struct BenchReport {
     /// Device name.
     pub device: String,
-    /// Who enqueued the streamed blocks' copies in every configuration (`"actor"` or `"hook"`).
+    /// Who enqueued the streamed blocks' copies (`"actor"`, `"hook"`, or `"actor,hook"` when every streamed
+    /// configuration ran in both modes; those rows' labels then end in `[actor]` / `[hook]`).
     pub copy_submission: String,
     /// Rows, per preset.
     pub rows: Vec<BenchRow>,
@@ -143,8 +144,10 @@ pub struct BenchSpec {
     pub rounds: u32,
     /// Bound on how many blocks the engine's host thread runs ahead of the device (`None`: unbounded).
     pub max_blocks_ahead: Option<u32>,
-    /// Who enqueues the streamed blocks' copies, in every configuration (`layer_options.dit.copy_submission`).
-    pub copy_submission: CopySubmission,
+    /// Who enqueues the streamed blocks' copies (`layer_options.dit.copy_submission`). With more than one mode,
+    /// every depth and budget configuration runs once per mode, next to each other in each round (an interleaved
+    /// A/B on the same weights); the all-resident row uses the first mode. Empty means `[Actor]`.
+    pub copy_submission: Vec<CopySubmission>,
 }
 
 /// Nearest-rank percentile of unsorted durations, in microseconds.
@@ -355,7 +358,9 @@ fn bench_preset(
     });
 
     // Bytes that stay on the device whatever the budget (everything but the DiT's blocks), for budget configs.
-    let probe = layer_config(Some(1), None, spec.copy_submission)?;
+    let modes = submission_modes(spec);
+    let first = modes[0];
+    let probe = layer_config(Some(1), None, first)?;
     let plan = resolve_offload_plan(&desc, &probe).map_err(crate::offload::OffloadError::from)?;
     let fixed = plan.budget.always_resident_bytes;
 
@@ -363,27 +368,27 @@ fn bench_preset(
     // Every block resident through the backend (each block in its own buffer, hooks running, nothing streamed):
     // the second measurement of the compute time. The bound uses the faster of the two.
     let everything = fixed + dit_bytes + dit_bytes / 50;
-    configs.push((
-        RESIDENT_VIA_BACKEND.to_string(),
-        layer_config(None, Some(everything), spec.copy_submission)?,
-        Some(everything),
-    ));
+    configs.push((RESIDENT_VIA_BACKEND.to_string(), layer_config(None, Some(everything), first)?, Some(everything)));
+    // One configuration per mode (labelled with the mode when there are several).
+    let mut push_modes = |label: String, depth: Option<u32>, budget: Option<u64>| -> Result<(), EngineError> {
+        for &m in modes {
+            let label = if modes.len() > 1 { format!("{label} [{}]", m.as_str()) } else { label.clone() };
+            configs.push((label, layer_config(depth, budget, m)?, budget));
+        }
+        Ok(())
+    };
     for &d in &spec.depths {
-        configs.push((format!("depth={d}"), layer_config(Some(d), None, spec.copy_submission)?, None));
+        push_modes(format!("depth={d}"), Some(d), None)?;
     }
     for &f in &spec.budgets {
         let budget = fixed + (f * dit_bytes as f64) as u64;
         let pct = (f * 100.0).round();
-        configs.push((
-            format!("budget={pct}% planner"),
-            layer_config(None, Some(budget), spec.copy_submission)?,
-            Some(budget),
-        ));
+        push_modes(format!("budget={pct}% planner"), None, Some(budget))?;
         if spec.sweep {
             for d in [1u32, 4] {
-                if let Ok(cfg) = layer_config(Some(d), Some(budget), spec.copy_submission) {
+                if let Ok(cfg) = layer_config(Some(d), Some(budget), first) {
                     if resolve_offload_plan(&desc, &cfg).is_ok() {
-                        configs.push((format!("budget={pct}% depth={d}"), cfg, Some(budget)));
+                        push_modes(format!("budget={pct}% depth={d}"), Some(d), Some(budget))?;
                     }
                 }
             }
@@ -517,11 +522,20 @@ fn bench_preset(
     Ok(())
 }
 
+/// The copy-submission modes a spec runs: its list, or the actor alone when the list is empty.
+fn submission_modes(spec: &BenchSpec) -> &[CopySubmission] {
+    if spec.copy_submission.is_empty() {
+        &[CopySubmission::Actor]
+    } else {
+        &spec.copy_submission
+    }
+}
+
 /// Runs the benchmark matrix on GPU 0. `progress` gets one line per measured configuration as it completes.
 pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, EngineError> {
     let mut report = BenchReport {
         device: String::new(),
-        copy_submission: spec.copy_submission.as_str().to_string(),
+        copy_submission: submission_modes(spec).iter().map(|m| m.as_str()).collect::<Vec<_>>().join(","),
         rows: Vec::new(),
         h2d_bytes_per_s: Vec::new(),
         compute_s: Vec::new(),
