@@ -56,9 +56,10 @@ if command -v python3 > /dev/null; then
 import json, sys
 out, presets = sys.argv[1], sys.argv[2:]
 def load(path):
+    # The first JSON value of the file: NCCL may print its version line after rank 0's report.
     try:
         with open(path) as f:
-            return json.load(f)
+            return json.JSONDecoder().raw_decode(f.read().lstrip())[0]
     except Exception as e:
         print(f"({path}: {e})")
         return None

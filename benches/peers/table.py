@@ -110,8 +110,10 @@ def render(ours_reports, peer_reports):
             host_ratio = (rss - other) / dit if (rss and other is not None and dit) else None
             if hm:
                 offl = f", RSS while offloaded {hm[4] / GB:.2f} GB" if len(hm) > 4 and hm[4] else ""
+                en = next((e for e in rep.get("enable", []) if e[0] == preset), None)
+                ens = f", enable {en[1]:.1f} s with peak RSS {en[2] / GB:.2f} GB" if en else ""
                 notes.append(f"  ours {preset}: host model {weights / GB:.2f} GB (all components), pinned masters "
-                             f"{masters / GB:.2f} GB, peak RSS {rss / GB:.2f} GB{offl}")
+                             f"{masters / GB:.2f} GB, peak RSS {rss / GB:.2f} GB{offl}{ens}")
             for r in o["rows"]:
                 dev_dit = r["peak_weight_bytes"] - other if other is not None else None
                 lines.append(

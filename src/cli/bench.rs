@@ -136,6 +136,9 @@ fn run_checked(a: &BenchArgs, c: CheckedBench) -> Result<i32, CliError> {
             gb(*rss as f64)
         );
     }
+    for (p, secs, rss) in &report.enable {
+        out += &format!("{p}: enable {secs:.1} s, peak RSS during enable {:.2} GB\n", gb(*rss as f64));
+    }
     out += "\n| preset | config | resident blocks | depth | step s | bound s | ratio | GB/step | peak weights GB | planned GB | hook p50 µs | bit-exact |\n";
     out += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
     for r in &report.rows {

@@ -116,6 +116,10 @@ pub struct BenchReport {
     /// Host memory: (preset, weights bytes, master bytes, peak RSS bytes over the whole preset run, RSS while
     /// offloaded — after the timed runs, before `disable`).
     pub host_memory: Vec<(String, u64, u64, u64, u64)>,
+    /// Enable per preset: (preset, seconds `enable` took — host masters built and pinned, fixed placement
+    /// uploaded —, peak RSS bytes during `enable`: the process's high-water mark, reset just before `enable`
+    /// through `/proc/self/clear_refs` where the kernel allows it, else the peak since the process started).
+    pub enable: Vec<(String, f64, u64)>,
     /// Tokens per preset (DiT, encoder).
     pub tokens: Vec<(String, usize, usize)>,
 }
@@ -157,6 +161,12 @@ fn percentile_us(mut v: Vec<Duration>, p: f64) -> f64 {
 }
 
 /// A `/proc/self/status` memory line (`VmHWM:` peak resident set, `VmRSS:` current) in bytes; 0 if unreadable.
+/// Resets the process's peak RSS (`VmHWM`) to its current RSS (`5` into `/proc/self/clear_refs`, Linux ≥ 4.0);
+/// false where that is not allowed.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 fn rss_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -398,6 +408,8 @@ fn bench_preset(
     let mut master_bytes = 0;
     let hooks = HookRegistry::new();
     let mut backend: Option<StreamingBackend> = None;
+    let mut enable: Option<(f64, u64)> = None;
+    let mut peak_before_enable = 0u64;
     // Device memory that is not weights (activations, engine workspace).
     let base = cuda.device_memory().in_use;
     let mut rows: Vec<BenchRow> = Vec::new();
@@ -408,7 +420,17 @@ fn bench_preset(
                 match backend.as_mut() {
                     None => {
                         let Some(mut b) = get_offload_backend(cfg, platform.clone())? else { continue };
+                        // The peak RSS of the preset run so far, kept before the reset for `host_memory`.
+                        peak_before_enable = rss_bytes("VmHWM:");
+                        reset_peak_rss();
+                        let t = Instant::now();
                         b.enable(&mut model, &hooks, engine.stream())?;
+                        let (secs, rss) = (t.elapsed().as_secs_f64(), rss_bytes("VmHWM:"));
+                        progress(&format!(
+                            "{name}: enable {secs:.1} s, peak RSS during enable {:.2} GB",
+                            rss as f64 / 1e9
+                        ));
+                        enable = Some((secs, rss));
                         backend = Some(b);
                     }
                     Some(b) => b.retune(cfg.clone(), &model, &hooks, engine.stream())?,
@@ -516,7 +538,11 @@ fn bench_preset(
     } else {
         result?;
     }
-    report.host_memory.push((name.to_string(), total, master_bytes, rss_bytes("VmHWM:"), rss_offloaded));
+    let peak = rss_bytes("VmHWM:").max(peak_before_enable);
+    report.host_memory.push((name.to_string(), total, master_bytes, peak, rss_offloaded));
+    if let Some((secs, rss)) = enable {
+        report.enable.push((name.to_string(), secs, rss));
+    }
     drop(engine);
     model.release();
     Ok(())
@@ -540,6 +566,7 @@ pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&str)) -> Result<BenchRe
         h2d_bytes_per_s: Vec::new(),
         compute_s: Vec::new(),
         host_memory: Vec::new(),
+        enable: Vec::new(),
         tokens: Vec::new(),
     };
     for p in &spec.presets {
