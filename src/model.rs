@@ -218,12 +218,28 @@ impl HostModel {
     pub fn read_storage(&self, id: StorageId) -> Result<Vec<u8>, PlatformError> {
         let len = self.storage_bytes(id);
         let mut out = vec![0u8; len as usize];
-        match self.homes.get(&id) {
-            Some(Home::Loaded { buf }) => self.platform.read_host(*buf, 0, &mut out)?,
-            Some(Home::Master { buf, offset }) => self.platform.read_host(*buf, *offset, &mut out)?,
-            None => return Err(PlatformError::InvalidHandle { what: "storage", id: id.0 }),
-        }
+        self.read_storage_range(id, 0, &mut out)?;
         Ok(out)
+    }
+
+    /// Reads `out.len()` bytes of a storage, starting `offset` bytes into it, from its current home (no allocation:
+    /// this is how masters are filled through a bounded bounce buffer). A storage this model does not hold is
+    /// [`PlatformError::InvalidHandle`]; a range that does not lie inside the storage's
+    /// [`storage_bytes`](Self::storage_bytes) is [`PlatformError::OutOfBounds`] with `what: "storage range"` and the
+    /// storage's size as `size`, and reads nothing (a loaded buffer may be longer than its storage, so the platform's
+    /// own check would not catch it).
+    pub fn read_storage_range(&self, id: StorageId, offset: u64, out: &mut [u8]) -> Result<(), PlatformError> {
+        let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        let size = self.storage_bytes(id);
+        let len = out.len() as u64;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(PlatformError::OutOfBounds { what: "storage range", offset, len, size });
+        }
+        let (buf, base) = match home {
+            Home::Loaded { buf } => (buf, 0),
+            Home::Master { buf, offset: base } => (buf, base),
+        };
+        self.platform.read_host(buf, base.saturating_add(offset), out)
     }
 
     /// Checksum of every storage's bytes, in storage order, read through the current homes.

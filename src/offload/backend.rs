@@ -7,7 +7,7 @@
 //! hooks, and gives each storage its own host buffer back with a real copy out of the master; if that fails it keeps
 //! the masters so a second `disable` can finish.
 
-use super::layout::{section_bytes, UnitLayout};
+use super::layout::{write_section, UnitLayout, MASTER_BOUNCE_BYTES};
 use super::resident::ResidentPlacement;
 use super::units::{build_unit_plan, UnitPlan};
 use super::{OffloadError, WeightSource};
@@ -17,6 +17,7 @@ use crate::model::HostModel;
 use crate::plan::{resolve_offload_plan, ResolvedPlan, StorageId};
 use serde::Serialize;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use weightferry_actors::platform::{DeviceBufferId, HostBufferId, HostMemoryKind, PlatformRef, StreamId};
 use weightferry_actors::{
@@ -102,9 +103,38 @@ struct State {
     hooks_installed: bool,
 }
 
-/// Units whose masters are built in parallel before their storages' loaded buffers are freed: bounds the extra
-/// host memory during enable to this many units.
-const MASTER_BATCH: usize = 16;
+/// Most section bytes of one batch of units whose masters are built in parallel (one thread per unit) before their
+/// storages' loaded buffers are freed. Masters are filled in place through a bounce buffer, so this bounds the host
+/// memory `enable` needs beyond the loaded model to about 2 GiB (plus one bounce buffer per thread, and a single unit
+/// larger than the cap, which forms a batch of its own): 16 units of a large DiT (0.7 GB blocks) would be 11 GB.
+/// 2 GiB still holds a few blocks of every preset, so a few threads pin and fill in parallel.
+pub const MASTER_BATCH_BYTES: u64 = 2 << 30;
+
+/// Most units of one batch (threads building masters at once), however small the units are.
+pub const MASTER_BATCH_UNITS: usize = 16;
+
+/// Splits units of `unit_bytes` (each unit's section bytes, in stack order) into consecutive batches: each batch
+/// takes units in order while its total stays `<= max_bytes` and it has fewer than `max_units` units; a batch always
+/// has at least one unit (a unit larger than `max_bytes` is a batch of its own) and `max_units` is taken as at least
+/// 1. The ranges cover `0..unit_bytes.len()` in order without gaps; no units give no batches.
+pub fn master_batches(unit_bytes: &[u64], max_bytes: u64, max_units: usize) -> Vec<Range<usize>> {
+    let max_units = max_units.max(1);
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut total = 0u64;
+    for (i, &b) in unit_bytes.iter().enumerate() {
+        if i > start && (i - start == max_units || total.saturating_add(b) > max_bytes) {
+            out.push(start..i);
+            start = i;
+            total = 0;
+        }
+        total = total.saturating_add(b);
+    }
+    if start < unit_bytes.len() {
+        out.push(start..unit_bytes.len());
+    }
+    out
+}
 
 /// The backend for every strategy.
 pub struct StreamingBackend {
@@ -225,8 +255,9 @@ impl StreamingBackend {
         let kind = if self.config.pin_memory { HostMemoryKind::Pinned } else { HostMemoryKind::Pageable };
         for (si, sp) in units.stacks.iter().enumerate() {
             let mut blocks = Vec::new();
-            for (start, batch) in sp.units.chunks(MASTER_BATCH).enumerate().map(|(i, b)| (i * MASTER_BATCH, b)) {
-                blocks.extend(self.build_masters(st, model, batch, kind, si, start)?);
+            let unit_bytes: Vec<u64> = sp.units.iter().map(|u| u.sections.iter().map(|s| s.len).sum()).collect();
+            for r in master_batches(&unit_bytes, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
+                blocks.extend(self.build_masters(st, model, &sp.units[r.clone()], kind, si, r.start)?);
             }
             st.block_specs.push(blocks);
         }
@@ -326,8 +357,10 @@ impl StreamingBackend {
         r
     }
 
-    /// Builds the masters of a batch of units (in parallel: one thread per unit), then moves their storages' homes
-    /// into them, freeing the loaded buffers. Returns the units' flat copies.
+    /// Builds the masters of a batch of units (in parallel: one thread per unit; each master is allocated and filled
+    /// in place through a bounce buffer, see [`write_section`]), then moves their storages' homes into them, freeing
+    /// the loaded buffers. `first_ui` is the index of the batch's first unit in its stack. Returns the units' flat
+    /// copies.
     fn build_masters(
         &self,
         st: &mut State,
@@ -348,9 +381,8 @@ impl StreamingBackend {
                         let mut made: Vec<(HostBufferId, u64)> = Vec::new();
                         for sec in &unit.sections {
                             let r = (|| -> Result<HostBufferId, OffloadError> {
-                                let bytes = section_bytes(shared, sec)?;
                                 let buf = platform.alloc_host(sec.len.max(1), kind)?;
-                                if let Err(e) = platform.write_host(buf, 0, &bytes) {
+                                if let Err(e) = write_section(platform, buf, shared, sec, MASTER_BOUNCE_BYTES) {
                                     let _ = platform.free_host(buf);
                                     return Err(e.into());
                                 }

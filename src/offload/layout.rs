@@ -8,6 +8,7 @@
 use crate::model::HostModel;
 use crate::plan::{DType, PipelineDesc, StorageId};
 use std::collections::BTreeMap;
+use weightferry_actors::platform::{HostBufferId, PlatformError, PlatformRef};
 
 pub use crate::plan::pipeline::{align_up, DEVICE_ALIGN as ALIGN};
 
@@ -74,14 +75,82 @@ impl UnitLayout {
     }
 }
 
-/// Bytes of a section's contents as they must appear in its master, read from the model's current homes.
-pub fn section_bytes(model: &HostModel, sec: &Section) -> Result<Vec<u8>, weightferry_actors::platform::PlatformError> {
+/// Bytes of a section's contents as they must appear in its master, read from the model's current homes, as one
+/// whole-section vector (the reference layout; the streaming backend fills its masters with [`write_section`]
+/// instead, which never holds a section in memory twice).
+pub fn section_bytes(model: &HostModel, sec: &Section) -> Result<Vec<u8>, PlatformError> {
     let mut out = vec![0u8; sec.len as usize];
     for &(s, off) in &sec.storages {
         let b = model.read_storage(s)?;
         out[off as usize..off as usize + b.len()].copy_from_slice(&b);
     }
     Ok(out)
+}
+
+/// Bytes of the bounce buffer through which the streaming backend copies storages into a master
+/// ([`write_section`]): bounds the transient host memory of building one master to this, whatever the section's size.
+pub const MASTER_BOUNCE_BYTES: usize = 8 << 20;
+
+/// Fills the host buffer `buf` (a section's master) without assembling the section in memory: writes zeros to every
+/// byte of `buf` that no storage of `sec` covers (the gaps between storages, their alignment padding and the tail up
+/// to the buffer's end), then copies each storage, read from the model's current home, to its offset through a bounce
+/// buffer of at most `chunk_bytes` bytes (at least 1). The buffer ends up byte-identical to [`section_bytes`] followed
+/// by zeros, whatever it held before (nothing relies on `alloc_host` zeroing). Storages are written in section order,
+/// so even overlapping storages (which [`UnitLayout::pack`] never produces) end as in `section_bytes`.
+///
+/// A storage reaching past `sec.len`, or a buffer shorter than `sec.len`, is [`PlatformError::OutOfBounds`] before
+/// anything is written; read and write failures are passed on (the buffer's contents are then unspecified).
+pub fn write_section(
+    platform: &PlatformRef,
+    buf: HostBufferId,
+    model: &HostModel,
+    sec: &Section,
+    chunk_bytes: usize,
+) -> Result<(), PlatformError> {
+    let (buf_len, _) = platform.host_buffer_info(buf)?;
+    if buf_len < sec.len {
+        return Err(PlatformError::OutOfBounds { what: "section master", offset: 0, len: sec.len, size: buf_len });
+    }
+    let mut covered = Vec::with_capacity(sec.storages.len());
+    for &(s, off) in &sec.storages {
+        let len = model.storage_bytes(s);
+        if off.checked_add(len).is_none_or(|end| end > sec.len) {
+            return Err(PlatformError::OutOfBounds { what: "section storage", offset: off, len, size: sec.len });
+        }
+        covered.push((off, off + len));
+    }
+    covered.sort_unstable();
+    // Freshly zeroed: the zero source for the gaps, then reused as the bounce buffer for the storages.
+    let mut bounce = vec![0u8; usize::try_from(buf_len).unwrap_or(usize::MAX).clamp(1, chunk_bytes.max(1))];
+    let write_zeros = |from: u64, to: u64| -> Result<(), PlatformError> {
+        let mut at = from;
+        while at < to {
+            let n = (to - at).min(bounce.len() as u64);
+            platform.write_host(buf, at, &bounce[..n as usize])?;
+            at += n;
+        }
+        Ok(())
+    };
+    let mut cursor = 0u64;
+    for &(start, end) in &covered {
+        if start > cursor {
+            write_zeros(cursor, start)?;
+        }
+        cursor = cursor.max(end);
+    }
+    write_zeros(cursor, buf_len)?;
+    for &(s, off) in &sec.storages {
+        let len = model.storage_bytes(s);
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(bounce.len() as u64) as usize;
+            let chunk = &mut bounce[..n];
+            model.read_storage_range(s, done, chunk)?;
+            platform.write_host(buf, off + done, chunk)?;
+            done += n as u64;
+        }
+    }
+    Ok(())
 }
 
 /// Distinct storages under each of `paths`, in tensor declaration order.
