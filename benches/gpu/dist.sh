@@ -9,8 +9,10 @@
 # the same preset on GPU 0: `weightferry bench --steps LO,HI --depths 1,2 --budgets none`. Steps: 1,3 for flux,
 # 1,2 for wan-14b (2.9 s per step). Each command has its own timeout; the whole script stays under ~560 s.
 # NCCL_NVLS_ENABLE=0 (NVLink multicast off) is exported; launch adds NCCL_MAX_NCHANNELS=4 unless set.
-# Writes $OUT/dist-<preset>.{json,log,raw}, $OUT/bench-<preset>.{json,log} and $OUT/dist-config.json when $OUT is
-# set (else /tmp), and prints a table last (python3; without it, the raw reports).
+# Writes $OUT/dist-<preset>.json (rank 0's report), $OUT/bench-<preset>.json and one log, $OUT/dist.log (every
+# command's stderr and every rank's other output, in order), when $OUT is set (else /tmp): 2 files per preset plus
+# the log, inside the device tool's 8 returned files for up to 3 presets. Prints a table last (python3; without it,
+# the raw reports).
 set -u
 export NCCL_NVLS_ENABLE=0
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -21,7 +23,10 @@ wf=.devbin/weightferry
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -3
 nproc; free -g | head -2
-cat > "$out/dist-config.json" <<'EOF'
+log="$out/dist.log"
+: > "$log"
+config=/tmp/weightferry-dist-config.json
+cat > "$config" <<'EOF'
 {"data_parallel_size": 2, "diffusion_offload_config": {"mode": "layer", "components": ["dit"],
  "layer_options": {"dit": {"weight_transfer": "allgather", "prefetch_depth": 2, "allgather_chunk_size": "64MiB"}}}}
 EOF
@@ -34,20 +39,26 @@ for p in $presets; do
   esac
   echo "== $p: distributed, 2 ranks, depth 2, 64 MiB chunks, --time-steps $steps (timeout $tdist s)"
   t0=$SECONDS
-  timeout "$tdist" "$wf" launch --nproc 2 -- run --platform cuda --preset "$p" --config "$out/dist-config.json" \
-    --time-steps "$steps" --json > "$out/dist-$p.raw" 2> "$out/dist-$p.log"
+  raw="$(mktemp /tmp/dist-raw.XXXXXX)"
+  echo "== $p distributed" >> "$log"
+  timeout "$tdist" "$wf" launch --nproc 2 -- run --platform cuda --preset "$p" --config "$config" \
+    --time-steps "$steps" --json > "$raw" 2>> "$log"
   rc=$?
-  sed -n 's/^\[rank 0\] //p' "$out/dist-$p.raw" > "$out/dist-$p.json"
+  # Rank 0's report; NCCL's own lines (its version banner) and the other ranks' output go to the log.
+  sed -n 's/^\[rank 0\] //p' "$raw" | grep -v '^NCCL ' > "$out/dist-$p.json"
+  grep -v '^\[rank 0\] [{} "]' "$raw" >> "$log"
+  rm -f "$raw"
   echo "distributed $p exit $rc ($((SECONDS - t0)) s)"
-  tail -4 "$out/dist-$p.log"
+  tail -4 "$log"
   [ "$rc" = 0 ] || status=1
   echo "== $p: single GPU (GPU 0), bench --steps $steps --depths 1,2 --budgets none (timeout $tbench s)"
   t0=$SECONDS
+  echo "== $p bench" >> "$log"
   CUDA_VISIBLE_DEVICES=0 timeout "$tbench" "$wf" bench --preset "$p" --steps "$steps" --depths 1,2 --budgets none \
-    --json > "$out/bench-$p.json" 2> "$out/bench-$p.log"
+    --json > "$out/bench-$p.json" 2>> "$log"
   rc=$?
   echo "bench $p exit $rc ($((SECONDS - t0)) s)"
-  tail -3 "$out/bench-$p.log"
+  tail -3 "$log"
   [ "$rc" = 0 ] || status=1
 done
 echo "== total $((SECONDS - start)) s"
