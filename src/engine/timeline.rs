@@ -2,24 +2,28 @@
 //! measured them, summarised into where a DiT pass spends its time, and written as a Chrome / Perfetto trace.
 //!
 //! The summary answers the questions a missed benchmark target raises: was the compute stream ever idle inside the
-//! DiT window (a copy arrived late: a *stall*), and did the compute itself take longer than in the resident run
-//! (copies contending with kernels for memory bandwidth). Everything here is pure arithmetic on spans, so it is
-//! tested on the CPU; the spans come from `platform::cuda::timeline` on a GPU.
+//! DiT window (a copy or, in a distributed run, an AllGather arrived late: a *stall*), and did the compute itself
+//! take longer than in the resident run (copies and collectives contending with kernels for memory bandwidth and
+//! SMs). Everything here is pure arithmetic on spans, so it is tested on the CPU; the spans come from
+//! `platform::cuda::timeline` on a GPU, through a [`DeviceTracer`].
 
 use serde::Serialize;
 use serde_json::{json, Value};
+use weightferry_actors::platform::{PlatformError, StreamId};
 
 /// Lane of the engine's kernels.
 pub const COMPUTE_LANE: &str = "compute";
 /// Lane of host-to-device copies.
 pub const COPY_LANE: &str = "copy";
+/// Lane of collectives (NCCL AllGathers, on the communicator's stream).
+pub const COMM_LANE: &str = "comm";
 /// Gaps on the compute lane shorter than this are launch gaps, not stalls.
 pub const STALL_THRESHOLD_US: f64 = 20.0;
 
 /// One timed span on one lane, in microseconds after a common origin.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DeviceSpan {
-    /// The lane (one per stream role: [`COMPUTE_LANE`], [`COPY_LANE`]).
+    /// The lane (one per stream role: [`COMPUTE_LANE`], [`COPY_LANE`], [`COMM_LANE`]).
     pub lane: String,
     /// What ran (a module path, `h2d <bytes>`).
     pub label: String,
@@ -50,6 +54,23 @@ pub struct TimelineSummary {
     pub kernels: usize,
     /// Copy spans inside the window.
     pub copies: usize,
+    /// Time the comm lane was busy inside the window (union of its spans), µs; an AllGather span runs from its
+    /// kernel's start, which may wait on the device for the peers, to its end.
+    pub comm_busy_us: f64,
+    /// Time the compute and comm lanes were both busy, µs.
+    pub comm_overlap_us: f64,
+    /// Collective spans inside the window.
+    pub collectives: usize,
+}
+
+/// Arms and collects a device timeline around one execution: the CUDA platform's timing events, or a test's fake.
+/// `arm` starts recording (spans after it are measured from an event recorded on `stream`); `collect` waits for
+/// every recorded span, returns them (sorted by start) with the number dropped for want of events, and disarms.
+pub trait DeviceTracer: Send + Sync {
+    /// Starts recording, with room for `capacity` spans.
+    fn arm(&self, stream: StreamId, capacity: usize) -> Result<(), PlatformError>;
+    /// Stops recording and returns the spans and the number dropped.
+    fn collect(&self) -> Result<(Vec<DeviceSpan>, u64), PlatformError>;
 }
 
 /// Union of intervals, sorted and merged.
@@ -101,11 +122,16 @@ pub fn summarize(spans: &[DeviceSpan], select: impl Fn(&str) -> bool) -> Timelin
     let compute = merged(compute);
     let (Some(first), Some(last)) = (compute.first(), compute.last()) else { return TimelineSummary::default() };
     let (lo, hi) = (first.0, last.1);
-    let copies_raw: Vec<(f64, f64)> =
-        spans.iter().filter(|s| s.lane == COPY_LANE).map(|s| (s.start_us, s.end_us)).collect();
-    let copies_in: Vec<(f64, f64)> = clipped(&copies_raw, lo, hi);
+    let lane_in = |lane: &str| -> Vec<(f64, f64)> {
+        let raw: Vec<(f64, f64)> = spans.iter().filter(|s| s.lane == lane).map(|s| (s.start_us, s.end_us)).collect();
+        clipped(&raw, lo, hi)
+    };
+    let copies_in = lane_in(COPY_LANE);
     let copies = copies_in.len();
     let copy = merged(copies_in);
+    let comm_in = lane_in(COMM_LANE);
+    let collectives = comm_in.len();
+    let comm = merged(comm_in);
     let (mut stall_us, mut stalls, mut longest) = (0.0, 0, 0.0f64);
     for w in compute.windows(2) {
         let gap = w[1].0 - w[0].1;
@@ -125,6 +151,9 @@ pub fn summarize(spans: &[DeviceSpan], select: impl Fn(&str) -> bool) -> Timelin
         overlap_us: intersection(&compute, &copy),
         kernels,
         copies,
+        comm_busy_us: length(&comm),
+        comm_overlap_us: intersection(&compute, &comm),
+        collectives,
     }
 }
 
@@ -180,6 +209,26 @@ mod tests {
         // Overlap: 100..150 (50) + 250..300 (50) + 400..420 (20).
         assert_eq!(s.overlap_us, 120.0);
         assert_eq!((s.kernels, s.copies), (3, 2));
+    }
+
+    #[test]
+    fn collectives_are_measured_on_their_own_lane_inside_the_window() {
+        let spans = vec![
+            span(COMPUTE_LANE, "dit.blocks.0", 100.0, 200.0),
+            span(COMPUTE_LANE, "dit.blocks.1", 300.0, 400.0), // 100 µs stall: the AllGather below ends at 300
+            span(COMM_LANE, "allgather 1", 50.0, 120.0),      // clipped to 100..120
+            span(COMM_LANE, "allgather 2", 150.0, 300.0),
+            span(COMM_LANE, "allgather 3", 250.0, 260.0), // inside the previous one: counted once
+            span(COMM_LANE, "allgather 4", 450.0, 500.0), // outside the window
+            span(COPY_LANE, "h2d 1", 110.0, 160.0),
+        ];
+        let s = summarize(&spans, |l| l.starts_with("dit."));
+        assert_eq!((s.window_us, s.compute_busy_us, s.stalls, s.stall_us), (300.0, 200.0, 1, 100.0));
+        assert_eq!(s.comm_busy_us, 20.0 + 150.0);
+        // Compute and comm both busy: 100..120 and 150..200.
+        assert_eq!(s.comm_overlap_us, 20.0 + 50.0);
+        assert_eq!(s.collectives, 3);
+        assert_eq!((s.copy_busy_us, s.overlap_us, s.copies), (50.0, 50.0, 1));
     }
 
     #[test]

@@ -460,6 +460,12 @@ impl NcclCollective {
             size: in_size,
         })?;
         self.platform.bind_to_thread()?;
+        // A span on the comm lane while the device timeline is armed (the label is formatted only then).
+        let span = if self.platform.timeline.armed() {
+            self.platform.timeline_begin(stream, crate::engine::timeline::COMM_LANE, &format!("allgather {out_len}"))
+        } else {
+            None
+        };
         // SAFETY: both ranges were checked against the live buffers' sizes (`in_off + len <= in_size`,
         // `out_off + len · world <= out_size`), they do not overlap unless in place, which NCCL supports; the
         // stream belongs to the same platform (context) as the buffers and the communicator's device; the caller
@@ -475,6 +481,7 @@ impl NcclCollective {
                 raw_stream as sys::cudaStream_t,
             )
         };
+        self.platform.timeline_end(stream, span);
         status.map_err(|e| call_error("ncclAllGather", e, Some(self.comm)))?;
         self.state.borrow_mut().enqueued += 1;
         Ok(())

@@ -20,7 +20,7 @@ use weightferry_actors::platform::{PlatformError, PlatformResult, StreamId};
 
 use super::driver::describe;
 use super::CudaPlatform;
-use crate::engine::timeline::DeviceSpan;
+use crate::engine::timeline::{DeviceSpan, DeviceTracer};
 
 /// A span begun by [`CudaPlatform::timeline_begin`]; hand it back to [`CudaPlatform::timeline_end`].
 #[derive(Debug)]
@@ -193,5 +193,15 @@ impl CudaPlatform {
         })();
         self.timeline.destroy_all();
         result
+    }
+}
+
+impl DeviceTracer for CudaPlatform {
+    fn arm(&self, stream: StreamId, capacity: usize) -> Result<(), PlatformError> {
+        self.timeline_arm(stream, capacity)
+    }
+
+    fn collect(&self) -> Result<(Vec<DeviceSpan>, u64), PlatformError> {
+        self.timeline_collect()
     }
 }
