@@ -1,10 +1,13 @@
 //! The host engine's loaded model: a pipeline description plus the bytes of every storage, living in platform host
 //! buffers.
 //!
-//! Invariant: every storage has exactly one authoritative home at a time — its loaded host buffer, or a region of
-//! an offload backend's host master — so the model never exists twice in host memory. Backends move homes with
-//! [`HostModel::adopt_master`] / [`HostModel::restore_loaded`]; [`HostModel::checksum`] reads through whichever home is
-//! current, which is how tests prove weights are bit-identical after enable/disable cycles and faults.
+//! Invariant: every storage has exactly one authoritative home at a time — its loaded host buffer, a region of an
+//! offload backend's host master, or (released for a distributed run) the shards the ranks of a group hold — so the
+//! model never exists twice in host memory. Backends move homes with [`HostModel::adopt_master`] /
+//! [`HostModel::restore_loaded`], a distributed run with [`HostModel::release_to_shards`] /
+//! [`HostModel::restore_from_shards`]; [`HostModel::checksum`] reads through whichever home is current, which is how
+//! tests prove weights are bit-identical after enable/disable cycles and faults. A storage whose bytes are not on
+//! this host ([`Home::Sharded`]) is never read: every read of it is [`ModelError::Sharded`].
 
 use crate::plan::{DType, PipelineDesc, StorageId};
 use std::collections::BTreeMap;
@@ -25,6 +28,50 @@ pub enum Home {
         buf: HostBufferId,
         /// Offset of the storage in it.
         offset: u64,
+    },
+    /// Released by a distributed run: the bytes are held by the ranks of its group as shards (this rank holds
+    /// only its 1/N of them), not in any buffer of this model. The run rebuilds them by a final AllGather and gives
+    /// the storage a loaded buffer again ([`HostModel::restore_from_shards`]); until then every read fails with
+    /// [`ModelError::Sharded`].
+    Sharded,
+}
+
+impl Home {
+    /// `"loaded"`, `"master"` or `"sharded"`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Home::Loaded { .. } => "loaded",
+            Home::Master { .. } => "master",
+            Home::Sharded => "sharded",
+        }
+    }
+}
+
+/// Why the model could not read or re-home a storage.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    /// The platform failed, the storage is unknown, or a range lies outside it.
+    #[error(transparent)]
+    Platform(#[from] PlatformError),
+    /// The storage's bytes are held by a distributed group as shards, not on this host.
+    #[error(
+        "storage {storage} is released to the shards of a distributed run: its bytes are not on this host until \
+         the run restores them (a final AllGather at its end); if that run failed with its collective poisoned, \
+         reload the pipeline"
+    )]
+    Sharded {
+        /// The storage id.
+        storage: u64,
+    },
+    /// A storage was asked to move from a home it is not in.
+    #[error("storage {storage} is {found}, not {expected}")]
+    WrongHome {
+        /// The storage id.
+        storage: u64,
+        /// The home the move needs.
+        expected: &'static str,
+        /// The home it has.
+        found: &'static str,
     },
 }
 
@@ -188,7 +235,7 @@ impl HostModel {
         if let Some(e) = first_err {
             for b in orphans.into_iter().chain(homes.values().filter_map(|h| match h {
                 Home::Loaded { buf } => Some(*buf),
-                Home::Master { .. } => None,
+                Home::Master { .. } | Home::Sharded => None,
             })) {
                 let _ = platform.free_host(b);
             }
@@ -214,8 +261,8 @@ impl HostModel {
         self.desc.storages.get(&id).map_or(0, |s| s.byte_size())
     }
 
-    /// Reads a storage's bytes from its current home.
-    pub fn read_storage(&self, id: StorageId) -> Result<Vec<u8>, PlatformError> {
+    /// Reads a storage's bytes from its current home. A released storage is [`ModelError::Sharded`].
+    pub fn read_storage(&self, id: StorageId) -> Result<Vec<u8>, ModelError> {
         let len = self.storage_bytes(id);
         let mut out = vec![0u8; len as usize];
         self.read_storage_range(id, 0, &mut out)?;
@@ -227,23 +274,26 @@ impl HostModel {
     /// [`PlatformError::InvalidHandle`]; a range that does not lie inside the storage's
     /// [`storage_bytes`](Self::storage_bytes) is [`PlatformError::OutOfBounds`] with `what: "storage range"` and the
     /// storage's size as `size`, and reads nothing (a loaded buffer may be longer than its storage, so the platform's
-    /// own check would not catch it).
-    pub fn read_storage_range(&self, id: StorageId, offset: u64, out: &mut [u8]) -> Result<(), PlatformError> {
+    /// own check would not catch it); a released storage ([`Home::Sharded`]) is [`ModelError::Sharded`] and reads
+    /// nothing. `out` is left as it was on every error.
+    pub fn read_storage_range(&self, id: StorageId, offset: u64, out: &mut [u8]) -> Result<(), ModelError> {
         let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
         let size = self.storage_bytes(id);
         let len = out.len() as u64;
         if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(PlatformError::OutOfBounds { what: "storage range", offset, len, size });
+            return Err(PlatformError::OutOfBounds { what: "storage range", offset, len, size }.into());
         }
         let (buf, base) = match home {
             Home::Loaded { buf } => (buf, 0),
             Home::Master { buf, offset: base } => (buf, base),
+            Home::Sharded => return Err(ModelError::Sharded { storage: id.0 }),
         };
-        self.platform.read_host(buf, base.saturating_add(offset), out)
+        Ok(self.platform.read_host(buf, base.saturating_add(offset), out)?)
     }
 
-    /// Checksum of every storage's bytes, in storage order, read through the current homes.
-    pub fn checksum(&self) -> Result<u64, PlatformError> {
+    /// Checksum of every storage's bytes, in storage order, read through the current homes. A model with a
+    /// released storage has no checksum here ([`ModelError::Sharded`]).
+    pub fn checksum(&self) -> Result<u64, ModelError> {
         let mut h = FNV_OFFSET;
         for &id in self.homes.keys() {
             h = fnv1a(h, &id.0.to_le_bytes());
@@ -269,14 +319,14 @@ impl HostModel {
     }
 
     /// Gives a storage back its own loaded host buffer, copying its bytes out of the master (a real copy, so the
-    /// model no longer aliases the backend's masters). No-op if it is already loaded.
-    pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), PlatformError> {
+    /// model no longer aliases the backend's masters). No-op unless it is homed in a master.
+    pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), ModelError> {
         let Some(Home::Master { .. }) = self.homes.get(&id).copied() else { return Ok(()) };
         let bytes = self.read_storage(id)?;
         let buf = self.platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable)?;
         if let Err(e) = self.platform.write_host(buf, 0, &bytes) {
             let _ = self.platform.free_host(buf);
-            return Err(e);
+            return Err(e.into());
         }
         self.homes.insert(id, Home::Loaded { buf });
         Ok(())
@@ -287,7 +337,47 @@ impl HostModel {
         self.homes.iter().filter(|(_, h)| matches!(h, Home::Master { .. })).map(|(id, _)| *id).collect()
     }
 
-    /// Frees every loaded buffer (the model is dropped). Masters belong to their backend.
+    /// Frees a loaded storage's host buffer because a distributed run now holds its bytes as the shards of its
+    /// group: the storage becomes [`Home::Sharded`] and every read of it fails with [`ModelError::Sharded`] until
+    /// [`restore_from_shards`](Self::restore_from_shards). Only a loaded storage can be released
+    /// ([`ModelError::WrongHome`] otherwise, changing nothing). If freeing the buffer fails, the storage stays
+    /// loaded and the platform's error is returned.
+    pub fn release_to_shards(&mut self, id: StorageId) -> Result<(), ModelError> {
+        let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        let Home::Loaded { buf } = prev else {
+            return Err(ModelError::WrongHome { storage: id.0, expected: "loaded", found: prev.name() });
+        };
+        self.platform.free_host(buf)?;
+        self.homes.insert(id, Home::Sharded);
+        Ok(())
+    }
+
+    /// Makes `buf` — a host buffer of this model's platform holding the storage's bytes at offset 0, rebuilt from
+    /// the group's shards — the loaded home of a released storage, which owns it from now on. Checks that the
+    /// storage is [`Home::Sharded`] ([`ModelError::WrongHome`]) and that `buf` holds at least the storage's bytes
+    /// ([`PlatformError::OutOfBounds`] with `what: "restored storage"`); on an error nothing changes and the
+    /// caller keeps `buf`.
+    pub fn restore_from_shards(&mut self, id: StorageId, buf: HostBufferId) -> Result<(), ModelError> {
+        let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        if prev != Home::Sharded {
+            return Err(ModelError::WrongHome { storage: id.0, expected: "sharded", found: prev.name() });
+        }
+        let (len, _) = self.platform.host_buffer_info(buf)?;
+        let size = self.storage_bytes(id);
+        if len < size {
+            return Err(PlatformError::OutOfBounds { what: "restored storage", offset: 0, len: size, size: len }.into());
+        }
+        self.homes.insert(id, Home::Loaded { buf });
+        Ok(())
+    }
+
+    /// Storages released to the shards of a distributed run ([`Home::Sharded`]).
+    pub fn sharded(&self) -> Vec<StorageId> {
+        self.homes.iter().filter(|(_, h)| matches!(h, Home::Sharded)).map(|(id, _)| *id).collect()
+    }
+
+    /// Frees every loaded buffer (the model is dropped). Masters belong to their backend; released storages hold
+    /// no buffer of the model.
     pub fn release(self) {
         for h in self.homes.values() {
             if let Home::Loaded { buf } = h {

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use weightferry::config::OffloadConfig;
 use weightferry::hooks::HookRegistry;
-use weightferry::model::{synthetic_bytes, Home, HostModel};
+use weightferry::model::{synthetic_bytes, Home, HostModel, ModelError};
 use weightferry::offload::backend::{master_batches, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS};
 use weightferry::offload::layout::{section_bytes, write_section, Section, ALIGN, MASTER_BOUNCE_BYTES};
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
@@ -126,7 +126,7 @@ fn read_storage_range_reads_exact_sub_ranges_and_refuses_out_of_range() {
             let mut got = vec![GARBAGE; len as usize];
             assert_eq!(
                 model.read_storage_range(s, off, &mut got),
-                Err(PlatformError::OutOfBounds { what: "storage range", offset: off, len, size }),
+                Err(ModelError::Platform(PlatformError::OutOfBounds { what: "storage range", offset: off, len, size })),
                 "{s:?} {off}+{len}"
             );
             assert!(got.iter().all(|&b| b == GARBAGE), "{s:?}: an out-of-range read wrote bytes");
@@ -136,17 +136,17 @@ fn read_storage_range_reads_exact_sub_ranges_and_refuses_out_of_range() {
     let mut two = [0u8; 2];
     assert_eq!(
         model.read_storage_range(s, u64::MAX, &mut two),
-        Err(PlatformError::OutOfBounds {
+        Err(ModelError::Platform(PlatformError::OutOfBounds {
             what: "storage range",
             offset: u64::MAX,
             len: 2,
             size: model.storage_bytes(s)
-        })
+        }))
     );
     let unknown = StorageId(1 << 40);
     assert_eq!(
         model.read_storage_range(unknown, 0, &mut two),
-        Err(PlatformError::InvalidHandle { what: "storage", id: 1 << 40 })
+        Err(ModelError::Platform(PlatformError::InvalidHandle { what: "storage", id: 1 << 40 }))
     );
 }
 
@@ -195,7 +195,12 @@ fn write_section_refuses_a_short_buffer_and_a_storage_outside_its_section() {
     let short = platform.alloc_host(sec.len - 1, HostMemoryKind::Pageable).expect("alloc");
     assert_eq!(
         write_section(&platform, short, &model, &sec, 64),
-        Err(PlatformError::OutOfBounds { what: "section master", offset: 0, len: sec.len, size: sec.len - 1 })
+        Err(ModelError::Platform(PlatformError::OutOfBounds {
+            what: "section master",
+            offset: 0,
+            len: sec.len,
+            size: sec.len - 1
+        }))
     );
     let mut bad = sec.clone();
     let (s, _) = bad.storages[0];
@@ -204,12 +209,12 @@ fn write_section_refuses_a_short_buffer_and_a_storage_outside_its_section() {
     let buf = platform.alloc_host(sec.len, HostMemoryKind::Pageable).expect("alloc");
     assert_eq!(
         write_section(&platform, buf, &model, &bad, 64),
-        Err(PlatformError::OutOfBounds {
+        Err(ModelError::Platform(PlatformError::OutOfBounds {
             what: "section storage",
             offset: sec.len - size + 1,
             len: size,
             size: sec.len
-        })
+        }))
     );
     for b in [short, buf] {
         platform.free_host(b).expect("free");

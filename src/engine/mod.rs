@@ -31,7 +31,7 @@ pub mod timeline;
 pub mod timing;
 
 use crate::hooks::{HookError, HookRegistry};
-use crate::model::{fnv1a, splitmix64, FNV_OFFSET};
+use crate::model::{fnv1a, splitmix64, ModelError, FNV_OFFSET};
 use crate::offload::{OffloadError, WeightSource};
 use crate::plan::{PipelineDesc, StorageId};
 use compute::{Activations, Compute, ModuleKernel, WeightRange};
@@ -60,6 +60,20 @@ pub enum EngineError {
     /// A check failed in a way that leaves no result (e.g. weights could not be read back).
     #[error("{0}")]
     Failed(String),
+    /// The host model could not be read: a storage is released to the shards of a distributed run, or cannot move
+    /// between homes. (A platform failure reading it is [`EngineError::Platform`].)
+    #[error(transparent)]
+    Model(ModelError),
+}
+
+impl From<ModelError> for EngineError {
+    /// A platform failure stays one; every other model error is [`EngineError::Model`].
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Platform(p) => EngineError::Platform(p),
+            other => EngineError::Model(other),
+        }
+    }
 }
 
 /// Options of one execution.

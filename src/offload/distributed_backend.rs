@@ -33,7 +33,7 @@ use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::{Engine, EngineError, ExecOptions};
 use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
 use crate::model::splitmix64;
-use crate::model::HostModel;
+use crate::model::{HostModel, ModelError};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -89,6 +89,12 @@ pub enum DistributedRunError {
 impl From<PlatformError> for DistributedRunError {
     fn from(e: PlatformError) -> Self {
         DistributedRunError::Engine(EngineError::Platform(e))
+    }
+}
+
+impl From<ModelError> for DistributedRunError {
+    fn from(e: ModelError) -> Self {
+        DistributedRunError::Engine(e.into())
     }
 }
 

@@ -22,6 +22,7 @@ pub mod units;
 
 use crate::config::{OffloadConfig, Strategy};
 use crate::hooks::HookError;
+use crate::model::ModelError;
 use crate::plan::{PlanError, StorageId};
 use weightferry_actors::platform::{DeviceBufferId, PlatformError, PlatformRef};
 use weightferry_actors::SchedulerError;
@@ -65,6 +66,20 @@ pub enum OffloadError {
         /// Why.
         reason: String,
     },
+    /// The host model could not be read: a storage is released to the shards of a distributed run, or cannot move
+    /// between homes. (A platform failure reading it is [`OffloadError::Platform`].)
+    #[error(transparent)]
+    Model(ModelError),
+}
+
+impl From<ModelError> for OffloadError {
+    /// A platform failure stays one; every other model error is [`OffloadError::Model`].
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Platform(p) => OffloadError::Platform(p),
+            other => OffloadError::Model(other),
+        }
+    }
 }
 
 /// Anything that can say where a storage's bytes are on the device right now.
