@@ -3,7 +3,8 @@
 //! bit-identical to the fully resident single-rank output; every rank issues the same AllGathers (sequence numbers
 //! and tags) in the same order; no rank sees a hazard; each rank's host shards are 1/N of the streamed sections
 //! (plus padding) and each rank copies only its shards host → device. A failed AllGather on one rank makes every
-//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned. Chunked
+//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned; every rank
+//! still frees all its device memory (the engine's activations too, on a failed compute stream). Chunked
 //! transport (one AllGather per chunk) is bit-exact at chunk sizes that do not divide the sections and larger
 //! than them. Under randomized per-rank timings (hooks sleeping, comm streams slowed differently) every rank still
 //! issues the same gathers in the same order; the group-size matrix of the config (data / sequence / tensor
@@ -332,6 +333,32 @@ fn a_failed_gather_fails_every_rank_without_hanging() {
             }
         }
     }
+}
+
+#[test]
+fn a_poisoned_run_leaves_no_device_memory_behind() {
+    // A failed AllGather leaves the compute streams in their error state; every rank still frees everything.
+    let spec = DistributedRunSpec::new(preset("wan-tiny").unwrap(), 2);
+    let comms = SimCollectiveGroup::new(sims(2));
+    comms[1].fail_nth_call(7);
+    std::thread::scope(|s| {
+        let spec = &spec;
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                s.spawn(move || {
+                    let (sim, platform, compute, factory) = sim_rank(comm);
+                    let e = run_rank(platform, compute, factory, rank, 2, spec).unwrap_err();
+                    assert!(e.to_string().contains("injected AllGather failure"), "rank {rank}: {e}");
+                    assert_eq!(sim.device_memory().in_use, 0, "rank {rank} leaked device memory");
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
 }
 
 #[test]

@@ -256,13 +256,17 @@ impl Engine {
         Ok(out)
     }
 
-    /// Waits for the compute stream and frees the activations. Idempotent.
+    /// Waits for the compute stream and frees the activations, also when the stream failed (a failed stream has
+    /// drained: nothing still runs on them); returns the first error. Idempotent.
     pub fn release(&mut self) -> Result<(), EngineError> {
         if let Some(a) = self.acts.take() {
             let platform = self.compute.platform();
-            platform.stream_synchronize(self.stream)?;
-            platform.free_device(a.latent)?;
-            platform.free_device(a.context)?;
+            let synced = platform.stream_synchronize(self.stream);
+            let latent = platform.free_device(a.latent);
+            let context = platform.free_device(a.context);
+            synced?;
+            latent?;
+            context?;
         }
         Ok(())
     }
