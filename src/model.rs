@@ -274,20 +274,20 @@ impl HostModel {
     /// [`PlatformError::InvalidHandle`]; a range that does not lie inside the storage's
     /// [`storage_bytes`](Self::storage_bytes) is [`PlatformError::OutOfBounds`] with `what: "storage range"` and the
     /// storage's size as `size`, and reads nothing (a loaded buffer may be longer than its storage, so the platform's
-    /// own check would not catch it); a released storage ([`Home::Sharded`]) is [`ModelError::Sharded`] and reads
-    /// nothing. `out` is left as it was on every error.
+    /// own check would not catch it); a released storage ([`Home::Sharded`]) is [`ModelError::Sharded`], whatever the
+    /// range. `out` is left as it was on every error.
     pub fn read_storage_range(&self, id: StorageId, offset: u64, out: &mut [u8]) -> Result<(), ModelError> {
         let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
-        let size = self.storage_bytes(id);
-        let len = out.len() as u64;
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(PlatformError::OutOfBounds { what: "storage range", offset, len, size }.into());
-        }
         let (buf, base) = match home {
             Home::Loaded { buf } => (buf, 0),
             Home::Master { buf, offset: base } => (buf, base),
             Home::Sharded => return Err(ModelError::Sharded { storage: id.0 }),
         };
+        let size = self.storage_bytes(id);
+        let len = out.len() as u64;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(PlatformError::OutOfBounds { what: "storage range", offset, len, size }.into());
+        }
         Ok(self.platform.read_host(buf, base.saturating_add(offset), out)?)
     }
 

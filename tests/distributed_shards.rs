@@ -170,6 +170,8 @@ fn a_released_storage_is_a_typed_error_to_every_read_and_comes_back_bit_exact() 
     let mut out = vec![0xA5u8; 4];
     assert_eq!(model.read_storage_range(s, 2, &mut out), Err(sharded.clone()));
     assert_eq!(out, vec![0xA5u8; 4], "a refused read wrote bytes");
+    // Whatever the range: a released storage has no bytes here, not an out-of-range read.
+    assert_eq!(model.read_storage_range(s, u64::MAX, &mut out), Err(sharded.clone()));
     assert_eq!(model.checksum(), Err(sharded.clone()));
     assert!(sharded.to_string().contains("reload the pipeline"), "{sharded}");
     assert_eq!(
