@@ -433,7 +433,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
     let platform: PlatformRef = sim.clone();
     let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
-    let model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
     let r = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((1, 3))).unwrap();
     assert!(r.output == resident_output(&desc, 3, 0).unwrap());
     let (steps, lo, hi) = r.timing.unwrap();
@@ -446,7 +446,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
     let mut spec = DistributedRunSpec::new(desc.clone(), 1);
     spec.timed_steps = Some((1, 3));
-    let run = run_rank_with_model(platform, compute.clone(), factory, 0, 1, &spec, &model).unwrap();
+    let run = run_rank_with_model(platform, compute.clone(), factory, 0, 1, &spec, &mut model).unwrap();
     assert!(run.output == r.output);
     let again = resident_run_with_model(compute, &model, &desc, 3, 0, None).unwrap();
     assert!(again.output == r.output && again.timing.is_none());
