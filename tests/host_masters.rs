@@ -1,6 +1,8 @@
 //! Host masters built by streaming (no whole-section copy) and in byte-capped batches.
 //!
 //! Covered: `HostModel::read_storage_range` reads exact sub-ranges and refuses out-of-range reads with a typed error;
+//! `HostModel::checksum` is FNV-1a over each storage's id and digest, reads a storage larger than one read buffer in
+//! pieces, and sees a change of its last byte;
 //! `layout::write_section` leaves a master byte-identical to the reference section layout (storages at their aligned
 //! offsets, every gap, padding and tail byte zero) for storages of odd sizes and mixed dtypes, at bounce sizes that
 //! split storages and gaps at every kind of boundary, on buffers that held garbage before; `StreamingBackend::enable`
@@ -14,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use weightferry::config::OffloadConfig;
 use weightferry::hooks::HookRegistry;
-use weightferry::model::{synthetic_bytes, Home, HostModel, ModelError};
+use weightferry::model::{fnv1a, synthetic_bytes, Home, HostModel, ModelError, CHECKSUM_READ_BYTES, FNV_OFFSET};
 use weightferry::offload::backend::{master_batches, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS};
 use weightferry::offload::layout::{section_bytes, write_section, Section, ALIGN, MASTER_BOUNCE_BYTES};
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
@@ -148,6 +150,36 @@ fn read_storage_range_reads_exact_sub_ranges_and_refuses_out_of_range() {
         model.read_storage_range(unknown, 0, &mut two),
         Err(ModelError::Platform(PlatformError::InvalidHandle { what: "storage", id: 1 << 40 }))
     );
+}
+
+#[test]
+fn the_checksum_digests_every_storage_through_bounded_reads_and_sees_every_byte() {
+    let desc = Arc::new(odd_pipeline());
+    let platform: PlatformRef = sim();
+    let model = HostModel::synthetic(platform.clone(), desc.clone(), SEED).expect("model");
+    // The definition, computed serially from the generator alone.
+    let mut want = FNV_OFFSET;
+    let mut big = None;
+    for (&s, d) in desc.storages.iter() {
+        let bytes = synthetic_bytes(d.dtype, d.numel, SEED, s);
+        let digest = fnv1a(FNV_OFFSET, &bytes);
+        assert_eq!(model.storage_digest(s).expect("digest"), digest, "{s:?}");
+        want = fnv1a(fnv1a(want, &s.0.to_le_bytes()), &digest.to_le_bytes());
+        if bytes.len() > CHECKSUM_READ_BYTES {
+            big = Some((s, bytes.len() as u64));
+        }
+    }
+    assert_eq!(model.checksum().expect("checksum"), want);
+    // One byte changed at the end of the storage read in several pieces: another checksum; put back: the same.
+    let (s, len) = big.expect("a storage larger than one checksum read");
+    let Some(Home::Loaded { buf }) = model.home(s) else { panic!("synthetic storages start loaded") };
+    let mut last = [0u8; 1];
+    platform.read_host(buf, len - 1, &mut last).expect("read");
+    platform.write_host(buf, len - 1, &[last[0] ^ 1]).expect("write");
+    assert_ne!(model.checksum().expect("checksum"), want);
+    platform.write_host(buf, len - 1, &last).expect("write");
+    assert_eq!(model.checksum().expect("checksum"), want);
+    model.release();
 }
 
 #[test]
