@@ -184,7 +184,10 @@ pub struct RunningRank<'a> {
 
 /// A callback of [`DistributedRunSpec::probe`], shared by every rank.
 #[derive(Clone)]
-pub struct RunProbe(pub Arc<dyn Fn(&RunningRank<'_>) + Send + Sync>);
+pub struct RunProbe(
+    /// Called with what the rank holds while it runs.
+    pub Arc<dyn Fn(&RunningRank<'_>) + Send + Sync>,
+);
 
 impl std::fmt::Debug for RunProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
