@@ -1,10 +1,13 @@
 //! The host engine's loaded model: a pipeline description plus the bytes of every storage, living in platform host
 //! buffers.
 //!
-//! Invariant: every storage has exactly one authoritative home at a time — its loaded host buffer, or a region of
-//! an offload backend's host master — so the model never exists twice in host memory. Backends move homes with
-//! [`HostModel::adopt_master`] / [`HostModel::restore_loaded`]; [`HostModel::checksum`] reads through whichever home is
-//! current, which is how tests prove weights are bit-identical after enable/disable cycles and faults.
+//! Invariant: every storage has exactly one authoritative home at a time — its loaded host buffer, a region of an
+//! offload backend's host master, or (released for a distributed run) the shards the ranks of a group hold — so the
+//! model never exists twice in host memory. Backends move homes with [`HostModel::adopt_master`] /
+//! [`HostModel::restore_loaded`], a distributed run with [`HostModel::release_to_shards`] /
+//! [`HostModel::restore_from_shards`]; [`HostModel::checksum`] reads through whichever home is current, which is how
+//! tests prove weights are bit-identical after enable/disable cycles and faults. A storage whose bytes are not on
+//! this host ([`Home::Sharded`]) is never read: every read of it is [`ModelError::Sharded`].
 
 use crate::plan::{DType, PipelineDesc, StorageId};
 use std::collections::BTreeMap;
@@ -25,6 +28,50 @@ pub enum Home {
         buf: HostBufferId,
         /// Offset of the storage in it.
         offset: u64,
+    },
+    /// Released by a distributed run: the bytes are held by the ranks of its group as shards (this rank holds
+    /// only its 1/N of them), not in any buffer of this model. The run rebuilds them by a final AllGather and gives
+    /// the storage a loaded buffer again ([`HostModel::restore_from_shards`]); until then every read fails with
+    /// [`ModelError::Sharded`].
+    Sharded,
+}
+
+impl Home {
+    /// `"loaded"`, `"master"` or `"sharded"`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Home::Loaded { .. } => "loaded",
+            Home::Master { .. } => "master",
+            Home::Sharded => "sharded",
+        }
+    }
+}
+
+/// Why the model could not read or re-home a storage.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    /// The platform failed, the storage is unknown, or a range lies outside it.
+    #[error(transparent)]
+    Platform(#[from] PlatformError),
+    /// The storage's bytes are held by a distributed group as shards, not on this host.
+    #[error(
+        "storage {storage} is released to the shards of a distributed run: its bytes are not on this host until \
+         the run restores them (a final AllGather at its end); if that run failed with its collective poisoned, \
+         reload the pipeline"
+    )]
+    Sharded {
+        /// The storage id.
+        storage: u64,
+    },
+    /// A storage was asked to move from a home it is not in.
+    #[error("storage {storage} is {found}, not {expected}")]
+    WrongHome {
+        /// The storage id.
+        storage: u64,
+        /// The home the move needs.
+        expected: &'static str,
+        /// The home it has.
+        found: &'static str,
     },
 }
 
@@ -125,6 +172,9 @@ pub fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
 /// FNV-1a offset basis.
 pub const FNV_OFFSET: u64 = 0xCBF2_9CE4_8422_2325;
 
+/// Most bytes one thread of [`HostModel::checksum`] reads at a time.
+pub const CHECKSUM_READ_BYTES: usize = 8 << 20;
+
 /// What one generation thread returns: its storages' buffers, or the error and the buffers to free.
 type GenResult = Result<Vec<(StorageId, HostBufferId)>, (PlatformError, Vec<HostBufferId>)>;
 
@@ -188,7 +238,7 @@ impl HostModel {
         if let Some(e) = first_err {
             for b in orphans.into_iter().chain(homes.values().filter_map(|h| match h {
                 Home::Loaded { buf } => Some(*buf),
-                Home::Master { .. } => None,
+                Home::Master { .. } | Home::Sharded => None,
             })) {
                 let _ = platform.free_host(b);
             }
@@ -214,8 +264,8 @@ impl HostModel {
         self.desc.storages.get(&id).map_or(0, |s| s.byte_size())
     }
 
-    /// Reads a storage's bytes from its current home.
-    pub fn read_storage(&self, id: StorageId) -> Result<Vec<u8>, PlatformError> {
+    /// Reads a storage's bytes from its current home. A released storage is [`ModelError::Sharded`].
+    pub fn read_storage(&self, id: StorageId) -> Result<Vec<u8>, ModelError> {
         let len = self.storage_bytes(id);
         let mut out = vec![0u8; len as usize];
         self.read_storage_range(id, 0, &mut out)?;
@@ -227,27 +277,95 @@ impl HostModel {
     /// [`PlatformError::InvalidHandle`]; a range that does not lie inside the storage's
     /// [`storage_bytes`](Self::storage_bytes) is [`PlatformError::OutOfBounds`] with `what: "storage range"` and the
     /// storage's size as `size`, and reads nothing (a loaded buffer may be longer than its storage, so the platform's
-    /// own check would not catch it).
-    pub fn read_storage_range(&self, id: StorageId, offset: u64, out: &mut [u8]) -> Result<(), PlatformError> {
+    /// own check would not catch it); a released storage ([`Home::Sharded`]) is [`ModelError::Sharded`], whatever the
+    /// range. `out` is left as it was on every error.
+    pub fn read_storage_range(&self, id: StorageId, offset: u64, out: &mut [u8]) -> Result<(), ModelError> {
         let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
-        let size = self.storage_bytes(id);
-        let len = out.len() as u64;
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(PlatformError::OutOfBounds { what: "storage range", offset, len, size });
-        }
         let (buf, base) = match home {
             Home::Loaded { buf } => (buf, 0),
             Home::Master { buf, offset: base } => (buf, base),
+            Home::Sharded => return Err(ModelError::Sharded { storage: id.0 }),
         };
-        self.platform.read_host(buf, base.saturating_add(offset), out)
+        let size = self.storage_bytes(id);
+        let len = out.len() as u64;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(PlatformError::OutOfBounds { what: "storage range", offset, len, size }.into());
+        }
+        Ok(self.platform.read_host(buf, base.saturating_add(offset), out)?)
     }
 
-    /// Checksum of every storage's bytes, in storage order, read through the current homes.
-    pub fn checksum(&self) -> Result<u64, PlatformError> {
+    /// Checksum of every storage's bytes, read through the current homes: FNV-1a, in storage order, over each
+    /// storage's id and the FNV-1a digest of its bytes ([`storage_digest`](Self::storage_digest)). The digests are
+    /// computed on all available cores (at most 32), each core reading through its own buffer of at most
+    /// [`CHECKSUM_READ_BYTES`]; the result does not depend on the thread count. (A full-size model is tens of GB:
+    /// byte-serial FNV-1a runs at about 1 GB/s.) The error is that of the first storage in storage order that cannot
+    /// be read; a model with a released storage has no checksum here ([`ModelError::Sharded`]).
+    pub fn checksum(&self) -> Result<u64, ModelError> {
+        let ids: Vec<StorageId> = self.homes.keys().copied().collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 32).min(ids.len().max(1));
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        type Digests = Vec<(usize, Result<u64, ModelError>)>;
+        let per_thread: Vec<Digests> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    let (ids, next) = (&ids, &next);
+                    scope.spawn(move || {
+                        let mut buf = Vec::new();
+                        let mut out = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(&id) = ids.get(i) else { break };
+                            out.push((i, self.digest_into(id, &mut buf)));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        let e = ModelError::Platform(PlatformError::Driver("checksum thread panicked".into()));
+                        vec![(0, Err(e))]
+                    })
+                })
+                .collect()
+        });
+        let mut digests: Vec<(usize, Result<u64, ModelError>)> = per_thread.into_iter().flatten().collect();
+        digests.sort_by_key(|(i, _)| *i);
         let mut h = FNV_OFFSET;
-        for &id in self.homes.keys() {
+        for ((_, digest), id) in digests.into_iter().zip(&ids) {
             h = fnv1a(h, &id.0.to_le_bytes());
-            h = fnv1a(h, &self.read_storage(id)?);
+            h = fnv1a(h, &digest?.to_le_bytes());
+        }
+        Ok(h)
+    }
+
+    /// FNV-1a digest (from [`FNV_OFFSET`]) of one storage's bytes, read through its current home.
+    pub fn storage_digest(&self, id: StorageId) -> Result<u64, ModelError> {
+        self.digest_into(id, &mut Vec::new())
+    }
+
+    /// [`storage_digest`](Self::storage_digest) through `buf`, grown to at most [`CHECKSUM_READ_BYTES`].
+    fn digest_into(&self, id: StorageId, buf: &mut Vec<u8>) -> Result<u64, ModelError> {
+        let len = self.storage_bytes(id);
+        if len == 0 {
+            // Still checks that the storage exists and is readable (a released one is not).
+            self.read_storage_range(id, 0, &mut [])?;
+            return Ok(FNV_OFFSET);
+        }
+        let want = usize::try_from(len).unwrap_or(usize::MAX).min(CHECKSUM_READ_BYTES);
+        if buf.len() < want {
+            buf.resize(want, 0);
+        }
+        let mut h = FNV_OFFSET;
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(buf.len() as u64) as usize;
+            let chunk = &mut buf[..n];
+            self.read_storage_range(id, done, chunk)?;
+            h = fnv1a(h, chunk);
+            done += n as u64;
         }
         Ok(h)
     }
@@ -269,14 +387,14 @@ impl HostModel {
     }
 
     /// Gives a storage back its own loaded host buffer, copying its bytes out of the master (a real copy, so the
-    /// model no longer aliases the backend's masters). No-op if it is already loaded.
-    pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), PlatformError> {
+    /// model no longer aliases the backend's masters). No-op unless it is homed in a master.
+    pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), ModelError> {
         let Some(Home::Master { .. }) = self.homes.get(&id).copied() else { return Ok(()) };
         let bytes = self.read_storage(id)?;
         let buf = self.platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable)?;
         if let Err(e) = self.platform.write_host(buf, 0, &bytes) {
             let _ = self.platform.free_host(buf);
-            return Err(e);
+            return Err(e.into());
         }
         self.homes.insert(id, Home::Loaded { buf });
         Ok(())
@@ -287,7 +405,47 @@ impl HostModel {
         self.homes.iter().filter(|(_, h)| matches!(h, Home::Master { .. })).map(|(id, _)| *id).collect()
     }
 
-    /// Frees every loaded buffer (the model is dropped). Masters belong to their backend.
+    /// Frees a loaded storage's host buffer because a distributed run now holds its bytes as the shards of its
+    /// group: the storage becomes [`Home::Sharded`] and every read of it fails with [`ModelError::Sharded`] until
+    /// [`restore_from_shards`](Self::restore_from_shards). Only a loaded storage can be released
+    /// ([`ModelError::WrongHome`] otherwise, changing nothing). If freeing the buffer fails, the storage stays
+    /// loaded and the platform's error is returned.
+    pub fn release_to_shards(&mut self, id: StorageId) -> Result<(), ModelError> {
+        let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        let Home::Loaded { buf } = prev else {
+            return Err(ModelError::WrongHome { storage: id.0, expected: "loaded", found: prev.name() });
+        };
+        self.platform.free_host(buf)?;
+        self.homes.insert(id, Home::Sharded);
+        Ok(())
+    }
+
+    /// Makes `buf` — a host buffer of this model's platform holding the storage's bytes at offset 0, rebuilt from
+    /// the group's shards — the loaded home of a released storage, which owns it from now on. Checks that the
+    /// storage is [`Home::Sharded`] ([`ModelError::WrongHome`]) and that `buf` holds at least the storage's bytes
+    /// ([`PlatformError::OutOfBounds`] with `what: "restored storage"`); on an error nothing changes and the
+    /// caller keeps `buf`.
+    pub fn restore_from_shards(&mut self, id: StorageId, buf: HostBufferId) -> Result<(), ModelError> {
+        let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        if prev != Home::Sharded {
+            return Err(ModelError::WrongHome { storage: id.0, expected: "sharded", found: prev.name() });
+        }
+        let (len, _) = self.platform.host_buffer_info(buf)?;
+        let size = self.storage_bytes(id);
+        if len < size {
+            return Err(PlatformError::OutOfBounds { what: "restored storage", offset: 0, len: size, size: len }.into());
+        }
+        self.homes.insert(id, Home::Loaded { buf });
+        Ok(())
+    }
+
+    /// Storages released to the shards of a distributed run ([`Home::Sharded`]).
+    pub fn sharded(&self) -> Vec<StorageId> {
+        self.homes.iter().filter(|(_, h)| matches!(h, Home::Sharded)).map(|(id, _)| *id).collect()
+    }
+
+    /// Frees every loaded buffer (the model is dropped). Masters belong to their backend; released storages hold
+    /// no buffer of the model.
     pub fn release(self) {
         for h in self.homes.values() {
             if let Home::Loaded { buf } = h {

@@ -1,7 +1,8 @@
 //! Multi-process distributed runs through the binary: `weightferry launch --nproc N -- run …` starts N processes
 //! that find each other through the TCP rendezvous, each runs its rank on the simulated device with the TCP
 //! collective, and rank 0 reports every rank bit-exact with the resident run (text and JSON, unchunked and
-//! chunked, the rank count from the config's group); a rank whose AllGather fails makes launch exit 1 naming it;
+//! chunked, the rank count from the config's group), each holding only its shards of the DiT on host while it runs
+//! and restoring the weights at its end; a rank whose AllGather fails makes launch exit 1 naming it;
 //! a bad launch environment or a config whose group does not match `WORLD_SIZE` is an exact one-line error (exit
 //! 2) before anything runs. A timed run (`--time-steps LO,HI`) reports per rank and for the group the step time,
 //! the bytes per step (one pass of shards), the bounds and their ratios, in JSON and text, and stays bit-exact;
@@ -46,6 +47,7 @@ fn launch_two_ranks_reports_every_rank_bit_exact() {
     assert!(lines.iter().all(|l| l.starts_with("[rank 0] ")), "only rank 0 reports: {out}");
     assert!(lines[0].starts_with("[rank 0] weightferry distributed run: flux-tiny on 2 sim ranks"), "{out}");
     assert!(lines[1].starts_with("[rank 0] rank 0: bit-exact with the resident run"), "{out}");
+    assert!(lines[1].contains(" of DiT weights on host while running), "), "{out}");
     assert!(lines[2].starts_with("[rank 0] rank 1: bit-exact with the resident run"), "{out}");
     assert!(lines[3].starts_with("[rank 0] all 2 ranks bit-exact with the resident run"), "{out}");
 }
@@ -79,6 +81,12 @@ fn launch_three_ranks_from_the_config_group_with_chunks_in_json() {
         assert_eq!(rank["checksum"], v["resident_checksum"]);
         assert_eq!(rank["hazard_violations"], 0);
         assert_eq!(rank["all_gathers"], ranks[0]["all_gathers"]);
+        // The run keeps only the shards of the DiT on host, then restores the weights by gathers of its own.
+        let shards = rank["shard_host_bytes"].as_u64().unwrap();
+        assert!(shards > 0, "{rank}");
+        assert_eq!(rank["dit_host_bytes_while_running"].as_u64(), Some(shards), "{rank}");
+        let restore = rank["restore_all_gathers"].as_u64().unwrap();
+        assert!(restore > 0 && restore == ranks[0]["restore_all_gathers"].as_u64().unwrap(), "{rank}");
     }
 }
 
@@ -210,6 +218,8 @@ fn a_timed_launch_reports_step_time_bytes_per_step_and_bounds_in_json() {
         // One step copies every block's shard once: the shard bytes of one pass.
         let shard = u(t, "shard_bytes_per_step");
         assert_eq!(shard, u(rank, "shard_host_bytes"), "rank {r}: {t}");
+        // What it measured held only the shards of the DiT on host.
+        assert_eq!(u(rank, "dit_host_bytes_while_running"), shard, "rank {r}: {rank}");
         assert_eq!(u(t, "gathered_bytes_per_step"), 2 * shard, "rank {r}");
         let full = u(t, "full_bytes_per_step");
         assert!(full <= 2 * shard && full + 4096 > 2 * shard, "rank {r}: full {full}, shard {shard}");

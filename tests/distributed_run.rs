@@ -3,7 +3,8 @@
 //! bit-identical to the fully resident single-rank output; every rank issues the same AllGathers (sequence numbers
 //! and tags) in the same order; no rank sees a hazard; each rank's host shards are 1/N of the streamed sections
 //! (plus padding) and each rank copies only its shards host → device. A failed AllGather on one rank makes every
-//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned. Chunked
+//! rank's run fail — quickly, never by hanging — and the failing rank reports its collective poisoned; every rank
+//! still frees all its device memory (the engine's activations too, on a failed compute stream). Chunked
 //! transport (one AllGather per chunk) is bit-exact at chunk sizes that do not divide the sections and larger
 //! than them. Under randomized per-rank timings (hooks sleeping, comm streams slowed differently) every rank still
 //! issues the same gathers in the same order; the group-size matrix of the config (data / sequence / tensor
@@ -335,6 +336,32 @@ fn a_failed_gather_fails_every_rank_without_hanging() {
 }
 
 #[test]
+fn a_poisoned_run_leaves_no_device_memory_behind() {
+    // A failed AllGather leaves the compute streams in their error state; every rank still frees everything.
+    let spec = DistributedRunSpec::new(preset("wan-tiny").unwrap(), 2);
+    let comms = SimCollectiveGroup::new(sims(2));
+    comms[1].fail_nth_call(7);
+    std::thread::scope(|s| {
+        let spec = &spec;
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                s.spawn(move || {
+                    let (sim, platform, compute, factory) = sim_rank(comm);
+                    let e = run_rank(platform, compute, factory, rank, 2, spec).unwrap_err();
+                    assert!(e.to_string().contains("injected AllGather failure"), "rank {rank}: {e}");
+                    assert_eq!(sim.device_memory().in_use, 0, "rank {rank} leaked device memory");
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
+}
+
+#[test]
 fn bad_requests_are_errors() {
     let desc = preset("flux-tiny").unwrap();
     let mut spec = DistributedRunSpec::new(desc.clone(), 0);
@@ -406,7 +433,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
     let platform: PlatformRef = sim.clone();
     let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
-    let model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
     let r = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((1, 3))).unwrap();
     assert!(r.output == resident_output(&desc, 3, 0).unwrap());
     let (steps, lo, hi) = r.timing.unwrap();
@@ -419,7 +446,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
     let mut spec = DistributedRunSpec::new(desc.clone(), 1);
     spec.timed_steps = Some((1, 3));
-    let run = run_rank_with_model(platform, compute.clone(), factory, 0, 1, &spec, &model).unwrap();
+    let run = run_rank_with_model(platform, compute.clone(), factory, 0, 1, &spec, &mut model).unwrap();
     assert!(run.output == r.output);
     let again = resident_run_with_model(compute, &model, &desc, 3, 0, None).unwrap();
     assert!(again.output == r.output && again.timing.is_none());

@@ -3,17 +3,20 @@
 //! reassemble every section of every streamed unit bit-exactly, every shard is zero-padded,
 //! and the host bytes of all ranks together equal one copy of the sections plus less than `N · ALIGN` bytes of
 //! padding per section. A chunk size so small that a block would need more AllGathers than a stack holds events
-//! for is a typed error.
+//! for is a typed error. A storage released to the shards (`Home::Sharded`) frees its loaded buffer and is a typed
+//! error to every read (bytes, range, checksum, resident upload) until it is restored from a buffer holding its
+//! bytes, after which the model's checksum is the one before.
 
 use std::sync::Arc;
 use weightferry::config::OffloadConfig;
-use weightferry::model::HostModel;
+use weightferry::model::{Home, HostModel, ModelError};
 use weightferry::offload::distributed::{build_sharded_masters, DistributedError, ShardedMasters};
 use weightferry::offload::layout::{section_bytes, UnitLayout, ALIGN};
 use weightferry::offload::units::build_unit_plan;
+use weightferry::offload::ResidentPlacement;
 use weightferry::plan::presets::preset;
-use weightferry::plan::resolve_offload_plan;
-use weightferry_actors::platform::{HostMemoryKind, PlatformRef};
+use weightferry::plan::{resolve_offload_plan, StorageId};
+use weightferry_actors::platform::{HostMemoryKind, Platform, PlatformError, PlatformRef};
 use weightferry_actors::shard::{reassemble, ShardError};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
@@ -141,4 +144,69 @@ fn a_chunk_too_small_for_the_gather_limit_is_a_typed_error() {
         }
         other => panic!("expected TooManyGathers, got {other:?}"),
     }
+}
+
+#[test]
+fn a_released_storage_is_a_typed_error_to_every_read_and_comes_back_bit_exact() {
+    let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
+    let platform: PlatformRef = sim.clone();
+    let desc = preset("flux-tiny").expect("preset");
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc), 7).expect("model");
+    let before = model.checksum().expect("checksum");
+    let ids: Vec<StorageId> = model.desc().storages.keys().copied().collect();
+    let (s, other) = (ids[1], ids[2]);
+    let bytes = model.read_storage(s).expect("read");
+    assert!(bytes.len() > 8, "pick a storage with bytes");
+    let held = sim.host_memory();
+
+    model.release_to_shards(s).expect("release");
+    assert_eq!(model.home(s), Some(Home::Sharded));
+    assert_eq!(model.sharded(), vec![s]);
+    // The loaded buffer is gone: the model holds exactly that many bytes less.
+    let now = sim.host_memory();
+    assert_eq!((now.in_use, now.buffers), (held.in_use - bytes.len() as u64, held.buffers - 1));
+    let sharded = ModelError::Sharded { storage: s.0 };
+    assert_eq!(model.read_storage(s), Err(sharded.clone()));
+    let mut out = vec![0xA5u8; 4];
+    assert_eq!(model.read_storage_range(s, 2, &mut out), Err(sharded.clone()));
+    assert_eq!(out, vec![0xA5u8; 4], "a refused read wrote bytes");
+    // Whatever the range: a released storage has no bytes here, not an out-of-range read.
+    assert_eq!(model.read_storage_range(s, u64::MAX, &mut out), Err(sharded.clone()));
+    assert_eq!(model.checksum(), Err(sharded.clone()));
+    assert!(sharded.to_string().contains("reload the pipeline"), "{sharded}");
+    assert_eq!(
+        model.loaded_bytes(),
+        model.desc().storages.values().map(|d| d.byte_size()).sum::<u64>() - bytes.len() as u64
+    );
+    // Nothing reads it through another path either: the resident placement refuses before allocating.
+    let stream = platform.create_stream("upload").unwrap();
+    assert_eq!(ResidentPlacement::upload(&platform, &model, &[other, s], stream).unwrap_err(), sharded);
+    assert_eq!(sim.device_memory().in_use, 0);
+    // Moves from the wrong home change nothing.
+    let wrong = |found, expected| ModelError::WrongHome { storage: s.0, expected, found };
+    assert_eq!(model.release_to_shards(s), Err(wrong("sharded", "loaded")));
+    let spare = platform.alloc_host(bytes.len() as u64, HostMemoryKind::Pageable).unwrap();
+    assert_eq!(
+        model.restore_from_shards(other, spare),
+        Err(ModelError::WrongHome { storage: other.0, expected: "sharded", found: "loaded" })
+    );
+    let short = platform.alloc_host(bytes.len() as u64 - 1, HostMemoryKind::Pageable).unwrap();
+    assert!(matches!(
+        model.restore_from_shards(s, short),
+        Err(ModelError::Platform(PlatformError::OutOfBounds { what: "restored storage", .. }))
+    ));
+    assert_eq!(model.home(s), Some(Home::Sharded));
+    platform.free_host(short).unwrap();
+
+    // Restored from a buffer holding its bytes: loaded again, bit-exact.
+    platform.write_host(spare, 0, &bytes).unwrap();
+    model.restore_from_shards(s, spare).expect("restore");
+    assert_eq!(model.home(s), Some(Home::Loaded { buf: spare }));
+    assert!(model.sharded().is_empty());
+    assert_eq!(model.read_storage(s).unwrap(), bytes);
+    assert_eq!(model.checksum().unwrap(), before);
+    assert_eq!(sim.host_memory().in_use, held.in_use);
+    model.release();
+    assert_eq!(sim.host_memory().in_use, 0, "the restored buffer belongs to the model");
+    sim.shutdown();
 }

@@ -1,6 +1,8 @@
 //! Host masters built by streaming (no whole-section copy) and in byte-capped batches.
 //!
 //! Covered: `HostModel::read_storage_range` reads exact sub-ranges and refuses out-of-range reads with a typed error;
+//! `HostModel::checksum` is FNV-1a over each storage's id and digest, reads a storage larger than one read buffer in
+//! pieces, and sees a change of its last byte;
 //! `layout::write_section` leaves a master byte-identical to the reference section layout (storages at their aligned
 //! offsets, every gap, padding and tail byte zero) for storages of odd sizes and mixed dtypes, at bounce sizes that
 //! split storages and gaps at every kind of boundary, on buffers that held garbage before; `StreamingBackend::enable`
@@ -14,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use weightferry::config::OffloadConfig;
 use weightferry::hooks::HookRegistry;
-use weightferry::model::{synthetic_bytes, Home, HostModel};
+use weightferry::model::{fnv1a, synthetic_bytes, Home, HostModel, ModelError, CHECKSUM_READ_BYTES, FNV_OFFSET};
 use weightferry::offload::backend::{master_batches, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS};
 use weightferry::offload::layout::{section_bytes, write_section, Section, ALIGN, MASTER_BOUNCE_BYTES};
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
@@ -126,7 +128,7 @@ fn read_storage_range_reads_exact_sub_ranges_and_refuses_out_of_range() {
             let mut got = vec![GARBAGE; len as usize];
             assert_eq!(
                 model.read_storage_range(s, off, &mut got),
-                Err(PlatformError::OutOfBounds { what: "storage range", offset: off, len, size }),
+                Err(ModelError::Platform(PlatformError::OutOfBounds { what: "storage range", offset: off, len, size })),
                 "{s:?} {off}+{len}"
             );
             assert!(got.iter().all(|&b| b == GARBAGE), "{s:?}: an out-of-range read wrote bytes");
@@ -136,18 +138,48 @@ fn read_storage_range_reads_exact_sub_ranges_and_refuses_out_of_range() {
     let mut two = [0u8; 2];
     assert_eq!(
         model.read_storage_range(s, u64::MAX, &mut two),
-        Err(PlatformError::OutOfBounds {
+        Err(ModelError::Platform(PlatformError::OutOfBounds {
             what: "storage range",
             offset: u64::MAX,
             len: 2,
             size: model.storage_bytes(s)
-        })
+        }))
     );
     let unknown = StorageId(1 << 40);
     assert_eq!(
         model.read_storage_range(unknown, 0, &mut two),
-        Err(PlatformError::InvalidHandle { what: "storage", id: 1 << 40 })
+        Err(ModelError::Platform(PlatformError::InvalidHandle { what: "storage", id: 1 << 40 }))
     );
+}
+
+#[test]
+fn the_checksum_digests_every_storage_through_bounded_reads_and_sees_every_byte() {
+    let desc = Arc::new(odd_pipeline());
+    let platform: PlatformRef = sim();
+    let model = HostModel::synthetic(platform.clone(), desc.clone(), SEED).expect("model");
+    // The definition, computed serially from the generator alone.
+    let mut want = FNV_OFFSET;
+    let mut big = None;
+    for (&s, d) in desc.storages.iter() {
+        let bytes = synthetic_bytes(d.dtype, d.numel, SEED, s);
+        let digest = fnv1a(FNV_OFFSET, &bytes);
+        assert_eq!(model.storage_digest(s).expect("digest"), digest, "{s:?}");
+        want = fnv1a(fnv1a(want, &s.0.to_le_bytes()), &digest.to_le_bytes());
+        if bytes.len() > CHECKSUM_READ_BYTES {
+            big = Some((s, bytes.len() as u64));
+        }
+    }
+    assert_eq!(model.checksum().expect("checksum"), want);
+    // One byte changed at the end of the storage read in several pieces: another checksum; put back: the same.
+    let (s, len) = big.expect("a storage larger than one checksum read");
+    let Some(Home::Loaded { buf }) = model.home(s) else { panic!("synthetic storages start loaded") };
+    let mut last = [0u8; 1];
+    platform.read_host(buf, len - 1, &mut last).expect("read");
+    platform.write_host(buf, len - 1, &[last[0] ^ 1]).expect("write");
+    assert_ne!(model.checksum().expect("checksum"), want);
+    platform.write_host(buf, len - 1, &last).expect("write");
+    assert_eq!(model.checksum().expect("checksum"), want);
+    model.release();
 }
 
 #[test]
@@ -195,7 +227,12 @@ fn write_section_refuses_a_short_buffer_and_a_storage_outside_its_section() {
     let short = platform.alloc_host(sec.len - 1, HostMemoryKind::Pageable).expect("alloc");
     assert_eq!(
         write_section(&platform, short, &model, &sec, 64),
-        Err(PlatformError::OutOfBounds { what: "section master", offset: 0, len: sec.len, size: sec.len - 1 })
+        Err(ModelError::Platform(PlatformError::OutOfBounds {
+            what: "section master",
+            offset: 0,
+            len: sec.len,
+            size: sec.len - 1
+        }))
     );
     let mut bad = sec.clone();
     let (s, _) = bad.storages[0];
@@ -204,12 +241,12 @@ fn write_section_refuses_a_short_buffer_and_a_storage_outside_its_section() {
     let buf = platform.alloc_host(sec.len, HostMemoryKind::Pageable).expect("alloc");
     assert_eq!(
         write_section(&platform, buf, &model, &bad, 64),
-        Err(PlatformError::OutOfBounds {
+        Err(ModelError::Platform(PlatformError::OutOfBounds {
             what: "section storage",
             offset: sec.len - size + 1,
             len: size,
             size: sec.len
-        })
+        }))
     );
     for b in [short, buf] {
         platform.free_host(b).expect("free");

@@ -1,5 +1,6 @@
 //! The TCP collective (simulated-device ranks exchanging over the rendezvous), with ranks as threads of this
-//! process: `run_rank` over it is bit-exact with the resident run and issues the same gathers on every rank; an
+//! process: `run_rank` over it is bit-exact with the resident run and issues the same gathers on every rank (also
+//! when it keeps only shards on host and restores the weights by gathers at its end); an
 //! AllGather rebuilds exact bytes; ranks gathering different tags fail with a tag mismatch; a rank whose
 //! AllGather fails to start is poisoned, and its peer fails as soon as it leaves, knowing a peer failed.
 
@@ -47,22 +48,30 @@ fn sim() -> Arc<SimPlatform> {
 fn run_rank_over_tcp_is_bit_exact_on_every_rank() {
     let desc = preset("wan-tiny").unwrap();
     let resident = resident_output(&desc, 2, 0).unwrap();
-    let mut spec = DistributedRunSpec::new(desc, 3);
-    spec.steps = 2;
-    spec.chunk_bytes = Some(5000);
-    let runs = ranks(3, |rank, rdv| {
-        let sim = sim();
-        let platform: PlatformRef = sim.clone();
-        let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
-        let tcp = TcpCollective::new(rdv, sim.clone());
-        let factory: CollectiveFactory = Box::new(move || Ok(Box::new(tcp) as Box<dyn Collective>));
-        let run = run_rank(platform, compute, factory, rank, 3, &spec).unwrap();
-        assert!(sim.violations().is_empty(), "rank {rank}");
-        run
-    });
-    for (r, run) in runs.iter().enumerate() {
-        assert!(run.output == resident, "rank {r} output differs from the resident run");
-        assert_eq!(run.issued, runs[0].issued, "rank {r}");
+    for release in [false, true] {
+        let mut spec = DistributedRunSpec::new(desc.clone(), 3);
+        spec.steps = 2;
+        spec.chunk_bytes = Some(5000);
+        spec.release_loaded = release;
+        let runs = ranks(3, |rank, rdv| {
+            let sim = sim();
+            let platform: PlatformRef = sim.clone();
+            let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+            let tcp = TcpCollective::new(rdv, sim.clone());
+            let factory: CollectiveFactory = Box::new(move || Ok(Box::new(tcp) as Box<dyn Collective>));
+            let run = run_rank(platform, compute, factory, rank, 3, &spec).unwrap();
+            assert!(sim.violations().is_empty(), "rank {rank}");
+            assert_eq!(sim.host_memory().in_use, 0, "rank {rank} release {release}: host memory left behind");
+            run
+        });
+        for (r, run) in runs.iter().enumerate() {
+            assert!(run.output == resident, "release {release}: rank {r} output differs from the resident run");
+            assert_eq!(run.issued, runs[0].issued, "release {release}: rank {r}");
+            // Released, the ranks also restore the weights by the same gathers over TCP.
+            assert_eq!(run.restore_issued, runs[0].restore_issued, "release {release}: rank {r}");
+            assert_eq!(run.restore_issued.is_empty(), !release, "release {release}: rank {r}");
+            assert_eq!(run.dit_host_bytes_while_running == run.shard_host_bytes, release, "rank {r}");
+        }
     }
 }
 

@@ -731,6 +731,65 @@ fn fault_event_synchronize_nth_call() {
 }
 
 #[test]
+fn fault_sync_d2h_failure_at_nth_copy() {
+    let p = sim(SimConfig { faults: FaultPlan { fail_d2h_copy: Some(1), ..FaultPlan::none() }, ..quiet() });
+    let s = p.create_stream("copy").unwrap();
+    let d = p.alloc_device(8).unwrap();
+    p.write_device(d, 0, &[7u8; 8]).unwrap();
+    let h = p.alloc_host(8, HostMemoryKind::Pageable).unwrap();
+    // An invalid call does not count.
+    assert!(p.copy_d2h(s, d, 4, h, 0, 8).is_err());
+    p.copy_d2h(s, d, 0, h, 0, 8).unwrap();
+    let other = p.alloc_host(8, HostMemoryKind::Pageable).unwrap();
+    assert_eq!(
+        p.copy_d2h(s, d, 0, other, 0, 8),
+        Err(PlatformError::CopyFailed {
+            direction: "device-to-host",
+            bytes: 8,
+            reason: "injected failure of d2h copy #1".to_string()
+        })
+    );
+    // Nothing was enqueued: the stream is healthy, the target untouched, the next copy works.
+    p.stream_synchronize(s).unwrap();
+    let mut out = [1u8; 8];
+    p.read_host(other, 0, &mut out).unwrap();
+    assert_eq!(out, [0u8; 8]);
+    p.copy_d2h(s, d, 0, other, 0, 8).unwrap();
+    p.stream_synchronize(s).unwrap();
+    p.read_host(other, 0, &mut out).unwrap();
+    assert_eq!(out, [7u8; 8]);
+    assert_eq!(p.stats().d2h_copies, 2);
+}
+
+#[test]
+fn fault_host_alloc_at_nth_call_and_host_memory_accounting() {
+    let p = sim(SimConfig { faults: FaultPlan { fail_host_alloc: Some(2), ..FaultPlan::none() }, ..quiet() });
+    assert_eq!(p.host_memory(), Default::default());
+    let a = p.alloc_host(100, HostMemoryKind::Pinned).unwrap();
+    let b = p.alloc_host(30, HostMemoryKind::Pageable).unwrap();
+    assert_eq!(
+        p.alloc_host(7, HostMemoryKind::Pageable),
+        Err(PlatformError::HostAllocFailed {
+            requested: 7,
+            kind: HostMemoryKind::Pageable,
+            reason: "injected failure of host allocation #2".to_string()
+        })
+    );
+    let m = p.host_memory();
+    assert_eq!((m.in_use, m.pinned, m.buffers, m.peak), (130, 100, 2, 130), "{m:?}");
+    let c = p.alloc_host(5, HostMemoryKind::Pageable).unwrap();
+    p.free_host(a).unwrap();
+    let m = p.host_memory();
+    assert_eq!((m.in_use, m.pinned, m.buffers, m.peak), (35, 0, 2, 135), "{m:?}");
+    // A failed free changes nothing.
+    assert!(p.free_host(a).is_err());
+    p.free_host(b).unwrap();
+    p.free_host(c).unwrap();
+    let m = p.host_memory();
+    assert_eq!((m.in_use, m.pinned, m.buffers, m.peak), (0, 0, 0, 135), "{m:?}");
+}
+
+#[test]
 fn fault_plan_from_seed_is_deterministic() {
     for seed in 0..64 {
         let a = FaultPlan::from_seed(seed, 10);

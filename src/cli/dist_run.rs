@@ -16,6 +16,12 @@
 //! device: `--sim-h2d-gbps`, if given);
 //! rank 0 reports per rank and for the group the step time against the bound `max(compute, shard bytes per step /
 //! H2D bandwidth)`, and the single-GPU bound `max(compute, full-block bytes per step / H2D bandwidth)`.
+//!
+//! Every rank runs with [`DistributedRunSpec::release_loaded`]: after the resident run (which needs every weight on
+//! host), the distributed run keeps only the rank's shards of the DiT blocks on host while it runs — what the
+//! report's `dit_host_bytes_while_running` shows — and restores the loaded weights by a final gather to host at its
+//! end; the rank then checks that the model's checksum equals the one before the run and fails with an exact
+//! message when it does not.
 
 use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DEFAULT_PRESET};
 use crate::config::OffloadConfig;
@@ -23,7 +29,7 @@ use crate::dist::launch::PEER_FAILED_EXIT;
 use crate::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::model::HostModel;
-use crate::model::{fnv1a, FNV_OFFSET};
+use crate::model::{fnv1a, ModelError, FNV_OFFSET};
 use crate::offload::distributed_backend::{
     resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
 };
@@ -224,10 +230,17 @@ pub struct RankSummary {
     pub bit_exact: bool,
     /// FNV-1a checksum of its output.
     pub checksum: String,
-    /// AllGathers its collective actor started (warm-up included).
+    /// AllGathers its collective actor started (warm-up included; the final restore's not).
     pub all_gathers: usize,
+    /// AllGathers of the final restore of its released DiT weights to host.
+    #[serde(default)]
+    pub restore_all_gathers: usize,
     /// Host bytes of its shard masters.
     pub shard_host_bytes: u64,
+    /// Host bytes it held for DiT weights while the distributed run executed (its shards, plus any DiT weights it
+    /// kept loaded: none, since the run releases them).
+    #[serde(default)]
+    pub dit_host_bytes_while_running: u64,
     /// Bytes it copied host to device (shards only).
     pub h2d_bytes: u64,
     /// Hazard violations its simulated device detected.
@@ -281,12 +294,15 @@ impl fmt::Display for DistributedReport {
         for r in &self.ranks {
             writeln!(
                 f,
-                "rank {}: {} (checksum {}), {} AllGathers, {} of shards on host, {} copied host to device, {} hazards",
+                "rank {}: {} (checksum {}), {} AllGathers (+{} restoring the weights to host), {} of shards on host \
+                 ({} of DiT weights on host while running), {} copied host to device, {} hazards",
                 r.rank,
                 if r.bit_exact { "bit-exact with the resident run" } else { "DIFFERS from the resident run" },
                 r.checksum,
                 r.all_gathers,
+                r.restore_all_gathers,
                 human_bytes(r.shard_host_bytes),
+                human_bytes(r.dit_host_bytes_while_running),
                 human_bytes(r.h2d_bytes),
                 r.hazard_violations
             )?;
@@ -417,6 +433,8 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     spec.steps = timed.map_or(a.steps, |(_, hi)| hi);
     spec.timed_steps = timed;
     spec.seed = a.seed;
+    // Measure the contract: only the shards stay on host while the run executes.
+    spec.release_loaded = true;
     let mut sim_config = SimConfig { tracing: false, ..SimConfig::default() };
     if let Some(g) = a.sim_h2d_gbps {
         if !(g.is_finite() && g > 0.0) {
@@ -470,6 +488,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         sim.shutdown();
         let (run, resident) = outcome.map_err(|e| match e {
             SimRankError::Resident(e) => failed("resident run", &e),
+            SimRankError::Weights(m) => CliError::failed(format!("rank {rank}: {m}")),
             SimRankError::Run(e) if peer_flag.load(std::sync::atomic::Ordering::SeqCst) => {
                 peer_failed(rank, &format!("the distributed run failed: {e}"))
             }
@@ -483,7 +502,9 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         bit_exact: run.output == resident.output,
         checksum: format!("{:016x}", fnv1a(FNV_OFFSET, &run.output)),
         all_gathers: run.issued.len(),
+        restore_all_gathers: run.restore_issued.len(),
         shard_host_bytes: run.shard_host_bytes,
+        dit_host_bytes_while_running: run.dit_host_bytes_while_running,
         h2d_bytes: run.h2d_bytes,
         hazard_violations: hazards,
         timing: RankTimingReport::new(&run, &resident, h2d_bytes_per_s),
@@ -543,14 +564,30 @@ struct RankOutcome {
     h2d_bytes_per_s: Option<f64>,
 }
 
-/// Which half of a simulated rank failed.
+/// Which part of a simulated rank failed.
 enum SimRankError {
     Resident(crate::engine::EngineError),
     Run(crate::offload::distributed_backend::DistributedRunError),
+    /// The weights after the run are not the ones before ([`check_restored_weights`]'s message).
+    Weights(String),
+}
+
+/// The check after a distributed run that released its loaded weights: the model's checksum (`after`) must equal
+/// the one before the run. The error is the exact message the rank fails with.
+pub fn check_restored_weights(before: u64, after: Result<u64, ModelError>) -> Result<(), String> {
+    match after {
+        Ok(after) if after == before => Ok(()),
+        Ok(after) => Err(format!(
+            "the weights restored after the distributed run differ from the loaded ones (model checksum {after:016x}, \
+             {before:016x} before the run)"
+        )),
+        Err(e) => Err(format!("the model cannot be read after the distributed run: {e}")),
+    }
 }
 
 /// This rank on the simulated device: one synthetic model for the resident run and the distributed run (both
-/// timed with `spec.timed_steps`).
+/// timed with `spec.timed_steps`), which releases and restores the model's DiT weights; the model's checksum after
+/// the run must be the one before.
 fn sim_rank(
     platform: PlatformRef,
     compute: Arc<dyn Compute>,
@@ -558,15 +595,19 @@ fn sim_rank(
     (rank, world): (usize, usize),
     spec: &DistributedRunSpec,
 ) -> Result<(RankRun, ResidentRun), SimRankError> {
-    let model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)
         .map_err(|e| SimRankError::Resident(e.into()))?;
     let resident =
         resident_run_with_model(compute.clone(), &model, &spec.pipeline, spec.steps, spec.seed, spec.timed_steps)
             .map_err(SimRankError::Resident);
     let run = match resident {
-        Ok(resident) => run_rank_with_model(platform, compute, factory, rank, world, spec, &model)
-            .map(|run| (run, resident))
-            .map_err(SimRankError::Run),
+        Ok(resident) => (|| {
+            let before = model.checksum().map_err(|e| SimRankError::Resident(e.into()))?;
+            let run = run_rank_with_model(platform, compute, factory, rank, world, spec, &mut model)
+                .map_err(SimRankError::Run)?;
+            check_restored_weights(before, model.checksum()).map_err(SimRankError::Weights)?;
+            Ok((run, resident))
+        })(),
         Err(e) => Err(e),
     };
     model.release();
@@ -636,12 +677,14 @@ fn cuda_rank(
         rdv.broadcast(None).map_err(|e| rendezvous_error(rank, e))?
     };
     let id = NcclUniqueId::from_bytes(&id).map_err(|e| failed("NCCL unique id", &e))?;
-    // One synthetic model serves the resident run (first: it also warms the GPU engine up) and the distributed run.
-    let model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)
+    // One synthetic model serves the resident run (first: it also warms the GPU engine up, and it needs every weight
+    // on host) and the distributed run, which releases the DiT weights while it runs and restores them at its end.
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)
         .map_err(|e| failed("synthetic weights", &e))?;
     let outcome = (|| {
         let resident = resident_run_with_model(compute.clone(), &model, desc, spec.steps, spec.seed, spec.timed_steps)
             .map_err(|e| failed("resident run", &e))?;
+        let before = model.checksum().map_err(|e| failed("weights checksum", &e))?;
         let run = run_rank_with_model(
             platform.clone(),
             compute.clone(),
@@ -649,9 +692,10 @@ fn cuda_rank(
             rank,
             env.world,
             spec,
-            &model,
+            &mut model,
         )
         .map_err(|e| failed("the distributed run failed", &e))?;
+        check_restored_weights(before, model.checksum()).map_err(|m| CliError::failed(format!("rank {rank}: {m}")))?;
         Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s })
     })();
     model.release();
@@ -728,7 +772,9 @@ mod tests {
             bit_exact: true,
             checksum: "0".into(),
             all_gathers: 1,
+            restore_all_gathers: 1,
             shard_host_bytes: 1,
+            dit_host_bytes_while_running: 1,
             h2d_bytes: 1,
             hazard_violations: 0,
             timing: t,
@@ -757,6 +803,19 @@ mod tests {
         let z = timing(0.1, 0.0, 5, 10, None);
         assert_eq!(z.bound_s, 0.0);
         assert_eq!(z.ratio, None);
+    }
+
+    #[test]
+    fn restored_weights_must_have_the_checksum_from_before_the_run() {
+        assert_eq!(check_restored_weights(0xABCD, Ok(0xABCD)), Ok(()));
+        assert_eq!(
+            check_restored_weights(0xABCD, Ok(0x1234)),
+            Err("the weights restored after the distributed run differ from the loaded ones (model checksum \
+                 0000000000001234, 000000000000abcd before the run)"
+                .to_string())
+        );
+        let e = check_restored_weights(1, Err(ModelError::Sharded { storage: 7 })).unwrap_err();
+        assert!(e.starts_with("the model cannot be read after the distributed run: storage 7 is released"), "{e}");
     }
 
     #[test]

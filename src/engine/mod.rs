@@ -31,7 +31,7 @@ pub mod timeline;
 pub mod timing;
 
 use crate::hooks::{HookError, HookRegistry};
-use crate::model::{fnv1a, splitmix64, FNV_OFFSET};
+use crate::model::{fnv1a, splitmix64, ModelError, FNV_OFFSET};
 use crate::offload::{OffloadError, WeightSource};
 use crate::plan::{PipelineDesc, StorageId};
 use compute::{Activations, Compute, ModuleKernel, WeightRange};
@@ -60,6 +60,20 @@ pub enum EngineError {
     /// A check failed in a way that leaves no result (e.g. weights could not be read back).
     #[error("{0}")]
     Failed(String),
+    /// The host model could not be read: a storage is released to the shards of a distributed run, or cannot move
+    /// between homes. (A platform failure reading it is [`EngineError::Platform`].)
+    #[error(transparent)]
+    Model(ModelError),
+}
+
+impl From<ModelError> for EngineError {
+    /// A platform failure stays one; every other model error is [`EngineError::Model`].
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Platform(p) => EngineError::Platform(p),
+            other => EngineError::Model(other),
+        }
+    }
 }
 
 /// Options of one execution.
@@ -242,13 +256,17 @@ impl Engine {
         Ok(out)
     }
 
-    /// Waits for the compute stream and frees the activations. Idempotent.
+    /// Waits for the compute stream and frees the activations, also when the stream failed (a failed stream has
+    /// drained: nothing still runs on them); returns the first error. Idempotent.
     pub fn release(&mut self) -> Result<(), EngineError> {
         if let Some(a) = self.acts.take() {
             let platform = self.compute.platform();
-            platform.stream_synchronize(self.stream)?;
-            platform.free_device(a.latent)?;
-            platform.free_device(a.context)?;
+            let synced = platform.stream_synchronize(self.stream);
+            let latent = platform.free_device(a.latent);
+            let context = platform.free_device(a.context);
+            synced?;
+            latent?;
+            context?;
         }
         Ok(())
     }

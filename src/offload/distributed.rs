@@ -13,7 +13,7 @@
 //! reassemble bit-exactly into the section's master bytes.
 
 use super::layout::{section_bytes, UnitLayout};
-use crate::model::HostModel;
+use crate::model::{HostModel, ModelError};
 use crate::plan::DType;
 use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
 use weightferry_actors::shard::{ShardError, ShardSpec};
@@ -58,6 +58,20 @@ pub enum DistributedError {
         /// Section index.
         section: usize,
     },
+    /// The model could not be read: a storage is already released to the shards of a distributed run. (A platform
+    /// failure reading it is [`DistributedError::Platform`].)
+    #[error(transparent)]
+    Model(ModelError),
+}
+
+impl From<ModelError> for DistributedError {
+    /// A platform failure stays one; every other model error is [`DistributedError::Model`].
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Platform(p) => DistributedError::Platform(p),
+            other => DistributedError::Model(other),
+        }
+    }
 }
 
 /// One rank's shard of one dtype section.

@@ -12,6 +12,14 @@
 //! No block is prefetched before the first forward, so every rank's first gather happens inside the same hook
 //! sequence.
 //!
+//! Host memory ([`DistributedRunSpec::release_loaded`]): right after a unit's shards are built, the rank frees the
+//! loaded host buffer of every storage of the unit that no later unit needs ([`HostModel::release_to_shards`]), so
+//! while it runs the rank holds only its 1/N shard of the streamed blocks and host memory across the group totals
+//! one copy of them. At the end (success, or a failure that left the collective usable) one final gather to host
+//! ([`shard_restore`](super::shard_restore)) gives every released storage a loaded buffer again, bit-exactly; when
+//! the collective is poisoned no restore collective is attempted, the released storages stay [`Home::Sharded`]
+//! (a typed error to every read, never stale bytes) and the error says to reload the pipeline.
+//!
 //! Timing ([`DistributedRunSpec::timed_steps`]): a rank runs a warm-up step, then `lo` and `hi` steps through the
 //! same stacks and reports [`RankTiming`] (seconds per step and bytes per step from the stacks' counters, derived
 //! as the single-GPU bench does); [`resident_run_with_model`] times the resident baseline the same way, on the
@@ -21,19 +29,24 @@
 //! every rank issues the same AllGathers in the same order (invariant 4); a failed AllGather anywhere poisons the
 //! group and every rank's run then returns an error — none hangs — and a rank whose collective actor is poisoned
 //! reports [`DistributedRunError::Poisoned`] ("reload the pipeline", invariant 8). Each rank releases everything it
-//! allocated (device buffers, shard masters, actors) before returning, success or not.
+//! allocated (device buffers, shard masters, actors) before returning, success or not; a storage it released is
+//! either restored bit-exactly or still released when it returns (the model's checksum after a successful run equals
+//! the one before).
 
 use super::backend::StackHook;
 use super::distributed::{build_sharded_masters, DistributedError, ShardedMasters};
+use super::layout::UnitLayout;
 use super::resident::ResidentPlacement;
+use super::shard_restore::{restore_released, RestoreFailure, MAX_STACKS};
 use super::units::build_unit_plan;
 use super::{OffloadError, WeightSource};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compute::{Compute, SimCompute};
+use crate::engine::math::Phase;
 use crate::engine::{Engine, EngineError, ExecOptions};
 use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
 use crate::model::splitmix64;
-use crate::model::HostModel;
+use crate::model::{Home, HostModel, ModelError};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -84,11 +97,33 @@ pub enum DistributedRunError {
         /// The rank.
         rank: usize,
     },
+    /// The final gather to host of the storages the run released failed on this rank while its collective stayed
+    /// usable (a device allocation, a copy, a host allocation): the storages it did not restore stay released.
+    #[error(
+        "rank {rank}: restoring the released DiT weights failed ({cause}); {unrestored} storage(s) stay released \
+         (reading them is an error); {run}the pipeline must be reloaded"
+    )]
+    RestoreFailed {
+        /// The rank.
+        rank: usize,
+        /// Released storages that were not restored.
+        unrestored: usize,
+        /// The first failure.
+        cause: String,
+        /// `"the run failed with: …; "` when the run had failed before the restore, else empty.
+        run: String,
+    },
 }
 
 impl From<PlatformError> for DistributedRunError {
     fn from(e: PlatformError) -> Self {
         DistributedRunError::Engine(EngineError::Platform(e))
+    }
+}
+
+impl From<ModelError> for DistributedRunError {
+    fn from(e: ModelError) -> Self {
+        DistributedRunError::Engine(e.into())
     }
 }
 
@@ -119,6 +154,45 @@ pub struct DistributedRunSpec {
     /// warm-up step, then `lo` steps, then `hi` steps) and reports [`RankRun::timing`]; the output is the `hi`
     /// run's and `steps` is ignored. Needs `1 <= lo < hi`.
     pub timed_steps: Option<(u32, u32)>,
+    /// Keep only the shards on host while running (the contract of distributed layerwise offload: host memory
+    /// across the group totals one copy of the streamed blocks). When set, right after a unit's shards are built the
+    /// rank frees the loaded host buffer of each of the unit's storages that no later unit needs (the storage
+    /// becomes [`Home::Sharded`]; storages homed elsewhere, e.g. in a backend's master, are left alone), and at the
+    /// end it restores them by one final AllGather to host (see the module documentation). Default `false`: the
+    /// rank reads the caller's model and leaves it as it was, holding the full model and its shards while it runs.
+    /// The `weightferry run` driver of a distributed run sets it.
+    pub release_loaded: bool,
+    /// Testing aid: called on every rank once while its run executes (at the start of the first DiT step of its
+    /// first execution), with the rank's model as it is then.
+    pub probe: Option<RunProbe>,
+}
+
+/// What [`DistributedRunSpec::probe`] sees of a rank while its run executes.
+#[derive(Debug)]
+pub struct RunningRank<'a> {
+    /// The rank.
+    pub rank: usize,
+    /// Its model (released storages are [`Home::Sharded`]).
+    pub model: &'a HostModel,
+    /// The storages of the streamed DiT units.
+    pub dit_storages: &'a [StorageId],
+    /// Host bytes of its shard masters.
+    pub shard_host_bytes: u64,
+    /// Host bytes it holds for DiT weights: [`RankRun::dit_host_bytes_while_running`].
+    pub dit_host_bytes: u64,
+}
+
+/// A callback of [`DistributedRunSpec::probe`], shared by every rank.
+#[derive(Clone)]
+pub struct RunProbe(
+    /// Called with what the rank holds while it runs.
+    pub Arc<dyn Fn(&RunningRank<'_>) + Send + Sync>,
+);
+
+impl std::fmt::Debug for RunProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RunProbe(..)")
+    }
 }
 
 impl DistributedRunSpec {
@@ -231,7 +305,7 @@ impl ModelHook for JitterHook {
 }
 
 impl DistributedRunSpec {
-    /// `world` ranks, depth 1, 3 steps, seed 0, no fault, a 30 s group timeout, unchunked.
+    /// `world` ranks, depth 1, 3 steps, seed 0, no fault, a 30 s group timeout, unchunked, loaded weights kept.
     pub fn new(pipeline: PipelineDesc, world: usize) -> Self {
         DistributedRunSpec {
             pipeline,
@@ -244,6 +318,8 @@ impl DistributedRunSpec {
             chunk_bytes: None,
             jitter: None,
             timed_steps: None,
+            release_loaded: false,
+            probe: None,
         }
     }
 }
@@ -261,6 +337,16 @@ pub struct RankRun {
     pub hazard_violations: usize,
     /// Host bytes of the rank's shard masters (padding included).
     pub shard_host_bytes: u64,
+    /// Host bytes the rank held for DiT weights while it ran: its shard masters plus the loaded bytes of the
+    /// streamed DiT storages it did not release (all of them without [`DistributedRunSpec::release_loaded`], so
+    /// then one full copy of the streamed blocks more; with it, just the shards).
+    pub dit_host_bytes_while_running: u64,
+    /// Loaded host bytes the rank released while it ran (and restored at its end); 0 without
+    /// [`DistributedRunSpec::release_loaded`].
+    pub released_bytes: u64,
+    /// `(sequence number, tag)` of the AllGathers of the final restore to host, in issue order (after `issued`;
+    /// empty when nothing was released). Tags are [`restore_tag`](super::shard_restore::restore_tag)s.
+    pub restore_issued: Vec<(u64, u64)>,
     /// Bytes of one full copy of the streamed sections (what the shards of all ranks rebuild).
     pub full_section_bytes: u64,
     /// Streamed sections (AllGathers per pass over every block).
@@ -444,7 +530,7 @@ pub fn run_distributed_sim(
 
 /// Tag of chunk `j` of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gather (chunks
 /// stay below 2^20, sections below 2^8, units below 2^24).
-fn tag_of(si: usize, ui: usize, k: usize, j: u64) -> u64 {
+pub(crate) fn tag_of(si: usize, ui: usize, k: usize, j: u64) -> u64 {
     ((si as u64 + 1) << 52) | ((ui as u64) << 28) | ((k as u64) << 20) | j
 }
 
@@ -478,6 +564,12 @@ struct RankParts {
     fixed: Option<ResidentPlacement>,
     masters: Vec<ShardedMasters>,
     stacks: Vec<Arc<BlockStack>>,
+    /// Per stack, the layouts of the units in `masters` (same order).
+    layouts: Vec<Vec<UnitLayout>>,
+    /// The rank's gather numbering (the restore continues it).
+    sequence: Option<GatherSequence>,
+    /// Storages released to the shards, in release order.
+    released: Vec<StorageId>,
 }
 
 /// Runs rank `rank` of a `world`-rank distributed layerwise run of `spec` on `platform`: this process's (or this
@@ -494,13 +586,16 @@ struct RankParts {
 /// Loads the pipeline with synthetic weights of `spec.seed`, builds this rank's sharded masters of the DiT stacks,
 /// spawns the collective actor and **warms the communicator** (one small AllGather, sequence number 0, tag
 /// [`WARM_UP_TAG`](weightferry_actors::collective_actor::WARM_UP_TAG), before anything else is gathered: NCCL's
-/// first AllGather on a new communicator takes about 2.5 s, which must not land inside the first step), runs `spec.steps` steps through gather-path block stacks,
-/// and releases everything before returning, success or not. [`RankRun::hazard_violations`] is left at 0: a
-/// caller on the simulated device fills it in from its platform.
+/// first AllGather on a new communicator takes about 2.5 s, which must not land inside the first step), runs
+/// `spec.steps` steps through gather-path block stacks, restores what it released
+/// ([`DistributedRunSpec::release_loaded`]) and releases everything before returning, success or not.
+/// [`RankRun::hazard_violations`] is left at 0: a caller on the simulated device fills it in from its platform.
 ///
 /// Errors: an invalid spec or mismatched rank / world ([`DistributedRunError::Invalid`]); any failure of the
-/// run. When an AllGather failed to start on this rank, the error is [`DistributedRunError::Poisoned`]: the
-/// collective issued nothing further and the pipeline must be reloaded.
+/// run. When an AllGather failed to start on this rank — or, with `release_loaded`, when the collective turns out
+/// unusable for the final restore (an AllGather failed on the device, a gap in the gather order, a failed restore
+/// AllGather) — the error is [`DistributedRunError::Poisoned`]: no further collective is issued and the pipeline
+/// must be reloaded. A failure of the final restore on this rank alone is [`DistributedRunError::RestoreFailed`].
 pub fn run_rank(
     platform: PlatformRef,
     compute: Arc<dyn Compute>,
@@ -510,8 +605,8 @@ pub fn run_rank(
     spec: &DistributedRunSpec,
 ) -> Result<RankRun, DistributedRunError> {
     check_rank(rank, world, spec)?;
-    let model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)?;
-    let result = run_rank_with_model(platform, compute, collective, rank, world, spec, &model);
+    let mut model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)?;
+    let result = run_rank_with_model(platform, compute, collective, rank, world, spec, &mut model);
     model.release();
     result
 }
@@ -531,8 +626,13 @@ fn check_rank(rank: usize, world: usize, spec: &DistributedRunSpec) -> Result<()
 
 /// [`run_rank`] on the caller's `model` instead of a fresh one: `model` must hold `spec.pipeline` with synthetic
 /// weights of `spec.seed`, loaded on `platform` (so one weight generation serves this run and a resident baseline
-/// on the same device, see [`resident_run_with_model`]). The model is read, never changed, and left loaded;
-/// everything else this rank allocated is released before returning, success or not.
+/// on the same device, see [`resident_run_with_model`]; run the baseline first, while every storage is loaded).
+/// Without [`DistributedRunSpec::release_loaded`] the model is only read and left as it was. With it, the streamed
+/// DiT storages are released while the run executes and restored bit-exactly at its end; if the collective is
+/// poisoned (the error is then [`DistributedRunError::Poisoned`]) or the restore fails on this rank
+/// ([`DistributedRunError::RestoreFailed`]), the storages not restored stay [`Home::Sharded`] — reading them is a
+/// typed error — and the pipeline must be reloaded. Everything else this rank allocated is released before
+/// returning, success or not.
 pub fn run_rank_with_model(
     platform: PlatformRef,
     compute: Arc<dyn Compute>,
@@ -540,21 +640,80 @@ pub fn run_rank_with_model(
     rank: usize,
     world: usize,
     spec: &DistributedRunSpec,
-    model: &HostModel,
+    model: &mut HostModel,
 ) -> Result<RankRun, DistributedRunError> {
     check_rank(rank, world, spec)?;
     let mut parts = RankParts::default();
     let result = rank_run(spec, (rank, world), &platform, compute, model, collective, &mut parts);
-    let poisoned = parts.collective.as_ref().and_then(|c| c.poisoned());
+    let mut poisoned = parts.collective.as_ref().and_then(|c| c.poisoned());
+    let mut disabled = None;
+    let mut restore: Result<Vec<(u64, u64)>, (usize, String)> = Ok(Vec::new());
+    if !parts.released.is_empty() {
+        // The stacks' slots go first: the restore needs one unit's worth of device memory of its own.
+        for s in &parts.stacks {
+            if let Err(e) = s.disable() {
+                disabled.get_or_insert(DistributedRunError::from(OffloadError::from(e)));
+            }
+        }
+        if poisoned.is_none() {
+            match restore_rank(&platform, &mut parts, model) {
+                Ok(issued) => restore = Ok(issued),
+                Err(RestoreFailure::Collective(cause)) => poisoned = Some(cause),
+                Err(RestoreFailure::Local(e)) => {
+                    let unrestored = parts.released.iter().filter(|s| model.home(**s) == Some(Home::Sharded)).count();
+                    restore = Err((unrestored, e.to_string()));
+                }
+            }
+        }
+    }
+    let released = !parts.released.is_empty();
+    let unrestored = parts.released.iter().filter(|s| model.home(**s) == Some(Home::Sharded)).count();
     let cleanup = release(&platform, parts);
+    let cleanup = match (disabled, cleanup) {
+        (Some(e), _) | (None, Err(e)) => Err(e),
+        (None, Ok(())) => Ok(()),
+    };
     let run = match (result, cleanup) {
         (Ok(run), Ok(())) => Ok(run),
         (Err(e), _) | (Ok(_), Err(e)) => Err(e),
     };
-    match (run, poisoned) {
-        (Err(e), Some(cause)) => Err(DistributedRunError::Poisoned { rank, cause, run: e.to_string() }),
-        (run, _) => run,
+    match (run, poisoned, restore) {
+        (Err(e), Some(cause), _) => Err(DistributedRunError::Poisoned { rank, cause, run: e.to_string() }),
+        // Released weights that a poisoned collective cannot bring back: the run's output is no use either.
+        (Ok(_), Some(cause), _) if released => Err(DistributedRunError::Poisoned {
+            rank,
+            cause,
+            run: format!("the run finished, but {unrestored} released DiT storage(s) cannot be restored"),
+        }),
+        (run, _, Err((unrestored, cause))) => {
+            let run = run.err().map_or_else(String::new, |e| format!("the run failed with: {e}; "));
+            Err(DistributedRunError::RestoreFailed { rank, unrestored, cause, run })
+        }
+        (Ok(mut run), _, Ok(issued)) => {
+            run.restore_issued = issued;
+            Ok(run)
+        }
+        (Err(e), _, Ok(_)) => Err(e),
     }
+}
+
+/// The final gather to host of everything the rank released, if its collective is still usable: a fence first
+/// (it fails on an AllGather that failed on the device, a poisoned actor, or a gap in the gather order — then no
+/// restore collective is issued), then [`restore_released`]. Returns the restore's `(sequence number, tag)`s.
+fn restore_rank(
+    platform: &PlatformRef,
+    parts: &mut RankParts,
+    model: &mut HostModel,
+) -> Result<Vec<(u64, u64)>, RestoreFailure> {
+    let (Some(collective), Some(sequence)) = (parts.collective.clone(), parts.sequence.clone()) else {
+        let gone = PlatformError::Driver("the run stopped before its collective existed".into());
+        return Err(RestoreFailure::Collective(gone));
+    };
+    collective.fence().map_err(|e| RestoreFailure::Collective(e.into()))?;
+    let before = collective.issued().len();
+    let result = restore_released(platform, &collective, &sequence, &mut parts.masters, &parts.layouts, model);
+    let issued = collective.issued().split_off(before);
+    result.map(|()| issued)
 }
 
 fn release(platform: &PlatformRef, parts: RankParts) -> Result<(), DistributedRunError> {
@@ -591,7 +750,7 @@ fn rank_run(
     (rank, world): (usize, usize),
     platform: &PlatformRef,
     compute: Arc<dyn Compute>,
-    model: &HostModel,
+    model: &mut HostModel,
     make_collective: CollectiveFactory,
     parts: &mut RankParts,
 ) -> Result<RankRun, DistributedRunError> {
@@ -610,6 +769,12 @@ fn rank_run(
     if let Some(sp) = units.stacks.iter().find(|s| s.depth == 0) {
         return Err(DistributedRunError::Invalid(format!("stack '{}' is staged, not layerwise", sp.name)));
     }
+    if units.stacks.len() > MAX_STACKS {
+        return Err(DistributedRunError::Invalid(format!(
+            "the plan streams {} DiT stacks; a distributed run gathers at most {MAX_STACKS}",
+            units.stacks.len()
+        )));
+    }
     let mut engine = Engine::new(compute, desc)?;
     let collective = CollectiveHandle::spawn(platform.clone(), COMM_STREAM, make_collective)?;
     parts.collective = Some(collective.clone());
@@ -622,17 +787,46 @@ fn rank_run(
         )));
     }
     let sequence = GatherSequence::new();
+    parts.sequence = Some(sequence.clone());
     collective.warm_up(sequence.claim(1))?;
     let stream = StreamHandle::spawn(platform.clone(), "copy", StreamOptions::default()).map_err(OffloadError::from)?;
     parts.stream = Some(stream.clone());
     let upload = platform.create_stream("placement")?;
     parts.fixed = Some(ResidentPlacement::upload(platform, model, &units.fixed, upload)?);
 
+    // With `release_loaded`, a storage is released once the last unit holding it has its shards.
+    let mut last_unit: HashMap<StorageId, (usize, usize)> = HashMap::new();
+    for (si, sp) in units.stacks.iter().enumerate() {
+        for (ui, unit) in sp.units.iter().enumerate() {
+            for s in unit.storages() {
+                last_unit.insert(s, (si, ui));
+            }
+        }
+    }
+    let mut dit_storages: Vec<StorageId> = last_unit.keys().copied().collect();
+    dit_storages.sort_unstable();
+    let mut released_bytes = 0u64;
     let mut locations = HashMap::new();
     let (mut full, mut sections, mut pass_shard) = (0u64, 0u64, 0u64);
     for (si, sp) in units.stacks.iter().enumerate() {
-        let masters = build_sharded_masters(model, &sp.units, world, rank, HostMemoryKind::Pinned, spec.chunk_bytes)?;
-        let gather_blocks: Vec<GatherBlock> = masters
+        parts.masters.push(ShardedMasters { rank, world, units: Vec::with_capacity(sp.units.len()) });
+        parts.layouts.push(Vec::with_capacity(sp.units.len()));
+        for (ui, unit) in sp.units.iter().enumerate() {
+            let kind = HostMemoryKind::Pinned;
+            let built = build_sharded_masters(model, std::slice::from_ref(unit), world, rank, kind, spec.chunk_bytes)?;
+            parts.masters[si].units.extend(built.units);
+            parts.layouts[si].push(unit.clone());
+            if spec.release_loaded {
+                for s in unit.storages() {
+                    if last_unit.get(&s) == Some(&(si, ui)) && matches!(model.home(s), Some(Home::Loaded { .. })) {
+                        model.release_to_shards(s)?;
+                        parts.released.push(s);
+                        released_bytes += model.storage_bytes(s);
+                    }
+                }
+            }
+        }
+        let gather_blocks: Vec<GatherBlock> = parts.masters[si]
             .units
             .iter()
             .enumerate()
@@ -654,7 +848,6 @@ fn rank_run(
             })
             .collect();
         pass_shard += gather_blocks.iter().flat_map(|b| &b.sections).map(|s| s.shard_bytes).sum::<u64>();
-        parts.masters.push(masters);
         for (ui, unit) in sp.units.iter().enumerate() {
             for sec in &unit.sections {
                 full += sec.len;
@@ -703,11 +896,24 @@ fn rank_run(
         return Err(DistributedRunError::Invalid("fixed placement missing".into()));
     };
     let source = RankSource { stacks: &parts.stacks, locations, fixed };
+    let shard_host_bytes: u64 = parts.masters.iter().map(|m| m.host_bytes()).sum();
+    let model: &HostModel = model;
+    let still_held = |s: &&StorageId| matches!(model.home(**s), Some(Home::Loaded { .. } | Home::Master { .. }));
+    let dit_host_bytes =
+        shard_host_bytes + dit_storages.iter().filter(still_held).map(|s| model.storage_bytes(*s)).sum::<u64>();
+    let probed = std::cell::Cell::new(false);
     let run = |steps: u32| -> Result<(Duration, Vec<u8>), EngineError> {
         let opts =
             ExecOptions { steps, input_seed: spec.seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
         let t = Instant::now();
-        let out = engine.execute(&source, &hooks, &opts, &mut |_| {})?;
+        let mut progress = |p: crate::engine::Progress<'_>| {
+            if let (Some(probe), Phase::Dit, false) = (&spec.probe, p.phase, probed.get()) {
+                probed.set(true);
+                let dit_storages = &dit_storages;
+                (probe.0)(&RunningRank { rank, model, dit_storages, shard_host_bytes, dit_host_bytes });
+            }
+        };
+        let out = engine.execute(&source, &hooks, &opts, &mut progress)?;
         Ok((t.elapsed(), out.output))
     };
     let h2d = || parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum::<u64>();
@@ -750,7 +956,10 @@ fn rank_run(
         output,
         issued: collective.issued(),
         hazard_violations: 0,
-        shard_host_bytes: parts.masters.iter().map(|m| m.host_bytes()).sum(),
+        shard_host_bytes,
+        dit_host_bytes_while_running: dit_host_bytes,
+        released_bytes,
+        restore_issued: Vec::new(),
         full_section_bytes: full,
         sections,
         h2d_bytes: parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum(),

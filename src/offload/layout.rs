@@ -5,7 +5,7 @@
 //! [`ALIGN`]; the host master of a dtype has exactly the byte layout of that dtype's section of the device region,
 //! so the copy is a single flat run and every tensor keeps its strides (tensors are views into storages).
 
-use crate::model::HostModel;
+use crate::model::{HostModel, ModelError};
 use crate::plan::{DType, PipelineDesc, StorageId};
 use std::collections::BTreeMap;
 use weightferry_actors::platform::{HostBufferId, PlatformError, PlatformRef};
@@ -78,7 +78,7 @@ impl UnitLayout {
 /// Bytes of a section's contents as they must appear in its master, read from the model's current homes, as one
 /// whole-section vector (the reference layout; the streaming backend fills its masters with [`write_section`]
 /// instead, which never holds a section in memory twice).
-pub fn section_bytes(model: &HostModel, sec: &Section) -> Result<Vec<u8>, PlatformError> {
+pub fn section_bytes(model: &HostModel, sec: &Section) -> Result<Vec<u8>, ModelError> {
     let mut out = vec![0u8; sec.len as usize];
     for &(s, off) in &sec.storages {
         let b = model.read_storage(s)?;
@@ -99,23 +99,26 @@ pub const MASTER_BOUNCE_BYTES: usize = 8 << 20;
 /// so even overlapping storages (which [`UnitLayout::pack`] never produces) end as in `section_bytes`.
 ///
 /// A storage reaching past `sec.len`, or a buffer shorter than `sec.len`, is [`PlatformError::OutOfBounds`] before
-/// anything is written; read and write failures are passed on (the buffer's contents are then unspecified).
+/// anything is written; read and write failures are passed on (the buffer's contents are then unspecified), a
+/// released storage as [`ModelError::Sharded`].
 pub fn write_section(
     platform: &PlatformRef,
     buf: HostBufferId,
     model: &HostModel,
     sec: &Section,
     chunk_bytes: usize,
-) -> Result<(), PlatformError> {
+) -> Result<(), ModelError> {
     let (buf_len, _) = platform.host_buffer_info(buf)?;
     if buf_len < sec.len {
-        return Err(PlatformError::OutOfBounds { what: "section master", offset: 0, len: sec.len, size: buf_len });
+        return Err(
+            PlatformError::OutOfBounds { what: "section master", offset: 0, len: sec.len, size: buf_len }.into()
+        );
     }
     let mut covered = Vec::with_capacity(sec.storages.len());
     for &(s, off) in &sec.storages {
         let len = model.storage_bytes(s);
         if off.checked_add(len).is_none_or(|end| end > sec.len) {
-            return Err(PlatformError::OutOfBounds { what: "section storage", offset: off, len, size: sec.len });
+            return Err(PlatformError::OutOfBounds { what: "section storage", offset: off, len, size: sec.len }.into());
         }
         covered.push((off, off + len));
     }

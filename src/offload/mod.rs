@@ -7,7 +7,8 @@
 //!   whole components for model-level swapping and on-demand staging).
 //! - [`distributed`] builds per-rank sharded host masters; [`distributed_backend`] runs distributed layerwise
 //!   offload end to end, one rank at a time on any platform ([`distributed_backend::run_rank`]) or with simulated
-//!   ranks as threads (gather-path block stacks over a collective).
+//!   ranks as threads (gather-path block stacks over a collective); [`shard_restore`] gives the storages such a run
+//!   released to the group's shards their loaded host buffers back, by one final gather to host.
 //!
 //! Lifecycle contract: `enable` is transactional (any failure removes every installed hook, frees every device
 //! buffer and gives every storage its own host buffer back, so the pipeline can be retried); `disable` releases
@@ -18,10 +19,12 @@ pub mod distributed;
 pub mod distributed_backend;
 pub mod layout;
 pub mod resident;
+pub mod shard_restore;
 pub mod units;
 
 use crate::config::{OffloadConfig, Strategy};
 use crate::hooks::HookError;
+use crate::model::ModelError;
 use crate::plan::{PlanError, StorageId};
 use weightferry_actors::platform::{DeviceBufferId, PlatformError, PlatformRef};
 use weightferry_actors::SchedulerError;
@@ -65,6 +68,20 @@ pub enum OffloadError {
         /// Why.
         reason: String,
     },
+    /// The host model could not be read: a storage is released to the shards of a distributed run, or cannot move
+    /// between homes. (A platform failure reading it is [`OffloadError::Platform`].)
+    #[error(transparent)]
+    Model(ModelError),
+}
+
+impl From<ModelError> for OffloadError {
+    /// A platform failure stays one; every other model error is [`OffloadError::Model`].
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Platform(p) => OffloadError::Platform(p),
+            other => OffloadError::Model(other),
+        }
+    }
 }
 
 /// Anything that can say where a storage's bytes are on the device right now.

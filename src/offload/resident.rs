@@ -7,7 +7,7 @@
 
 use super::layout::UnitLayout;
 use super::{OffloadError, WeightSource};
-use crate::model::{Home, HostModel};
+use crate::model::{Home, HostModel, ModelError};
 use crate::plan::StorageId;
 use std::collections::HashMap;
 use weightferry_actors::platform::{DeviceBufferId, PlatformError, PlatformRef, StreamId};
@@ -22,13 +22,18 @@ pub struct ResidentPlacement {
 }
 
 impl ResidentPlacement {
-    /// Copies `storages` from their host homes into one device buffer on `stream`, and waits for the copies.
+    /// Copies `storages` from their host homes into one device buffer on `stream`, and waits for the copies. A
+    /// storage released to the shards of a distributed run has no host bytes to copy: [`ModelError::Sharded`],
+    /// before anything is allocated.
     pub fn upload(
         platform: &PlatformRef,
         model: &HostModel,
         storages: &[StorageId],
         stream: StreamId,
-    ) -> Result<ResidentPlacement, PlatformError> {
+    ) -> Result<ResidentPlacement, ModelError> {
+        if let Some(s) = storages.iter().find(|s| model.home(**s) == Some(Home::Sharded)) {
+            return Err(ModelError::Sharded { storage: s.0 });
+        }
         let layout = UnitLayout::pack(model.desc(), "<fixed>", storages);
         let mut placement =
             ResidentPlacement { platform: platform.clone(), buf: None, offsets: HashMap::new(), bytes: 0 };
@@ -50,12 +55,13 @@ impl ResidentPlacement {
                     let (src, src_off) = match model.home(s) {
                         Some(Home::Loaded { buf }) => (buf, 0),
                         Some(Home::Master { buf, offset }) => (buf, offset),
-                        None => return Err(PlatformError::InvalidHandle { what: "storage", id: s.0 }),
+                        Some(Home::Sharded) => return Err(ModelError::Sharded { storage: s.0 }),
+                        None => return Err(PlatformError::InvalidHandle { what: "storage", id: s.0 }.into()),
                     };
                     platform.copy_h2d(stream, src, src_off, buf, dev, len)?;
                 }
             }
-            platform.stream_synchronize(stream)
+            Ok(platform.stream_synchronize(stream)?)
         })();
         if let Err(e) = result {
             let _ = platform.stream_synchronize(stream);

@@ -22,6 +22,12 @@ pub struct FaultPlan {
     pub slow_stream: Option<(String, Duration)>,
     /// The Nth `event_synchronize` call (counting calls with a valid event) fails with `EventFailed` at once.
     pub fail_event_sync: Option<u64>,
+    /// The Nth `copy_d2h` call (counting calls whose handles and ranges were valid) fails at enqueue with
+    /// [`PlatformError::CopyFailed`](crate::platform::PlatformError::CopyFailed); nothing is enqueued.
+    pub fail_d2h_copy: Option<u64>,
+    /// The Nth `alloc_host` call fails with
+    /// [`PlatformError::HostAllocFailed`](crate::platform::PlatformError::HostAllocFailed); nothing is allocated.
+    pub fail_host_alloc: Option<u64>,
 }
 
 impl FaultPlan {
@@ -66,19 +72,37 @@ pub fn splitmix64(state: &mut u64) -> u64 {
 /// The call counters the plan is matched against.
 pub(crate) struct FaultCounters {
     h2d_copies: AtomicU64,
+    d2h_copies: AtomicU64,
     allocs: AtomicU64,
+    host_allocs: AtomicU64,
     event_syncs: AtomicU64,
 }
 
 impl FaultCounters {
     /// All counters at zero.
     pub(crate) fn new() -> Self {
-        FaultCounters { h2d_copies: AtomicU64::new(0), allocs: AtomicU64::new(0), event_syncs: AtomicU64::new(0) }
+        FaultCounters {
+            h2d_copies: AtomicU64::new(0),
+            d2h_copies: AtomicU64::new(0),
+            allocs: AtomicU64::new(0),
+            host_allocs: AtomicU64::new(0),
+            event_syncs: AtomicU64::new(0),
+        }
     }
 
     /// Index of this `copy_h2d` call.
     pub(crate) fn next_h2d(&self) -> u64 {
         self.h2d_copies.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Index of this `copy_d2h` call.
+    pub(crate) fn next_d2h(&self) -> u64 {
+        self.d2h_copies.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Index of this `alloc_host` call.
+    pub(crate) fn next_host_alloc(&self) -> u64 {
+        self.host_allocs.fetch_add(1, Ordering::SeqCst)
     }
 
     /// Index of this `alloc_device` call.

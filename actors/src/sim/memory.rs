@@ -1,11 +1,13 @@
 //! Simulated memory: capacity-accounted device buffers and pinned/pageable host buffers, each its own byte vector
 //! behind its own lock (no unsafe).
 //!
-//! Invariants: `in_use` is the sum of the lengths of the live device buffers and never exceeds the capacity; a
+//! Invariants: `in_use` is the sum of the lengths of the live device buffers and never exceeds the capacity (and
+//! the host table's usage is the sum of the lengths of the live host buffers, pinned ones counted apart); a
 //! buffer's bytes are materialised lazily (reads of never-written memory return zeros), so large simulated
 //! capacities cost nothing until written; a freed buffer is marked `freed` under its own lock before its bytes are
 //! released, so an operation that still holds a reference to it fails cleanly instead of touching stale memory.
 
+use super::stats::SimHostMemory;
 use crate::platform::{DeviceBufferId, DeviceMemoryStats, HostBufferId, HostMemoryKind, PlatformError, PlatformResult};
 use crate::sync::{lock, Arc, Mutex};
 use std::collections::HashMap;
@@ -239,6 +241,8 @@ pub(crate) struct HostBuffer {
 struct HostTable {
     buffers: HashMap<u64, Arc<HostBuffer>>,
     next_id: u64,
+    /// What the live buffers add up to (kept with the table, under its lock).
+    usage: SimHostMemory,
 }
 
 /// The host allocator.
@@ -249,7 +253,14 @@ pub(crate) struct HostMemory {
 impl HostMemory {
     /// No buffers.
     pub(crate) fn new() -> Self {
-        HostMemory { table: Mutex::new(HostTable { buffers: HashMap::new(), next_id: 1 }) }
+        HostMemory {
+            table: Mutex::new(HostTable { buffers: HashMap::new(), next_id: 1, usage: SimHostMemory::default() }),
+        }
+    }
+
+    /// The live buffers' bytes and count.
+    pub(crate) fn usage(&self) -> SimHostMemory {
+        lock(&self.table).usage
     }
 
     /// Allocates `bytes` zero bytes of `kind`.
@@ -265,6 +276,13 @@ impl HostMemory {
         let id = HostBufferId(t.next_id);
         t.next_id += 1;
         t.buffers.insert(id.0, Arc::new(HostBuffer { id, len: bytes, kind, bytes: Mutex::new(Bytes::new(bytes)) }));
+        let u = &mut t.usage;
+        u.in_use = u.in_use.saturating_add(bytes);
+        if kind == HostMemoryKind::Pinned {
+            u.pinned = u.pinned.saturating_add(bytes);
+        }
+        u.buffers += 1;
+        u.peak = u.peak.max(u.in_use);
         Ok(id)
     }
 
@@ -279,6 +297,14 @@ impl HostMemory {
 
     /// Removes `id` from the table. The caller releases its bytes.
     pub(crate) fn remove(&self, id: HostBufferId) -> PlatformResult<Arc<HostBuffer>> {
-        lock(&self.table).buffers.remove(&id.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: id.0 })
+        let mut t = lock(&self.table);
+        let buf = t.buffers.remove(&id.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: id.0 })?;
+        let u = &mut t.usage;
+        u.in_use -= buf.len;
+        if buf.kind == HostMemoryKind::Pinned {
+            u.pinned -= buf.len;
+        }
+        u.buffers -= 1;
+        Ok(buf)
     }
 }

@@ -30,7 +30,7 @@ pub use config::SimConfig;
 pub use fault::FaultPlan;
 pub use hazard::{Access, BufferRef, HazardKind, HazardViolation, OpInfo};
 pub use kernel::{KernelError, KernelFn, SimKernelCtx};
-pub use stats::SimStats;
+pub use stats::{SimHostMemory, SimStats};
 pub use trace::{TraceEvent, TraceKind};
 
 use self::fault::FaultCounters;
@@ -184,6 +184,11 @@ impl SimPlatform {
     pub fn stats(&self) -> SimStats {
         let waits = lock(&self.streams).iter().map(|s| (s.queue.name.clone(), s.queue.wait_time())).collect();
         self.shared.stats.snapshot(waits)
+    }
+
+    /// The host buffers this platform holds now: bytes (all, and pinned), count, and the peak bytes so far.
+    pub fn host_memory(&self) -> SimHostMemory {
+        self.shared.host.usage()
     }
 
     /// The trace of executed ops (in completion order) recorded while tracing was on.

@@ -66,7 +66,16 @@ impl Platform for SimPlatform {
     }
 
     fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
-        self.shared().host.alloc(bytes, kind)
+        let shared = self.shared();
+        let n = shared.faults.next_host_alloc();
+        if shared.config.faults.fail_host_alloc == Some(n) {
+            return Err(PlatformError::HostAllocFailed {
+                requested: bytes,
+                kind,
+                reason: format!("injected failure of host allocation #{n}"),
+            });
+        }
+        shared.host.alloc(bytes, kind)
     }
 
     fn free_host(&self, buf: HostBufferId) -> PlatformResult<()> {
@@ -224,6 +233,14 @@ impl Platform for SimPlatform {
         let host = shared.host.get(dst)?;
         check_range("source", src_offset, len, dev.len)?;
         check_range("destination", dst_offset, len, host.len)?;
+        let n = shared.faults.next_d2h();
+        if shared.config.faults.fail_d2h_copy == Some(n) {
+            return Err(PlatformError::CopyFailed {
+                direction: "device-to-host",
+                bytes: len,
+                reason: format!("injected failure of d2h copy #{n}"),
+            });
+        }
         let label = format!("d2h dev {}+{src_offset} -> host {}+{dst_offset} ({len} B)", src.0, dst.0);
         let touches = vec![
             Touch { buffer: BufferRef::Device(src), offset: src_offset, len, write: false },

@@ -27,6 +27,20 @@ pub struct SimStats {
     pub wait_time_per_stream: Vec<(String, Duration)>,
 }
 
+/// Host buffers the simulated platform holds now (allocated by `alloc_host` and not yet freed), in bytes as
+/// requested from `alloc_host`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimHostMemory {
+    /// Bytes of every live host buffer.
+    pub in_use: u64,
+    /// Bytes of the live pinned host buffers (the rest are pageable).
+    pub pinned: u64,
+    /// Live host buffers.
+    pub buffers: u64,
+    /// Largest `in_use` since the platform was created.
+    pub peak: u64,
+}
+
 /// Live counters (atomics, so workers update them without a lock).
 pub(crate) struct StatCounters {
     pub(crate) h2d_copies: AtomicU64,
