@@ -166,9 +166,17 @@ fn a_config_group_that_does_not_match_world_size_is_an_exact_error() {
     invalid(
         &["run", "--trace", "t.json"],
         &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")],
-        "error: --trace is not supported in a distributed run (WORLD_SIZE=2); remove it, or run one process without \
-         WORLD_SIZE",
+        "error: --trace in a distributed run needs --platform cuda (it records the GPU's timing events; the \
+         simulated device has none): remove --trace, or run on GPUs",
     );
+    if cfg!(feature = "nccl") {
+        invalid(
+            &["run", "--platform", "cuda", "--trace", "t.json"],
+            &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")],
+            "error: --trace in a distributed run needs --time-steps LO,HI (it traces one more LO-step execution \
+             after the timed ones)",
+        );
+    }
     invalid(
         &["run", "--inject-gather-failure", "0:1"],
         &[],

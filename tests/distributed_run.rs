@@ -469,3 +469,100 @@ fn the_dist_sh_config_gives_two_ranks_depth_2_and_64_mib_chunks_for_the_full_siz
         assert!(spec.timed_steps.is_none());
     }
 }
+
+/// A device tracer that hands back fixed spans and counts its calls (the CUDA platform's timeline on a GPU).
+struct FakeTracer {
+    armed: std::sync::atomic::AtomicUsize,
+    collected: std::sync::atomic::AtomicUsize,
+    spans: Vec<weightferry::engine::timeline::DeviceSpan>,
+    fail_arm: bool,
+}
+
+impl weightferry::engine::timeline::DeviceTracer for FakeTracer {
+    fn arm(
+        &self,
+        _stream: weightferry_actors::platform::StreamId,
+        capacity: usize,
+    ) -> Result<(), weightferry_actors::platform::PlatformError> {
+        assert_eq!(capacity, weightferry::offload::distributed_backend::TRACE_CAPACITY);
+        if self.fail_arm {
+            return Err(weightferry_actors::platform::PlatformError::Driver("no timing events left".into()));
+        }
+        self.armed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn collect(
+        &self,
+    ) -> Result<(Vec<weightferry::engine::timeline::DeviceSpan>, u64), weightferry_actors::platform::PlatformError>
+    {
+        self.collected.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok((self.spans.clone(), 3))
+    }
+}
+
+#[test]
+fn a_traced_timed_run_traces_one_more_lo_execution_and_summarises_the_dit_window() {
+    use weightferry::engine::timeline::{DeviceSpan, COMM_LANE, COMPUTE_LANE, COPY_LANE};
+    use weightferry::offload::distributed_backend::RunTracer;
+    let desc = preset("flux-tiny").unwrap();
+    let root = desc.components.as_ref().unwrap().dit[0].clone();
+    let span =
+        |lane: &str, label: String, a: f64, b: f64| DeviceSpan { lane: lane.into(), label, start_us: a, end_us: b };
+    let spans = vec![
+        span(COMPUTE_LANE, "text_encoder.layers.0".into(), 0.0, 50.0),
+        span(COMPUTE_LANE, format!("{root}.blocks.0"), 100.0, 200.0),
+        span(COMPUTE_LANE, format!("{root}.blocks.1"), 260.0, 300.0), // a 60 µs stall
+        span(COMPUTE_LANE, format!("{root}x.not_the_dit"), 400.0, 500.0),
+        span(COPY_LANE, "h2d 64".into(), 90.0, 150.0),
+        span(COMM_LANE, "allgather 128".into(), 150.0, 260.0),
+    ];
+    let fake = Arc::new(FakeTracer {
+        armed: Default::default(),
+        collected: Default::default(),
+        spans: spans.clone(),
+        fail_arm: false,
+    });
+    let world = 2;
+    let mut spec = DistributedRunSpec::new(desc.clone(), world);
+    spec.timed_steps = Some((1, 3));
+    spec.trace = Some(RunTracer(fake.clone()));
+    let resident = resident_output(&desc, 3, 0).unwrap();
+    let runs = ok_ranks(&spec);
+    // One arm and one collect per rank.
+    assert_eq!(fake.armed.load(std::sync::atomic::Ordering::SeqCst), world);
+    assert_eq!(fake.collected.load(std::sync::atomic::Ordering::SeqCst), world);
+    for (r, run) in runs.iter().enumerate() {
+        assert!(run.output == resident, "rank {r}: the output is still the hi run's");
+        let t = run.trace.as_ref().unwrap_or_else(|| panic!("rank {r} has no trace"));
+        assert_eq!((t.steps, t.dropped), (1, 3));
+        assert_eq!(t.spans, spans);
+        let s = &t.summary;
+        assert_eq!((s.window_us, s.compute_busy_us, s.kernels), (200.0, 140.0, 2), "rank {r}");
+        assert_eq!((s.stalls, s.stall_us), (1, 60.0));
+        assert_eq!((s.copy_busy_us, s.overlap_us), (50.0, 50.0));
+        assert_eq!((s.comm_busy_us, s.comm_overlap_us, s.collectives), (110.0, 50.0, 1));
+        // The traced execution ran: warm-up (1) + lo (1) + hi (3) + traced lo (1) passes of shards, plus at most
+        // one pass prefetched ahead.
+        assert!(run.h2d_bytes >= 6 * run.shard_host_bytes, "rank {r}: h2d {}", run.h2d_bytes);
+        assert!(run.h2d_bytes <= 7 * run.shard_host_bytes, "rank {r}: h2d {}", run.h2d_bytes);
+    }
+    // Without timed steps a trace is refused before anything runs.
+    spec.timed_steps = None;
+    let e = run_distributed_sim(&spec).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "a traced distributed run needs timed steps (it traces one more execution of the timed lo steps)"
+    );
+    // A tracer that cannot arm fails the rank's run with its error.
+    let failing =
+        Arc::new(FakeTracer { armed: Default::default(), collected: Default::default(), spans, fail_arm: true });
+    spec.timed_steps = Some((1, 2));
+    spec.trace = Some(RunTracer(failing.clone()));
+    let results = run_distributed_sim(&spec).expect("the group ran");
+    for (r, res) in results.into_iter().enumerate() {
+        let e = res.expect_err("a rank whose tracer cannot arm fails");
+        assert!(e.to_string().contains("no timing events left"), "rank {r}: {e}");
+    }
+    assert_eq!(failing.collected.load(std::sync::atomic::Ordering::SeqCst), 0);
+}

@@ -5,7 +5,8 @@
 # Usage: bash benches/gpu/dist.sh [presets]        (default "flux-dev wan-14b")
 #
 # Per preset: (1) the timed distributed run, 2 ranks (one process per GPU, NCCL), depth 2, 64 MiB AllGather
-# chunks: `weightferry launch --nproc 2 -- run --platform cuda --time-steps LO,HI`; (2) single-GPU layerwise of
+# chunks: `weightferry launch --nproc 2 -- run --platform cuda --time-steps LO,HI --trace F` (each rank also traces
+# one more LO-step execution: a timeline table per rank at the end; traces in /tmp/dist-trace); (2) single-GPU layerwise of
 # the same preset on GPU 0: `weightferry bench --steps LO,HI --depths 1,2 --budgets none`. Steps: 1,3 for flux,
 # 1,2 for wan-14b (2.9 s per step). Each command has its own timeout; the whole script stays under ~560 s.
 # NCCL_NVLS_ENABLE=0 (NVLink multicast off) is exported; launch adds NCCL_MAX_NCHANNELS=4 unless set.
@@ -34,15 +35,16 @@ status=0
 start=$SECONDS
 for p in $presets; do
   case "$p" in
-    wan-14b) steps=1,2; tdist=150; tbench=200 ;;
-    *) steps=1,3; tdist=100; tbench=110 ;;
+    wan-14b) steps=1,2; tdist=200; tbench=150 ;;
+    *) steps=1,3; tdist=130; tbench=90 ;;
   esac
   echo "== $p: distributed, 2 ranks, depth 2, 64 MiB chunks, --time-steps $steps (timeout $tdist s)"
   t0=$SECONDS
   raw="$(mktemp /tmp/dist-raw.XXXXXX)"
   echo "== $p distributed" >> "$log"
+  mkdir -p /tmp/dist-trace
   timeout "$tdist" "$wf" launch --nproc 2 -- run --platform cuda --preset "$p" --config "$config" \
-    --time-steps "$steps" --json > "$raw" 2>> "$log"
+    --time-steps "$steps" --trace "/tmp/dist-trace/$p.json" --json > "$raw" 2>> "$log"
   rc=$?
   # Rank 0's report; NCCL's own lines (its version banner) and the other ranks' output go to the log.
   sed -n 's/^\[rank 0\] //p' "$raw" | grep -v '^NCCL ' > "$out/dist-$p.json"
@@ -110,6 +112,20 @@ for p in presets:
                   f"{'yes' if r['outputs_match'] else 'NO'} |")
     if dist_step and single.get("depth=2"):
         print(f"| {p} | 1 GPU depth=2 step / 2 GPUs step | {single['depth=2'] / dist_step:.3f} × | | | | | | | | |")
+print()
+print("| preset | rank | traced steps | DiT window ms/step | compute busy ms | stalls/step | stall ms | longest stall ms | "
+      "shard copies ms (beside compute) | AllGathers ms (beside compute) | dropped |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for p in presets:
+    d = load(f"{out}/dist-{p}.json")
+    for r in (d or {}).get("ranks", []):
+        t = r.get("timeline")
+        if not t:
+            continue
+        print(f"| {p} | {r['rank']} | {t['steps']} | {t['window_ms']:.2f} | {t['compute_busy_ms']:.2f} | "
+              f"{t['stalls']:.1f} | {t['stall_ms']:.2f} | {t['longest_stall_ms']:.2f} | "
+              f"{t['copy_busy_ms']:.2f} ({t['copy_overlap_ms']:.2f}) | {t['comm_busy_ms']:.2f} ({t['comm_overlap_ms']:.2f}) | "
+              f"{t['dropped']} |")
 EOF
 else
   for p in $presets; do cat "$out/dist-$p.json"; done

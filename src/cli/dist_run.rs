@@ -248,6 +248,72 @@ pub struct RankSummary {
     /// With `--time-steps`: its timed run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timing: Option<RankTimingReport>,
+    /// With `--trace`: where the DiT time of its traced execution went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<RankTimelineReport>,
+}
+
+/// One rank's traced execution (`--trace`), per DiT step: the DiT window (first to last DiT kernel), the compute
+/// stream's busy time and stalls (gaps of at least 20 µs), the shard copies' and the AllGathers' busy time and how
+/// much of each ran beside compute.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankTimelineReport {
+    /// Steps of the traced execution.
+    pub steps: u32,
+    /// DiT window per step, ms.
+    pub window_ms: f64,
+    /// Compute busy per step, ms.
+    pub compute_busy_ms: f64,
+    /// Compute stalls per step.
+    pub stalls: f64,
+    /// Stall time per step, ms.
+    pub stall_ms: f64,
+    /// Longest stall, ms.
+    pub longest_stall_ms: f64,
+    /// Shard copies busy per step, ms.
+    pub copy_busy_ms: f64,
+    /// Shard copies beside compute per step, ms.
+    pub copy_overlap_ms: f64,
+    /// AllGathers busy per step (from each kernel's start, which may wait for the peers), ms.
+    pub comm_busy_ms: f64,
+    /// AllGathers beside compute per step, ms.
+    pub comm_overlap_ms: f64,
+    /// Spans dropped for want of timing events.
+    pub dropped: u64,
+    /// The Chrome trace this rank wrote.
+    pub trace_file: String,
+}
+
+impl RankTimelineReport {
+    /// The per-step report of a rank's trace, written to `trace_file`.
+    pub fn new(t: &crate::offload::distributed_backend::RankTrace, trace_file: String) -> Self {
+        let n = f64::from(t.steps.max(1));
+        let s = &t.summary;
+        RankTimelineReport {
+            steps: t.steps,
+            window_ms: s.window_us / 1e3 / n,
+            compute_busy_ms: s.compute_busy_us / 1e3 / n,
+            stalls: s.stalls as f64 / n,
+            stall_ms: s.stall_us / 1e3 / n,
+            longest_stall_ms: s.longest_stall_us / 1e3,
+            copy_busy_ms: s.copy_busy_us / 1e3 / n,
+            copy_overlap_ms: s.overlap_us / 1e3 / n,
+            comm_busy_ms: s.comm_busy_us / 1e3 / n,
+            comm_overlap_ms: s.comm_overlap_us / 1e3 / n,
+            dropped: t.dropped,
+            trace_file,
+        }
+    }
+}
+
+/// Where rank `rank` writes its trace: `FILE` with `.rank<r>` before its extension (`t.json` → `t.rank1.json`).
+pub fn rank_trace_path(file: &std::path::Path, rank: usize) -> std::path::PathBuf {
+    let stem = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = match file.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    file.with_file_name(name)
 }
 
 /// The report rank 0 prints.
@@ -327,6 +393,28 @@ impl fmt::Display for DistributedReport {
                 t.single_gpu_bound_s
             )?;
         }
+        for r in &self.ranks {
+            let Some(t) = &r.timeline else { continue };
+            writeln!(
+                f,
+                "rank {} timeline (per DiT step of a traced {}-step execution): window {:.2} ms, compute busy {:.2} ms, \
+                 {:.1} stalls ({:.2} ms, longest {:.2} ms), shard copies {:.2} ms ({:.2} ms beside compute), \
+                 AllGathers {:.2} ms ({:.2} ms beside compute), {} spans dropped; trace {}",
+                r.rank,
+                t.steps,
+                t.window_ms,
+                t.compute_busy_ms,
+                t.stalls,
+                t.stall_ms,
+                t.longest_stall_ms,
+                t.copy_busy_ms,
+                t.copy_overlap_ms,
+                t.comm_busy_ms,
+                t.comm_overlap_ms,
+                t.dropped,
+                t.trace_file
+            )?;
+        }
         if self.all_bit_exact {
             write!(
                 f,
@@ -402,8 +490,19 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     if a.platform == PlatformArg::Cuda && a.inject_gather_failure.is_some() {
         return Err(unsupported("--inject-gather-failure on --platform cuda"));
     }
-    if a.trace.is_some() {
-        return Err(unsupported("--trace"));
+    if a.trace.is_some() && a.platform != PlatformArg::Cuda {
+        return Err(CliError::invalid(
+            "--trace in a distributed run needs --platform cuda (it records the GPU's timing events; the simulated \
+             device has none): remove --trace, or run on GPUs"
+                .to_string(),
+        ));
+    }
+    if a.trace.is_some() && a.time_steps.is_none() {
+        return Err(CliError::invalid(
+            "--trace in a distributed run needs --time-steps LO,HI (it traces one more LO-step execution after the \
+             timed ones)"
+                .to_string(),
+        ));
     }
     if a.skip_seed.is_some() {
         return Err(unsupported("--skip-seed"));
@@ -497,6 +596,16 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec }
     };
     let RankOutcome { run, hazards, resident, h2d_bytes_per_s } = outcome;
+    let timeline = match (&run.trace, &a.trace) {
+        (Some(t), Some(file)) => {
+            let path = rank_trace_path(file, rank);
+            let title = format!("{} rank {rank} of {world}", pipeline.name);
+            let text = crate::engine::timeline::to_chrome_json(&t.spans, &title).to_string();
+            std::fs::write(&path, text).map_err(|e| failed(&format!("writing trace `{}`", path.display()), &e))?;
+            Some(RankTimelineReport::new(t, path.display().to_string()))
+        }
+        _ => None,
+    };
     let summary = RankSummary {
         rank,
         bit_exact: run.output == resident.output,
@@ -508,6 +617,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         h2d_bytes: run.h2d_bytes,
         hazard_violations: hazards,
         timing: RankTimingReport::new(&run, &resident, h2d_bytes_per_s),
+        timeline,
     };
     if timed.is_some() && summary.timing.is_none() {
         return Err(failed("timing", &"the timed run returned no timing"));
@@ -685,13 +795,17 @@ fn cuda_rank(
         let resident = resident_run_with_model(compute.clone(), &model, desc, spec.steps, spec.seed, spec.timed_steps)
             .map_err(|e| failed("resident run", &e))?;
         let before = model.checksum().map_err(|e| failed("weights checksum", &e))?;
+        let mut spec = spec.clone();
+        if a.trace.is_some() {
+            spec.trace = Some(crate::offload::distributed_backend::RunTracer(cuda.clone()));
+        }
         let run = run_rank_with_model(
             platform.clone(),
             compute.clone(),
             factory(cuda.clone(), id, rank, env.world),
             rank,
             env.world,
-            spec,
+            &spec,
             &mut model,
         )
         .map_err(|e| failed("the distributed run failed", &e))?;
@@ -733,6 +847,40 @@ mod tests {
                  one GPU with CUDA_VISIBLE_DEVICES"
                 .to_string())
         );
+    }
+
+    #[test]
+    fn each_rank_writes_its_own_trace_file() {
+        use std::path::Path;
+        assert_eq!(rank_trace_path(Path::new("/tmp/t.json"), 1), Path::new("/tmp/t.rank1.json"));
+        assert_eq!(rank_trace_path(Path::new("out/flux"), 0), Path::new("out/flux.rank0"));
+        assert_eq!(rank_trace_path(Path::new("a.b.json"), 12), Path::new("a.b.rank12.json"));
+    }
+
+    #[test]
+    fn the_timeline_report_is_per_step() {
+        use crate::engine::timeline::TimelineSummary;
+        use crate::offload::distributed_backend::RankTrace;
+        let summary = TimelineSummary {
+            window_us: 4000.0,
+            compute_busy_us: 3000.0,
+            stall_us: 800.0,
+            stalls: 6,
+            longest_stall_us: 500.0,
+            copy_busy_us: 3600.0,
+            overlap_us: 2400.0,
+            kernels: 10,
+            copies: 20,
+            comm_busy_us: 1000.0,
+            comm_overlap_us: 600.0,
+            collectives: 8,
+        };
+        let t = RankTrace { steps: 2, spans: Vec::new(), dropped: 1, summary };
+        let r = RankTimelineReport::new(&t, "t.rank0.json".into());
+        assert_eq!((r.steps, r.window_ms, r.compute_busy_ms, r.stalls, r.stall_ms), (2, 2.0, 1.5, 3.0, 0.4));
+        assert_eq!((r.longest_stall_ms, r.copy_busy_ms, r.copy_overlap_ms), (0.5, 1.8, 1.2));
+        assert_eq!((r.comm_busy_ms, r.comm_overlap_ms, r.dropped), (0.5, 0.3, 1));
+        assert_eq!(r.trace_file, "t.rank0.json");
     }
 
     #[test]
@@ -778,6 +926,7 @@ mod tests {
             h2d_bytes: 1,
             hazard_violations: 0,
             timing: t,
+            timeline: None,
         }
     }
 

@@ -228,7 +228,10 @@ pub struct RunArgs {
     /// Device to run on.
     #[arg(long, value_enum, default_value_t = PlatformArg::Sim)]
     pub platform: PlatformArg,
-    /// Write a Chrome / Perfetto trace (JSON) of the offloaded run: copies, kernels, waits, hooks.
+    /// Write a Chrome / Perfetto trace (JSON) of the offloaded run: copies, kernels, waits, hooks. In a distributed
+    /// run on `--platform cuda` with `--time-steps`: each rank traces one more LO-step execution with the GPU's
+    /// timing events (kernels, shard copies, AllGathers), writes FILE with `.rank<r>` before its extension and adds
+    /// where its DiT time went to the report.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// Print the report as one JSON object on stdout.

@@ -43,6 +43,7 @@ use super::{OffloadError, WeightSource};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
+use crate::engine::timeline::{summarize, DeviceSpan, DeviceTracer, TimelineSummary};
 use crate::engine::{Engine, EngineError, ExecOptions};
 use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
 use crate::model::splitmix64;
@@ -165,7 +166,40 @@ pub struct DistributedRunSpec {
     /// Testing aid: called on every rank once while its run executes (at the start of the first DiT step of its
     /// first execution), with the rank's model as it is then.
     pub probe: Option<RunProbe>,
+    /// Timing mode only: after the timed executions, one more `lo`-step execution with this device timeline
+    /// armed (kernels, shard copies and AllGathers as the platform brackets them), summarised over the DiT window
+    /// into [`RankRun::trace`]. Untimed, so it never changes the timed figures.
+    pub trace: Option<RunTracer>,
 }
+
+/// The device tracer of [`DistributedRunSpec::trace`] (the CUDA platform, or a test's fake).
+#[derive(Clone)]
+pub struct RunTracer(
+    /// Arms and collects the timeline.
+    pub Arc<dyn DeviceTracer>,
+);
+
+impl std::fmt::Debug for RunTracer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RunTracer(..)")
+    }
+}
+
+/// What the traced execution of [`DistributedRunSpec::trace`] recorded on one rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankTrace {
+    /// Steps of the traced execution (the timed `lo`).
+    pub steps: u32,
+    /// Every span, sorted by start.
+    pub spans: Vec<DeviceSpan>,
+    /// Spans dropped for want of timing events.
+    pub dropped: u64,
+    /// The DiT window: kernels of the pipeline's DiT modules, and the copies and AllGathers inside it.
+    pub summary: TimelineSummary,
+}
+
+/// Timing events a traced execution may use (two per span).
+pub const TRACE_CAPACITY: usize = 1 << 17;
 
 /// What [`DistributedRunSpec::probe`] sees of a rank while its run executes.
 #[derive(Debug)]
@@ -212,6 +246,12 @@ impl DistributedRunSpec {
                     "timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)"
                 )));
             }
+        }
+        if self.trace.is_some() && self.timed_steps.is_none() {
+            return Err(DistributedRunError::Invalid(
+                "a traced distributed run needs timed steps (it traces one more execution of the timed lo steps)"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -320,12 +360,13 @@ impl DistributedRunSpec {
             timed_steps: None,
             release_loaded: false,
             probe: None,
+            trace: None,
         }
     }
 }
 
 /// What one rank saw.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RankRun {
     /// The rank.
     pub rank: usize,
@@ -355,6 +396,8 @@ pub struct RankRun {
     pub h2d_bytes: u64,
     /// With [`DistributedRunSpec::timed_steps`]: the timed executions and the bytes one step moved.
     pub timing: Option<RankTiming>,
+    /// With [`DistributedRunSpec::trace`]: the traced execution's device timeline.
+    pub trace: Option<RankTrace>,
 }
 
 /// The timed executions of one rank ([`DistributedRunSpec::timed_steps`]): wall times of the `lo`- and `hi`-step
@@ -917,9 +960,10 @@ fn rank_run(
         Ok((t.elapsed(), out.output))
     };
     let h2d = || parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum::<u64>();
+    let dit_roots: Vec<String> = desc.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone());
     // Timed: every execution runs through the same stacks (the shard masters are built once, above).
     let result = match spec.timed_steps {
-        None => run(spec.steps).map(|(_, output)| (output, None)),
+        None => run(spec.steps).map(|(_, output)| (output, None, None)),
         Some(steps) => (|| {
             run(1)?;
             let b0 = h2d();
@@ -941,12 +985,28 @@ fn rank_run(
                 gathered_bytes_per_step: shard.saturating_mul(world as u64),
                 full_bytes_per_step: full_per_step,
             };
-            Ok((output, Some(timing)))
+            let trace = match &spec.trace {
+                Some(tracer) => {
+                    tracer.0.arm(engine.stream(), TRACE_CAPACITY)?;
+                    let traced = run(steps.0);
+                    let collected = tracer.0.collect();
+                    traced?;
+                    let (spans, dropped) = collected?;
+                    let summary = summarize(&spans, |label| {
+                        dit_roots
+                            .iter()
+                            .any(|d| label == d || label.strip_prefix(d.as_str()).is_some_and(|r| r.starts_with('.')))
+                    });
+                    Some(RankTrace { steps: steps.0, spans, dropped, summary })
+                }
+                None => None,
+            };
+            Ok((output, Some(timing), trace))
         })(),
     };
     hooks.remove_owned_by(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK);
     let released = engine.release();
-    let (output, timing) = result?;
+    let (output, timing, trace) = result?;
     released?;
     for s in &parts.stacks {
         s.fence().map_err(OffloadError::from)?;
@@ -964,5 +1024,6 @@ fn rank_run(
         sections,
         h2d_bytes: parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum(),
         timing,
+        trace,
     })
 }
