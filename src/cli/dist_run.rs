@@ -1,11 +1,11 @@
 //! `weightferry run` as one rank of a distributed run (the launch environment has `WORLD_SIZE > 1`, as set by
-//! `weightferry launch`, torchrun or a job script): this process joins the TCP rendezvous, checks that every rank
-//! runs the same spec, runs its rank of distributed layerwise offload on the simulated device through
-//! [`run_rank`](crate::offload::distributed_backend::run_rank) with a [`TcpCollective`], compares its output with the fully resident run, and exchanges the
-//! verdicts; rank 0 prints the report (text, or one JSON object with `--json`). Every rank exits 1 when any rank's
-//! output differs or its hazard detector fired, and a rank whose run fails exits 1 naming itself — or exits
-//! [`PEER_FAILED_EXIT`] (3) when it stopped only because another rank failed (a peer left, or rank 0 ended the
-//! rendezvous), so `weightferry launch` can name the rank that failed first.
+//! `weightferry launch`, torchrun or a job script): this process joins the TCP rendezvous, checks that every rank runs
+//! the same spec, runs its rank of distributed layerwise offload on the simulated device through
+//! [`run_rank`](crate::offload::distributed_backend::run_rank) with a [`TcpCollective`], compares its output with the
+//! fully resident run, and exchanges the verdicts; rank 0 prints the report (text, or one JSON object with `--json`).
+//! Every rank exits 1 when any rank's output differs or its hazard detector fired, and a rank whose run fails exits 1
+//! naming itself — or exits [`PEER_FAILED_EXIT`] (3) when it stopped only because another rank failed (a peer left, or
+//! rank 0 ended the rendezvous), so `weightferry launch` can name the rank that failed first.
 //!
 //! Without `--config`, the DiT is gathered across a data-parallel group of `WORLD_SIZE` ranks; with `--config`,
 //! the config's offload group must have `WORLD_SIZE` ranks.
