@@ -124,7 +124,7 @@ for p in presets:
             continue
         print(f"| {p} | {r['rank']} | {t['steps']} | {t['window_ms']:.2f} | {t['compute_busy_ms']:.2f} | "
               f"{t['stalls']:.1f} | {t['stall_ms']:.2f} | {t['longest_stall_ms']:.2f} | "
-              f"{t['copy_busy_ms']:.2f} ({t['copy_overlap_ms']:.2f}) | {t['comm_busy_ms']:.2f} ({t['comm_overlap_ms']:.2f}) | "
+              f"{t['copy_busy_ms']:.2f} ({t['overlap_ms']:.2f}) | {t['comm_busy_ms']:.2f} ({t['comm_overlap_ms']:.2f}) | "
               f"{t['dropped']} |")
 EOF
 else

@@ -238,7 +238,8 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn the_device_time_ratio_uses_the_faster_no_copy_window_or_the_copy_time() {
-        use crate::engine::gpu::{BenchRow, StepTimeline, RESIDENT_VIA_BACKEND};
+        use crate::engine::gpu::{BenchRow, RESIDENT_VIA_BACKEND};
+        use crate::engine::timeline::StepTimeline;
         let row = |config: &str, window_ms: f64, bytes: u64| BenchRow {
             preset: "p".into(),
             config: config.into(),
@@ -264,6 +265,8 @@ mod tests {
                 longest_stall_ms: 0.0,
                 copy_busy_ms: 0.0,
                 overlap_ms: 0.0,
+                comm_busy_ms: 0.0,
+                comm_overlap_ms: 0.0,
                 dropped: 0,
                 summary: Default::default(),
             }),

@@ -260,26 +260,9 @@ pub struct RankSummary {
 pub struct RankTimelineReport {
     /// Steps of the traced execution.
     pub steps: u32,
-    /// DiT window per step, ms.
-    pub window_ms: f64,
-    /// Compute busy per step, ms.
-    pub compute_busy_ms: f64,
-    /// Compute stalls per step.
-    pub stalls: f64,
-    /// Stall time per step, ms.
-    pub stall_ms: f64,
-    /// Longest stall, ms.
-    pub longest_stall_ms: f64,
-    /// Shard copies busy per step, ms.
-    pub copy_busy_ms: f64,
-    /// Shard copies beside compute per step, ms.
-    pub copy_overlap_ms: f64,
-    /// AllGathers busy per step (from each kernel's start, which may wait for the peers), ms.
-    pub comm_busy_ms: f64,
-    /// AllGathers beside compute per step, ms.
-    pub comm_overlap_ms: f64,
-    /// Spans dropped for want of timing events.
-    pub dropped: u64,
+    /// Per step.
+    #[serde(flatten)]
+    pub per_step: crate::engine::timeline::StepTimeline,
     /// The Chrome trace this rank wrote.
     pub trace_file: String,
 }
@@ -287,22 +270,8 @@ pub struct RankTimelineReport {
 impl RankTimelineReport {
     /// The per-step report of a rank's trace, written to `trace_file`.
     pub fn new(t: &crate::offload::distributed_backend::RankTrace, trace_file: String) -> Self {
-        let n = f64::from(t.steps.max(1));
-        let s = &t.summary;
-        RankTimelineReport {
-            steps: t.steps,
-            window_ms: s.window_us / 1e3 / n,
-            compute_busy_ms: s.compute_busy_us / 1e3 / n,
-            stalls: s.stalls as f64 / n,
-            stall_ms: s.stall_us / 1e3 / n,
-            longest_stall_ms: s.longest_stall_us / 1e3,
-            copy_busy_ms: s.copy_busy_us / 1e3 / n,
-            copy_overlap_ms: s.overlap_us / 1e3 / n,
-            comm_busy_ms: s.comm_busy_us / 1e3 / n,
-            comm_overlap_ms: s.comm_overlap_us / 1e3 / n,
-            dropped: t.dropped,
-            trace_file,
-        }
+        let per_step = crate::engine::timeline::StepTimeline::per_step(t.summary.clone(), t.steps, t.dropped);
+        RankTimelineReport { steps: t.steps, per_step, trace_file }
     }
 }
 
@@ -402,16 +371,16 @@ impl fmt::Display for DistributedReport {
                  AllGathers {:.2} ms ({:.2} ms beside compute), {} spans dropped; trace {}",
                 r.rank,
                 t.steps,
-                t.window_ms,
-                t.compute_busy_ms,
-                t.stalls,
-                t.stall_ms,
-                t.longest_stall_ms,
-                t.copy_busy_ms,
-                t.copy_overlap_ms,
-                t.comm_busy_ms,
-                t.comm_overlap_ms,
-                t.dropped,
+                t.per_step.window_ms,
+                t.per_step.compute_busy_ms,
+                t.per_step.stalls,
+                t.per_step.stall_ms,
+                t.per_step.longest_stall_ms,
+                t.per_step.copy_busy_ms,
+                t.per_step.overlap_ms,
+                t.per_step.comm_busy_ms,
+                t.per_step.comm_overlap_ms,
+                t.per_step.dropped,
                 t.trace_file
             )?;
         }
@@ -858,29 +827,21 @@ mod tests {
     }
 
     #[test]
-    fn the_timeline_report_is_per_step() {
+    fn the_timeline_report_is_per_step_and_flat_in_json() {
         use crate::engine::timeline::TimelineSummary;
         use crate::offload::distributed_backend::RankTrace;
-        let summary = TimelineSummary {
-            window_us: 4000.0,
-            compute_busy_us: 3000.0,
-            stall_us: 800.0,
-            stalls: 6,
-            longest_stall_us: 500.0,
-            copy_busy_us: 3600.0,
-            overlap_us: 2400.0,
-            kernels: 10,
-            copies: 20,
-            comm_busy_us: 1000.0,
-            comm_overlap_us: 600.0,
-            collectives: 8,
-        };
+        let summary = TimelineSummary { window_us: 4000.0, comm_busy_us: 1000.0, ..Default::default() };
         let t = RankTrace { steps: 2, spans: Vec::new(), dropped: 1, summary };
         let r = RankTimelineReport::new(&t, "t.rank0.json".into());
-        assert_eq!((r.steps, r.window_ms, r.compute_busy_ms, r.stalls, r.stall_ms), (2, 2.0, 1.5, 3.0, 0.4));
-        assert_eq!((r.longest_stall_ms, r.copy_busy_ms, r.copy_overlap_ms), (0.5, 1.8, 1.2));
-        assert_eq!((r.comm_busy_ms, r.comm_overlap_ms, r.dropped), (0.5, 0.3, 1));
-        assert_eq!(r.trace_file, "t.rank0.json");
+        assert_eq!((r.steps, r.per_step.window_ms, r.per_step.comm_busy_ms, r.per_step.dropped), (2, 2.0, 0.5, 1));
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(
+            (v["steps"].as_u64(), v["window_ms"].as_f64(), v["comm_busy_ms"].as_f64()),
+            (Some(2), Some(2.0), Some(0.5))
+        );
+        assert_eq!(v["trace_file"], "t.rank0.json");
+        let back: RankTimelineReport = serde_json::from_value(v).unwrap();
+        assert_eq!(back, r);
     }
 
     #[test]

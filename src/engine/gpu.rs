@@ -9,7 +9,7 @@
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
 use super::cuda::{CudaCompute, GpuShape};
-use super::timeline::{summarize, to_chrome_json, TimelineSummary};
+use super::timeline::{in_modules, summarize, to_chrome_json, StepTimeline};
 use super::timing::{bytes_per_step, median, step_seconds};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
 use crate::config::{CopySubmission, OffloadConfig};
@@ -74,29 +74,6 @@ pub struct BenchRow {
     pub outputs_match: bool,
     /// Where the DiT time went in one traced execution (with `--trace`).
     pub timeline: Option<StepTimeline>,
-}
-
-/// A traced execution's DiT window, per step.
-#[derive(Debug, Clone, Serialize)]
-pub struct StepTimeline {
-    /// DiT window (first DiT kernel start to last DiT kernel end), ms per step.
-    pub window_ms: f64,
-    /// Compute stream busy inside it, ms per step.
-    pub compute_busy_ms: f64,
-    /// Compute-stream gaps of at least 20 µs per step (a copy arriving late).
-    pub stalls: f64,
-    /// Their total, ms per step.
-    pub stall_ms: f64,
-    /// The longest, ms.
-    pub longest_stall_ms: f64,
-    /// Copy stream busy inside the window, ms per step.
-    pub copy_busy_ms: f64,
-    /// Both busy, ms per step.
-    pub overlap_ms: f64,
-    /// Spans dropped for want of timing events (0 unless the pool was too small).
-    pub dropped: u64,
-    /// The raw summary of the whole traced execution.
-    pub summary: TimelineSummary,
 }
 
 /// Everything `bench` measured.
@@ -231,24 +208,13 @@ fn traced(
     let collected = cuda.timeline_collect();
     out?;
     let (spans, dropped) = collected?;
-    let summary = summarize(&spans, |label| dit.iter().any(|d| label == d || label.starts_with(&format!("{d}."))));
+    let summary = summarize(&spans, |label| in_modules(label, dit));
     if let Some(path) = file {
         let text = to_chrome_json(&spans, title).to_string();
         std::fs::write(&path, text)
             .map_err(|e| EngineError::Invalid(format!("cannot write trace `{}`: {e}", path.display())))?;
     }
-    let n = f64::from(steps.max(1));
-    Ok(StepTimeline {
-        window_ms: summary.window_us / 1e3 / n,
-        compute_busy_ms: summary.compute_busy_us / 1e3 / n,
-        stalls: summary.stalls as f64 / n,
-        stall_ms: summary.stall_us / 1e3 / n,
-        longest_stall_ms: summary.longest_stall_us / 1e3,
-        copy_busy_ms: summary.copy_busy_us / 1e3 / n,
-        overlap_ms: summary.overlap_us / 1e3 / n,
-        dropped,
-        summary,
-    })
+    Ok(StepTimeline::per_step(summary, steps, dropped))
 }
 
 /// A file name for a configuration's trace.

@@ -7,7 +7,7 @@
 //! SMs). Everything here is pure arithmetic on spans, so it is tested on the CPU; the spans come from
 //! `platform::cuda::timeline` on a GPU, through a [`DeviceTracer`].
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use weightferry_actors::platform::{PlatformError, StreamId};
 
@@ -34,7 +34,7 @@ pub struct DeviceSpan {
 }
 
 /// Where the time of a window of compute spans went.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TimelineSummary {
     /// From the first selected compute span's start to the last one's end, µs.
     pub window_us: f64,
@@ -61,6 +61,61 @@ pub struct TimelineSummary {
     pub comm_overlap_us: f64,
     /// Collective spans inside the window.
     pub collectives: usize,
+}
+
+/// A traced execution's DiT window per step, as the reports print it (from a [`TimelineSummary`] of `steps` steps).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepTimeline {
+    /// DiT window (first DiT kernel start to last DiT kernel end), ms per step.
+    pub window_ms: f64,
+    /// Compute stream busy inside it, ms per step.
+    pub compute_busy_ms: f64,
+    /// Compute-stream gaps of at least [`STALL_THRESHOLD_US`] per step (a copy or an AllGather arriving late).
+    pub stalls: f64,
+    /// Their total, ms per step.
+    pub stall_ms: f64,
+    /// The longest, ms.
+    pub longest_stall_ms: f64,
+    /// Copy stream busy inside the window, ms per step.
+    pub copy_busy_ms: f64,
+    /// Copies and compute both busy, ms per step.
+    pub overlap_ms: f64,
+    /// AllGathers busy inside the window, ms per step (0 without collectives).
+    #[serde(default)]
+    pub comm_busy_ms: f64,
+    /// AllGathers and compute both busy, ms per step.
+    #[serde(default)]
+    pub comm_overlap_ms: f64,
+    /// Spans dropped for want of timing events (0 unless the pool was too small).
+    pub dropped: u64,
+    /// The raw summary of the whole traced execution.
+    pub summary: TimelineSummary,
+}
+
+impl StepTimeline {
+    /// `summary` of an execution of `steps` steps (at least 1 is assumed), per step.
+    pub fn per_step(summary: TimelineSummary, steps: u32, dropped: u64) -> Self {
+        let n = f64::from(steps.max(1));
+        StepTimeline {
+            window_ms: summary.window_us / 1e3 / n,
+            compute_busy_ms: summary.compute_busy_us / 1e3 / n,
+            stalls: summary.stalls as f64 / n,
+            stall_ms: summary.stall_us / 1e3 / n,
+            longest_stall_ms: summary.longest_stall_us / 1e3,
+            copy_busy_ms: summary.copy_busy_us / 1e3 / n,
+            overlap_ms: summary.overlap_us / 1e3 / n,
+            comm_busy_ms: summary.comm_busy_us / 1e3 / n,
+            comm_overlap_ms: summary.comm_overlap_us / 1e3 / n,
+            dropped,
+            summary,
+        }
+    }
+}
+
+/// Whether a kernel label (a module path) is one of `roots` or inside one of them (`dit` holds `dit.blocks.0`,
+/// not `dit2.x`): the selection of a component's window for [`summarize`].
+pub fn in_modules(label: &str, roots: &[String]) -> bool {
+    roots.iter().any(|r| label.strip_prefix(r.as_str()).is_some_and(|rest| rest.is_empty() || rest.starts_with('.')))
 }
 
 /// Arms and collects a device timeline around one execution: the CUDA platform's timing events, or a test's fake.
@@ -229,6 +284,40 @@ mod tests {
         assert_eq!(s.comm_overlap_us, 20.0 + 50.0);
         assert_eq!(s.collectives, 3);
         assert_eq!((s.copy_busy_us, s.overlap_us, s.copies), (50.0, 50.0, 1));
+    }
+
+    #[test]
+    fn labels_select_whole_module_paths_and_summaries_convert_per_step() {
+        let roots = vec!["dit".to_string(), "transformer_2".to_string()];
+        assert!(
+            in_modules("dit", &roots) && in_modules("dit.blocks.0", &roots) && in_modules("transformer_2.x", &roots)
+        );
+        assert!(!in_modules("dit2.blocks.0", &roots) && !in_modules("encoder.dit", &roots) && !in_modules("", &roots));
+        let s = TimelineSummary {
+            window_us: 4000.0,
+            compute_busy_us: 3000.0,
+            stall_us: 800.0,
+            stalls: 6,
+            longest_stall_us: 500.0,
+            copy_busy_us: 3600.0,
+            overlap_us: 2400.0,
+            kernels: 10,
+            copies: 20,
+            comm_busy_us: 1000.0,
+            comm_overlap_us: 600.0,
+            collectives: 8,
+        };
+        let t = StepTimeline::per_step(s.clone(), 2, 1);
+        assert_eq!(
+            (t.window_ms, t.compute_busy_ms, t.stalls, t.stall_ms, t.longest_stall_ms),
+            (2.0, 1.5, 3.0, 0.4, 0.5)
+        );
+        assert_eq!(
+            (t.copy_busy_ms, t.overlap_ms, t.comm_busy_ms, t.comm_overlap_ms, t.dropped),
+            (1.8, 1.2, 0.5, 0.3, 1)
+        );
+        assert_eq!(t.summary, s);
+        assert_eq!(StepTimeline::per_step(TimelineSummary::default(), 0, 0).window_ms, 0.0);
     }
 
     #[test]

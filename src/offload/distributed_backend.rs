@@ -43,7 +43,7 @@ use super::{OffloadError, WeightSource};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
-use crate::engine::timeline::{summarize, DeviceSpan, DeviceTracer, TimelineSummary};
+use crate::engine::timeline::{in_modules, summarize, DeviceSpan, DeviceTracer, TimelineSummary};
 use crate::engine::{Engine, EngineError, ExecOptions};
 use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
 use crate::model::splitmix64;
@@ -992,11 +992,7 @@ fn rank_run(
                     let collected = tracer.0.collect();
                     traced?;
                     let (spans, dropped) = collected?;
-                    let summary = summarize(&spans, |label| {
-                        dit_roots
-                            .iter()
-                            .any(|d| label == d || label.strip_prefix(d.as_str()).is_some_and(|r| r.starts_with('.')))
-                    });
+                    let summary = summarize(&spans, |label| in_modules(label, &dit_roots));
                     Some(RankTrace { steps: steps.0, spans, dropped, summary })
                 }
                 None => None,
