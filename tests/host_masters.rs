@@ -532,3 +532,50 @@ fn the_wan_14b_dit_is_built_a_few_blocks_at_a_time() {
     }
     assert!(batches.len() >= stack.units.len() / 3, "{} batches for {} blocks", batches.len(), stack.units.len());
 }
+
+#[test]
+fn sharded_masters_read_only_their_slices_and_match_the_reference_shards_on_dirty_allocations() {
+    // Each rank's shard of every section is written slice by slice from the storages (never from an assembled
+    // section), zero past the section's end; on a platform whose host allocations come back full of garbage it must
+    // equal `ShardSpec::shard` of the reference section layout, for odd chunk sizes and group sizes alike, and the
+    // ranks' shards must gather back into the section.
+    use weightferry::offload::distributed::build_sharded_masters;
+    let desc = Arc::new(odd_pipeline());
+    let units = unit_plan(&desc);
+    let stack = &units.stacks[0];
+    let platform: PlatformRef = Arc::new(DirtyHostAlloc::new(sim()));
+    let model = HostModel::synthetic(platform.clone(), desc.clone(), SEED).expect("model");
+    for world in [1usize, 2, 3] {
+        for chunk in [None, Some(4096u64), Some(3 * 4096 + 8), Some(1 << 30)] {
+            let all: Vec<_> = (0..world)
+                .map(|rank| {
+                    build_sharded_masters(&model, &stack.units, world, rank, HostMemoryKind::Pinned, chunk)
+                        .unwrap_or_else(|e| panic!("world {world} rank {rank} chunk {chunk:?}: {e}"))
+                })
+                .collect();
+            for (ui, unit) in stack.units.iter().enumerate() {
+                for (k, sec) in unit.sections.iter().enumerate() {
+                    let what = format!("world {world} chunk {chunk:?} {} {:?}", unit.path, sec.dtype);
+                    let want = expected_section(&desc, sec);
+                    let shards: Vec<Vec<u8>> = all
+                        .iter()
+                        .enumerate()
+                        .map(|(rank, m)| {
+                            let s = &m.units[ui].sections[k];
+                            let got = read_all(&platform, s.host);
+                            let reference = s.spec.shard(&want, rank).expect("reference shard");
+                            assert!(got[..reference.len()] == reference[..], "{what}: rank {rank} shard differs");
+                            reference
+                        })
+                        .collect();
+                    let gathered = all[0].units[ui].sections[k].spec.gather(&shards).expect("gather");
+                    assert!(gathered[..want.len()] == want[..], "{what}: the shards do not gather into the section");
+                }
+            }
+            for m in all {
+                m.free(&platform).expect("free");
+            }
+        }
+    }
+    model.release();
+}

@@ -12,7 +12,7 @@
 //! host buffer it allocated (it never changes the model's homes); the shards of ranks `0..N` of one section
 //! reassemble bit-exactly into the section's master bytes.
 
-use super::layout::{section_bytes, UnitLayout};
+use super::layout::{write_section_range, UnitLayout, MASTER_BOUNCE_BYTES};
 use crate::model::{HostModel, ModelError};
 use crate::plan::DType;
 use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
@@ -185,6 +185,8 @@ fn build_into(
     made: &mut Vec<HostBufferId>,
 ) -> Result<ShardedMasters, DistributedError> {
     let mut out = Vec::with_capacity(units.len());
+    let longest = units.iter().flat_map(|u| &u.sections).map(|s| s.len).max().unwrap_or(0);
+    let mut bounce = vec![0u8; usize::try_from(longest).unwrap_or(usize::MAX).clamp(1, MASTER_BOUNCE_BYTES)];
     for unit in units {
         let mut specs = Vec::with_capacity(unit.sections.len());
         for sec in &unit.sections {
@@ -201,15 +203,19 @@ fn build_into(
         }
         let mut sections = Vec::with_capacity(unit.sections.len());
         for (sec, spec) in unit.sections.iter().zip(specs) {
-            let bytes = section_bytes(model, sec)?;
-            let shard = spec.shard(&bytes, rank).map_err(|source| DistributedError::Shard {
+            let ranges = spec.byte_ranges(rank).map_err(|source| DistributedError::Shard {
                 unit: unit.path.clone(),
                 dtype: sec.dtype,
                 source,
             })?;
             let host = platform.alloc_host(spec.shard_bytes().max(1), kind)?;
             made.push(host);
-            platform.write_host(host, 0, &shard)?;
+            // Only this rank's slices of the section are read: chunk c's slice sits at `shard_offset` in the shard,
+            // `shard_bytes` long, zero past the section's end (the padding of the last chunk).
+            for (c, range) in spec.chunks().zip(ranges) {
+                let slice = range.start..range.start + c.shard_bytes;
+                write_section_range(platform, host, c.shard_offset, model, sec, slice, &mut bounce)?;
+            }
             sections.push(SectionShard { dtype: sec.dtype, device_offset: sec.device_offset, spec, host });
         }
         out.push(ShardedUnit { path: unit.path.clone(), sections });

@@ -114,6 +114,25 @@ pub fn write_section(
             PlatformError::OutOfBounds { what: "section master", offset: 0, len: sec.len, size: buf_len }.into()
         );
     }
+    let mut bounce = vec![0u8; usize::try_from(buf_len).unwrap_or(usize::MAX).clamp(1, chunk_bytes.max(1))];
+    write_section_range(platform, buf, 0, model, sec, 0..buf_len, &mut bounce)
+}
+
+/// Writes bytes `range` of section `sec` — as [`section_bytes`] lays them out, zero wherever no storage covers
+/// them, past `sec.len` too — into `buf` at offset `at`, through `bounce` (its contents are overwritten): zeros
+/// first, then the covered parts of each storage in section order. The one mechanism behind full masters
+/// ([`write_section`]) and a rank's shard of a section (`distributed::build_sharded_masters`, which reads only its
+/// own byte ranges). A storage reaching past `sec.len` is [`PlatformError::OutOfBounds`] before anything is written;
+/// an empty `bounce` writes nothing.
+pub fn write_section_range(
+    platform: &PlatformRef,
+    buf: HostBufferId,
+    at: u64,
+    model: &HostModel,
+    sec: &Section,
+    range: std::ops::Range<u64>,
+    bounce: &mut [u8],
+) -> Result<(), ModelError> {
     let mut covered = Vec::with_capacity(sec.storages.len());
     for &(s, off) in &sec.storages {
         let len = model.storage_bytes(s);
@@ -123,34 +142,38 @@ pub fn write_section(
         covered.push((off, off + len));
     }
     covered.sort_unstable();
-    // Freshly zeroed: the zero source for the gaps, then reused as the bounce buffer for the storages.
-    let mut bounce = vec![0u8; usize::try_from(buf_len).unwrap_or(usize::MAX).clamp(1, chunk_bytes.max(1))];
+    if bounce.is_empty() || range.end <= range.start {
+        return Ok(());
+    }
+    // The zero source for the gaps, then the bounce buffer for the storages.
+    let zeros = bounce.len().min(usize::try_from(range.end - range.start).unwrap_or(usize::MAX));
+    bounce[..zeros].fill(0);
     let write_zeros = |from: u64, to: u64| -> Result<(), PlatformError> {
-        let mut at = from;
-        while at < to {
-            let n = (to - at).min(bounce.len() as u64);
-            platform.write_host(buf, at, &bounce[..n as usize])?;
-            at += n;
+        let mut pos = from;
+        while pos < to {
+            let n = (to - pos).min(zeros as u64);
+            platform.write_host(buf, at + (pos - range.start), &bounce[..n as usize])?;
+            pos += n;
         }
         Ok(())
     };
-    let mut cursor = 0u64;
+    let mut cursor = range.start;
     for &(start, end) in &covered {
         if start > cursor {
-            write_zeros(cursor, start)?;
+            write_zeros(cursor, start.min(range.end))?;
         }
         cursor = cursor.max(end);
     }
-    write_zeros(cursor, buf_len)?;
+    write_zeros(cursor, range.end)?;
     for &(s, off) in &sec.storages {
-        let len = model.storage_bytes(s);
-        let mut done = 0u64;
-        while done < len {
-            let n = (len - done).min(bounce.len() as u64) as usize;
+        let (from, to) = (off.max(range.start), (off + model.storage_bytes(s)).min(range.end));
+        let mut pos = from;
+        while pos < to {
+            let n = (to - pos).min(bounce.len() as u64) as usize;
             let chunk = &mut bounce[..n];
-            model.read_storage_range(s, done, chunk)?;
-            platform.write_host(buf, off + done, chunk)?;
-            done += n as u64;
+            model.read_storage_range(s, pos - off, chunk)?;
+            platform.write_host(buf, at + (pos - range.start), chunk)?;
+            pos += n as u64;
         }
     }
     Ok(())
