@@ -9,7 +9,7 @@
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
 use super::cuda::{CudaCompute, GpuShape};
-use super::timeline::{in_modules, summarize, to_chrome_json, StepTimeline};
+use super::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
 use super::timing::{bytes_per_step, median, step_seconds};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
 use crate::config::{CopySubmission, OffloadConfig};
@@ -202,12 +202,9 @@ fn traced(
     file: Option<std::path::PathBuf>,
     title: &str,
 ) -> Result<StepTimeline, EngineError> {
-    cuda.timeline_arm(engine.stream(), 1 << 16)?;
     let opts = ExecOptions { steps, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: ahead };
-    let out = engine.execute(source, hooks, &opts, &mut |_| {});
-    let collected = cuda.timeline_collect();
-    out?;
-    let (spans, dropped) = collected?;
+    let (_, spans, dropped) =
+        trace_execution(cuda, engine.stream(), 1 << 16, || engine.execute(source, hooks, &opts, &mut |_| {}))?;
     let summary = summarize(&spans, |label| in_modules(label, dit));
     if let Some(path) = file {
         let text = to_chrome_json(&spans, title).to_string();

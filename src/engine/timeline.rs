@@ -112,6 +112,23 @@ impl StepTimeline {
     }
 }
 
+/// Runs `run` with `tracer` armed (`capacity` spans, origin on `stream`) and returns its result with the recorded
+/// spans and the number dropped. The timeline is collected — and so disarmed — whether `run` succeeded or not; `run`'s
+/// error comes first.
+pub fn trace_execution<T, E: From<PlatformError>>(
+    tracer: &dyn DeviceTracer,
+    stream: StreamId,
+    capacity: usize,
+    run: impl FnOnce() -> Result<T, E>,
+) -> Result<(T, Vec<DeviceSpan>, u64), E> {
+    tracer.arm(stream, capacity)?;
+    let out = run();
+    let collected = tracer.collect();
+    let out = out?;
+    let (spans, dropped) = collected?;
+    Ok((out, spans, dropped))
+}
+
 /// Whether a kernel label (a module path) is one of `roots` or inside one of them (`dit` holds `dit.blocks.0`,
 /// not `dit2.x`): the selection of a component's window for [`summarize`].
 pub fn in_modules(label: &str, roots: &[String]) -> bool {
@@ -318,6 +335,47 @@ mod tests {
         );
         assert_eq!(t.summary, s);
         assert_eq!(StepTimeline::per_step(TimelineSummary::default(), 0, 0).window_ms, 0.0);
+    }
+
+    /// Records the calls; `arm` fails when asked to.
+    #[derive(Default)]
+    struct Recorder {
+        calls: std::sync::Mutex<Vec<&'static str>>,
+        fail_arm: bool,
+    }
+
+    impl DeviceTracer for Recorder {
+        fn arm(&self, _stream: StreamId, _capacity: usize) -> Result<(), PlatformError> {
+            self.calls.lock().unwrap().push("arm");
+            if self.fail_arm {
+                return Err(PlatformError::Driver("no events".into()));
+            }
+            Ok(())
+        }
+        fn collect(&self) -> Result<(Vec<DeviceSpan>, u64), PlatformError> {
+            self.calls.lock().unwrap().push("collect");
+            Ok((vec![span(COMPUTE_LANE, "dit.a", 0.0, 1.0)], 2))
+        }
+    }
+
+    #[test]
+    fn a_traced_execution_is_collected_whether_it_succeeds_or_not() {
+        let r = Recorder::default();
+        let (out, spans, dropped) =
+            trace_execution(&r, StreamId(0), 8, || Ok::<_, PlatformError>(7)).expect("traced run");
+        assert_eq!((out, spans.len(), dropped), (7, 1, 2));
+        let e = trace_execution(&r, StreamId(0), 8, || Err::<(), _>(PlatformError::Driver("run failed".into())));
+        assert_eq!(e.unwrap_err().to_string(), PlatformError::Driver("run failed".into()).to_string());
+        assert_eq!(*r.calls.lock().unwrap(), ["arm", "collect", "arm", "collect"]);
+        // A tracer that cannot arm runs nothing and collects nothing.
+        let f = Recorder { fail_arm: true, ..Default::default() };
+        let ran = std::cell::Cell::new(false);
+        let e = trace_execution(&f, StreamId(0), 8, || {
+            ran.set(true);
+            Ok::<_, PlatformError>(())
+        });
+        assert!(e.is_err() && !ran.get());
+        assert_eq!(*f.calls.lock().unwrap(), ["arm"]);
     }
 
     #[test]

@@ -43,7 +43,7 @@ use super::{OffloadError, WeightSource};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
-use crate::engine::timeline::{in_modules, summarize, DeviceSpan, DeviceTracer, TimelineSummary};
+use crate::engine::timeline::{in_modules, summarize, trace_execution, DeviceSpan, DeviceTracer, TimelineSummary};
 use crate::engine::{Engine, EngineError, ExecOptions};
 use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
 use crate::model::splitmix64;
@@ -987,11 +987,8 @@ fn rank_run(
             };
             let trace = match &spec.trace {
                 Some(tracer) => {
-                    tracer.0.arm(engine.stream(), TRACE_CAPACITY)?;
-                    let traced = run(steps.0);
-                    let collected = tracer.0.collect();
-                    traced?;
-                    let (spans, dropped) = collected?;
+                    let (_, spans, dropped) =
+                        trace_execution(tracer.0.as_ref(), engine.stream(), TRACE_CAPACITY, || run(steps.0))?;
                     let summary = summarize(&spans, |label| in_modules(label, &dit_roots));
                     Some(RankTrace { steps: steps.0, spans, dropped, summary })
                 }
