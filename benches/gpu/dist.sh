@@ -4,8 +4,9 @@
 #
 # Usage: bash benches/gpu/dist.sh [presets]        (default "flux-dev wan-14b")
 #
-# Per preset: (1) the timed distributed run, 2 ranks (one process per GPU, NCCL), depth 2, 64 MiB AllGather
-# chunks: `weightferry launch --nproc 2 -- run --platform cuda --time-steps LO,HI --trace F` (each rank also traces
+# Per preset: (1) the timed distributed run, 2 ranks (one process per GPU, NCCL), depth 2, one AllGather per block
+# section (the default; 64 MiB chunks measured 5-10% slower on flux-dev, benches/RESULTS.md):
+# `weightferry launch --nproc 2 -- run --platform cuda --time-steps LO,HI --trace F` (each rank also traces
 # one more LO-step execution: a timeline table per rank at the end; traces in /tmp/dist-trace); (2) single-GPU layerwise of
 # the same preset on GPU 0: `weightferry bench --steps LO,HI --depths 1,2 --budgets none`. Steps: 1,3 for flux,
 # 1,2 for wan-14b (2.9 s per step). Each command has its own timeout; the whole script stays under ~560 s.
@@ -29,7 +30,7 @@ log="$out/dist.log"
 config=/tmp/weightferry-dist-config.json
 cat > "$config" <<'EOF'
 {"data_parallel_size": 2, "diffusion_offload_config": {"mode": "layer", "components": ["dit"],
- "layer_options": {"dit": {"weight_transfer": "allgather", "prefetch_depth": 2, "allgather_chunk_size": "64MiB"}}}}
+ "layer_options": {"dit": {"weight_transfer": "allgather", "prefetch_depth": 2}}}}
 EOF
 status=0
 start=$SECONDS
@@ -38,7 +39,7 @@ for p in $presets; do
     wan-14b) steps=1,2; tdist=200; tbench=150 ;;
     *) steps=1,3; tdist=130; tbench=90 ;;
   esac
-  echo "== $p: distributed, 2 ranks, depth 2, 64 MiB chunks, --time-steps $steps (timeout $tdist s)"
+  echo "== $p: distributed, 2 ranks, depth 2, whole sections, --time-steps $steps (timeout $tdist s)"
   t0=$SECONDS
   raw="$(mktemp /tmp/dist-raw.XXXXXX)"
   echo "== $p distributed" >> "$log"
@@ -112,6 +113,14 @@ for p in presets:
                   f"{'yes' if r['outputs_match'] else 'NO'} |")
     if dist_step and single.get("depth=2"):
         print(f"| {p} | 1 GPU depth=2 step / 2 GPUs step | {single['depth=2'] / dist_step:.3f} × | | | | | | | | |")
+print()
+print("| preset | rank | shard masters GB | DiT host GB while running | AllGathers | restore AllGathers | bit-exact |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for p in presets:
+    d = load(f"{out}/dist-{p}.json")
+    for r in (d or {}).get("ranks", []):
+        print(f"| {p} | {r['rank']} | {gb(r['shard_host_bytes'])} | {gb(r.get('dit_host_bytes_while_running', 0))} | "
+              f"{r['all_gathers']} | {r.get('restore_all_gathers', 0)} | {'yes' if r['bit_exact'] else 'NO'} |")
 print()
 print("| preset | rank | traced steps | DiT window ms/step | compute busy ms | stalls/step | stall ms | longest stall ms | "
       "shard copies ms (beside compute) | AllGathers ms (beside compute) | dropped |")
