@@ -183,6 +183,20 @@ fn a_config_group_that_does_not_match_world_size_is_an_exact_error() {
         "error: --inject-gather-failure applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry \
          launch)",
     );
+    for engine in ["kernel", "copy-engine"] {
+        invalid(
+            &["run", "--allgather-engine", engine],
+            &[],
+            "error: --allgather-engine applies only to a distributed run on --platform cuda (WORLD_SIZE > 1, e.g. \
+             under weightferry launch)",
+        );
+    }
+    invalid(
+        &["run", "--allgather-engine", "copy-engine"],
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")],
+        "error: --allgather-engine copy-engine needs --platform cuda (the simulated device has no NCCL): remove it, \
+         or run on GPUs",
+    );
 }
 
 #[test]

@@ -457,7 +457,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
 }
 
 #[test]
-fn the_dist_sh_config_gives_two_ranks_depth_2_and_64_mib_chunks_for_the_full_size_presets() {
+fn the_dist_sh_config_gives_two_ranks_depth_2_and_whole_sections_for_the_full_size_presets() {
     // The config `benches/gpu/dist.sh` writes for the GPU run (keep the two in step).
     let script = include_str!("../benches/gpu/dist.sh");
     let start = script.find("{\"data_parallel_size\"").expect("config in dist.sh");
@@ -465,7 +465,7 @@ fn the_dist_sh_config_gives_two_ranks_depth_2_and_64_mib_chunks_for_the_full_siz
     let config = OffloadConfig::from_json_str(&script[start..end]).expect("config");
     for name in ["flux-dev", "wan-14b"] {
         let spec = DistributedRunSpec::from_config(preset(name).unwrap(), &config).expect(name);
-        assert_eq!((spec.world, spec.depth, spec.chunk_bytes), (2, 2, Some(64 << 20)), "{name}");
+        assert_eq!((spec.world, spec.depth, spec.chunk_bytes), (2, 2, None), "{name}");
         assert!(spec.timed_steps.is_none());
     }
 }

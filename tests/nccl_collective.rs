@@ -16,7 +16,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weightferry::platform::cuda::nccl::{factory, NcclCollective, NcclError, NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
+use weightferry::platform::cuda::nccl::{
+    factory, NcclCollective, NcclError, NcclOptions, NcclUniqueId, NCCL_UNIQUE_ID_BYTES,
+};
+use weightferry::platform::cuda::symmetric::SymmetricHeap;
 use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::collective::Collective;
 use weightferry_actors::collective_actor::{CollectiveHandle, GatherCmd};
@@ -274,6 +277,73 @@ fn one_thread_per_gpu_gathers_the_exact_concatenation() {
                     let mut tags: Vec<u64> = (0..lens.len()).map(tag).collect();
                     tags.push(tag(50));
                     assert_eq!(comm.issued_tags(), tags);
+                })
+            })
+            .collect();
+        for (rank, r) in ranks.into_iter().enumerate() {
+            if let Err(e) = r.join() {
+                eprintln!("rank {rank} failed");
+                std::panic::resume_unwind(e);
+            }
+        }
+    });
+}
+
+/// Copies `data` into `dev` at `offset` through a pinned buffer on `stream` (synchronised).
+fn write_device(p: &CudaPlatform, stream: StreamId, dev: DeviceBufferId, offset: u64, data: &[u8]) {
+    let len = data.len() as u64;
+    let host = p.alloc_host(len, HostMemoryKind::Pinned).expect("pinned buffer");
+    p.write_host(host, 0, data).expect("write host");
+    p.copy_h2d(stream, host, 0, dev, offset, len).expect("upload");
+    p.stream_synchronize(stream).expect("upload completes");
+    p.free_host(host).expect("free host");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and libnccl 2.28+ (skips with a note below 2 GPUs)"]
+fn copy_engine_gathers_between_symmetric_windows_are_exact_and_memory_outlives_its_windows() {
+    let Some(n) = multi_gpu_ready("copy_engine_gathers_between_symmetric_windows_are_exact") else { return };
+    let id_bytes = NcclUniqueId::generate().expect("unique id").to_bytes();
+    // Symmetric use: every rank passes the same offsets of its counterpart buffers.
+    let (shard, in_off, out_off) = (6u64 << 20, 256u64, 4096u64);
+    let lens: [u64; 3] = [shard, 4097, 1 << 20];
+    std::thread::scope(|scope| {
+        let ranks: Vec<_> = (0..n)
+            .map(|rank| {
+                scope.spawn(move || {
+                    let p = gpu(rank);
+                    let heap = SymmetricHeap::new().expect("NCCL with symmetric memory");
+                    assert!(p.set_shared_device_memory(heap.clone()));
+                    let options = NcclOptions { copy_engine: Some(heap.clone()) };
+                    let comm = NcclCollective::with_options(
+                        p.clone(),
+                        &NcclUniqueId::from_bytes(&id_bytes).unwrap(),
+                        rank,
+                        n,
+                        options,
+                    )
+                    .expect("communicator under NCCL_CTA_POLICY_ZERO");
+                    let s = p.create_stream("comm").unwrap();
+                    let input = p.alloc_device_shared(in_off + shard).unwrap();
+                    let output = p.alloc_device_shared(out_off + shard * n as u64 + 64).unwrap();
+                    assert_eq!(heap.allocations(), 2);
+                    let sentinel = pattern((out_off + shard * n as u64 + 64) as usize, seed(9, 900 + rank));
+                    for (k, &len) in lens.iter().enumerate() {
+                        write_device(&p, s, output, 0, &sentinel);
+                        write_device(&p, s, input, in_off, &pattern(len as usize, seed(k, rank)));
+                        comm.gather(s, (input, in_off, len), (output, out_off), tag(k)).expect("gather");
+                        let mut want = sentinel.clone();
+                        let all: Vec<u8> = (0..n).flat_map(|r| pattern(len as usize, seed(k, r))).collect();
+                        want[out_off as usize..out_off as usize + all.len()].copy_from_slice(&all);
+                        assert_bytes(&download(&p, s, output), &want, &format!("rank {rank}, gather {k}"));
+                    }
+                    assert_eq!((comm.windows(), comm.windowed()), (2, lens.len() as u64), "rank {rank}");
+                    // Freed while registered: the heap keeps the memory until the windows are gone.
+                    p.free_device(input).unwrap();
+                    p.free_device(output).unwrap();
+                    assert_eq!(heap.allocations(), 2, "rank {rank}: released while a window maps it");
+                    drop(comm);
+                    assert_eq!(heap.allocations(), 0, "rank {rank}: released with the windows");
                 })
             })
             .collect();

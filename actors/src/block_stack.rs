@@ -40,7 +40,11 @@
 //! from the stream board. Each slot has its own shard buffer, overwritten only behind the slot's last-use event,
 //! which follows the compute that read the gather's output, which follows the gather that read the shard
 //! (invariant 2 for the shard buffers). Numbering is deterministic as long as every rank loads the same blocks in
-//! the same order: true without block skips; with skips the victim choice may depend on timing.
+//! the same order: true without block skips; with skips the victim choice may depend on timing. Slot and shard
+//! buffers come from `Platform::alloc_device_shared`, so a collective may place them in symmetric windows (NCCL's
+//! copy-engine AllGather writes into the peer's buffer at the same window offset); that needs every rank to pick
+//! the same slot for the same gather, which holds when every rank runs the same hooks: in a healthy stack slots
+//! become free only at disable and after a failure, so the victim choice follows the hook sequence alone.
 
 use crate::collective_actor::{CollectiveHandle, GatherCmd, GatherError};
 use crate::error::SchedulerError;
@@ -466,7 +470,12 @@ impl BlockStack {
             }
             let mut slot_bufs = Vec::new();
             for _ in 0..slots {
-                let buf = platform.alloc_device(slot_size.max(1))?;
+                // Gather slots receive AllGathers: memory a collective may map for its peers.
+                let buf = if gather.is_some() {
+                    platform.alloc_device_shared(slot_size.max(1))?
+                } else {
+                    platform.alloc_device(slot_size.max(1))?
+                };
                 bufs.push(buf);
                 slot_bufs.push(buf);
             }
@@ -490,7 +499,7 @@ impl BlockStack {
             let mut shard_bufs = Vec::new();
             let mut shard_ready = Vec::new();
             for _ in 0..shard_slots {
-                let buf = platform.alloc_device(shard_size.max(1))?;
+                let buf = platform.alloc_device_shared(shard_size.max(1))?;
                 bufs.push(buf);
                 shard_bufs.push(buf);
                 let mut per_gather = Vec::with_capacity(gathers_per_slot);

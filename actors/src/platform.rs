@@ -134,6 +134,13 @@ pub trait Platform: Send + Sync + fmt::Debug {
 
     /// Allocates device memory. Fails with [`PlatformError::OutOfMemory`] beyond the capacity.
     fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId>;
+    /// Allocates device memory that a collective may map into its peers' address space (the gather stacks' slot and
+    /// shard buffers: NCCL's copy-engine AllGather needs them in symmetric windows). Freed with
+    /// [`Platform::free_device`]. By default (and on platforms without such memory) the same as
+    /// [`Platform::alloc_device`].
+    fn alloc_device_shared(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+        self.alloc_device(bytes)
+    }
     /// Returns device memory to the allocator. The caller must have *observed* completion of all work touching it.
     fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()>;
     /// Size of a device buffer.

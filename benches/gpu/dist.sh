@@ -3,6 +3,8 @@
 # binary staged by `../shared/tools/gpu-stage nccl` carried in .devbin/ (needed: .devbin/weightferry).
 #
 # Usage: bash benches/gpu/dist.sh [presets]        (default "flux-dev wan-14b")
+#        SKIP_SINGLE=1 bash benches/gpu/dist.sh      (the distributed runs only)
+#        DIST_ARGS="--allgather-engine kernel" bash benches/gpu/dist.sh   (extra `run` arguments)
 #
 # Per preset: (1) the timed distributed run, 2 ranks (one process per GPU, NCCL), depth 2, one AllGather per block
 # section (the default; 64 MiB chunks measured 5-10% slower on flux-dev, benches/RESULTS.md):
@@ -45,7 +47,7 @@ for p in $presets; do
   echo "== $p distributed" >> "$log"
   mkdir -p /tmp/dist-trace
   timeout "$tdist" "$wf" launch --nproc 2 -- run --platform cuda --preset "$p" --config "$config" \
-    --time-steps "$steps" --trace "/tmp/dist-trace/$p.json" --json > "$raw" 2>> "$log"
+    --time-steps "$steps" --trace "/tmp/dist-trace/$p.json" ${DIST_ARGS:-} --json > "$raw" 2>> "$log"
   rc=$?
   # Rank 0's report; NCCL's own lines (its version banner) and the other ranks' output go to the log.
   sed -n 's/^\[rank 0\] //p' "$raw" | grep -v '^NCCL ' > "$out/dist-$p.json"
@@ -54,6 +56,9 @@ for p in $presets; do
   echo "distributed $p exit $rc ($((SECONDS - t0)) s)"
   tail -4 "$log"
   [ "$rc" = 0 ] || status=1
+  if [ -n "${SKIP_SINGLE:-}" ]; then
+    continue
+  fi
   echo "== $p: single GPU (GPU 0), bench --steps $steps --depths 1,2 --budgets none (timeout $tbench s)"
   t0=$SECONDS
   echo "== $p bench" >> "$log"
@@ -90,6 +95,7 @@ for p in presets:
         dist_step = t["step_s"]
         bw = t["h2d_bytes_per_s"]
         chunk = f"{d['chunk_bytes'] / 2**20:g} MiB chunks" if d.get("chunk_bytes") else "one AllGather per section"
+        chunk += f", {d.get('allgather_engine', '?')} AllGather"
         print(f"| {p} | 2 GPUs, depth {d['depth']}, {chunk} (group) | {num(t['step_s'])} | "
               f"{num(t['compute_s'])} | {num(bw and bw / 1e9, 1)} | {gb(t['shard_bytes_per_step'])} | "
               f"{num(t['bound_s'])} | {num(t['ratio'], 3)} | {num(t['single_gpu_bound_s'])} | "

@@ -53,6 +53,7 @@ pub fn bench_gather(a: &BenchGatherArgs) -> Result<i32, CliError> {
         worlds: a.worlds.clone(),
         modes: a.modes.iter().map(|&m| mode(m)).collect(),
         gemm,
+        copy_engine: a.nccl_copy_engine,
     };
     match std::env::var("NCCL_NVLS_ENABLE") {
         Ok(v) if v == "0" => {}

@@ -25,6 +25,7 @@
 
 use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DEFAULT_PRESET};
 use crate::config::OffloadConfig;
+use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::launch::PEER_FAILED_EXIT;
 use crate::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use crate::engine::compute::{Compute, SimCompute};
@@ -300,6 +301,12 @@ pub struct DistributedReport {
     pub depth: usize,
     /// Gathered bytes per AllGather (`null`: one AllGather per section).
     pub chunk_bytes: Option<u64>,
+    /// On GPUs: the NCCL AllGather the ranks used, `"copy-engine"` or `"kernel"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allgather_engine: Option<String>,
+    /// With `--allgather-engine auto` and kernels used: why the copy engines were not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allgather_engine_note: Option<String>,
     /// FNV-1a checksum of the fully resident output.
     pub resident_checksum: String,
     /// Per rank, in rank order.
@@ -313,10 +320,17 @@ pub struct DistributedReport {
 
 impl fmt::Display for DistributedReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let chunk = match self.chunk_bytes {
+        let mut chunk = match self.chunk_bytes {
             Some(c) => format!("AllGather chunks of {}", human_bytes(c)),
             None => "one AllGather per section".to_string(),
         };
+        if let Some(e) = &self.allgather_engine {
+            chunk.push_str(&format!(" ({e} AllGather"));
+            if let Some(note) = &self.allgather_engine_note {
+                chunk.push_str(&format!(": {note}"));
+            }
+            chunk.push(')');
+        }
         let steps = match &self.timing {
             Some(t) => format!("timed steps {},{} after a warm-up step", t.steps[0], t.steps[1]),
             None => format!("{} steps", self.steps),
@@ -456,6 +470,13 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
              --features nccl, or run with --platform sim"
         )));
     }
+    if a.allgather_engine == AllGatherEngine::CopyEngine && a.platform != PlatformArg::Cuda {
+        return Err(CliError::invalid(
+            "--allgather-engine copy-engine needs --platform cuda (the simulated device has no NCCL): remove it, or \
+             run on GPUs"
+                .to_string(),
+        ));
+    }
     if a.platform == PlatformArg::Cuda && a.inject_gather_failure.is_some() {
         return Err(unsupported("--inject-gather-failure on --platform cuda"));
     }
@@ -562,9 +583,9 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             }
             SimRankError::Run(e) => failed("the distributed run failed", &e),
         })?;
-        RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec }
+        RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec, engine: None }
     };
-    let RankOutcome { run, hazards, resident, h2d_bytes_per_s } = outcome;
+    let RankOutcome { run, hazards, resident, h2d_bytes_per_s, engine } = outcome;
     let timeline = match (&run.trace, &a.trace) {
         (Some(t), Some(file)) => {
             let path = rank_trace_path(file, rank);
@@ -610,6 +631,8 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         steps: spec.steps,
         depth: spec.depth,
         chunk_bytes: spec.chunk_bytes,
+        allgather_engine: engine.as_ref().map(|e| e.to_string()),
+        allgather_engine_note: engine.and_then(|e| e.note),
         resident_checksum: format!("{:016x}", fnv1a(FNV_OFFSET, &resident.output)),
         timing: group_timing,
         ranks,
@@ -641,6 +664,8 @@ struct RankOutcome {
     hazards: usize,
     resident: ResidentRun,
     h2d_bytes_per_s: Option<f64>,
+    /// On GPUs: the AllGather engine the ranks agreed on.
+    engine: Option<crate::dist::allgather_engine::EngineChoice>,
 }
 
 /// Which part of a simulated rank failed.
@@ -719,9 +744,11 @@ fn cuda_rank(
     name: &str,
     spec: &DistributedRunSpec,
 ) -> Result<RankOutcome, CliError> {
+    use crate::dist::allgather_engine::{choose_engine, node_key, EngineOffer};
     use crate::engine::cuda::{CudaCompute, GpuShape};
     use crate::engine::gpu::default_tokens;
-    use crate::platform::cuda::nccl::{factory, NcclUniqueId};
+    use crate::platform::cuda::nccl::{factory_with_options, nccl_version, NcclOptions, NcclUniqueId};
+    use crate::platform::cuda::symmetric::SymmetricHeap;
     use crate::platform::cuda::CudaPlatform;
     let rank = env.rank;
     let failed = |what: &str, e: &dyn fmt::Display| CliError::failed(format!("rank {rank}: {what}: {e}"));
@@ -731,6 +758,32 @@ fn cuda_rank(
     let cuda = Arc::new(CudaPlatform::new(ordinal).map_err(|e| {
         CliError::invalid(format!("rank {rank}: --platform cuda: GPU {ordinal} (LOCAL_RANK {}): {e}", env.local_rank))
     })?);
+    // The copy-engine AllGather: the gather stacks' buffers come from NCCL's symmetric heap.
+    // The AllGather engine, agreed by every rank from every rank's offer; with the copy engines, the gather
+    // stacks' buffers come from NCCL's symmetric heap.
+    let (heap, unable) = match nccl_version() {
+        Err(e) => (None, Some(e.to_string())),
+        Ok(v) if v < 22800 => (None, Some(format!("NCCL {v} has no copy-engine AllGather (it needs 2.28 or later)"))),
+        Ok(_) => match SymmetricHeap::new() {
+            Ok(heap) => (Some(heap), None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+    };
+    let offer = EngineOffer { node: node_key(), unable };
+    let offers = rdv.all_gather_bytes(&offer.to_bytes()).map_err(|e| rendezvous_error(rank, e))?;
+    let offers = offers
+        .iter()
+        .map(|b| EngineOffer::from_bytes(b))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| failed("AllGather engine offers", &e))?;
+    let engine = choose_engine(a.allgather_engine, &offers).map_err(CliError::invalid)?;
+    let options = match heap {
+        Some(heap) if engine.copy_engine => {
+            cuda.set_shared_device_memory(heap.clone());
+            NcclOptions { copy_engine: Some(heap) }
+        }
+        _ => NcclOptions::default(),
+    };
     let platform: PlatformRef = cuda.clone();
     // Timed: this rank's pinned H2D bandwidth, measured as the single-GPU bench does, by every rank at once (after
     // a barrier): the ranks copy their shards at the same time, and two GPUs copying at once share the host side.
@@ -771,7 +824,7 @@ fn cuda_rank(
         let run = run_rank_with_model(
             platform.clone(),
             compute.clone(),
-            factory(cuda.clone(), id, rank, env.world),
+            factory_with_options(cuda.clone(), id, rank, env.world, options),
             rank,
             env.world,
             &spec,
@@ -779,7 +832,7 @@ fn cuda_rank(
         )
         .map_err(|e| failed("the distributed run failed", &e))?;
         check_restored_weights(before, model.checksum()).map_err(|m| CliError::failed(format!("rank {rank}: {m}")))?;
-        Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s })
+        Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s, engine: Some(engine) })
     })();
     model.release();
     outcome

@@ -102,6 +102,9 @@ pub struct BenchGatherArgs {
     /// Mode of the gathering transfers beside the GEMMs.
     #[arg(long, value_enum, default_value_t = GatherModeArg::Gather)]
     pub compute_mode: GatherModeArg,
+    /// Use NCCL's copy-engine AllGather (symmetric windows, `NCCL_CTA_POLICY_ZERO`; NCCL 2.28 or later).
+    #[arg(long)]
+    pub nccl_copy_engine: bool,
     /// Skip the compute-slowdown measurement.
     #[arg(long)]
     pub skip_compute: bool,
@@ -265,6 +268,13 @@ pub struct RunArgs {
     /// to start.
     #[arg(long, value_name = "RANK:N", hide = true)]
     pub inject_gather_failure: Option<String>,
+    /// Distributed runs on `--platform cuda`: the NCCL AllGather that rebuilds blocks. `copy-engine` (NCCL 2.28 or
+    /// later, every rank on one node): slot and shard buffers come from `ncclMemAlloc` and are registered as
+    /// symmetric windows, the communicator runs under `NCCL_CTA_POLICY_ZERO`, and the AllGathers run on the copy
+    /// engines, taking no SMs from the compute. `kernel`: NCCL's kernels. `auto`: the copy engines when every rank
+    /// can use them, else kernels.
+    #[arg(long, value_enum, value_name = "E", default_value_t = crate::dist::allgather_engine::AllGatherEngine::Auto)]
+    pub allgather_engine: crate::dist::allgather_engine::AllGatherEngine,
 }
 
 /// Deliberately broken orderings (testing aid).

@@ -4,6 +4,7 @@
 //! the outcome to an exit code (1 when outputs or weights differ or the hazard detector fired).
 
 use super::{emit, load_config, load_pipeline, CliError, FaultArg, PlatformArg, RunArgs, DEFAULT_PRESET};
+use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::LaunchEnv;
 use crate::engine::driver::{run as drive, RunSpec, RunStage};
 use crate::engine::{EngineError, Progress};
@@ -136,6 +137,12 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     if a.inject_gather_failure.is_some() {
         return Err(CliError::invalid(
             "--inject-gather-failure applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry launch)",
+        ));
+    }
+    if a.allgather_engine != AllGatherEngine::Auto {
+        return Err(CliError::invalid(
+            "--allgather-engine applies only to a distributed run on --platform cuda (WORLD_SIZE > 1, e.g. under \
+             weightferry launch)",
         ));
     }
     if a.time_steps.is_some() {

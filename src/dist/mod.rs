@@ -7,6 +7,7 @@
 //! - [`rendezvous`]: [`Rendezvous`], a small TCP exchange through rank 0 (broadcast, all-gather of bytes, barrier)
 //!   that ships the NCCL unique id and carries the simulated collective.
 //! - [`tcp_collective`]: [`TcpCollective`], the AllGather contract across processes on the simulated device.
+//! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
 //! - [`launch`](mod@launch): `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
 //!   prefixed.
 //!
@@ -14,6 +15,7 @@
 //! any failure (bad environment, a rank out of step or gone, a failed AllGather) is an error naming the rank,
 //! never a hang longer than the rendezvous timeout.
 
+pub mod allgather_engine;
 pub mod env;
 pub mod launch;
 pub mod rendezvous;

@@ -28,7 +28,8 @@ use super::timing::median;
 use super::EngineError;
 use crate::model::splitmix64;
 use crate::platform::cuda::blas::{BLayout, Blas, Gemm};
-use crate::platform::cuda::nccl::{nccl_version, NcclCollective, NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
+use crate::platform::cuda::nccl::{nccl_version, NcclCollective, NcclOptions, NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
+use crate::platform::cuda::symmetric::SymmetricHeap;
 use crate::platform::cuda::CudaPlatform;
 use serde::Serialize;
 use std::sync::{Arc, Condvar, Mutex};
@@ -99,6 +100,9 @@ pub struct GatherBenchSpec {
     pub modes: Vec<GatherMode>,
     /// The compute-slowdown measurement, if wanted.
     pub gemm: Option<GemmSpec>,
+    /// NCCL's copy-engine AllGather: shard and output slots from NCCL's symmetric heap, registered as windows,
+    /// on a communicator under `NCCL_CTA_POLICY_ZERO`.
+    pub copy_engine: bool,
 }
 
 /// One measured configuration of one group size.
@@ -458,13 +462,20 @@ fn rank_main(
     let shards: Vec<Vec<u8>> = (0..world).map(|r| shard_content(r, shard_len)).collect();
     p.write_host(host, 0, &shards[rank])?;
     let readback = p.alloc_host(block, HostMemoryKind::Pinned)?;
-    let shard_slots = [p.alloc_device(shard_len)?, p.alloc_device(shard_len)?];
-    let out_slots = [p.alloc_device(block)?, p.alloc_device(block)?];
+    let options = if spec.copy_engine {
+        let heap = SymmetricHeap::new().map_err(PlatformError::from)?;
+        p.set_shared_device_memory(heap.clone());
+        NcclOptions { copy_engine: Some(heap) }
+    } else {
+        NcclOptions::default()
+    };
+    let shard_slots = [p.alloc_device_shared(shard_len)?, p.alloc_device_shared(shard_len)?];
+    let out_slots = [p.alloc_device_shared(block)?, p.alloc_device_shared(block)?];
     let copy = p.create_stream("copy")?;
     let comm_stream = p.create_stream("comm")?;
     let done = [p.create_event()?, p.create_event()?];
     let uid = NcclUniqueId::from_bytes(&id).map_err(PlatformError::from)?;
-    let comm = NcclCollective::new(p.clone(), &uid, rank, world).map_err(PlatformError::from)?;
+    let comm = NcclCollective::with_options(p.clone(), &uid, rank, world, options).map_err(PlatformError::from)?;
     let mut r = Rank {
         p: p.clone(),
         comm,
@@ -867,6 +878,7 @@ mod tests {
             worlds: vec![1, 3],
             modes: vec![GatherMode::Gather],
             gemm: None,
+            copy_engine: false,
         };
         assert!(check_spec(&spec, 4).is_err(), "512 MiB is not a multiple of 3 × 256");
         assert!(check_spec(&GatherBenchSpec { worlds: vec![1, 2], ..spec.clone() }, 4).is_ok());

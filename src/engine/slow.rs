@@ -63,6 +63,9 @@ impl Platform for SlowCopies {
     fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
         self.inner.alloc_device(bytes)
     }
+    fn alloc_device_shared(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+        self.inner.alloc_device_shared(bytes)
+    }
     fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()> {
         self.inner.free_device(buf)
     }

@@ -7,7 +7,9 @@
 //!   (a build without the CUDA toolkit works; a machine without a driver gets
 //!   [`weightferry_actors::platform::PlatformError::Unavailable`], never a panic).
 //! - `nccl` (feature `nccl`, implies `cuda`): `cuda::nccl::NcclCollective`, the collective contract
-//!   ([`weightferry_actors::collective::Collective`]) over NCCL AllGather on a `CudaPlatform`.
+//!   ([`weightferry_actors::collective::Collective`]) over NCCL AllGather on a `CudaPlatform`, and
+//!   `cuda::symmetric::SymmetricHeap`, the `ncclMemAlloc` memory its copy-engine AllGather maps as symmetric
+//!   windows.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

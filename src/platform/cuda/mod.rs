@@ -5,7 +5,9 @@
 //! a panic. Everything runs on the device's primary context, made current on each calling thread as needed.
 //!
 //! - Device memory: `cuMemAlloc` / `cuMemFree`, counted against a capacity (the device's total memory, or a lower
-//!   cap from [`CudaPlatform::with_capacity_limit`]), with a peak counter.
+//!   cap from [`CudaPlatform::with_capacity_limit`]), with a peak counter. `alloc_device_shared` (the gather
+//!   stacks' buffers) allocates through an installed [`ExternalDeviceMemory`] instead, when there is one (NCCL's
+//!   symmetric heap, for the copy-engine AllGather).
 //! - Host memory: pinned buffers from `cuMemHostAlloc` with flags 0 (cached, not write-combined, so CPU fills run
 //!   at memory speed), or pageable buffers from the system allocator.
 //! - Streams: `CU_STREAM_NON_BLOCKING`. Events: `CU_EVENT_DISABLE_TIMING`, owned by the platform (cudarc's automatic
@@ -20,6 +22,8 @@ mod driver;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod resources;
+#[cfg(feature = "nccl")]
+pub mod symmetric;
 pub mod timeline;
 
 use std::fmt;
@@ -34,6 +38,7 @@ use weightferry_actors::platform::{
 };
 
 use driver::{bind_or_err, describe};
+pub use resources::ExternalDeviceMemory;
 use resources::{DeviceAlloc, EventEntry, HandleTable, HostAlloc, StreamEntry};
 
 /// Direction label of host-to-device copy errors.
@@ -62,6 +67,8 @@ pub struct CudaPlatform {
     pinned_cache: std::sync::Mutex<PinnedCache>,
     /// Timing spans of copies and kernels, when armed (see [`timeline`]).
     timeline: timeline::Timeline,
+    /// Where `alloc_device_shared` allocates, once installed (else it is `alloc_device`).
+    shared_memory: std::sync::OnceLock<Arc<dyn ExternalDeviceMemory>>,
 }
 
 /// Pinned buffers kept after `free_host`, up to a byte limit.
@@ -100,7 +107,15 @@ impl CudaPlatform {
             events: HandleTable::new(),
             pinned_cache: std::sync::Mutex::new(PinnedCache::default()),
             timeline: timeline::Timeline::default(),
+            shared_memory: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Installs the allocator of [`Platform::alloc_device_shared`] (NCCL's symmetric heap, for the copy-engine
+    /// AllGather). Once per platform: a second call returns `false` and changes nothing. Install it before the
+    /// buffers that should come from it are allocated.
+    pub fn set_shared_device_memory(&self, memory: Arc<dyn ExternalDeviceMemory>) -> bool {
+        self.shared_memory.set(memory).is_ok()
     }
 
     /// Number of CUDA devices visible to this process (honouring `CUDA_VISIBLE_DEVICES`).
@@ -174,6 +189,45 @@ impl CudaPlatform {
     /// destroyed.
     pub fn raw_event(&self, event: EventId) -> Option<sys::CUevent> {
         self.events.get(u64::from(event.0)).map(|e| e.raw())
+    }
+
+    /// Allocates `bytes` of device memory through `cuMemAlloc`, or through `external` when given, counted against
+    /// the capacity.
+    fn alloc_device_with(
+        &self,
+        bytes: u64,
+        external: Option<Arc<dyn ExternalDeviceMemory>>,
+    ) -> PlatformResult<DeviceBufferId> {
+        let after = self.reserve(bytes)?;
+        let unreserve = || {
+            self.in_use.fetch_sub(bytes, Ordering::AcqRel);
+        };
+        if let Err(e) = self.bind_to_thread() {
+            unreserve();
+            return Err(e);
+        }
+        let alloc = match external {
+            None => DeviceAlloc::new(&self.ctx, bytes).map_err(|e| {
+                if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    PlatformError::OutOfMemory { requested: bytes, in_use: after - bytes, capacity: self.capacity }
+                } else {
+                    PlatformError::Driver(format!("cuMemAlloc of {bytes} bytes failed: {}", describe(e)))
+                }
+            }),
+            Some(external) => DeviceAlloc::new_external(&self.ctx, bytes, external)
+                .map_err(|e| PlatformError::Driver(format!("shared device allocation of {bytes} bytes failed: {e}"))),
+        };
+        let alloc = match alloc {
+            Ok(alloc) => alloc,
+            Err(e) => {
+                unreserve();
+                return Err(e);
+            }
+        };
+        self.peak.fetch_max(after, Ordering::AcqRel);
+        let id = self.device.next_handle();
+        self.device.insert(id, alloc);
+        Ok(DeviceBufferId(id))
     }
 
     /// Device address and size of a device buffer, or `None` for an unknown handle. The address stays valid
@@ -344,29 +398,11 @@ impl Platform for CudaPlatform {
     }
 
     fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
-        let after = self.reserve(bytes)?;
-        let unreserve = || {
-            self.in_use.fetch_sub(bytes, Ordering::AcqRel);
-        };
-        if let Err(e) = self.bind_to_thread() {
-            unreserve();
-            return Err(e);
-        }
-        let alloc = match DeviceAlloc::new(&self.ctx, bytes) {
-            Ok(alloc) => alloc,
-            Err(e) => {
-                unreserve();
-                return Err(if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                    PlatformError::OutOfMemory { requested: bytes, in_use: after - bytes, capacity: self.capacity }
-                } else {
-                    PlatformError::Driver(format!("cuMemAlloc of {bytes} bytes failed: {}", describe(e)))
-                });
-            }
-        };
-        self.peak.fetch_max(after, Ordering::AcqRel);
-        let id = self.device.next_handle();
-        self.device.insert(id, alloc);
-        Ok(DeviceBufferId(id))
+        self.alloc_device_with(bytes, None)
+    }
+
+    fn alloc_device_shared(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+        self.alloc_device_with(bytes, self.shared_memory.get().cloned())
     }
 
     fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()> {
@@ -374,9 +410,9 @@ impl Platform for CudaPlatform {
             self.device.remove(buf.0).ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })?;
         self.in_use.fetch_sub(entry.len(), Ordering::AcqRel);
         match Arc::try_unwrap(entry) {
-            Ok(alloc) => alloc.release().map_err(|e| {
-                PlatformError::Driver(format!("cuMemFree of device buffer {} failed: {}", buf.0, describe(e)))
-            }),
+            Ok(alloc) => alloc
+                .release()
+                .map_err(|e| PlatformError::Driver(format!("freeing device buffer {} failed: {e}", buf.0))),
             // A concurrent call still holds it for a moment; the last holder frees it.
             Err(_) => Ok(()),
         }

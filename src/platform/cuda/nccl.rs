@@ -33,6 +33,7 @@ use weightferry_actors::collective::Collective;
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::{DeviceBufferId, PlatformError, StreamId};
 
+use super::symmetric::{SymmetricHeap, Windows, NCCL_WIN_COLL_SYMMETRIC};
 use super::CudaPlatform;
 
 /// Size of an NCCL unique id in bytes (`NCCL_UNIQUE_ID_BYTES`).
@@ -272,7 +273,26 @@ struct State {
     enqueued: u64,
     /// Set by [`NcclCollective::abort`]: drop aborts instead of destroying.
     abort: bool,
+    /// AllGathers enqueued between two symmetric windows (NCCL may run them on the copy engines).
+    windowed: u64,
 }
+
+/// How a communicator is built.
+#[derive(Debug, Clone, Default)]
+pub struct NcclOptions {
+    /// The copy-engine AllGather: the communicator runs under `NCCL_CTA_POLICY_ZERO` and registers every buffer of
+    /// this heap that an AllGather uses as a symmetric window, at its first use. Install the same heap as the
+    /// platform's shared device memory before the gather stacks allocate. Every rank must pick the same slot for
+    /// the same gather (the block stack's docs say when), and every rank of the group must use the option alike.
+    pub copy_engine: Option<Arc<SymmetricHeap>>,
+}
+
+/// `NCCL_CONFIG_MAGIC`.
+const NCCL_CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// `NCCL_CONFIG_UNDEF_INT`: the field keeps NCCL's default.
+const UNDEF: i32 = i32::MIN;
+/// `NCCL_CTA_POLICY_ZERO`.
+const NCCL_CTA_POLICY_ZERO: i32 = 0x02;
 
 /// One rank of an NCCL communicator on one [`CudaPlatform`].
 ///
@@ -286,6 +306,8 @@ pub struct NcclCollective {
     rank: usize,
     world: usize,
     state: RefCell<State>,
+    /// With the copy-engine option: the heap whose buffers get windows, and the windows registered so far.
+    symmetric: Option<(Arc<SymmetricHeap>, RefCell<Windows>)>,
 }
 
 impl fmt::Debug for NcclCollective {
@@ -302,19 +324,43 @@ impl NcclCollective {
     /// Joins communicator `id` as `rank` of `world` on `platform`'s device: binds the platform's context to this
     /// thread and calls `ncclCommInitRank`, which blocks until every rank joined.
     pub fn new(platform: Arc<CudaPlatform>, id: &NcclUniqueId, rank: usize, world: usize) -> Result<Self, NcclError> {
+        NcclCollective::with_options(platform, id, rank, world, NcclOptions::default())
+    }
+
+    /// [`NcclCollective::new`] with [`NcclOptions`]: with `copy_engine`, the communicator is created through
+    /// `ncclCommInitRankConfig` with `NCCL_CTA_POLICY_ZERO`.
+    pub fn with_options(
+        platform: Arc<CudaPlatform>,
+        id: &NcclUniqueId,
+        rank: usize,
+        world: usize,
+        options: NcclOptions,
+    ) -> Result<Self, NcclError> {
         let invalid = || NcclError::InvalidRank { rank, world };
         if world == 0 || rank >= world {
             return Err(invalid());
         }
         let nranks = i32::try_from(world).map_err(|_| invalid())?;
         let my_rank = i32::try_from(rank).map_err(|_| invalid())?;
-        nccl_version()?;
+        let version = nccl_version()?;
         platform.bind_to_thread()?;
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `comm` is a valid out-pointer for one communicator handle; the id is a plain 128-byte value;
-        // the platform's context (the device's primary context, which NCCL's runtime calls use too) is current.
-        unsafe { nccl::comm_init_rank(&mut comm, nranks, id.to_sys(), my_rank) }
-            .map_err(|e| call_error("ncclCommInitRank", e, None))?;
+        match &options.copy_engine {
+            None => {
+                // SAFETY: `comm` is a valid out-pointer for one communicator handle; the id is a plain 128-byte
+                // value; the platform's context (the device's primary context, which NCCL's runtime calls use
+                // too) is current.
+                unsafe { nccl::comm_init_rank(&mut comm, nranks, id.to_sys(), my_rank) }
+                    .map_err(|e| call_error("ncclCommInitRank", e, None))?;
+            }
+            Some(_) => {
+                let mut config = zero_cta_config(version);
+                // SAFETY: as above, plus `config` is a fully initialised `ncclConfig_t` (every field NCCL reads
+                // is set, to "undefined" unless chosen) that outlives the call.
+                unsafe { nccl::comm_init_rank_config(&mut comm, nranks, id.to_sys(), my_rank, &mut config) }
+                    .map_err(|e| call_error("ncclCommInitRankConfig", e, None))?;
+            }
+        }
         if comm.is_null() {
             return Err(NcclError::Call {
                 call: "ncclCommInitRank",
@@ -323,7 +369,8 @@ impl NcclCollective {
             });
         }
         tracing::debug!(target: "weightferry::nccl", rank, world, device = platform.ordinal(), "joined communicator");
-        Ok(NcclCollective { platform, comm, rank, world, state: RefCell::new(State::default()) })
+        let symmetric = options.copy_engine.map(|heap| (heap, RefCell::new(Windows::default())));
+        Ok(NcclCollective { platform, comm, rank, world, state: RefCell::new(State::default()), symmetric })
     }
 
     /// [`NcclCollective::new`] from the id's bytes as shipped by rank 0 (exactly [`NCCL_UNIQUE_ID_BYTES`]; any
@@ -346,6 +393,48 @@ impl NcclCollective {
     /// How many `ncclAllGather`s were enqueued (zero-length gathers enqueue nothing and are not counted).
     pub fn enqueued(&self) -> u64 {
         self.state.borrow().enqueued
+    }
+
+    /// How many AllGathers went between two symmetric windows (with the copy-engine option; NCCL then chooses
+    /// its copy-engine path).
+    pub fn windowed(&self) -> u64 {
+        self.state.borrow().windowed
+    }
+
+    /// How many symmetric windows this communicator registered.
+    pub fn windows(&self) -> usize {
+        self.symmetric.as_ref().map_or(0, |(_, w)| w.borrow().list.len())
+    }
+
+    /// Registers the buffer at `ptr` (a heap allocation of `len` bytes) as a symmetric window unless one maps it.
+    /// A collective call: every rank registers its counterpart at the same point of the gather order.
+    fn ensure_window(
+        &self,
+        heap: &SymmetricHeap,
+        windows: &RefCell<Windows>,
+        ptr: u64,
+        len: u64,
+    ) -> Result<(), NcclError> {
+        if windows.borrow().contains(ptr) {
+            return Ok(());
+        }
+        let bytes = usize::try_from(len).map_err(|_| NcclError::OutOfBounds {
+            what: "symmetric window",
+            offset: 0,
+            len,
+            size: len,
+        })?;
+        let mut win: sys::ncclWindow_t = std::ptr::null_mut();
+        // SAFETY: the communicator is live; `ptr .. ptr + len` is one live `ncclMemAlloc` allocation of the heap
+        // (it stays allocated while registered: the heap defers its release until `mark_deregistered`); `win` is a
+        // valid out-pointer.
+        let status = unsafe {
+            sys::ncclCommWindowRegister(self.comm, ptr as *mut c_void, bytes, &mut win, NCCL_WIN_COLL_SYMMETRIC)
+        };
+        status.result().map_err(|e| call_error("ncclCommWindowRegister", e, Some(self.comm)))?;
+        heap.mark_registered(ptr);
+        windows.borrow_mut().list.push((ptr, win));
+        Ok(())
     }
 
     /// The failure that poisoned the collective, if any.
@@ -460,6 +549,13 @@ impl NcclCollective {
             size: in_size,
         })?;
         self.platform.bind_to_thread()?;
+        if let Some((heap, windows)) = &self.symmetric {
+            if let (Some(in_len), Some(out_len)) = (heap.allocation_len(in_ptr), heap.allocation_len(out_ptr)) {
+                self.ensure_window(heap, windows, in_ptr, in_len)?;
+                self.ensure_window(heap, windows, out_ptr, out_len)?;
+                self.state.borrow_mut().windowed += 1;
+            }
+        }
         // A span on the comm lane while the device timeline is armed (the label is formatted only then).
         let span = if self.platform.timeline.armed() {
             self.platform.timeline_begin(stream, crate::engine::timeline::COMM_LANE, &format!("allgather {out_len}"))
@@ -538,6 +634,28 @@ impl Drop for NcclCollective {
             tracing::warn!(target: "weightferry::nccl", "dropping the NCCL communicator: {e}");
         }
         let failed = self.state.borrow().abort || self.poison_reason().is_some() || self.async_error().is_err();
+        if let Some((heap, windows)) = &self.symmetric {
+            tracing::info!(
+                target: "weightferry::nccl",
+                rank = self.rank,
+                windows = windows.borrow().list.len(),
+                windowed = self.state.borrow().windowed,
+                enqueued = self.state.borrow().enqueued,
+                "copy-engine option: AllGathers between symmetric windows"
+            );
+            for (ptr, win) in std::mem::take(&mut windows.borrow_mut().list) {
+                if !failed {
+                    // SAFETY: the communicator is live and `win` one of its windows, deregistered exactly once
+                    // (the list was taken); every rank deregisters in the same (registration) order.
+                    let status = unsafe { sys::ncclCommWindowDeregister(self.comm, win) };
+                    if let Err(e) = status.result() {
+                        tracing::warn!(target: "weightferry::nccl", "ncclCommWindowDeregister failed: {:?}", e.0);
+                    }
+                }
+                // After an abort NCCL drops its windows with the communicator, below.
+                heap.mark_deregistered(ptr);
+            }
+        }
         // SAFETY: the communicator is live and is destroyed (or aborted) exactly once, here.
         let (call, result) = if failed {
             ("ncclCommAbort", unsafe { nccl::comm_abort(self.comm) })
@@ -554,10 +672,48 @@ impl Drop for NcclCollective {
 /// actor's thread, which then owns the communicator. Pass the same platform (as a `PlatformRef`) to
 /// `CollectiveHandle::spawn`, so the comm stream it creates belongs to this communicator's device.
 pub fn factory(platform: Arc<CudaPlatform>, id: NcclUniqueId, rank: usize, world: usize) -> CollectiveFactory {
+    factory_with_options(platform, id, rank, world, NcclOptions::default())
+}
+
+/// [`factory`] with [`NcclOptions`].
+pub fn factory_with_options(
+    platform: Arc<CudaPlatform>,
+    id: NcclUniqueId,
+    rank: usize,
+    world: usize,
+    options: NcclOptions,
+) -> CollectiveFactory {
     Box::new(move || {
-        let comm = NcclCollective::new(platform, &id, rank, world).map_err(PlatformError::from)?;
+        let comm = NcclCollective::with_options(platform, &id, rank, world, options).map_err(PlatformError::from)?;
         Ok(Box::new(comm) as Box<dyn Collective>)
     })
+}
+
+/// An `ncclConfig_t` that asks for `NCCL_CTA_POLICY_ZERO` and leaves every other field to NCCL, tagged with the
+/// running library's version (NCCL reads only the fields its version knows).
+fn zero_cta_config(version: i32) -> sys::ncclConfig_t {
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: NCCL_CONFIG_MAGIC,
+        version: u32::try_from(version).unwrap_or(0),
+        blocking: UNDEF,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: NCCL_CTA_POLICY_ZERO,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
 }
 
 #[cfg(test)]
@@ -598,6 +754,20 @@ mod tests {
             PlatformError::Driver(msg) => assert!(msg.contains("poisoned") && msg.contains("invalid rank 2"), "{msg}"),
             other => panic!("expected a driver error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn the_zero_cta_config_sets_the_policy_and_leaves_every_other_field_to_nccl() {
+        let c = zero_cta_config(22803);
+        assert_eq!((c.magic, c.version, c.size), (0xcafe_beef, 22803, std::mem::size_of::<sys::ncclConfig_t>()));
+        assert_eq!(c.CTAPolicy, 2);
+        for v in [c.blocking, c.cgaClusterSize, c.minCTAs, c.maxCTAs, c.splitShare, c.trafficClass, c.collnetEnable] {
+            assert_eq!(v, i32::MIN);
+        }
+        for v in [c.shrinkShare, c.nvlsCTAs, c.nChannelsPerNetPeer, c.nvlinkCentricSched, c.graphUsageMode] {
+            assert_eq!(v, i32::MIN);
+        }
+        assert!(c.netName.is_null() && c.commName.is_null());
     }
 
     #[test]

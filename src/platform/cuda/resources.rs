@@ -73,11 +73,24 @@ fn warn_release(what: &str, e: DriverError) {
     tracing::warn!(target: "weightferry::cuda", "releasing {what} failed: {}", describe(e));
 }
 
-/// A `cuMemAlloc` allocation (or an empty one, which owns nothing).
+/// Device memory from an allocator other than `cuMemAlloc` (NCCL's `ncclMemAlloc`, for symmetric windows),
+/// installed with `CudaPlatform::set_shared_device_memory`.
+pub trait ExternalDeviceMemory: Send + Sync {
+    /// Allocates `len > 0` bytes on the device whose context is current; returns the device address.
+    fn alloc(&self, len: u64) -> Result<sys::CUdeviceptr, String>;
+    /// Gives back an allocation made by [`ExternalDeviceMemory::alloc`]; the device's context is current and every
+    /// device operation touching it has completed. The allocator may defer the release (while a communicator still
+    /// maps the memory).
+    fn free(&self, ptr: sys::CUdeviceptr) -> Result<(), String>;
+}
+
+/// A device allocation: from `cuMemAlloc`, or from an [`ExternalDeviceMemory`] (or an empty one, which owns
+/// nothing).
 pub(crate) struct DeviceAlloc {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
     len: u64,
+    external: Option<Arc<dyn ExternalDeviceMemory>>,
 }
 
 // SAFETY: the allocation is a plain device address owned by this value; the driver allows freeing and using it
@@ -96,7 +109,17 @@ impl DeviceAlloc {
             // wrong context only makes the call fail).
             unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }.result()?;
         }
-        Ok(DeviceAlloc { ctx: Arc::clone(ctx), ptr, len })
+        Ok(DeviceAlloc { ctx: Arc::clone(ctx), ptr, len, external: None })
+    }
+
+    /// Allocates `len` bytes through `external` (nothing for `len == 0`). The caller made the context current.
+    pub(crate) fn new_external(
+        ctx: &Arc<CudaContext>,
+        len: u64,
+        external: Arc<dyn ExternalDeviceMemory>,
+    ) -> Result<Self, String> {
+        let ptr = if len > 0 { external.alloc(len)? } else { 0 };
+        Ok(DeviceAlloc { ctx: Arc::clone(ctx), ptr, len, external: Some(external) })
     }
 
     /// Device address.
@@ -110,26 +133,29 @@ impl DeviceAlloc {
     }
 
     /// Frees the memory now, reporting failure (drop only logs it).
-    pub(crate) fn release(mut self) -> Result<(), DriverError> {
+    pub(crate) fn release(mut self) -> Result<(), String> {
         self.release_inner()
     }
 
-    fn release_inner(&mut self) -> Result<(), DriverError> {
+    fn release_inner(&mut self) -> Result<(), String> {
         let ptr = std::mem::replace(&mut self.ptr, 0);
         if ptr == 0 {
             return Ok(());
         }
-        bind(self.ctx.cu_ctx())?;
-        // SAFETY: `ptr` came from `cuMemAlloc` in this context and is freed exactly once (it was swapped out
-        // above). Completion of device work touching it is the caller's contract (`Platform::free_device`).
-        unsafe { sys::cuMemFree_v2(ptr) }.result()
+        bind(self.ctx.cu_ctx()).map_err(describe)?;
+        match &self.external {
+            Some(external) => external.free(ptr),
+            // SAFETY: `ptr` came from `cuMemAlloc` in this context and is freed exactly once (it was swapped out
+            // above). Completion of device work touching it is the caller's contract (`Platform::free_device`).
+            None => unsafe { sys::cuMemFree_v2(ptr) }.result().map_err(describe),
+        }
     }
 }
 
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
         if let Err(e) = self.release_inner() {
-            warn_release("device memory", e);
+            tracing::warn!(target: "weightferry::cuda", "releasing device memory failed: {e}");
         }
     }
 }
