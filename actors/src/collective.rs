@@ -10,7 +10,9 @@
 //!
 //! Invariant: a group never hangs on a broken collective. The first failure anywhere — a rank's call failing (bad
 //! range, injected fault, shut-down platform), two ranks issuing different tags or lengths at one sequence
-//! number, a rank leaving, or a wait longer than the group timeout — *poisons* the group with a typed
+//! number, two ranks placing one AllGather differently in their shared allocations (the sim's model of the
+//! symmetric windows NCCL's copy-engine AllGather needs; [`Placement`]), a rank leaving, or a wait longer than the
+//! group timeout — *poisons* the group with a typed
 //! [`CollectiveError`]; every pending AllGather kernel of every rank then fails (so their streams report the
 //! error) and every later call fails at once without enqueuing anything, so no rank enters an unmatched
 //! collective. The tags each rank issued are recorded in call order so tests can compare ranks.
@@ -75,6 +77,22 @@ pub enum CollectiveError {
         /// Its input length.
         len: u64,
     },
+    /// Two ranks placed one AllGather differently in their symmetric windows (shared allocations): NCCL's
+    /// copy-engine AllGather would write into the wrong peer buffer. Checked only when a rank gathers between two
+    /// shared allocations.
+    #[error("AllGather #{seq}: rank {first_rank} gathers {first}, rank {rank} gathers {got}")]
+    AsymmetricPlacement {
+        /// Sequence position.
+        seq: u64,
+        /// The rank that issued this position first.
+        first_rank: usize,
+        /// Its placement.
+        first: Placement,
+        /// The rank that disagreed.
+        rank: usize,
+        /// Its placement.
+        got: Placement,
+    },
     /// A rank's call (or its kernel) failed.
     #[error("AllGather #{seq} failed on rank {rank}: {reason}")]
     RankFailed {
@@ -105,6 +123,31 @@ pub enum CollectiveError {
     },
 }
 
+/// Where one rank's AllGather reads and writes, in terms of symmetric windows (see [`SimPlatform::window_index`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Input or output outside the shared allocations.
+    Unshared,
+    /// Both in shared allocations: (window, offset) of the input and of the output.
+    Windows {
+        /// Window of the input and offset in it.
+        input: (usize, u64),
+        /// Window of the output and offset in it.
+        output: (usize, u64),
+    },
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Unshared => f.write_str("outside the shared allocations"),
+            Placement::Windows { input, output } => {
+                write!(f, "from window {} +{} into window {} +{}", input.0, input.1, output.0, output.1)
+            }
+        }
+    }
+}
+
 impl From<CollectiveError> for PlatformError {
     fn from(e: CollectiveError) -> PlatformError {
         PlatformError::Driver(format!("collective group poisoned: {e}"))
@@ -129,6 +172,7 @@ impl Default for SimCollectiveOptions {
 struct Exchange {
     tag: u64,
     len: u64,
+    placement: Placement,
     first_rank: usize,
     registered: usize,
     deposits: Vec<Option<Vec<u8>>>,
@@ -162,11 +206,18 @@ impl Rendezvous {
         self.poison_locked(&mut st, e)
     }
 
-    fn exchange<'a>(&self, st: &'a mut GroupState, seq: u64, tag: u64, len: u64, rank: usize) -> &'a mut Exchange {
+    fn exchange<'a>(
+        &self,
+        st: &'a mut GroupState,
+        seq: u64,
+        (tag, len, placement): (u64, u64, Placement),
+        rank: usize,
+    ) -> &'a mut Exchange {
         let world = self.world;
         st.ops.entry(seq).or_insert_with(|| Exchange {
             tag,
             len,
+            placement,
             first_rank: rank,
             registered: 0,
             deposits: vec![None; world],
@@ -175,7 +226,7 @@ impl Rendezvous {
     }
 
     /// Records rank `rank`'s call at `seq`, checking it against the ranks that issued `seq` before.
-    fn register(&self, rank: usize, seq: u64, tag: u64, len: u64) -> Result<(), CollectiveError> {
+    fn register(&self, rank: usize, seq: u64, tag: u64, len: u64, placement: Placement) -> Result<(), CollectiveError> {
         let mut st = lock(&self.state);
         if let Some(p) = &st.poison {
             return Err(p.clone());
@@ -183,11 +234,14 @@ impl Rendezvous {
         if let Some(list) = st.issued.get_mut(rank) {
             list.push(tag);
         }
-        let ex = self.exchange(&mut st, seq, tag, len, rank);
+        let ex = self.exchange(&mut st, seq, (tag, len, placement), rank);
         let mismatch = if ex.tag != tag {
             Some(CollectiveError::TagMismatch { seq, first_rank: ex.first_rank, first_tag: ex.tag, rank, tag })
         } else if ex.len != len {
             Some(CollectiveError::LengthMismatch { seq, first_rank: ex.first_rank, first_len: ex.len, rank, len })
+        } else if ex.placement != placement {
+            let (first_rank, first) = (ex.first_rank, ex.placement);
+            Some(CollectiveError::AsymmetricPlacement { seq, first_rank, first, rank, got: placement })
         } else {
             ex.registered += 1;
             None
@@ -205,7 +259,8 @@ impl Rendezvous {
         let deadline = start + self.options.timeout;
         let mut st: MutexGuard<'_, GroupState> = lock(&self.state);
         {
-            let ex = self.exchange(&mut st, seq, tag, len, rank);
+            // Registered before the kernel ran, so the exchange exists; the placement argument is not used then.
+            let ex = self.exchange(&mut st, seq, (tag, len, Placement::Unshared), rank);
             if ex.tag == tag && ex.len == len {
                 if let Some(slot) = ex.deposits.get_mut(rank) {
                     *slot = Some(input);
@@ -367,7 +422,11 @@ impl Collective for SimCollective {
         let out_len = len.checked_mul(self.group.world as u64).ok_or_else(|| {
             self.fail(seq, PlatformError::OutOfBounds { what: "all_gather output", offset: out_off, len, size: 0 })
         })?;
-        self.group.register(self.rank, seq, tag, len)?;
+        let placement = match (self.platform.window_index(in_buf), self.platform.window_index(out_buf)) {
+            (Some(i), Some(o)) => Placement::Windows { input: (i, in_off), output: (o, out_off) },
+            _ => Placement::Unshared,
+        };
+        self.group.register(self.rank, seq, tag, len, placement)?;
         let group = self.group.clone();
         let rank = self.rank;
         let accesses = vec![Access::read(in_buf, in_off, len), Access::write(out_buf, out_off, out_len)];

@@ -3,7 +3,8 @@
 //! collective actor gathers, and a kernel on a compute stream must see exactly the full block; the AllGather order
 //! must be identical on every rank whatever order each rank submits its requests in; a tag mismatch, a rank that
 //! never shows up, and an injected failure must fail every rank (poisoning), quickly and never by hanging. The
-//! warm-up AllGather runs once on every rank, frees its buffers, and a failed warm-up poisons the group.
+//! warm-up AllGather runs once on every rank, frees its buffers, and a failed warm-up poisons the group. Ranks that
+//! place one AllGather differently in their shared allocations (symmetric windows) poison the group.
 
 #![cfg(not(weightferry_loom))]
 
@@ -12,7 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weightferry_actors::collective::{
-    Collective, CollectiveError, SimCollective, SimCollectiveGroup, SimCollectiveOptions,
+    Collective, CollectiveError, Placement, SimCollective, SimCollectiveGroup, SimCollectiveOptions,
 };
 use weightferry_actors::collective_actor::{CollectiveHandle, GatherCmd, WARM_UP_TAG};
 use weightferry_actors::messages::{Completion, TicketBoard};
@@ -273,6 +274,69 @@ fn matching_direct_all_gather_concatenates_in_rank_order() {
     }
     assert_eq!(p.comms[0].group_issued_tags(), vec![vec![5], vec![5]]);
     assert_eq!(p.comms[0].poison_reason(), None);
+}
+
+#[test]
+fn symmetric_placements_gather_and_an_asymmetric_one_poisons_the_group() {
+    let sims = platforms(2);
+    let comms =
+        SimCollectiveGroup::with_options(sims.clone(), SimCollectiveOptions { timeout: Duration::from_secs(30) });
+    // Every rank allocates two shared buffers (windows 0 and 1) and one ordinary buffer.
+    let bufs: Vec<[DeviceBufferId; 3]> = sims
+        .iter()
+        .enumerate()
+        .map(|(r, s)| {
+            let a = s.alloc_device_shared(16).unwrap();
+            let b = s.alloc_device_shared(16).unwrap();
+            s.write_device(a, 0, &[r as u8 + 1; 16]).unwrap();
+            s.write_device(b, 0, &[r as u8 + 5; 16]).unwrap();
+            [a, b, s.alloc_device(16).unwrap()]
+        })
+        .collect();
+    assert_eq!(sims[1].window_index(bufs[1][1]), Some(1));
+    assert_eq!(sims[1].window_index(bufs[1][2]), None);
+    let streams: Vec<StreamId> = sims.iter().map(|s| s.create_stream("comm").unwrap()).collect();
+    // The same windows at the same offsets: gathered.
+    for r in 0..2 {
+        comms[r].all_gather(streams[r], (bufs[r][0], 4, 4), (bufs[r][1], 8), 1).unwrap();
+    }
+    // Unshared memory on every rank: not checked, gathered.
+    for r in 0..2 {
+        comms[r].all_gather(streams[r], (bufs[r][2], 0, 4), (bufs[r][2], 8), 2).unwrap();
+    }
+    for r in 0..2 {
+        sims[r].stream_synchronize(streams[r]).unwrap();
+        let mut out = [0u8; 8];
+        sims[r].read_device(bufs[r][1], 8, &mut out).unwrap();
+        assert_eq!(out, [1, 1, 1, 1, 2, 2, 2, 2], "rank {r}");
+    }
+    // Rank 1 reads from another offset of window 0: the copy engines would read the wrong bytes.
+    comms[0].all_gather(streams[0], (bufs[0][0], 0, 4), (bufs[0][1], 0), 3).unwrap();
+    let err = comms[1].all_gather(streams[1], (bufs[1][0], 4, 4), (bufs[1][1], 0), 3).unwrap_err();
+    let expected = CollectiveError::AsymmetricPlacement {
+        seq: 2,
+        first_rank: 0,
+        first: Placement::Windows { input: (0, 0), output: (1, 0) },
+        rank: 1,
+        got: Placement::Windows { input: (0, 4), output: (1, 0) },
+    };
+    assert_eq!(err, expected.clone().into());
+    assert_eq!(
+        expected.to_string(),
+        "AllGather #2: rank 0 gathers from window 0 +0 into window 1 +0, rank 1 gathers from window 0 +4 into \
+         window 1 +0"
+    );
+    assert!(sims[0].stream_synchronize(streams[0]).is_err(), "rank 0's pending AllGather fails");
+    assert_eq!(comms[1].poison_reason(), Some(expected));
+    // Shared on one rank, ordinary on the other, is asymmetric too.
+    let sims = platforms(2);
+    let comms = SimCollectiveGroup::new(sims.clone());
+    let ins = [sims[0].alloc_device_shared(8).unwrap(), sims[1].alloc_device(8).unwrap()];
+    let outs = [sims[0].alloc_device_shared(16).unwrap(), sims[1].alloc_device_shared(16).unwrap()];
+    let streams: Vec<StreamId> = sims.iter().map(|s| s.create_stream("comm").unwrap()).collect();
+    comms[0].all_gather(streams[0], (ins[0], 0, 8), (outs[0], 0), 9).unwrap();
+    let err = comms[1].all_gather(streams[1], (ins[1], 0, 8), (outs[1], 0), 9).unwrap_err();
+    assert!(err.to_string().contains("rank 1 gathers outside the shared allocations"), "{err}");
 }
 
 #[test]

@@ -56,6 +56,8 @@ pub(crate) struct Shared {
     pub(crate) trace: TraceLog,
     pub(crate) stats: StatCounters,
     pub(crate) life: Lifecycle,
+    /// Buffers from `alloc_device_shared`, in allocation order: the sim's model of symmetric windows.
+    pub(crate) windows: Mutex<Vec<DeviceBufferId>>,
 }
 
 struct StreamEntry {
@@ -104,6 +106,7 @@ impl SimPlatform {
             trace: TraceLog::new(tracing),
             stats: StatCounters::new(),
             life: Lifecycle::new(),
+            windows: Mutex::new(Vec::new()),
         };
         Ok(SimPlatform { shared: Arc::new(shared), streams: Mutex::new(Vec::new()) })
     }
@@ -118,6 +121,13 @@ impl SimPlatform {
             .get(stream.0 as usize)
             .map(|s| s.queue.clone())
             .ok_or(PlatformError::InvalidHandle { what: "stream", id: u64::from(stream.0) })
+    }
+
+    /// Position of `buf` among this device's shared allocations ([`crate::platform::Platform::alloc_device_shared`],
+    /// in allocation order), or `None` for ordinary memory: what a symmetric window is to NCCL. Ranks that allocate
+    /// alike give counterpart buffers equal positions.
+    pub fn window_index(&self, buf: DeviceBufferId) -> Option<usize> {
+        lock(&self.shared.windows).iter().position(|&b| b == buf)
     }
 
     pub(crate) fn shared(&self) -> &Shared {

@@ -52,6 +52,12 @@ impl Platform for SimPlatform {
         Ok(id)
     }
 
+    fn alloc_device_shared(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+        let id = self.alloc_device(bytes)?;
+        lock(&self.shared().windows).push(id);
+        Ok(id)
+    }
+
     fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()> {
         let shared = self.shared();
         let b = shared.memory.remove(buf)?;

@@ -7,6 +7,12 @@
 //! under `NCCL_CTA_POLICY_ZERO`. NCCL then moves an AllGather between two registered buffers with the copy engines
 //! over NVLink instead of with kernels on the SMs.
 //!
+//! With windows, a peer's copy engine writes into this rank's gather slot. It does so only while this rank's comm
+//! stream executes that AllGather (NCCL's stream semantics for a collective's buffers). This rank's comm stream
+//! reaches the AllGather only after the shard copy it waits for, and that copy waits for the slot's last-use event.
+//! So the block stack's rule, that a slot is overwritten only after the compute that read it, holds for the peers'
+//! writes too.
+//!
 //! Invariants: memory goes back to NCCL (`ncclMemFree`) only once no window maps it. Freeing a registered buffer
 //! defers the release until its window is deregistered (the communicator deregisters every window before it is
 //! destroyed, or forgets them when it aborts). The heap never frees memory it did not allocate.
