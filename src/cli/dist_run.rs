@@ -747,7 +747,7 @@ fn cuda_rank(
     use crate::dist::allgather_engine::{choose_engine, node_key, EngineOffer};
     use crate::engine::cuda::{CudaCompute, GpuShape};
     use crate::engine::gpu::default_tokens;
-    use crate::platform::cuda::nccl::{factory_with_options, nccl_version, NcclOptions, NcclUniqueId};
+    use crate::platform::cuda::nccl::{factory_with_options, NcclOptions, NcclUniqueId};
     use crate::platform::cuda::symmetric::SymmetricHeap;
     use crate::platform::cuda::CudaPlatform;
     let rank = env.rank;
@@ -761,13 +761,9 @@ fn cuda_rank(
     // The copy-engine AllGather: the gather stacks' buffers come from NCCL's symmetric heap.
     // The AllGather engine, agreed by every rank from every rank's offer; with the copy engines, the gather
     // stacks' buffers come from NCCL's symmetric heap.
-    let (heap, unable) = match nccl_version() {
-        Err(e) => (None, Some(e.to_string())),
-        Ok(v) if v < 22800 => (None, Some(format!("NCCL {v} has no copy-engine AllGather (it needs 2.28 or later)"))),
-        Ok(_) => match SymmetricHeap::new() {
-            Ok(heap) => (Some(heap), None),
-            Err(e) => (None, Some(e.to_string())),
-        },
+    let (heap, unable) = match SymmetricHeap::for_copy_engine(&cuda) {
+        Ok(heap) => (Some(heap), None),
+        Err(why) => (None, Some(why)),
     };
     let offer = EngineOffer { node: node_key(), unable };
     let offers = rdv.all_gather_bytes(&offer.to_bytes()).map_err(|e| rendezvous_error(rank, e))?;

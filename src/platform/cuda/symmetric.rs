@@ -101,6 +101,26 @@ impl SymmetricHeap {
         Ok(Arc::new(SymmetricHeap::with_backend(Box::new(NcclBackend))))
     }
 
+    /// A heap for the copy-engine AllGather on `platform`'s device, after checking what a rank can check alone:
+    /// NCCL 2.28 or later, `NCCL_CUMEM_ENABLE` and `NCCL_WIN_ENABLE` not `0` (NCCL then has no cuMem memory or no
+    /// windows), and one `ncclMemAlloc` / `ncclMemFree` of 2 MiB on the device. The error says which check failed.
+    pub fn for_copy_engine(platform: &super::CudaPlatform) -> Result<Arc<SymmetricHeap>, String> {
+        let version = nccl_version().map_err(|e| e.to_string())?;
+        if version < 22800 {
+            return Err(format!("NCCL {version} has no copy-engine AllGather (it needs 2.28 or later)"));
+        }
+        for var in ["NCCL_CUMEM_ENABLE", "NCCL_WIN_ENABLE"] {
+            if std::env::var(var).is_ok_and(|v| v.trim() == "0") {
+                return Err(format!("{var}=0 turns off the symmetric windows the copy-engine AllGather needs"));
+            }
+        }
+        let heap = SymmetricHeap::new().map_err(|e| e.to_string())?;
+        platform.bind_to_thread().map_err(|e| e.to_string())?;
+        let probe = heap.alloc(2 << 20).map_err(|e| format!("a 2 MiB probe allocation failed: {e}"))?;
+        heap.free(probe).map_err(|e| format!("freeing the probe allocation failed: {e}"))?;
+        Ok(heap)
+    }
+
     fn with_backend(backend: Box<dyn HeapBackend>) -> SymmetricHeap {
         SymmetricHeap { live: Mutex::new(HashMap::new()), backend }
     }
