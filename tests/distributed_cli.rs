@@ -293,6 +293,43 @@ fn a_timed_launch_prints_a_timing_line_per_rank_the_group_and_the_single_gpu_com
 }
 
 #[test]
+fn timed_rounds_report_the_median_round_and_the_range_in_json_and_text() {
+    let args = ["launch", "--nproc", "2", "--", "run", "--time-steps", "1,2", "--time-rounds", "3", "--json"];
+    let o = wf(&args, &[]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "stdout: {out}\nstderr: {err}");
+    let v = rank0_json(&out);
+    assert_eq!(v["all_bit_exact"], true);
+    for (r, rank) in v["ranks"].as_array().unwrap().iter().enumerate() {
+        let t = &rank["timing"];
+        assert_eq!(t["rounds"], 3, "rank {r}: {t}");
+        let (min, step, max) =
+            (t["step_min_s"].as_f64().unwrap(), t["step_s"].as_f64().unwrap(), t["step_max_s"].as_f64().unwrap());
+        assert!(min <= step && step <= max, "rank {r}: {t}");
+        // The reported LO / HI pair is the median round's: its step is the reported step.
+        assert!((step - (t["hi_s"].as_f64().unwrap() - t["lo_s"].as_f64().unwrap())).abs() < 1e-9, "rank {r}: {t}");
+    }
+    let o = wf(&["launch", "--nproc", "2", "--", "run", "--time-steps", "1,2", "--time-rounds", "2"], &[]);
+    let out = text(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    let line = out.lines().find(|l| l.starts_with("[rank 0] rank 1 timing: ")).expect("rank 1's timing line");
+    assert!(line.contains("; median of 2 rounds, ") && line.contains(" s/step), resident "), "{line}");
+    let env = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+    invalid(
+        &["run", "--time-rounds", "2"],
+        &env,
+        "error: --time-rounds repeats the timed executions of --time-steps LO,HI: add --time-steps, or remove \
+         --time-rounds",
+    );
+    invalid(
+        &["run", "--time-rounds", "2"],
+        &[],
+        "error: --time-rounds applies only to a distributed run with --time-steps (WORLD_SIZE > 1, e.g. under \
+         weightferry launch); on one GPU, weightferry bench --rounds repeats configurations",
+    );
+}
+
+#[test]
 fn bad_time_steps_are_an_exact_error_naming_the_flag() {
     let env = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
     for bad in ["3,1", "2,2", "0,2", "1", "a,3", "1,2,3", ""] {

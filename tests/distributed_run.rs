@@ -405,6 +405,45 @@ fn a_timed_run_reports_per_step_bytes_of_one_pass_and_the_hi_output() {
 }
 
 #[test]
+fn timed_rounds_repeat_the_lo_and_hi_executions_and_report_the_median_round() {
+    let desc = preset("flux-tiny").unwrap();
+    let resident = resident_output(&desc, 3, 0).unwrap();
+    let mut issued = Vec::new();
+    for rounds in 1..=3u32 {
+        let mut spec = DistributedRunSpec::new(desc.clone(), 2);
+        spec.timed_steps = Some((1, 3));
+        spec.timed_rounds = rounds;
+        let runs = ok_ranks(&spec);
+        for (r, run) in runs.iter().enumerate() {
+            assert!(run.output == resident, "rounds {rounds}: rank {r} differs from the resident 3-step run");
+            let t = run.timing.unwrap();
+            assert_eq!(t.rounds, rounds);
+            let (min, max) = t.step_range_s;
+            assert!(min <= t.step_s() && t.step_s() <= max, "rounds {rounds}: {min} <= {} <= {max}", t.step_s());
+            if rounds == 1 {
+                assert_eq!(min, max);
+            }
+            // Bytes per step come from the first round alone: the same whatever the rounds.
+            assert_eq!(t.shard_bytes_per_step, run.shard_host_bytes);
+        }
+        issued.push(runs[0].issued.len());
+    }
+    // Each extra round adds the same lo + hi executions, so the same number of AllGathers.
+    assert!(issued[1] > issued[0], "{issued:?}");
+    assert_eq!(issued[2] - issued[1], issued[1] - issued[0], "{issued:?}");
+    let mut spec = DistributedRunSpec::new(desc, 2);
+    for (rounds, timed, msg) in [
+        (0, Some((1, 3)), "timed rounds 0: need 1 to 50"),
+        (51, Some((1, 3)), "timed rounds 51: need 1 to 50"),
+        (2, None, "timed rounds 2: rounds repeat the timed executions, so they need timed steps"),
+    ] {
+        spec.timed_rounds = rounds;
+        spec.timed_steps = timed;
+        assert_eq!(run_distributed_sim(&spec).unwrap_err().to_string(), msg);
+    }
+}
+
+#[test]
 fn an_untimed_run_has_no_timing_and_bad_timed_steps_are_refused() {
     let desc = preset("flux-tiny").unwrap();
     let mut spec = DistributedRunSpec::new(desc, 2);
@@ -434,12 +473,12 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     let platform: PlatformRef = sim.clone();
     let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
-    let r = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((1, 3))).unwrap();
+    let r = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((1, 3)), 1).unwrap();
     assert!(r.output == resident_output(&desc, 3, 0).unwrap());
     let (steps, lo, hi) = r.timing.unwrap();
     assert_eq!(steps, (1, 3));
     assert!(lo > Duration::ZERO && hi > Duration::ZERO);
-    let e = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((2, 1))).unwrap_err();
+    let e = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((2, 1)), 1).unwrap_err();
     assert_eq!(e.to_string(), "timed steps (2, 1): need 1 <= lo < hi, e.g. (1, 3)");
     // The same model serves a one-rank distributed run, and stays loaded afterwards.
     let comm = SimCollectiveGroup::new(vec![sim.clone()]).pop().unwrap();
@@ -448,7 +487,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     spec.timed_steps = Some((1, 3));
     let run = run_rank_with_model(platform, compute.clone(), factory, 0, 1, &spec, &mut model).unwrap();
     assert!(run.output == r.output);
-    let again = resident_run_with_model(compute, &model, &desc, 3, 0, None).unwrap();
+    let again = resident_run_with_model(compute, &model, &desc, 3, 0, None, 1).unwrap();
     assert!(again.output == r.output && again.timing.is_none());
     model.release();
     assert!(sim.violations().is_empty());

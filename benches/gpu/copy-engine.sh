@@ -6,8 +6,9 @@
 #
 # (1) `bench-gather --worlds 2 --modes gather --chunk-mib 0,64` (block rebuild rate, then GEMMs beside whole-block
 # transfers) with the kernel AllGather and with `--nccl-copy-engine`; (2) the distributed run of the preset
-# (`launch --nproc 2 -- run --platform cuda --time-steps 1,3 --trace`, depth 2, one AllGather per section) both
-# ways, each rank logging how many AllGathers went between symmetric windows. NCCL_NVLS_ENABLE=0 throughout.
+# (`launch --nproc 2 -- run --platform cuda --time-steps 1,3 --time-rounds 3 --trace`, depth 2, one AllGather per
+# section) with `--allgather-engine kernel` and `copy-engine`, each rank logging how many AllGathers went between
+# symmetric windows. NCCL_NVLS_ENABLE=0 throughout.
 # Writes to $OUT (else /tmp): ge-{kernel,ce}.json, dist-{kernel,ce}.json, traces of rank 0, and copy-engine.log.
 set -u
 export NCCL_NVLS_ENABLE=0
@@ -32,11 +33,11 @@ cat > "$config" <<'JSON'
  "layer_options": {"dit": {"weight_transfer": "allgather", "prefetch_depth": 2}}}}
 JSON
 for v in kernel ce; do
-  flag=""; [ "$v" = ce ] && flag="--nccl-copy-engine"
+  flag="--allgather-engine kernel"; [ "$v" = ce ] && flag="--allgather-engine copy-engine"
   echo "== $preset distributed $v" | tee -a "$log"
   raw="$(mktemp /tmp/ce-raw.XXXXXX)"
   RUST_LOG=weightferry::nccl=info timeout 140 "$wf" launch --nproc 2 -- run --platform cuda --preset "$preset" \
-    --config "$config" --time-steps 1,3 --trace "/tmp/ce-$v.json" $flag --json > "$raw" 2>> "$log"
+    --config "$config" --time-steps 1,3 --time-rounds 3 --trace "/tmp/ce-$v.json" $flag --json > "$raw" 2>> "$log"
   rc=$?
   sed -n 's/^\[rank 0\] //p' "$raw" | grep -v '^NCCL ' > "$out/dist-$v.json"
   grep -v '^\[rank 0\] [{} "]' "$raw" >> "$log"
@@ -52,7 +53,9 @@ out = sys.argv[1]
 def load(p):
     try:
         with open(p) as f:
-            return json.JSONDecoder().raw_decode(f.read().lstrip())[0]
+            text = f.read()
+        # NCCL may print its version line before the report.
+        return json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
     except Exception as e:
         print(f"({p}: {e})"); return None
 for v in ("kernel", "ce"):

@@ -8,7 +8,8 @@
 #
 # Per preset: (1) the timed distributed run, 2 ranks (one process per GPU, NCCL), depth 2, one AllGather per block
 # section (the default; 64 MiB chunks measured 5-10% slower on flux-dev, benches/RESULTS.md):
-# `weightferry launch --nproc 2 -- run --platform cuda --time-steps LO,HI --trace F` (each rank also traces
+# `weightferry launch --nproc 2 -- run --platform cuda --time-steps LO,HI --time-rounds 3 --trace F` (the median of
+# 3 rounds; each rank also traces
 # one more LO-step execution: a timeline table per rank at the end; traces in /tmp/dist-trace); (2) single-GPU layerwise of
 # the same preset on GPU 0: `weightferry bench --steps LO,HI --depths 1,2 --budgets none`. Steps: 1,3 for flux,
 # 1,2 for wan-14b (2.9 s per step). Each command has its own timeout; the whole script stays under ~560 s.
@@ -38,7 +39,7 @@ status=0
 start=$SECONDS
 for p in $presets; do
   case "$p" in
-    wan-14b) steps=1,2; tdist=200; tbench=150 ;;
+    wan-14b) steps=1,2; tdist=280; tbench=150 ;;
     *) steps=1,3; tdist=130; tbench=90 ;;
   esac
   echo "== $p: distributed, 2 ranks, depth 2, whole sections, --time-steps $steps (timeout $tdist s)"
@@ -47,7 +48,7 @@ for p in $presets; do
   echo "== $p distributed" >> "$log"
   mkdir -p /tmp/dist-trace
   timeout "$tdist" "$wf" launch --nproc 2 -- run --platform cuda --preset "$p" --config "$config" \
-    --time-steps "$steps" --trace "/tmp/dist-trace/$p.json" ${DIST_ARGS:-} --json > "$raw" 2>> "$log"
+    --time-steps "$steps" --time-rounds 3 --trace "/tmp/dist-trace/$p.json" ${DIST_ARGS:-} --json > "$raw" 2>> "$log"
   rc=$?
   # Rank 0's report; NCCL's own lines (its version banner) and the other ranks' output go to the log.
   sed -n 's/^\[rank 0\] //p' "$raw" | grep -v '^NCCL ' > "$out/dist-$p.json"

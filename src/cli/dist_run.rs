@@ -90,6 +90,15 @@ pub struct RankTimingReport {
     pub lo_s: f64,
     /// Wall time of the `HI`-step execution, s.
     pub hi_s: f64,
+    /// Rounds of `LO` / `HI` executions (`--time-rounds`); the figures are the median round's.
+    #[serde(default = "one_round")]
+    pub rounds: u32,
+    /// Shortest step time of a round, s.
+    #[serde(default)]
+    pub step_min_s: f64,
+    /// Longest step time of a round, s.
+    #[serde(default)]
+    pub step_max_s: f64,
     /// Seconds per step of the distributed run.
     pub step_s: f64,
     /// Seconds per step of the resident run on the same device (the compute time).
@@ -111,10 +120,14 @@ pub struct RankTimingReport {
     pub single_gpu_bound_s: f64,
 }
 
+fn one_round() -> u32 {
+    1
+}
+
 impl RankTimingReport {
     /// The report of a timed `run` and the timed resident run on the same device.
     pub fn new(run: &RankRun, resident: &ResidentRun, h2d_bytes_per_s: Option<f64>) -> Option<Self> {
-        let t = run.timing?;
+        let t = run.timing.as_ref()?;
         let (steps, lo, hi) = resident.timing?;
         let step_s = t.step_s();
         let resident_step_s = step_seconds(steps, lo, hi);
@@ -122,6 +135,9 @@ impl RankTimingReport {
         Some(RankTimingReport {
             lo_s: t.lo.as_secs_f64(),
             hi_s: t.hi.as_secs_f64(),
+            rounds: t.rounds,
+            step_min_s: t.step_range_s.0,
+            step_max_s: t.step_range_s.1,
             step_s,
             resident_step_s,
             h2d_bytes_per_s,
@@ -360,12 +376,17 @@ impl fmt::Display for DistributedReport {
             let Some(t) = &r.timing else { continue };
             writeln!(
                 f,
-                "rank {} timing: {:.4} s/step (LO {:.3} s, HI {:.3} s), resident {:.4} s/step, shards {}/step at {} \
+                "rank {} timing: {:.4} s/step (LO {:.3} s, HI {:.3} s{}), resident {:.4} s/step, shards {}/step at {} \
                  pinned H2D, AllGather {}/step, full blocks {}/step, bound {:.4} s, ratio {}, single-GPU bound {:.4} s",
                 r.rank,
                 t.step_s,
                 t.lo_s,
                 t.hi_s,
+                if t.rounds > 1 {
+                    format!("; median of {} rounds, {:.4}–{:.4} s/step", t.rounds, t.step_min_s, t.step_max_s)
+                } else {
+                    String::new()
+                },
                 t.resident_step_s,
                 gb(t.shard_bytes_per_step),
                 bw_text(t.h2d_bytes_per_s),
@@ -487,6 +508,13 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
                 .to_string(),
         ));
     }
+    if a.time_rounds != 1 && a.time_steps.is_none() {
+        return Err(CliError::invalid(
+            "--time-rounds repeats the timed executions of --time-steps LO,HI: add --time-steps, or remove \
+             --time-rounds"
+                .to_string(),
+        ));
+    }
     if a.trace.is_some() && a.time_steps.is_none() {
         return Err(CliError::invalid(
             "--trace in a distributed run needs --time-steps LO,HI (it traces one more LO-step execution after the \
@@ -521,6 +549,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     }
     spec.steps = timed.map_or(a.steps, |(_, hi)| hi);
     spec.timed_steps = timed;
+    spec.timed_rounds = a.time_rounds;
     spec.seed = a.seed;
     // Measure the contract: only the shards stay on host while the run executes.
     spec.release_loaded = true;
@@ -537,7 +566,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let rdv = Arc::new(Rendezvous::connect(env, RendezvousOptions::default()).map_err(|e| rendezvous_error(rank, e))?);
     // Every rank must run the same thing, or the AllGathers would not match.
     let fingerprint = format!(
-        "{}|{:016x}|{}|{}|{}|{:?}|{:?}|{:?}|{:?}",
+        "{}|{:016x}|{}|{}|{}|{:?}|{:?}|{:?}|{}|{:?}|{:?}",
         pipeline.name,
         fnv1a(FNV_OFFSET, format!("{config:?}").as_bytes()),
         spec.steps,
@@ -546,7 +575,9 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         spec.chunk_bytes,
         fault,
         spec.timed_steps,
-        a.tokens
+        spec.timed_rounds,
+        a.tokens,
+        a.allgather_engine
     );
     let all = rdv.all_gather_bytes(fingerprint.as_bytes()).map_err(|e| rendezvous_error(rank, e))?;
     if let Some(r) = all.iter().position(|f| f.as_slice() != all[0].as_slice()) {
@@ -701,9 +732,16 @@ fn sim_rank(
 ) -> Result<(RankRun, ResidentRun), SimRankError> {
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)
         .map_err(|e| SimRankError::Resident(e.into()))?;
-    let resident =
-        resident_run_with_model(compute.clone(), &model, &spec.pipeline, spec.steps, spec.seed, spec.timed_steps)
-            .map_err(SimRankError::Resident);
+    let resident = resident_run_with_model(
+        compute.clone(),
+        &model,
+        &spec.pipeline,
+        spec.steps,
+        spec.seed,
+        spec.timed_steps,
+        spec.timed_rounds,
+    )
+    .map_err(SimRankError::Resident);
     let run = match resident {
         Ok(resident) => (|| {
             let before = model.checksum().map_err(|e| SimRankError::Resident(e.into()))?;
@@ -810,8 +848,16 @@ fn cuda_rank(
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)
         .map_err(|e| failed("synthetic weights", &e))?;
     let outcome = (|| {
-        let resident = resident_run_with_model(compute.clone(), &model, desc, spec.steps, spec.seed, spec.timed_steps)
-            .map_err(|e| failed("resident run", &e))?;
+        let resident = resident_run_with_model(
+            compute.clone(),
+            &model,
+            desc,
+            spec.steps,
+            spec.seed,
+            spec.timed_steps,
+            spec.timed_rounds,
+        )
+        .map_err(|e| failed("resident run", &e))?;
         let before = model.checksum().map_err(|e| failed("weights checksum", &e))?;
         let mut spec = spec.clone();
         if a.trace.is_some() {
@@ -912,6 +958,9 @@ mod tests {
         RankTimingReport {
             lo_s: 1.0,
             hi_s: 1.0 + 2.0 * step_s,
+            rounds: 1,
+            step_min_s: step_s,
+            step_max_s: step_s,
             step_s,
             resident_step_s,
             h2d_bytes_per_s: bw,

@@ -264,6 +264,10 @@ pub struct RunArgs {
     /// and for the group the step time, the resident step time, the bytes per step and the ratio to the bound.
     #[arg(long, value_name = "LO,HI")]
     pub time_steps: Option<String>,
+    /// Distributed runs with --time-steps: repeat the LO and HI executions this many rounds, alternating (and the
+    /// resident run's the same way); the report gives the median round and the range of the rounds' step times.
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub time_rounds: u32,
     /// Testing aid (distributed runs): `RANK:N` makes that rank's N-th AllGather (0-based, the warm-up is 0) fail
     /// to start.
     #[arg(long, value_name = "RANK:N", hide = true)]

@@ -139,6 +139,12 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
             "--inject-gather-failure applies only to a distributed run (WORLD_SIZE > 1, e.g. under weightferry launch)",
         ));
     }
+    if a.time_rounds != 1 {
+        return Err(CliError::invalid(
+            "--time-rounds applies only to a distributed run with --time-steps (WORLD_SIZE > 1, e.g. under \
+             weightferry launch); on one GPU, weightferry bench --rounds repeats configurations",
+        ));
+    }
     if a.allgather_engine != AllGatherEngine::Auto {
         return Err(CliError::invalid(
             "--allgather-engine applies only to a distributed run on --platform cuda (WORLD_SIZE > 1, e.g. under \

@@ -21,6 +21,52 @@ pub fn bytes_per_step((lo, hi): (u32, u32), b0: u64, b1: u64, b2: u64) -> u64 {
     (b2.saturating_sub(b1)).saturating_sub(b1.saturating_sub(b0)) / d
 }
 
+/// Timed executions repeated in rounds: each round runs `lo` then `hi` steps, and gives one step time
+/// ([`step_seconds`]) from its pair.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedRounds {
+    /// Wall time of the `lo` execution of the median round (the round whose step time is the median).
+    pub lo: Duration,
+    /// Wall time of its `hi` execution.
+    pub hi: Duration,
+    /// Rounds run.
+    pub rounds: u32,
+    /// Shortest step time of a round, s.
+    pub step_min_s: f64,
+    /// Longest step time of a round, s.
+    pub step_max_s: f64,
+}
+
+/// Runs rounds 2..=`rounds` of alternating `lo` / `hi` executions through `run` after the `first` round's wall
+/// times (the caller ran it, to read its counters around it); keeps the last `hi` output in `output` and returns
+/// the median round ([`median`]'s convention: the upper middle for an even count) and the spread.
+pub fn more_rounds<T, E>(
+    steps: (u32, u32),
+    first: (Duration, Duration),
+    rounds: u32,
+    run: impl Fn(u32) -> Result<(Duration, T), E>,
+    output: &mut T,
+) -> Result<TimedRounds, E> {
+    let mut pairs = vec![first];
+    for _ in 1..rounds.max(1) {
+        let (lo, _) = run(steps.0)?;
+        let (hi, out) = run(steps.1)?;
+        *output = out;
+        pairs.push((lo, hi));
+    }
+    let step = |&(lo, hi): &(Duration, Duration)| step_seconds(steps, lo, hi);
+    let mut sorted = pairs.clone();
+    sorted.sort_by(|a, b| step(a).total_cmp(&step(b)));
+    let (lo, hi) = sorted[sorted.len() / 2];
+    Ok(TimedRounds {
+        lo,
+        hi,
+        rounds: pairs.len() as u32,
+        step_min_s: step(&sorted[0]),
+        step_max_s: step(&sorted[sorted.len() - 1]),
+    })
+}
+
 /// The median of repeated measurements: the middle value, the upper of the two middle values for an even count
 /// (the slower of two runs: a benchmark claim should not rest on the luckier one); 0 for none.
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -34,6 +80,38 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn more_rounds_alternate_lo_and_hi_and_keep_the_median_round() {
+        let ms = Duration::from_millis;
+        // Round k's executions take (10 + k) ms and (10 + k + 2 · step_k) ms: steps 5, 1, 3, 4 ms for rounds 0..4.
+        let step_ms = [5u64, 1, 3, 4];
+        let calls = std::cell::RefCell::new(Vec::new());
+        let run = |n: u32| -> Result<(Duration, u32), ()> {
+            let mut c = calls.borrow_mut();
+            c.push(n);
+            let round = (c.len() - 1) / 2 + 1; // calls 0-1 are round 1, 2-3 round 2, … (round 0 is `first`)
+            let base = 10 + round as u64;
+            Ok(if n == 1 {
+                (ms(base), 100 + round as u32)
+            } else {
+                (ms(base + 2 * step_ms[round]), 200 + round as u32)
+            })
+        };
+        let mut out = 200;
+        let r = more_rounds((1, 3), (ms(10), ms(20)), 4, run, &mut out).unwrap();
+        assert_eq!(*calls.borrow(), vec![1, 3, 1, 3, 1, 3]);
+        assert_eq!(out, 203, "the last hi output");
+        assert_eq!((r.rounds, r.step_min_s, r.step_max_s), (4, 0.001, 0.005));
+        // Steps sorted: 1, 3, 4, 5 ms: the upper middle is round 3 (4 ms).
+        assert_eq!((r.lo, r.hi), (ms(13), ms(21)));
+        let one = more_rounds((1, 3), (ms(10), ms(20)), 1, |_| Err::<(Duration, u32), ()>(()), &mut out).unwrap();
+        assert_eq!((one.lo, one.hi, one.rounds, one.step_min_s), (ms(10), ms(20), 1, 0.005));
+        assert_eq!(
+            more_rounds((1, 3), (ms(10), ms(20)), 2, |_| Err::<(Duration, u32), _>("boom"), &mut out),
+            Err("boom")
+        );
+    }
 
     #[test]
     fn median_of_an_odd_and_an_even_count() {

@@ -155,6 +155,9 @@ pub struct DistributedRunSpec {
     /// warm-up step, then `lo` steps, then `hi` steps) and reports [`RankRun::timing`]; the output is the `hi`
     /// run's and `steps` is ignored. Needs `1 <= lo < hi`.
     pub timed_steps: Option<(u32, u32)>,
+    /// Timing mode: rounds of alternating `lo` / `hi` executions (default 1). The reported `lo` / `hi` are the
+    /// median round's, and [`RankTiming`] gives the spread of the rounds' step times.
+    pub timed_rounds: u32,
     /// Keep only the shards on host while running (the contract of distributed layerwise offload: host memory
     /// across the group totals one copy of the streamed blocks). When set, right after a unit's shards are built the
     /// rank frees the loaded host buffer of each of the unit's storages that no later unit needs (the storage
@@ -246,6 +249,18 @@ impl DistributedRunSpec {
                     "timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)"
                 )));
             }
+        }
+        if !(1..=MAX_TIMED_ROUNDS).contains(&self.timed_rounds) {
+            return Err(DistributedRunError::Invalid(format!(
+                "timed rounds {}: need 1 to {MAX_TIMED_ROUNDS}",
+                self.timed_rounds
+            )));
+        }
+        if self.timed_rounds > 1 && self.timed_steps.is_none() {
+            return Err(DistributedRunError::Invalid(format!(
+                "timed rounds {}: rounds repeat the timed executions, so they need timed steps",
+                self.timed_rounds
+            )));
         }
         if self.trace.is_some() && self.timed_steps.is_none() {
             return Err(DistributedRunError::Invalid(
@@ -358,6 +373,7 @@ impl DistributedRunSpec {
             chunk_bytes: None,
             jitter: None,
             timed_steps: None,
+            timed_rounds: 1,
             release_loaded: false,
             probe: None,
             trace: None,
@@ -400,18 +416,26 @@ pub struct RankRun {
     pub trace: Option<RankTrace>,
 }
 
+/// Most rounds of timed executions ([`DistributedRunSpec::timed_rounds`]).
+pub const MAX_TIMED_ROUNDS: u32 = 50;
+
 /// The timed executions of one rank ([`DistributedRunSpec::timed_steps`]): wall times of the `lo`- and `hi`-step
 /// executions (each ends by reading the output back, so wall time is device time) and what one step moved, taken
 /// from the stacks' copy counters as the difference between the two executions divided by `hi − lo` — which
-/// removes the encoders, the VAE and the first step of each execution, as the single-GPU bench does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// removes the encoders, the VAE and the first step of each execution, as the single-GPU bench does. With several
+/// rounds, `lo` and `hi` are the median round's.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RankTiming {
     /// `(lo, hi)` steps.
     pub steps: (u32, u32),
-    /// Wall time of the `lo`-step execution.
+    /// Wall time of the `lo`-step execution (of the median round).
     pub lo: Duration,
-    /// Wall time of the `hi`-step execution.
+    /// Wall time of the `hi`-step execution (of the median round).
     pub hi: Duration,
+    /// Rounds of `lo` / `hi` executions.
+    pub rounds: u32,
+    /// Shortest and longest step time of a round, s.
+    pub step_range_s: (f64, f64),
     /// Shard bytes this rank copied host → device per step (padding included).
     pub shard_bytes_per_step: u64,
     /// Bytes the AllGathers of one step wrote on this rank (`shard_bytes_per_step × world`, padding included).
@@ -429,8 +453,8 @@ impl RankTiming {
     }
 }
 
-use crate::engine::timing::bytes_per_step;
 pub use crate::engine::timing::step_seconds;
+use crate::engine::timing::{bytes_per_step, more_rounds};
 
 /// A resident run on a caller's model ([`resident_run_with_model`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -461,7 +485,7 @@ pub fn resident_output_on(
 ) -> Result<Vec<u8>, EngineError> {
     let platform = compute.platform();
     let model = HostModel::synthetic(platform.clone(), Arc::new(pipeline.clone()), seed)?;
-    let result = resident_run_with_model(compute, &model, pipeline, steps, seed, None);
+    let result = resident_run_with_model(compute, &model, pipeline, steps, seed, None, 1);
     model.release();
     result.map(|r| r.output)
 }
@@ -469,8 +493,9 @@ pub fn resident_output_on(
 /// The fully resident run of `pipeline` on `compute`'s platform with the caller's `model` (loaded on that platform
 /// from `pipeline`; it is left loaded): every storage uploaded once, no hooks. Untimed (`timed = None`): one
 /// execution of `steps` steps. Timed (`Some((lo, hi))`, `1 <= lo < hi`; `steps` is ignored): one untimed warm-up
-/// step (cuBLAS handles, kernel loading), then `lo` and `hi` steps, each timed; the output is the `hi` run's —
-/// the compute time of a step is [`step_seconds`] of the two.
+/// step (cuBLAS handles, kernel loading), then `rounds` rounds of `lo` and `hi` steps, each timed; the output is
+/// the last `hi` run's, and the timing the median round's — the compute time of a step is [`step_seconds`] of its
+/// two.
 pub fn resident_run_with_model(
     compute: Arc<dyn Compute>,
     model: &HostModel,
@@ -478,6 +503,7 @@ pub fn resident_run_with_model(
     steps: u32,
     seed: u64,
     timed: Option<(u32, u32)>,
+    rounds: u32,
 ) -> Result<ResidentRun, EngineError> {
     if let Some((lo, hi)) = timed {
         if lo == 0 || hi <= lo {
@@ -501,8 +527,9 @@ pub fn resident_run_with_model(
         Some((lo, hi)) => (|| {
             run(1)?;
             let (t_lo, _) = run(lo)?;
-            let (t_hi, output) = run(hi)?;
-            Ok(ResidentRun { output, timing: Some(((lo, hi), t_lo, t_hi)) })
+            let (t_hi, mut output) = run(hi)?;
+            let r = more_rounds((lo, hi), (t_lo, t_hi), rounds, run, &mut output)?;
+            Ok(ResidentRun { output, timing: Some(((lo, hi), r.lo, r.hi)) })
         })(),
     };
     let released = engine.release();
@@ -969,8 +996,9 @@ fn rank_run(
             let b0 = h2d();
             let (t_lo, _) = run(steps.0)?;
             let b1 = h2d();
-            let (t_hi, output) = run(steps.1)?;
+            let (t_hi, mut output) = run(steps.1)?;
             let b2 = h2d();
+            let rounds = more_rounds(steps, (t_lo, t_hi), spec.timed_rounds, run, &mut output)?;
             let shard = bytes_per_step(steps, b0, b1, b2);
             let full_per_step = if pass_shard == 0 {
                 0
@@ -979,8 +1007,10 @@ fn rank_run(
             };
             let timing = RankTiming {
                 steps,
-                lo: t_lo,
-                hi: t_hi,
+                lo: rounds.lo,
+                hi: rounds.hi,
+                rounds: rounds.rounds,
+                step_range_s: (rounds.step_min_s, rounds.step_max_s),
                 shard_bytes_per_step: shard,
                 gathered_bytes_per_step: shard.saturating_mul(world as u64),
                 full_bytes_per_step: full_per_step,
