@@ -231,6 +231,9 @@ fn a_timed_launch_reports_step_time_bytes_per_step_and_bounds_in_json() {
     for (r, rank) in ranks.iter().enumerate() {
         assert_eq!(rank["bit_exact"], true, "rank {r}");
         assert_eq!(rank["checksum"], v["resident_checksum"], "rank {r}");
+        // Every block AllGather went between the stacks' shared buffers; the warm-up and the restore did not.
+        assert_eq!(u(rank, "windowed_all_gathers"), u(rank, "all_gathers") - 1, "rank {r}: {rank}");
+        assert!(u(rank, "restore_all_gathers") > 0, "rank {r}: {rank}");
         let t = &rank["timing"];
         assert!(f(t, "step_s") > 0.0, "rank {r}: {t}");
         assert!(f(t, "hi_s") > f(t, "lo_s"), "rank {r}: {t}");

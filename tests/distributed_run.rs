@@ -391,6 +391,10 @@ fn a_timed_run_reports_per_step_bytes_of_one_pass_and_the_hi_output() {
         for (r, run) in runs.iter().enumerate() {
             assert!(run.output == resident, "{what}: rank {r} differs from the resident 3-step run");
             assert_eq!(run.issued, runs[0].issued, "{what}: rank {r} gather sequence");
+            // Every block gather ran between the stacks' shared buffers (windows); the warm-up did not.
+            let warm_ups = run.issued.iter().filter(|(_, tag)| *tag == WARM_UP_TAG).count();
+            assert_eq!(warm_ups, 1, "{what}");
+            assert_eq!(run.windowed_all_gathers, (run.issued.len() - warm_ups) as u64, "{what}: rank {r}");
             let t = run.timing.unwrap_or_else(|| panic!("{what}: rank {r} has no timing"));
             assert_eq!(t.steps, (1, 3), "{what}");
             assert!(t.hi > Duration::ZERO && t.lo > Duration::ZERO, "{what}");

@@ -44,6 +44,12 @@ pub trait Collective: std::fmt::Debug {
         output: (DeviceBufferId, u64),
         tag: u64,
     ) -> Result<(), PlatformError>;
+
+    /// AllGathers this communicator enqueued between two shared allocations placed as symmetric windows (NCCL's
+    /// copy-engine path; the simulated group's [`Placement::Windows`]). 0 for a communicator without windows.
+    fn windowed_gathers(&self) -> u64 {
+        0
+    }
 }
 
 /// Why a collective group is poisoned.
@@ -135,6 +141,52 @@ pub enum Placement {
         /// Window of the output and offset in it.
         output: (usize, u64),
     },
+}
+
+impl Placement {
+    /// Bytes of [`Placement::to_bytes`].
+    pub const BYTES: usize = 33;
+
+    /// The placement of an AllGather from `input` into `output` on a device whose shared allocations have the
+    /// window indices `window_of` gives.
+    pub fn of(
+        (in_buf, in_off): (DeviceBufferId, u64),
+        (out_buf, out_off): (DeviceBufferId, u64),
+        window_of: impl Fn(DeviceBufferId) -> Option<usize>,
+    ) -> Placement {
+        match (window_of(in_buf), window_of(out_buf)) {
+            (Some(i), Some(o)) => Placement::Windows { input: (i, in_off), output: (o, out_off) },
+            _ => Placement::Unshared,
+        }
+    }
+
+    /// A fixed-size encoding, for collectives that exchange placements between processes.
+    pub fn to_bytes(&self) -> [u8; Placement::BYTES] {
+        let mut b = [0u8; Placement::BYTES];
+        if let Placement::Windows { input, output } = self {
+            b[0] = 1;
+            for (k, v) in [input.0 as u64, input.1, output.0 as u64, output.1].into_iter().enumerate() {
+                b[1 + 8 * k..9 + 8 * k].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        b
+    }
+
+    /// The placement of [`Placement::to_bytes`]; `None` for bytes no placement encodes to.
+    pub fn from_bytes(b: &[u8]) -> Option<Placement> {
+        if b.len() != Placement::BYTES {
+            return None;
+        }
+        let word = |k: usize| u64::from_le_bytes(b[1 + 8 * k..9 + 8 * k].try_into().unwrap_or([0; 8]));
+        match b[0] {
+            0 if b[1..].iter().all(|&x| x == 0) => Some(Placement::Unshared),
+            1 => Some(Placement::Windows {
+                input: (usize::try_from(word(0)).ok()?, word(1)),
+                output: (usize::try_from(word(2)).ok()?, word(3)),
+            }),
+            _ => None,
+        }
+    }
 }
 
 impl std::fmt::Display for Placement {
@@ -333,6 +385,7 @@ impl SimCollectiveGroup {
                 group: group.clone(),
                 next_seq: Mutex::new(0),
                 fail_at: AtomicU64::new(u64::MAX),
+                windowed: AtomicU64::new(0),
             })
             .collect()
     }
@@ -345,6 +398,7 @@ pub struct SimCollective {
     group: Arc<Rendezvous>,
     next_seq: Mutex<u64>,
     fail_at: AtomicU64,
+    windowed: AtomicU64,
 }
 
 impl std::fmt::Debug for SimCollective {
@@ -422,10 +476,7 @@ impl Collective for SimCollective {
         let out_len = len.checked_mul(self.group.world as u64).ok_or_else(|| {
             self.fail(seq, PlatformError::OutOfBounds { what: "all_gather output", offset: out_off, len, size: 0 })
         })?;
-        let placement = match (self.platform.window_index(in_buf), self.platform.window_index(out_buf)) {
-            (Some(i), Some(o)) => Placement::Windows { input: (i, in_off), output: (o, out_off) },
-            _ => Placement::Unshared,
-        };
+        let placement = Placement::of((in_buf, in_off), (out_buf, out_off), |b| self.platform.window_index(b));
         self.group.register(self.rank, seq, tag, len, placement)?;
         let group = self.group.clone();
         let rank = self.rank;
@@ -445,6 +496,13 @@ impl Collective for SimCollective {
         self.platform
             .launch(stream, &format!("all_gather #{seq} tag {tag:#x}"), accesses, Box::new(body))
             .map_err(|e| self.fail(seq, e))?;
+        if matches!(placement, Placement::Windows { .. }) {
+            self.windowed.fetch_add(1, Ordering::SeqCst);
+        }
         Ok(())
+    }
+
+    fn windowed_gathers(&self) -> u64 {
+        self.windowed.load(Ordering::SeqCst)
     }
 }

@@ -21,7 +21,7 @@ use crate::collective::Collective;
 use crate::messages::{Completion, TicketBoard};
 use crate::platform::{DeviceBufferId, EventId, PlatformError, PlatformRef, StreamId};
 use crate::slot::Ticket;
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::mailbox::{self, Receiver, Sender};
 use crate::sync::thread::{self, JoinHandle};
 use crate::sync::{lock, Arc, Mutex};
@@ -162,6 +162,8 @@ pub struct CollectiveHandle {
     issued: Arc<Mutex<Vec<(u64, u64)>>>,
     poison: Arc<Mutex<Option<PlatformError>>>,
     joins: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    /// Mirror of the communicator's [`Collective::windowed_gathers`], updated after each AllGather.
+    windowed: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for CollectiveHandle {
@@ -194,12 +196,23 @@ impl CollectiveHandle {
         let issued = Arc::new(Mutex::new(Vec::new()));
         let poison = Arc::new(Mutex::new(None));
         let (a, log, actor_name, shared_poison) = (alive.clone(), issued.clone(), name.to_string(), poison.clone());
+        let windowed = Arc::new(AtomicU64::new(0));
+        let shared_windowed = windowed.clone();
         let actor = thread::spawn_named(&format!("wf-comm-{name}"), move || {
             match make() {
                 Ok(comm) => {
                     let _ = ready_tx.send(Ok((comm.rank(), comm.world())));
-                    let mut actor =
-                        Actor { platform, stream, comm, watch: wtx, issued: log, next: 0, poison: None, shared_poison };
+                    let mut actor = Actor {
+                        platform,
+                        stream,
+                        comm,
+                        watch: wtx,
+                        issued: log,
+                        next: 0,
+                        poison: None,
+                        shared_poison,
+                        windowed: shared_windowed,
+                    };
                     actor.run(&rx, &actor_name);
                 }
                 Err(e) => {
@@ -232,7 +245,13 @@ impl CollectiveHandle {
             issued,
             poison,
             joins,
+            windowed,
         })
+    }
+
+    /// AllGathers the communicator ran between symmetric windows so far ([`Collective::windowed_gathers`]).
+    pub fn windowed_gathers(&self) -> u64 {
+        self.windowed.load(Ordering::Acquire)
     }
 
     /// The comm stream the actor owns.
@@ -358,6 +377,8 @@ struct Actor {
     poison: Option<PlatformError>,
     /// Mirror of `poison` readable through the handle.
     shared_poison: Arc<Mutex<Option<PlatformError>>>,
+    /// Mirror of the communicator's windowed count, readable through the handle.
+    windowed: Arc<AtomicU64>,
 }
 
 impl Actor {
@@ -408,6 +429,7 @@ impl Actor {
         }
         lock(&self.issued).push((g.seq, g.tag));
         self.comm.all_gather(self.stream, g.input, g.output, g.tag)?;
+        self.windowed.store(self.comm.windowed_gathers(), Ordering::Release);
         self.platform.record_event(g.ready, self.stream)
     }
 

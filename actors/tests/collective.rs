@@ -277,6 +277,23 @@ fn matching_direct_all_gather_concatenates_in_rank_order() {
 }
 
 #[test]
+fn placements_round_trip_through_their_bytes_and_junk_is_refused() {
+    for p in [
+        Placement::Unshared,
+        Placement::Windows { input: (0, 0), output: (1, 4096) },
+        Placement::Windows { input: (7, u64::MAX), output: (usize::MAX >> 1, 3) },
+    ] {
+        assert_eq!(Placement::from_bytes(&p.to_bytes()), Some(p));
+    }
+    let mut junk = Placement::Unshared.to_bytes();
+    junk[5] = 1;
+    assert_eq!(Placement::from_bytes(&junk), None, "an unshared placement carries no windows");
+    junk[0] = 2;
+    assert_eq!(Placement::from_bytes(&junk), None);
+    assert_eq!(Placement::from_bytes(&[1; 32]), None, "wrong length");
+}
+
+#[test]
 fn symmetric_placements_gather_and_an_asymmetric_one_poisons_the_group() {
     let sims = platforms(2);
     let comms =

@@ -121,13 +121,15 @@ for p in presets:
     if dist_step and single.get("depth=2"):
         print(f"| {p} | 1 GPU depth=2 step / 2 GPUs step | {single['depth=2'] / dist_step:.3f} × | | | | | | | | |")
 print()
-print("| preset | rank | shard masters GB | DiT host GB while running | AllGathers | restore AllGathers | bit-exact |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
+print("| preset | rank | shard masters GB | DiT host GB while running | AllGathers | between symmetric windows | "
+      "restore AllGathers | bit-exact |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for p in presets:
     d = load(f"{out}/dist-{p}.json")
     for r in (d or {}).get("ranks", []):
         print(f"| {p} | {r['rank']} | {gb(r['shard_host_bytes'])} | {gb(r.get('dit_host_bytes_while_running', 0))} | "
-              f"{r['all_gathers']} | {r.get('restore_all_gathers', 0)} | {'yes' if r['bit_exact'] else 'NO'} |")
+              f"{r['all_gathers']} | {r.get('windowed_all_gathers', 0)} | {r.get('restore_all_gathers', 0)} | "
+              f"{'yes' if r['bit_exact'] else 'NO'} |")
 print()
 print("| preset | rank | traced steps | DiT window ms/step | compute busy ms | stalls/step | stall ms | longest stall ms | "
       "shard copies ms (beside compute) | AllGathers ms (beside compute) | dropped |")

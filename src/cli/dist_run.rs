@@ -260,6 +260,10 @@ pub struct RankSummary {
     pub dit_host_bytes_while_running: u64,
     /// Bytes it copied host to device (shards only).
     pub h2d_bytes: u64,
+    /// AllGathers that went between symmetric windows: NCCL's copy-engine path on GPUs (0 with kernels), the
+    /// simulated group's model of it on the simulated device.
+    #[serde(default)]
+    pub windowed_all_gathers: u64,
     /// Hazard violations its simulated device detected.
     pub hazard_violations: usize,
     /// With `--time-steps`: its timed run.
@@ -359,13 +363,15 @@ impl fmt::Display for DistributedReport {
         for r in &self.ranks {
             writeln!(
                 f,
-                "rank {}: {} (checksum {}), {} AllGathers (+{} restoring the weights to host), {} of shards on host \
-                 ({} of DiT weights on host while running), {} copied host to device, {} hazards",
+                "rank {}: {} (checksum {}), {} AllGathers (+{} restoring the weights to host; {} between symmetric \
+                 windows), {} of shards on host ({} of DiT weights on host while running), {} copied host to device, \
+                 {} hazards",
                 r.rank,
                 if r.bit_exact { "bit-exact with the resident run" } else { "DIFFERS from the resident run" },
                 r.checksum,
                 r.all_gathers,
                 r.restore_all_gathers,
+                r.windowed_all_gathers,
                 human_bytes(r.shard_host_bytes),
                 human_bytes(r.dit_host_bytes_while_running),
                 human_bytes(r.h2d_bytes),
@@ -636,6 +642,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         shard_host_bytes: run.shard_host_bytes,
         dit_host_bytes_while_running: run.dit_host_bytes_while_running,
         h2d_bytes: run.h2d_bytes,
+        windowed_all_gathers: run.windowed_all_gathers,
         hazard_violations: hazards,
         timing: RankTimingReport::new(&run, &resident, h2d_bytes_per_s),
         timeline,
@@ -983,6 +990,7 @@ mod tests {
             shard_host_bytes: 1,
             dit_host_bytes_while_running: 1,
             h2d_bytes: 1,
+            windowed_all_gathers: 0,
             hazard_violations: 0,
             timing: t,
             timeline: None,

@@ -410,6 +410,9 @@ pub struct RankRun {
     pub sections: u64,
     /// Host → device bytes the DiT stacks copied (shards only).
     pub h2d_bytes: u64,
+    /// AllGathers that went between symmetric windows ([`weightferry_actors::collective::Collective::windowed_gathers`]:
+    /// NCCL's copy-engine path, or the simulated group's model of it), the final restore's included.
+    pub windowed_all_gathers: u64,
     /// With [`DistributedRunSpec::timed_steps`]: the timed executions and the bytes one step moved.
     pub timing: Option<RankTiming>,
     /// With [`DistributedRunSpec::trace`]: the traced execution's device timeline.
@@ -738,6 +741,7 @@ pub fn run_rank_with_model(
     }
     let released = !parts.released.is_empty();
     let unrestored = parts.released.iter().filter(|s| model.home(**s) == Some(Home::Sharded)).count();
+    let windowed = parts.collective.as_ref().map(|c| c.windowed_gathers());
     let cleanup = release(&platform, parts);
     let cleanup = match (disabled, cleanup) {
         (Some(e), _) | (None, Err(e)) => Err(e),
@@ -761,6 +765,7 @@ pub fn run_rank_with_model(
         }
         (Ok(mut run), _, Ok(issued)) => {
             run.restore_issued = issued;
+            run.windowed_all_gathers = windowed.unwrap_or(run.windowed_all_gathers);
             Ok(run)
         }
         (Err(e), _, Ok(_)) => Err(e),
@@ -1046,6 +1051,7 @@ fn rank_run(
         full_section_bytes: full,
         sections,
         h2d_bytes: parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum(),
+        windowed_all_gathers: collective.windowed_gathers(),
         timing,
         trace,
     })

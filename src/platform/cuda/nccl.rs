@@ -626,6 +626,10 @@ impl Collective for NcclCollective {
     ) -> Result<(), PlatformError> {
         self.gather(stream, input, output, tag).map_err(Into::into)
     }
+
+    fn windowed_gathers(&self) -> u64 {
+        self.windowed()
+    }
 }
 
 impl Drop for NcclCollective {

@@ -16,6 +16,11 @@
 //! Invariants: memory goes back to NCCL (`ncclMemFree`) only once no window maps it. Freeing a registered buffer
 //! defers the release until its window is deregistered (the communicator deregisters every window before it is
 //! destroyed, or forgets them when it aborts). The heap never frees memory it did not allocate.
+//!
+//! Cost of that rule: removing a window is a collective call, made at the communicator's drop. So the gather
+//! stacks' buffers, freed when the stacks are disabled (before a distributed run's final restore), stay allocated
+//! on the device until then. The platform's counters already show them as free: during the restore the device
+//! holds up to the stacks' slot and shard bytes more than the counters say.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
