@@ -815,12 +815,14 @@ fn cuda_rank(
     let cuda = Arc::new(CudaPlatform::new(ordinal).map_err(|e| {
         CliError::invalid(format!("rank {rank}: --platform cuda: GPU {ordinal} (LOCAL_RANK {}): {e}", env.local_rank))
     })?);
-    // The copy-engine AllGather: the gather stacks' buffers come from NCCL's symmetric heap.
     // The AllGather engine, agreed by every rank from every rank's offer; with the copy engines, the gather
     // stacks' buffers come from NCCL's symmetric heap.
-    let (heap, unable) = match SymmetricHeap::for_copy_engine(&cuda) {
-        Ok(heap) => (Some(heap), None),
-        Err(why) => (None, Some(why)),
+    let (heap, unable) = match a.allgather_engine {
+        AllGatherEngine::Kernel => (None, Some("kernels were asked for".to_string())),
+        _ => match SymmetricHeap::for_copy_engine(&cuda) {
+            Ok(heap) => (Some(heap), None),
+            Err(why) => (None, Some(why)),
+        },
     };
     let offer = EngineOffer { node: node_key(), unable };
     let offers = rdv.all_gather_bytes(&offer.to_bytes()).map_err(|e| rendezvous_error(rank, e))?;
@@ -832,7 +834,9 @@ fn cuda_rank(
     let engine = choose_engine(a.allgather_engine, &offers).map_err(CliError::invalid)?;
     let options = match heap {
         Some(heap) if engine.copy_engine => {
-            cuda.set_shared_device_memory(heap.clone());
+            if !cuda.set_shared_device_memory(heap.clone()) {
+                return Err(failed("copy-engine AllGather", &"the GPU's shared device memory was installed already"));
+            }
             NcclOptions { copy_engine: Some(heap) }
         }
         _ => NcclOptions::default(),
