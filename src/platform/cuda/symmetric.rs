@@ -110,14 +110,12 @@ impl SymmetricHeap {
     /// NCCL 2.28 or later, `NCCL_CUMEM_ENABLE` and `NCCL_WIN_ENABLE` not `0` (NCCL then has no cuMem memory or no
     /// windows), and one `ncclMemAlloc` / `ncclMemFree` of 2 MiB on the device. The error says which check failed.
     pub fn for_copy_engine(platform: &super::CudaPlatform) -> Result<Arc<SymmetricHeap>, String> {
+        if let Some(why) = env_obstacle(|var| std::env::var(var).ok()) {
+            return Err(why);
+        }
         let version = nccl_version().map_err(|e| e.to_string())?;
         if version < 22800 {
             return Err(format!("NCCL {version} has no copy-engine AllGather (it needs 2.28 or later)"));
-        }
-        for var in ["NCCL_CUMEM_ENABLE", "NCCL_WIN_ENABLE"] {
-            if std::env::var(var).is_ok_and(|v| v.trim() == "0") {
-                return Err(format!("{var}=0 turns off the symmetric windows the copy-engine AllGather needs"));
-            }
         }
         let heap = SymmetricHeap::new().map_err(|e| e.to_string())?;
         platform.bind_to_thread().map_err(|e| e.to_string())?;
@@ -201,6 +199,16 @@ impl ExternalDeviceMemory for SymmetricHeap {
     }
 }
 
+/// Why NCCL's environment (read through `get`) rules the copy-engine AllGather out, if it does: windows need NCCL's
+/// cuMem allocations and its window support, which `NCCL_CUMEM_ENABLE=0` and `NCCL_WIN_ENABLE=0` turn off.
+fn env_obstacle(get: impl Fn(&str) -> Option<String>) -> Option<String> {
+    ["NCCL_CUMEM_ENABLE", "NCCL_WIN_ENABLE"].into_iter().find_map(|var| {
+        get(var)
+            .filter(|v| v.trim() == "0")
+            .map(|_| format!("{var}=0 turns off the symmetric windows the copy-engine AllGather needs"))
+    })
+}
+
 /// The windows one communicator registered, in registration order (the same on every rank).
 #[derive(Debug, Default)]
 pub(crate) struct Windows {
@@ -240,6 +248,23 @@ mod tests {
     fn heap() -> (SymmetricHeap, Arc<Fake>) {
         let fake = Arc::new(Fake::default());
         (SymmetricHeap::with_backend(Box::new(fake.clone())), fake)
+    }
+
+    #[test]
+    fn nccl_settings_that_turn_windows_off_rule_the_copy_engines_out() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |var: &str| pairs.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(env_obstacle(env(&[])), None);
+        assert_eq!(env_obstacle(env(&[("NCCL_CUMEM_ENABLE", "1"), ("NCCL_WIN_ENABLE", " 1")])), None);
+        assert_eq!(
+            env_obstacle(env(&[("NCCL_CUMEM_ENABLE", " 0 ")])),
+            Some("NCCL_CUMEM_ENABLE=0 turns off the symmetric windows the copy-engine AllGather needs".into())
+        );
+        assert_eq!(
+            env_obstacle(env(&[("NCCL_CUMEM_ENABLE", "1"), ("NCCL_WIN_ENABLE", "0")])),
+            Some("NCCL_WIN_ENABLE=0 turns off the symmetric windows the copy-engine AllGather needs".into())
+        );
     }
 
     #[test]
