@@ -778,18 +778,6 @@ pub fn gpu_ordinal(local_rank: usize, visible: usize) -> Result<usize, String> {
     }
 }
 
-/// The way out when the copy-engine AllGather's window registration failed (say, a container that does not let
-/// NCCL pass memory handles between processes): empty otherwise.
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-fn window_hint(copy_engine: bool, error: &str) -> &'static str {
-    if copy_engine && error.contains("ncclCommWindowRegister") {
-        " (registering the copy-engine AllGather's symmetric windows failed; --allgather-engine kernel uses NCCL's \
-         kernels instead)"
-    } else {
-        ""
-    }
-}
-
 /// This rank on a GPU: device `LOCAL_RANK`, the GPU reference engine, an NCCL communicator whose unique id rank 0
 /// generates and broadcasts over the rendezvous; then the resident run on the same GPU for the comparison.
 #[cfg(feature = "nccl")]
@@ -895,10 +883,7 @@ fn cuda_rank(
             &spec,
             &mut model,
         )
-        .map_err(|e| {
-            let hint = window_hint(engine.copy_engine, &e.to_string());
-            failed(&format!("the distributed run failed{hint}"), &e)
-        })?;
+        .map_err(|e| failed("the distributed run failed", &e))?;
         check_restored_weights(before, model.checksum()).map_err(|m| CliError::failed(format!("rank {rank}: {m}")))?;
         Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s, engine: Some(engine) })
     })();
@@ -963,18 +948,6 @@ mod tests {
         assert_eq!(v["trace_file"], "t.rank0.json");
         let back: RankTimelineReport = serde_json::from_value(v).unwrap();
         assert_eq!(back, r);
-    }
-
-    #[test]
-    fn a_failed_window_registration_points_to_the_kernel_allgather() {
-        let e = "collective poisoned (driver error: ncclCommWindowRegister failed: ncclSystemError (…))";
-        assert_eq!(
-            window_hint(true, e),
-            " (registering the copy-engine AllGather's symmetric windows failed; --allgather-engine kernel uses \
-             NCCL's kernels instead)"
-        );
-        assert_eq!(window_hint(false, e), "");
-        assert_eq!(window_hint(true, "ncclAllGather failed: ncclUnhandledCudaError"), "");
     }
 
     #[test]

@@ -69,6 +69,18 @@ pub enum NcclError {
         /// NCCL's description and last-error text.
         message: String,
     },
+    /// Registering a symmetric window for the copy-engine AllGather failed (say, a container that does not let NCCL
+    /// pass memory handles between processes).
+    #[error(
+        "ncclCommWindowRegister failed: {code} ({message}); the copy-engine AllGather cannot run here: build the \
+         communicator without NcclOptions::copy_engine (weightferry run --allgather-engine kernel)"
+    )]
+    WindowRegistration {
+        /// The `ncclResult_t` name.
+        code: String,
+        /// NCCL's description and last-error text.
+        message: String,
+    },
     /// NCCL reported an asynchronous error on the communicator (a failed or aborted collective).
     #[error("NCCL communicator error (rank {rank}): {code} ({message})")]
     Async {
@@ -431,7 +443,10 @@ impl NcclCollective {
         let status = unsafe {
             sys::ncclCommWindowRegister(self.comm, ptr as *mut c_void, bytes, &mut win, NCCL_WIN_COLL_SYMMETRIC)
         };
-        status.result().map_err(|e| call_error("ncclCommWindowRegister", e, Some(self.comm)))?;
+        status.result().map_err(|e| {
+            let (code, message) = describe(e.0, Some(self.comm));
+            NcclError::WindowRegistration { code, message }
+        })?;
         heap.mark_registered(ptr);
         windows.borrow_mut().list.push((ptr, win));
         Ok(())
@@ -772,6 +787,20 @@ mod tests {
             assert_eq!(v, i32::MIN);
         }
         assert!(c.netName.is_null() && c.commName.is_null());
+    }
+
+    #[test]
+    fn a_failed_window_registration_names_the_way_out() {
+        let e = NcclError::WindowRegistration { code: "ncclSystemError".into(), message: "no fd passing".into() };
+        assert_eq!(
+            e.to_string(),
+            "ncclCommWindowRegister failed: ncclSystemError (no fd passing); the copy-engine AllGather cannot run \
+             here: build the communicator without NcclOptions::copy_engine (weightferry run --allgather-engine kernel)"
+        );
+        match PlatformError::from(e) {
+            PlatformError::Driver(msg) => assert!(msg.contains("--allgather-engine kernel"), "{msg}"),
+            other => panic!("expected a driver error, got {other:?}"),
+        }
     }
 
     #[test]
