@@ -54,16 +54,15 @@ pub fn more_rounds<T, E>(
         *output = out;
         pairs.push((lo, hi));
     }
-    let step = |&(lo, hi): &(Duration, Duration)| step_seconds(steps, lo, hi);
-    let mut sorted = pairs.clone();
-    sorted.sort_by(|a, b| step(a).total_cmp(&step(b)));
-    let (lo, hi) = sorted[sorted.len() / 2];
+    let step_s: Vec<f64> = pairs.iter().map(|&(lo, hi)| step_seconds(steps, lo, hi)).collect();
+    let mid = median(step_s.clone());
+    let (lo, hi) = pairs[step_s.iter().position(|&s| s == mid).unwrap_or(0)];
     Ok(TimedRounds {
         lo,
         hi,
         rounds: pairs.len() as u32,
-        step_min_s: step(&sorted[0]),
-        step_max_s: step(&sorted[sorted.len() - 1]),
+        step_min_s: step_s.iter().copied().fold(f64::INFINITY, f64::min),
+        step_max_s: step_s.iter().copied().fold(f64::NEG_INFINITY, f64::max),
     })
 }
 
