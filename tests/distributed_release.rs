@@ -59,6 +59,9 @@ impl Collective for Recording {
         self.tags.lock().unwrap().push(tag);
         self.inner.all_gather(stream, input, output, tag)
     }
+    fn windowed_gathers(&self) -> u64 {
+        self.inner.windowed_gathers()
+    }
 }
 
 /// What one rank left behind.
@@ -235,6 +238,9 @@ fn released_runs_hold_only_shards_while_running_and_restore_the_model_bit_exactl
             assert!(run.issued.iter().all(|x| !is_restore_tag(x.1)), "{what}");
             assert!(run.restore_issued.len() as u64 >= run.sections, "{what}: one gather per section at least");
             assert_eq!(ranked.tags.iter().filter(|t| is_restore_tag(**t)).count(), run.restore_issued.len(), "{what}");
+            // The block gathers went between the stacks' shared buffers; the warm-up and the restore did not.
+            let warm_ups = run.issued.iter().filter(|(_, t)| *t == WARM_UP_TAG).count();
+            assert_eq!(run.windowed_all_gathers, (run.issued.len() - warm_ups) as u64, "{what}");
             // After: restored bit-exactly, nothing left behind.
             assert!(ranked.model.sharded().is_empty(), "{what}: rank {r}");
             assert_eq!(ranked.model.checksum().unwrap(), ranked.before, "{what}: rank {r} weights changed");

@@ -295,6 +295,9 @@ impl Platform for DirtyHostAlloc {
     fn alloc_device(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
         self.sim.alloc_device(bytes)
     }
+    fn alloc_device_shared(&self, bytes: u64) -> PlatformResult<DeviceBufferId> {
+        self.sim.alloc_device_shared(bytes)
+    }
     fn free_device(&self, buf: DeviceBufferId) -> PlatformResult<()> {
         self.sim.free_device(buf)
     }
