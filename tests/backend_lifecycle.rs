@@ -81,7 +81,7 @@ fn fx(name: &str, faults: FaultPlan) -> Fx {
 }
 
 fn backend(f: &Fx, config: &OffloadConfig) -> StreamingBackend {
-    get_offload_backend(config, f.platform.clone()).unwrap().expect("offload is enabled in this config")
+    get_offload_backend(config, f.platform.clone(), None).unwrap().expect("offload is enabled in this config")
 }
 
 fn units(f: &Fx, config: &OffloadConfig) -> UnitPlan {
@@ -482,25 +482,25 @@ fn one_strategy_owns_the_hooks() {
 #[test]
 fn the_factory_creates_one_backend_or_none() {
     let f = fx("flux-tiny", FaultPlan::none());
-    assert!(get_offload_backend(&OffloadConfig::disabled(), f.platform.clone()).unwrap().is_none());
-    assert!(get_offload_backend(&cfg("{}"), f.platform.clone()).unwrap().is_none());
+    assert!(get_offload_backend(&OffloadConfig::disabled(), f.platform.clone(), None).unwrap().is_none());
+    assert!(get_offload_backend(&cfg("{}"), f.platform.clone(), None).unwrap().is_none());
     let allgather = cfg(r#"{"data_parallel_size": 2, "diffusion_offload_config": {"mode": "layer",
         "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}}"#);
     assert_eq!(allgather.group.size, 2);
-    let e = get_offload_backend(&allgather, f.platform.clone()).unwrap_err();
+    let e = get_offload_backend(&allgather, f.platform.clone(), None).unwrap_err();
     assert_eq!(
         e,
         OffloadError::Unsupported(
-            "weight_transfer = \"allgather\" across an offload group of 2 ranks needs one process per rank; this \
-             single-process run cannot AllGather. Set layer_options.<component>.weight_transfer = \"rank-local\" or \
-             launch one process per GPU"
+            "weight_transfer = \"allgather\" across an offload group of 2 ranks needs this rank's collective; pass \
+             one to get_offload_backend (weightferry::dist builds one from the torchrun/SLURM environment), or set \
+             layer_options.<component>.weight_transfer = \"rank-local\""
                 .to_string()
         )
     );
     // Nothing was touched.
     assert!(f.hooks.hook_names().is_empty());
     assert_eq!(f.sim.stats().allocs, 0);
-    let b = get_offload_backend(&layer_dit(), f.platform.clone()).unwrap().unwrap();
+    let b = get_offload_backend(&layer_dit(), f.platform.clone(), None).unwrap().unwrap();
     assert!(!b.is_enabled());
     assert_eq!(b.report().master_host_bytes, 0);
     assert_eq!(f.sim.stats().allocs, 0, "creating a backend allocates nothing");

@@ -1214,3 +1214,17 @@ fn copy_submission_is_read_and_validated() {
     let c = OffloadConfig::from_toml_str(toml).unwrap();
     assert_eq!(c.copy_submission(Component::Dit), CopySubmission::Hook);
 }
+
+/// The typed constructor of the distributed runner's config is exactly what the equivalent file resolves to.
+#[test]
+fn distributed_dit_equals_the_parsed_config() {
+    for (world, depth, chunk) in [(2u32, 3u32, None), (4, 1, Some(4096u64)), (1, 2, None)] {
+        let chunk_key = chunk.map_or(String::new(), |c| format!(r#", "allgather_chunk_size": {c}"#));
+        let json = format!(
+            r#"{{"data_parallel_size": {world}, "diffusion_offload_config": {{"mode": "layer", "components": ["dit"],
+                "layer_options": {{"dit": {{"weight_transfer": "allgather", "prefetch_depth": {depth}{chunk_key}}}}}}}}}"#
+        );
+        let parsed = weightferry::config::OffloadConfig::from_json_str(&json).unwrap();
+        assert_eq!(weightferry::config::OffloadConfig::distributed_dit(world, depth, chunk), parsed, "{json}");
+    }
+}

@@ -1,4 +1,4 @@
-//! Distributed runs that keep only their shards on host (`DistributedRunSpec::release_loaded`), on simulated ranks
+//! Distributed runs that keep only their shards on host (the distributed backend releases the loaded DiT weights at enable), on simulated ranks
 //! (threads of this process, each with its own simulated device and its own model).
 //!
 //! Covered: on 2 and 4 ranks (unchunked and chunked, untimed and timed) every rank's output is bit-identical to the
@@ -200,7 +200,6 @@ fn released_runs_hold_only_shards_while_running_and_restore_the_model_bit_exactl
         let dit = dit_storages(&desc);
         let mut spec = DistributedRunSpec::new(desc.clone(), world);
         (spec.depth, spec.chunk_bytes, spec.timed_steps, spec.seed, spec.steps) = (depth, chunk, timed, SEED, 3);
-        spec.release_loaded = true;
         let sims = sims(world, &[]);
         let seen = Arc::new(Mutex::new(Vec::new()));
         spec.probe = Some(probe_into(sims.clone(), seen.clone()));
@@ -256,40 +255,11 @@ fn released_runs_hold_only_shards_while_running_and_restore_the_model_bit_exactl
 }
 
 #[test]
-fn without_release_the_rank_holds_the_dit_and_its_shards_and_restores_nothing() {
-    let desc = preset("flux-tiny").unwrap();
-    let dit = dit_storages(&desc);
-    let dit_bytes: u64 = dit.iter().map(|s| desc.storages[s].byte_size()).sum();
-    let mut spec = DistributedRunSpec::new(desc.clone(), 2);
-    spec.seed = SEED;
-    let sims = sims(2, &[]);
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    spec.probe = Some(probe_into(sims.clone(), seen.clone()));
-    let ranks = run_ranks(&spec, &sims, None);
-    for (r, ranked) in ranks.iter().enumerate() {
-        let run = ranked.result.as_ref().unwrap();
-        assert_eq!(run.dit_host_bytes_while_running, run.shard_host_bytes + dit_bytes, "rank {r}");
-        assert_eq!((run.released_bytes, run.restore_issued.len()), (0, 0), "rank {r}");
-        assert!(ranked.tags.iter().all(|t| !is_restore_tag(*t)), "rank {r}");
-        assert_eq!(ranked.model.checksum().unwrap(), ranked.before);
-    }
-    for s in seen.lock().unwrap().iter() {
-        assert_eq!(s.not_released, dit.len(), "{s:?}");
-        assert_eq!(s.dit_alloc_bytes, s.shard_host_bytes + dit_bytes, "{s:?}");
-    }
-    for r in ranks {
-        r.model.release();
-        r.sim.shutdown();
-    }
-}
-
-#[test]
 fn run_distributed_sim_with_release_is_bit_exact_and_its_probe_sees_typed_errors() {
     let desc = preset("wan-tiny").unwrap();
     let resident = resident_output(&desc, 2, 0).unwrap();
     let mut spec = DistributedRunSpec::new(desc, 3);
     spec.steps = 2;
-    spec.release_loaded = true;
     let seen = Arc::new(Mutex::new(Vec::<(usize, usize, usize)>::new()));
     let log = seen.clone();
     spec.probe = Some(RunProbe(Arc::new(move |r: &RunningRank<'_>| {
@@ -324,7 +294,7 @@ fn a_failed_gather_during_a_released_run_is_poisoned_and_issues_no_restore_gathe
     for (world, nth) in [(2usize, 7u64), (4, 20), (2, last as u64 - 1), (3, last as u64 - 1)] {
         let what = format!("N={world} failing call {nth}");
         let mut spec = DistributedRunSpec::new(desc.clone(), world);
-        (spec.seed, spec.release_loaded, spec.timeout) = (SEED, true, Duration::from_secs(20));
+        (spec.seed, spec.timeout) = (SEED, Duration::from_secs(20));
         let sims = sims(world, &[]);
         let ranks = run_ranks(&spec, &sims, Some((1, nth)));
         for (r, ranked) in ranks.iter().enumerate() {
@@ -367,7 +337,7 @@ fn check_restore_fault(fault: FaultPlan, what: &str) -> usize {
     let desc = preset("flux-tiny").unwrap();
     let dit = dit_storages(&desc);
     let mut spec = DistributedRunSpec::new(desc.clone(), 2);
-    (spec.seed, spec.release_loaded, spec.chunk_bytes) = (SEED, true, Some(4000));
+    (spec.seed, spec.chunk_bytes) = (SEED, Some(4000));
     let sims = sims(2, &[(1, fault)]);
     let ranks = run_ranks(&spec, &sims, None);
     let peer = ranks[0].result.as_ref().unwrap_or_else(|e| panic!("{what}: rank 0: {e}"));

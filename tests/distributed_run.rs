@@ -285,7 +285,8 @@ fn run_rank_rejects_a_mismatched_rank_or_world() {
     let e = run_rank(platform, compute, factory, 0, 1, &spec).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "the communicator is rank 1 of 2 ranks, but this is rank 0 of 1; build it from the same rank and world size"
+        "the collective is rank 1 of 2 ranks, but the config's offload group has 1 ranks; build the communicator \
+         over the config's group (data_parallel_size, or sequence_parallel_size when that is 1)"
     );
     assert_eq!(sim.device_memory().in_use, 0, "a refused rank leaked device memory");
 }

@@ -24,7 +24,7 @@ fn a_vae_scope_swaps_the_vae_in_and_the_dit_scope_swaps_it_out() {
     )
     .unwrap();
     let hooks = HookRegistry::new();
-    let mut b = get_offload_backend(&c, platform.clone()).unwrap().unwrap();
+    let mut b = get_offload_backend(&c, platform.clone(), None).unwrap().unwrap();
     b.enable(&mut model, &hooks, compute).unwrap();
     let vae_storage = desc.subtree_storages("vae")[0];
     let dit_storage = desc.subtree_storages("transformer.x_embedder")[0];

@@ -389,7 +389,8 @@ fn enable_builds_masters_byte_identical_to_the_section_layout_on_dirty_allocatio
     let mut model = HostModel::synthetic(platform.clone(), desc.clone(), SEED).expect("model");
     let checksum = model.checksum().expect("checksum");
     let hooks = HookRegistry::new();
-    let mut backend = get_offload_backend(&layer_dit(), platform.clone()).expect("backend").expect("enabled config");
+    let mut backend =
+        get_offload_backend(&layer_dit(), platform.clone(), None).expect("backend").expect("enabled config");
     backend.enable(&mut model, &hooks, compute).expect("enable");
     let mut masters = 0;
     for unit in &stack.units {
@@ -443,7 +444,8 @@ fn a_failed_master_write_frees_every_master_and_a_retry_succeeds() {
     let checksum = model.checksum().expect("checksum");
     let loaded = dirty.live();
     let hooks = HookRegistry::new();
-    let mut backend = get_offload_backend(&layer_dit(), platform.clone()).expect("backend").expect("enabled config");
+    let mut backend =
+        get_offload_backend(&layer_dit(), platform.clone(), None).expect("backend").expect("enabled config");
     // Count the host writes of a clean enable, then fail the first, one in the first batch, one in the second
     // batch (after the first batch's storages were adopted) and the last.
     dirty.arm(usize::MAX);

@@ -36,7 +36,7 @@ fn retune_changes_depth_and_residency_and_stays_bit_exact() {
     let hooks = HookRegistry::new();
     let d1 = cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
         "layer_options": {"dit": {"prefetch_depth": 1}}}}"#);
-    let mut b = get_offload_backend(&d1, platform.clone()).unwrap().unwrap();
+    let mut b = get_offload_backend(&d1, platform.clone(), None).unwrap().unwrap();
     b.enable(&mut model, &hooks, engine.stream()).unwrap();
     let masters = b.report().master_host_bytes;
     let out = engine.execute(&b, &hooks, &opts, &mut |_| {}).unwrap();
@@ -85,7 +85,7 @@ fn retune_before_enable_is_an_error() {
     let desc = preset("flux-tiny").unwrap();
     let model = HostModel::synthetic(platform.clone(), Arc::new(desc), 0).unwrap();
     let c = cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#);
-    let mut b = get_offload_backend(&c, platform.clone()).unwrap().unwrap();
+    let mut b = get_offload_backend(&c, platform.clone(), None).unwrap().unwrap();
     let s = platform.create_stream("compute").unwrap();
     let e = b.retune(c, &model, &HookRegistry::new(), s).unwrap_err();
     assert_eq!(e.to_string(), "retune needs an enabled backend; call enable first");

@@ -558,7 +558,6 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     spec.timed_rounds = a.time_rounds;
     spec.seed = a.seed;
     // Measure the contract: only the shards stay on host while the run executes.
-    spec.release_loaded = true;
     let mut sim_config = SimConfig { tracing: false, ..SimConfig::default() };
     if let Some(g) = a.sim_h2d_gbps {
         if !(g.is_finite() && g > 0.0) {

@@ -224,6 +224,30 @@ impl OffloadConfig {
             compact: false,
         }
     }
+    /// Distributed layerwise offload of the DiT alone, sharded by AllGather over a data-parallel group of `world`
+    /// ranks, gathering `depth` blocks ahead in chunks of `chunk_bytes` (`None`: one AllGather per section): the
+    /// config that `{"data_parallel_size": world, "diffusion_offload_config": {"mode": "layer", "components":
+    /// ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather", "prefetch_depth": depth,
+    /// "allgather_chunk_size": chunk_bytes}}}}` resolves to.
+    pub fn distributed_dit(world: u32, depth: u32, chunk_bytes: Option<Bytes>) -> Self {
+        let mut c = OffloadConfig::disabled();
+        c.strategy = Strategy::DistributedLayerWise;
+        c.components = Some([Component::Dit].into_iter().collect());
+        c.layer_options.insert(
+            Component::Dit,
+            LayerOptions {
+                weight_transfer: WeightTransfer::Allgather,
+                prefetch_depth: Some(depth),
+                allgather_chunk_bytes: chunk_bytes,
+                copy_submission: CopySubmission::Actor,
+            },
+        );
+        c.parallel.data_parallel_size = world;
+        let axis = if world > 1 { GroupAxis::DataParallel } else { GroupAxis::Single };
+        c.group = OffloadGroup { size: world, axis };
+        c.compact = true;
+        c
+    }
     /// Whether `c` is offloaded under this config. Under the compatibility topology only the DiT is selected.
     pub fn offloads(&self, c: Component) -> bool {
         match &self.components {

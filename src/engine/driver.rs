@@ -223,7 +223,7 @@ fn run_on(
 
     // Offloaded run.
     let hooks = HookRegistry::new();
-    let mut backend = get_offload_backend(&spec.config, platform.clone())?;
+    let mut backend = get_offload_backend(&spec.config, platform.clone(), None)?;
     if let Some(b) = backend.as_mut() {
         b.set_ordering_fault(spec.ordering_fault);
     }

@@ -382,7 +382,7 @@ fn bench_preset(
             for (i, (label, cfg, budget)) in configs.iter().enumerate() {
                 match backend.as_mut() {
                     None => {
-                        let Some(mut b) = get_offload_backend(cfg, platform.clone())? else { continue };
+                        let Some(mut b) = get_offload_backend(cfg, platform.clone(), None)? else { continue };
                         // The peak RSS of the preset run so far, kept before the reset for `host_memory`.
                         peak_before_enable = rss_bytes("VmHWM:");
                         reset_peak_rss();
@@ -602,7 +602,7 @@ pub fn gpu_run(
     let hooks = HookRegistry::new();
     cuda.reset_peak();
     let base = cuda.device_memory().in_use;
-    let mut backend = get_offload_backend(config, platform.clone())?;
+    let mut backend = get_offload_backend(config, platform.clone(), None)?;
     let t = Instant::now();
     let (out, h2d, sync_fetches) = match backend.as_mut() {
         Some(b) => {

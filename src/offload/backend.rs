@@ -7,6 +7,7 @@
 //! hooks, and gives each storage its own host buffer back with a real copy out of the master; if that fails it keeps
 //! the masters so a second `disable` can finish.
 
+use super::group::{Communicator, Group};
 use super::layout::{write_section, UnitLayout, MASTER_BOUNCE_BYTES};
 use super::resident::ResidentPlacement;
 use super::units::{build_unit_plan, UnitPlan};
@@ -69,6 +70,27 @@ pub struct BackendReport {
     pub master_host_bytes: u64,
     /// Whether masters are pinned.
     pub pinned: bool,
+    /// Distributed layerwise offload: this rank's part of the group.
+    pub group: Option<GroupReport>,
+}
+
+/// What a rank of a distributed backend holds and gathered.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct GroupReport {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub world: usize,
+    /// Host bytes of the rank's shard masters (padding included).
+    pub shard_host_bytes: u64,
+    /// Loaded host bytes released to the group's shards at enable (restored at disable).
+    pub released_bytes: u64,
+    /// Storages released to the group's shards.
+    pub released_storages: usize,
+    /// AllGathers this rank issued since this enable.
+    pub all_gathers: u64,
+    /// AllGathers of the communicator's lifetime that ran between symmetric windows.
+    pub windowed_all_gathers: u64,
 }
 
 /// The hook of one unit of a block stack: `pre_forward` / `post_forward` of its module become the stack's.
@@ -101,6 +123,14 @@ struct State {
     block_specs: Vec<Vec<BlockSpec>>,
     locations: HashMap<StorageId, (usize, usize, u64)>,
     hooks_installed: bool,
+    /// Distributed: the collective, the sharded masters and what was released.
+    group: Option<Group>,
+    /// Per stack: its index among the gathered stacks, if it gathers.
+    gathered: Vec<Option<usize>>,
+    /// Distributed: the final restore failed (the pipeline must be reloaded; nothing is left to retry).
+    group_failure: Option<OffloadError>,
+    /// Distributed: the final restore's AllGathers.
+    restore_log: Vec<(u64, u64)>,
 }
 
 /// Most section bytes of one batch of units whose masters are built in parallel (one thread per unit) before their
@@ -144,6 +174,20 @@ pub struct StreamingBackend {
     state: Option<State>,
     enabled: bool,
     ordering_fault: OrderingFault,
+    /// The communicator of AllGather transfer, when the host engine gave one.
+    communicator: Option<Communicator>,
+    /// `(sequence number, tag)` of the final restore's AllGathers at the last disable.
+    restore_log: Vec<(u64, u64)>,
+}
+
+impl Drop for StreamingBackend {
+    /// Stops the collective actor (a backend that is still enabled keeps its hooks' errors typed: the stacks
+    /// answer with the actor gone).
+    fn drop(&mut self) {
+        if let Some(c) = &self.communicator {
+            c.shutdown();
+        }
+    }
 }
 
 impl std::fmt::Debug for StreamingBackend {
@@ -156,8 +200,17 @@ impl std::fmt::Debug for StreamingBackend {
 }
 
 impl StreamingBackend {
-    /// A disabled backend for `config`.
+    /// A disabled backend for `config` that moves blocks rank-locally (use
+    /// [`get_offload_backend`](super::get_offload_backend) to gather them over a collective).
     pub fn new(config: OffloadConfig, platform: PlatformRef) -> Self {
+        Self::with_collective(config, platform, None)
+    }
+
+    pub(crate) fn with_collective(
+        config: OffloadConfig,
+        platform: PlatformRef,
+        communicator: Option<Communicator>,
+    ) -> Self {
         StreamingBackend {
             config,
             platform,
@@ -165,7 +218,31 @@ impl StreamingBackend {
             state: None,
             enabled: false,
             ordering_fault: OrderingFault::None,
+            communicator,
+            restore_log: Vec::new(),
         }
+    }
+
+    /// `(sequence number, tag)` of every AllGather this rank's collective issued (the warm-up first), in issue
+    /// order; empty without a collective.
+    pub fn gather_log(&self) -> Vec<(u64, u64)> {
+        self.communicator.as_ref().and_then(Communicator::handle).map_or_else(Vec::new, |h| h.issued())
+    }
+
+    /// The failure that poisoned this rank's collective, if an AllGather failed (the pipeline must then be reloaded).
+    pub fn poisoned(&self) -> Option<weightferry_actors::platform::PlatformError> {
+        self.communicator.as_ref().and_then(Communicator::handle).and_then(|h| h.poisoned())
+    }
+
+    /// AllGathers of the communicator's lifetime that ran between symmetric windows (0 without a collective).
+    pub fn windowed_gathers(&self) -> u64 {
+        self.communicator.as_ref().and_then(Communicator::handle).map_or(0, |h| h.windowed_gathers())
+    }
+
+    /// `(sequence number, tag)` of the final restore's AllGathers at the last `disable` (empty when nothing was
+    /// released).
+    pub fn restore_log(&self) -> &[(u64, u64)] {
+        &self.restore_log
     }
 
     /// Test hook: run every stack with a deliberately broken ordering (to prove the hazard checks can fail).
@@ -227,7 +304,11 @@ impl StreamingBackend {
             }
             Err(e) => {
                 let hook_name = st.units.as_ref().map_or("", |u| u.hook_name);
-                if let Err(rollback) = Self::teardown(&self.platform, &mut st, model, hooks) {
+                let rolled_back = Self::teardown(&self.platform, &mut st, model, hooks);
+                if let Some(g) = st.group_failure.take() {
+                    tracing::error!("rollback after failed enable could not restore the released weights: {g}");
+                }
+                if let Err(rollback) = rolled_back {
                     tracing::error!("rollback after failed enable was incomplete: {rollback}");
                     self.state = Some(st);
                 } else {
@@ -239,7 +320,7 @@ impl StreamingBackend {
     }
 
     fn commit(
-        &self,
+        &mut self,
         st: &mut State,
         model: &mut HostModel,
         hooks: &HookRegistry,
@@ -253,7 +334,19 @@ impl StreamingBackend {
         st.fixed = Some(ResidentPlacement::upload(&self.platform, model, &units.fixed, ps)?);
 
         let kind = if self.config.pin_memory { HostMemoryKind::Pinned } else { HostMemoryKind::Pageable };
+        if let Some(comm) = self.communicator.as_mut().filter(|_| units.stacks.iter().any(|s| s.allgather)) {
+            let (handle, sequence) = comm.start(&self.platform, self.config.group.size as usize)?;
+            st.group = Some(Group::new(handle, sequence));
+        }
         for (si, sp) in units.stacks.iter().enumerate() {
+            if let Some(group) = st.group.as_mut().filter(|_| sp.allgather) {
+                let gi = group.add_stack(model, &sp.units, kind, sp.chunk_bytes, si, &mut st.locations)?;
+                st.gathered.push(Some(gi));
+                let blocks = sp.units.iter().map(|u| BlockSpec { segments: Vec::new(), device_bytes: u.device_bytes });
+                st.block_specs.push(blocks.collect());
+                continue;
+            }
+            st.gathered.push(None);
             let mut blocks = Vec::new();
             let unit_bytes: Vec<u64> = sp.units.iter().map(|u| u.sections.iter().map(|s| s.len).sum()).collect();
             for r in master_batches(&unit_bytes, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
@@ -274,23 +367,33 @@ impl StreamingBackend {
         compute: StreamId,
         stream: &StreamHandle,
     ) -> Result<(), OffloadError> {
-        for (sp, blocks) in units.stacks.iter().zip(&st.block_specs) {
+        for (si, (sp, blocks)) in units.stacks.iter().zip(&st.block_specs).enumerate() {
+            let gather = st.gathered.get(si).copied().flatten().zip(st.group.as_ref());
             let spec = StackSpec {
                 name: sp.name.clone(),
                 blocks: blocks.clone(),
-                resident_head: sp.resident_head,
+                resident_head: if gather.is_some() { 0 } else { sp.resident_head },
                 prefetch_depth: sp.depth,
-                eager_prefetch: sp.eager,
+                // Gathered blocks are never prefetched at enable: every rank's first AllGather happens inside the
+                // same hook sequence.
+                eager_prefetch: sp.eager && gather.is_none(),
                 ordering_fault,
                 submission: sp.submission,
             };
-            let stack = BlockStack::with_resident_set(
-                platform.clone(),
-                spec,
-                sp.resident_mask.clone(),
-                compute,
-                stream.clone(),
-            )?;
+            let stack = match gather {
+                Some((gi, group)) => {
+                    let none_resident = Some(vec![false; sp.units.len()]);
+                    let path = group.path(gi);
+                    BlockStack::with_gather(platform.clone(), spec, none_resident, compute, stream.clone(), path)?
+                }
+                None => BlockStack::with_resident_set(
+                    platform.clone(),
+                    spec,
+                    sp.resident_mask.clone(),
+                    compute,
+                    stream.clone(),
+                )?,
+            };
             st.stacks.push(Arc::new(stack));
         }
         st.hooks_installed = true;
@@ -474,6 +577,15 @@ impl StreamingBackend {
                 first.get_or_insert(e.into());
             }
         }
+        // The gathered stacks' weights come back by one final gather to host (every rank does it at its disable,
+        // in the same order); a failure there cannot be retried alone, so it is reported, not kept for a retry.
+        if let Some(group) = st.group.take() {
+            match group.restore_and_free(platform, model) {
+                Ok(log) => st.restore_log = log,
+                Err(e) => st.group_failure = Some(e),
+            }
+        }
+        st.gathered.clear();
         // Restore master by master and free each master as soon as every storage it holds has its own buffer
         // again, so host memory stays at about one copy of the weights during disable too. A storage that cannot be
         // restored keeps its master (and the backend its state) for a retry.
@@ -538,14 +650,30 @@ impl StreamingBackend {
             return Ok(());
         };
         let hook_name = st.units.as_ref().map_or("", |u| u.hook_name);
-        match Self::teardown(&self.platform, &mut st, model, hooks) {
+        let torn = Self::teardown(&self.platform, &mut st, model, hooks);
+        self.restore_log = std::mem::take(&mut st.restore_log);
+        match torn {
             Ok(()) => {
                 hooks.release_offload(hook_name);
                 self.enabled = false;
-                Ok(())
+                match st.group_failure.take() {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                }
             }
+            // A failed final gather cannot be retried alone: the pipeline must be reloaded, so that error wins, and
+            // the state is kept only while rank-local masters still hold storages a retry can restore.
             Err(e) => {
-                self.state = Some(st);
+                let group_failure = st.group_failure.take();
+                if group_failure.is_none() || !st.adopted.is_empty() {
+                    self.state = Some(st);
+                } else {
+                    hooks.release_offload(hook_name);
+                    self.enabled = false;
+                }
+                if let Some(g) = group_failure {
+                    return Err(g);
+                }
                 Err(OffloadError::DisableIncomplete {
                     strategy: self.config.strategy.report_name(),
                     cause: e.to_string(),
@@ -574,6 +702,15 @@ impl StreamingBackend {
         };
         if let Some(st) = &self.state {
             r.fixed_device_bytes = st.fixed.as_ref().map_or(0, |f| f.bytes());
+            r.group = st.group.as_ref().map(|g| GroupReport {
+                rank: g.collective.rank(),
+                world: g.collective.world(),
+                shard_host_bytes: g.shard_host_bytes(),
+                released_bytes: g.released_bytes,
+                released_storages: g.released.len(),
+                all_gathers: (g.collective.issued().len().saturating_sub(g.issued_before)) as u64,
+                windowed_all_gathers: g.collective.windowed_gathers(),
+            });
             r.master_host_bytes = st.master_bytes;
             if let Some(units) = &st.units {
                 for (sp, stack) in units.stacks.iter().zip(&st.stacks) {

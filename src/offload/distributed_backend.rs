@@ -33,33 +33,25 @@
 //! either restored bit-exactly or still released when it returns (the model's checksum after a successful run equals
 //! the one before).
 
-use super::backend::StackHook;
-use super::distributed::{build_sharded_masters, DistributedError, ShardedMasters};
-use super::layout::UnitLayout;
+use super::distributed::DistributedError;
 use super::resident::ResidentPlacement;
-use super::shard_restore::{restore_released, RestoreFailure, MAX_STACKS};
-use super::units::build_unit_plan;
-use super::{OffloadError, WeightSource};
+use super::units::{build_unit_plan, UnitPlan};
+use super::{get_offload_backend, OffloadError, StreamingBackend};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
 use crate::engine::timeline::{in_modules, summarize, trace_execution, DeviceSpan, DeviceTracer, TimelineSummary};
 use crate::engine::{Engine, EngineError, ExecOptions};
-use crate::hooks::{HookRegistry, ModelHook, DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK};
+use crate::hooks::{HookRegistry, ModelHook};
 use crate::model::splitmix64;
 use crate::model::{Home, HostModel, ModelError};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
-use weightferry_actors::collective_actor::{CollectiveFactory, CollectiveHandle, GatherError};
-use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, PlatformError, PlatformRef};
+use weightferry_actors::collective_actor::{CollectiveFactory, GatherError};
+use weightferry_actors::platform::{PlatformError, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
-use weightferry_actors::{
-    BlockSpec, BlockStack, GatherBlock, GatherPath, GatherSection, GatherSequence, StackSpec, StreamHandle,
-    StreamOptions,
-};
 
 /// Name of a rank's comm stream (the collective actor's stream).
 pub const COMM_STREAM: &str = "comm";
@@ -158,14 +150,6 @@ pub struct DistributedRunSpec {
     /// Timing mode: rounds of alternating `lo` / `hi` executions (default 1). The reported `lo` / `hi` are the
     /// median round's, and [`RankTiming`] gives the spread of the rounds' step times.
     pub timed_rounds: u32,
-    /// Keep only the shards on host while running (the contract of distributed layerwise offload: host memory
-    /// across the group totals one copy of the streamed blocks). When set, right after a unit's shards are built the
-    /// rank frees the loaded host buffer of each of the unit's storages that no later unit needs (the storage
-    /// becomes [`Home::Sharded`]; storages homed elsewhere, e.g. in a backend's master, are left alone), and at the
-    /// end it restores them by one final AllGather to host (see the module documentation). Default `false`: the
-    /// rank reads the caller's model and leaves it as it was, holding the full model and its shards while it runs.
-    /// The `weightferry run` driver of a distributed run sets it.
-    pub release_loaded: bool,
     /// Testing aid: called on every rank once while its run executes (at the start of the first DiT step of its
     /// first execution), with the rank's model as it is then.
     pub probe: Option<RunProbe>,
@@ -331,9 +315,8 @@ impl Jitter {
     }
 }
 
-/// A hook that sleeps a random amount, then runs the wrapped hook.
+/// A hook that sleeps a random amount (registered beside the offload hook of every gathered block).
 struct JitterHook {
-    inner: Arc<dyn ModelHook>,
     state: std::sync::Mutex<u64>,
     max: Duration,
 }
@@ -349,13 +332,13 @@ impl JitterHook {
 }
 
 impl ModelHook for JitterHook {
-    fn pre_forward(&self, module: &str) -> Result<(), String> {
+    fn pre_forward(&self, _module: &str) -> Result<(), String> {
         self.sleep();
-        self.inner.pre_forward(module)
+        Ok(())
     }
-    fn post_forward(&self, module: &str) -> Result<(), String> {
+    fn post_forward(&self, _module: &str) -> Result<(), String> {
         self.sleep();
-        self.inner.post_forward(module)
+        Ok(())
     }
 }
 
@@ -374,7 +357,6 @@ impl DistributedRunSpec {
             jitter: None,
             timed_steps: None,
             timed_rounds: 1,
-            release_loaded: false,
             probe: None,
             trace: None,
         }
@@ -601,50 +583,6 @@ pub fn run_distributed_sim(
     Ok(results)
 }
 
-/// Tag of chunk `j` of section `k` of unit `ui` of stack `si`: equal on every rank, distinct per gather (chunks
-/// stay below 2^20, sections below 2^8, units below 2^24).
-pub(crate) fn tag_of(si: usize, ui: usize, k: usize, j: u64) -> u64 {
-    ((si as u64 + 1) << 52) | ((ui as u64) << 28) | ((k as u64) << 20) | j
-}
-
-/// Where a rank's weights are: gathered stacks for streamed storages, the fixed placement for the rest.
-struct RankSource<'a> {
-    stacks: &'a [Arc<BlockStack>],
-    locations: HashMap<StorageId, (usize, usize, u64)>,
-    fixed: &'a ResidentPlacement,
-}
-
-impl WeightSource for RankSource<'_> {
-    fn locate(&self, storage: StorageId) -> Result<(DeviceBufferId, u64), OffloadError> {
-        match self.locations.get(&storage) {
-            Some(&(si, ui, off)) => match self.stacks.get(si).and_then(|s| s.location(ui)) {
-                Some(loc) => Ok((loc.buffer, loc.offset + off)),
-                None => Err(OffloadError::NotResident {
-                    storage: storage.0,
-                    reason: "its block is not gathered (call pre_forward on the module first)".into(),
-                }),
-            },
-            None => self.fixed.locate(storage),
-        }
-    }
-}
-
-/// What a rank allocated, released in reverse order whatever happened.
-#[derive(Default)]
-struct RankParts {
-    stream: Option<StreamHandle>,
-    collective: Option<CollectiveHandle>,
-    fixed: Option<ResidentPlacement>,
-    masters: Vec<ShardedMasters>,
-    stacks: Vec<Arc<BlockStack>>,
-    /// Per stack, the layouts of the units in `masters` (same order).
-    layouts: Vec<Vec<UnitLayout>>,
-    /// The rank's gather numbering (the restore continues it).
-    sequence: Option<GatherSequence>,
-    /// Storages released to the shards, in release order.
-    released: Vec<StorageId>,
-}
-
 /// Runs rank `rank` of a `world`-rank distributed layerwise run of `spec` on `platform`: this process's (or this
 /// thread's) part of the group. Generic over the platform: the simulated device with a
 /// [`SimCollective`](weightferry_actors::collective::SimCollective) (as
@@ -700,8 +638,9 @@ fn check_rank(rank: usize, world: usize, spec: &DistributedRunSpec) -> Result<()
 /// [`run_rank`] on the caller's `model` instead of a fresh one: `model` must hold `spec.pipeline` with synthetic
 /// weights of `spec.seed`, loaded on `platform` (so one weight generation serves this run and a resident baseline
 /// on the same device, see [`resident_run_with_model`]; run the baseline first, while every storage is loaded).
-/// Without [`DistributedRunSpec::release_loaded`] the model is only read and left as it was. With it, the streamed
-/// DiT storages are released while the run executes and restored bit-exactly at its end; if the collective is
+/// The run goes through the library's backend API: [`get_offload_backend`] with this rank's collective, `enable`,
+/// the engine's executions, `disable`. While it runs the rank holds only its shards of the DiT blocks on host (the
+/// backend released the loaded copies at enable); `disable` restores them bit-exactly. If the collective is
 /// poisoned (the error is then [`DistributedRunError::Poisoned`]) or the restore fails on this rank
 /// ([`DistributedRunError::RestoreFailed`]), the storages not restored stay [`Home::Sharded`] — reading them is a
 /// typed error — and the pipeline must be reloaded. Everything else this rank allocated is released before
@@ -716,263 +655,92 @@ pub fn run_rank_with_model(
     model: &mut HostModel,
 ) -> Result<RankRun, DistributedRunError> {
     check_rank(rank, world, spec)?;
-    let mut parts = RankParts::default();
-    let result = rank_run(spec, (rank, world), &platform, compute, model, collective, &mut parts);
-    let mut poisoned = parts.collective.as_ref().and_then(|c| c.poisoned());
-    let mut disabled = None;
-    let mut restore: Result<Vec<(u64, u64)>, (usize, String)> = Ok(Vec::new());
-    if !parts.released.is_empty() {
-        // The stacks' slots go first: the restore needs one unit's worth of device memory of its own.
-        for s in &parts.stacks {
-            if let Err(e) = s.disable() {
-                disabled.get_or_insert(DistributedRunError::from(OffloadError::from(e)));
-            }
-        }
-        if poisoned.is_none() {
-            match restore_rank(&platform, &mut parts, model) {
-                Ok(issued) => restore = Ok(issued),
-                Err(RestoreFailure::Collective(cause)) => poisoned = Some(cause),
-                Err(RestoreFailure::Local(e)) => {
-                    let unrestored = parts.released.iter().filter(|s| model.home(**s) == Some(Home::Sharded)).count();
-                    restore = Err((unrestored, e.to_string()));
-                }
-            }
-        }
-    }
-    let released = !parts.released.is_empty();
-    let unrestored = parts.released.iter().filter(|s| model.home(**s) == Some(Home::Sharded)).count();
-    let windowed = parts.collective.as_ref().map(|c| c.windowed_gathers());
-    let cleanup = release(&platform, parts);
-    let cleanup = match (disabled, cleanup) {
-        (Some(e), _) | (None, Err(e)) => Err(e),
-        (None, Ok(())) => Ok(()),
-    };
-    let run = match (result, cleanup) {
-        (Ok(run), Ok(())) => Ok(run),
-        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
-    };
-    match (run, poisoned, restore) {
-        (Err(e), Some(cause), _) => Err(DistributedRunError::Poisoned { rank, cause, run: e.to_string() }),
-        // Released weights that a poisoned collective cannot bring back: the run's output is no use either.
-        (Ok(_), Some(cause), _) if released => Err(DistributedRunError::Poisoned {
-            rank,
-            cause,
-            run: format!("the run finished, but {unrestored} released DiT storage(s) cannot be restored"),
-        }),
-        (run, _, Err((unrestored, cause))) => {
-            let run = run.err().map_or_else(String::new, |e| format!("the run failed with: {e}; "));
-            Err(DistributedRunError::RestoreFailed { rank, unrestored, cause, run })
-        }
-        (Ok(mut run), _, Ok(issued)) => {
-            run.restore_issued = issued;
-            run.windowed_all_gathers = windowed.unwrap_or(run.windowed_all_gathers);
-            Ok(run)
-        }
-        (Err(e), _, Ok(_)) => Err(e),
-    }
-}
-
-/// The final gather to host of everything the rank released, if its collective is still usable: a fence first
-/// (it fails on an AllGather that failed on the device, a poisoned actor, or a gap in the gather order — then no
-/// restore collective is issued), then [`restore_released`]. Returns the restore's `(sequence number, tag)`s.
-fn restore_rank(
-    platform: &PlatformRef,
-    parts: &mut RankParts,
-    model: &mut HostModel,
-) -> Result<Vec<(u64, u64)>, RestoreFailure> {
-    let (Some(collective), Some(sequence)) = (parts.collective.clone(), parts.sequence.clone()) else {
-        let gone = PlatformError::Driver("the run stopped before its collective existed".into());
-        return Err(RestoreFailure::Collective(gone));
-    };
-    collective.fence().map_err(|e| RestoreFailure::Collective(e.into()))?;
-    let before = collective.issued().len();
-    let result = restore_released(platform, &collective, &sequence, &mut parts.masters, &parts.layouts, model);
-    let issued = collective.issued().split_off(before);
-    result.map(|()| issued)
-}
-
-fn release(platform: &PlatformRef, parts: RankParts) -> Result<(), DistributedRunError> {
-    let mut first: Option<DistributedRunError> = None;
-    for s in parts.stacks {
-        if let Err(e) = s.disable() {
-            first.get_or_insert(OffloadError::from(e).into());
-        }
-    }
-    if let Some(c) = parts.collective {
-        c.shutdown();
-    }
-    if let Some(s) = parts.stream {
-        s.shutdown();
-    }
-    if let Some(mut f) = parts.fixed {
-        if let Err(e) = f.release() {
-            first.get_or_insert(e.into());
-        }
-    }
-    for m in parts.masters {
-        if let Err(e) = m.free(platform) {
-            first.get_or_insert(e.into());
-        }
-    }
-    match first {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
-}
-
-fn rank_run(
-    spec: &DistributedRunSpec,
-    (rank, world): (usize, usize),
-    platform: &PlatformRef,
-    compute: Arc<dyn Compute>,
-    model: &mut HostModel,
-    make_collective: CollectiveFactory,
-    parts: &mut RankParts,
-) -> Result<RankRun, DistributedRunError> {
-    let desc = &spec.pipeline;
-    let config = OffloadConfig::from_json_str(&format!(
-        r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"],
-            "layer_options": {{"dit": {{"prefetch_depth": {}}}}}}}}}"#,
-        spec.depth
-    ))
-    .map_err(|e| DistributedRunError::Invalid(format!("distributed run config: {e}")))?;
-    let plan = resolve_offload_plan(desc, &config).map_err(OffloadError::from)?;
-    let units = build_unit_plan(desc, &config, &plan);
-    if units.stacks.is_empty() {
+    let config = OffloadConfig::distributed_dit(world as u32, spec.depth as u32, spec.chunk_bytes);
+    let plan = resolve_offload_plan(&spec.pipeline, &config).map_err(OffloadError::from)?;
+    let units = build_unit_plan(&spec.pipeline, &config, &plan);
+    if !units.stacks.iter().any(|s| s.allgather) {
         return Err(DistributedRunError::Invalid("the plan streams no DiT stack".into()));
     }
-    if let Some(sp) = units.stacks.iter().find(|s| s.depth == 0) {
-        return Err(DistributedRunError::Invalid(format!("stack '{}' is staged, not layerwise", sp.name)));
-    }
-    if units.stacks.len() > MAX_STACKS {
-        return Err(DistributedRunError::Invalid(format!(
-            "the plan streams {} DiT stacks; a distributed run gathers at most {MAX_STACKS}",
-            units.stacks.len()
-        )));
-    }
-    let mut engine = Engine::new(compute, desc)?;
-    let collective = CollectiveHandle::spawn(platform.clone(), COMM_STREAM, make_collective)?;
-    parts.collective = Some(collective.clone());
-    if (collective.rank(), collective.world()) != (rank, world) {
-        return Err(DistributedRunError::Invalid(format!(
-            "the communicator is rank {} of {} ranks, but this is rank {rank} of {world}; build it from the same \
-             rank and world size",
-            collective.rank(),
-            collective.world()
-        )));
-    }
-    let sequence = GatherSequence::new();
-    parts.sequence = Some(sequence.clone());
-    collective.warm_up(sequence.claim(1))?;
-    let stream = StreamHandle::spawn(platform.clone(), "copy", StreamOptions::default()).map_err(OffloadError::from)?;
-    parts.stream = Some(stream.clone());
-    let upload = platform.create_stream("placement")?;
-    parts.fixed = Some(ResidentPlacement::upload(platform, model, &units.fixed, upload)?);
-
-    // With `release_loaded`, a storage is released once the last unit holding it has its shards.
-    let mut last_unit: HashMap<StorageId, (usize, usize)> = HashMap::new();
-    for (si, sp) in units.stacks.iter().enumerate() {
-        for (ui, unit) in sp.units.iter().enumerate() {
-            for s in unit.storages() {
-                last_unit.insert(s, (si, ui));
-            }
-        }
-    }
-    let mut dit_storages: Vec<StorageId> = last_unit.keys().copied().collect();
-    dit_storages.sort_unstable();
-    let mut released_bytes = 0u64;
-    let mut locations = HashMap::new();
-    let (mut full, mut sections, mut pass_shard) = (0u64, 0u64, 0u64);
-    for (si, sp) in units.stacks.iter().enumerate() {
-        parts.masters.push(ShardedMasters { rank, world, units: Vec::with_capacity(sp.units.len()) });
-        parts.layouts.push(Vec::with_capacity(sp.units.len()));
-        for (ui, unit) in sp.units.iter().enumerate() {
-            let kind = HostMemoryKind::Pinned;
-            let built = build_sharded_masters(model, std::slice::from_ref(unit), world, rank, kind, spec.chunk_bytes)?;
-            parts.masters[si].units.extend(built.units);
-            parts.layouts[si].push(unit.clone());
-            if spec.release_loaded {
-                for s in unit.storages() {
-                    if last_unit.get(&s) == Some(&(si, ui)) && matches!(model.home(s), Some(Home::Loaded { .. })) {
-                        model.release_to_shards(s)?;
-                        parts.released.push(s);
-                        released_bytes += model.storage_bytes(s);
-                    }
-                }
-            }
-        }
-        let gather_blocks: Vec<GatherBlock> = parts.masters[si]
-            .units
-            .iter()
-            .enumerate()
-            .map(|(ui, u)| GatherBlock {
-                sections: u
-                    .sections
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(k, s)| {
-                        s.spec.chunks().map(move |c| GatherSection {
-                            host: s.host,
-                            host_offset: c.shard_offset,
-                            shard_bytes: c.shard_bytes,
-                            output_offset: s.device_offset + c.gathered_offset,
-                            tag: tag_of(si, ui, k, c.index),
-                        })
-                    })
-                    .collect(),
-            })
-            .collect();
-        pass_shard += gather_blocks.iter().flat_map(|b| &b.sections).map(|s| s.shard_bytes).sum::<u64>();
-        for (ui, unit) in sp.units.iter().enumerate() {
-            for sec in &unit.sections {
-                full += sec.len;
-                sections += 1;
-                for &(s, off) in &sec.storages {
-                    locations.insert(s, (si, ui, sec.device_offset + off));
-                }
-            }
-        }
-        let stack_spec = StackSpec {
-            name: sp.name.clone(),
-            blocks: sp.units.iter().map(|u| BlockSpec { segments: Vec::new(), device_bytes: u.device_bytes }).collect(),
-            resident_head: 0,
-            prefetch_depth: sp.depth,
-            eager_prefetch: false,
-            ordering_fault: Default::default(),
-            submission: Default::default(),
-        };
-        let path = GatherPath { collective: collective.clone(), sequence: sequence.clone(), blocks: gather_blocks };
-        let stack = BlockStack::with_gather(
-            platform.clone(),
-            stack_spec,
-            Some(vec![false; sp.units.len()]),
-            engine.stream(),
-            stream.clone(),
-            path,
-        )
-        .map_err(OffloadError::from)?;
-        parts.stacks.push(Arc::new(stack));
-    }
-    let hooks = HookRegistry::new();
-    hooks.claim_offload(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK).map_err(OffloadError::from)?;
-    let mut jitter_state = spec.jitter.map(|j| j.state(rank));
-    for (si, sp) in units.stacks.iter().enumerate() {
-        for (ui, unit) in sp.units.iter().enumerate() {
-            let mut hook: Arc<dyn ModelHook> = Arc::new(StackHook { stack: parts.stacks[si].clone(), unit: ui });
-            if let (Some(j), Some(st)) = (&spec.jitter, jitter_state.as_mut()) {
-                let state = std::sync::Mutex::new(splitmix64(st));
-                hook = Arc::new(JitterHook { inner: hook, state, max: j.max_hook_sleep });
-            }
-            let name = DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK;
-            hooks.register(&unit.path, name, name, hook).map_err(OffloadError::from)?;
-        }
-    }
-    let Some(fixed) = parts.fixed.as_ref() else {
-        return Err(DistributedRunError::Invalid("fixed placement missing".into()));
+    let Some(mut backend) = get_offload_backend(&config, platform.clone(), Some(collective))? else {
+        return Err(DistributedRunError::Invalid("the config disables offload".into()));
     };
-    let source = RankSource { stacks: &parts.stacks, locations, fixed };
-    let shard_host_bytes: u64 = parts.masters.iter().map(|m| m.host_bytes()).sum();
-    let model: &HostModel = model;
+    let mut engine = Engine::new(compute, &spec.pipeline)?;
+    let hooks = HookRegistry::new();
+    let enabled = backend.enable(model, &hooks, engine.stream());
+    let result = match enabled {
+        Ok(()) => run_enabled(spec, rank, &units, &backend, &engine, &hooks, model),
+        Err(e) => Err(e.into()),
+    };
+    hooks.remove_owned_by(JITTER_HOOK);
+    let engine_released = engine.release();
+    let issued = backend.gather_log();
+    let disabled = backend.disable(model, &hooks);
+    let restore_issued = backend.restore_log().to_vec();
+    let windowed = backend.windowed_gathers();
+    let poisoned = backend.poisoned();
+    drop(backend);
+    let result = result.and_then(|run| engine_released.map(|()| run).map_err(DistributedRunError::from));
+    let run_error = |r: &Result<RankRun, DistributedRunError>| r.as_ref().err().map(ToString::to_string);
+    match disabled {
+        Err(OffloadError::Poisoned { cause, unrestored, .. }) => {
+            let run = run_error(&result).unwrap_or_else(|| {
+                format!("the run finished, but {unrestored} released DiT storage(s) cannot be restored")
+            });
+            Err(DistributedRunError::Poisoned { rank, cause, run })
+        }
+        Err(OffloadError::RestoreFailed { unrestored, cause, .. }) => {
+            let run = run_error(&result).map_or_else(String::new, |e| format!("the run failed with: {e}; "));
+            Err(DistributedRunError::RestoreFailed { rank, unrestored, cause, run })
+        }
+        Err(e) => match (result, poisoned) {
+            (Err(run), Some(cause)) => Err(DistributedRunError::Poisoned { rank, cause, run: run.to_string() }),
+            (Err(run), None) => Err(run),
+            (Ok(_), _) => Err(e.into()),
+        },
+        Ok(()) => {
+            let mut run = match (result, poisoned) {
+                (Err(run), Some(cause)) => {
+                    return Err(DistributedRunError::Poisoned { rank, cause, run: run.to_string() })
+                }
+                (result, _) => result?,
+            };
+            run.restore_issued = restore_issued;
+            run.windowed_all_gathers = windowed;
+            run.issued = issued;
+            Ok(run)
+        }
+    }
+}
+
+/// Owner and name of the jitter hooks ([`DistributedRunSpec::jitter`]).
+const JITTER_HOOK: &str = "test_jitter";
+
+/// The executions of an enabled rank: jitter hooks (a testing aid), the probe, the untimed or timed runs, the trace.
+fn run_enabled(
+    spec: &DistributedRunSpec,
+    rank: usize,
+    units: &UnitPlan,
+    backend: &StreamingBackend,
+    engine: &Engine,
+    hooks: &HookRegistry,
+    model: &HostModel,
+) -> Result<RankRun, DistributedRunError> {
+    let world = spec.world;
+    let group = backend.report().group.unwrap_or_default();
+    if let Some(j) = &spec.jitter {
+        let mut st = j.state(rank);
+        for unit in units.stacks.iter().filter(|s| s.allgather).flat_map(|s| &s.units) {
+            let hook =
+                Arc::new(JitterHook { state: std::sync::Mutex::new(splitmix64(&mut st)), max: j.max_hook_sleep });
+            hooks.register(&unit.path, JITTER_HOOK, JITTER_HOOK, hook).map_err(OffloadError::from)?;
+        }
+    }
+    let gathered = || units.stacks.iter().filter(|s| s.allgather).flat_map(|s| &s.units);
+    let mut dit_storages: Vec<StorageId> = gathered().flat_map(|u| u.storages()).collect();
+    dit_storages.sort_unstable();
+    let full: u64 = gathered().flat_map(|u| &u.sections).map(|s| s.len).sum();
+    let sections = gathered().map(|u| u.sections.len() as u64).sum::<u64>();
+    let shard_host_bytes = group.shard_host_bytes;
     let still_held = |s: &&StorageId| matches!(model.home(**s), Some(Home::Loaded { .. } | Home::Master { .. }));
     let dit_host_bytes =
         shard_host_bytes + dit_storages.iter().filter(still_held).map(|s| model.storage_bytes(*s)).sum::<u64>();
@@ -988,15 +756,14 @@ fn rank_run(
                 (probe.0)(&RunningRank { rank, model, dit_storages, shard_host_bytes, dit_host_bytes });
             }
         };
-        let out = engine.execute(&source, &hooks, &opts, &mut progress)?;
+        let out = engine.execute(backend, hooks, &opts, &mut progress)?;
         Ok((t.elapsed(), out.output))
     };
-    let h2d = || parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum::<u64>();
-    let dit_roots: Vec<String> = desc.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone());
-    // Timed: every execution runs through the same stacks (the shard masters are built once, above).
-    let result = match spec.timed_steps {
-        None => run(spec.steps).map(|(_, output)| (output, None, None)),
-        Some(steps) => (|| {
+    let h2d = || backend.report().stacks.iter().map(|s| s.h2d_bytes).sum::<u64>();
+    let dit_roots: Vec<String> = spec.pipeline.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone());
+    let (output, timing, trace) = match spec.timed_steps {
+        None => run(spec.steps).map(|(_, output)| (output, None, None))?,
+        Some(steps) => {
             run(1)?;
             let b0 = h2d();
             let (t_lo, _) = run(steps.0)?;
@@ -1005,10 +772,10 @@ fn rank_run(
             let b2 = h2d();
             let rounds = more_rounds(steps, (t_lo, t_hi), spec.timed_rounds, run, &mut output)?;
             let shard = bytes_per_step(steps, b0, b1, b2);
-            let full_per_step = if pass_shard == 0 {
+            let full_per_step = if shard_host_bytes == 0 {
                 0
             } else {
-                u64::try_from(u128::from(shard) * u128::from(full) / u128::from(pass_shard)).unwrap_or(u64::MAX)
+                u64::try_from(u128::from(shard) * u128::from(full) / u128::from(shard_host_bytes)).unwrap_or(u64::MAX)
             };
             let timing = RankTiming {
                 steps,
@@ -1029,29 +796,23 @@ fn rank_run(
                 }
                 None => None,
             };
-            Ok((output, Some(timing), trace))
-        })(),
+            (output, Some(timing), trace)
+        }
     };
-    hooks.remove_owned_by(DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK);
-    let released = engine.release();
-    let (output, timing, trace) = result?;
-    released?;
-    for s in &parts.stacks {
-        s.fence().map_err(OffloadError::from)?;
-    }
+    backend.fence()?;
     Ok(RankRun {
         rank,
         output,
-        issued: collective.issued(),
+        issued: Vec::new(),
         hazard_violations: 0,
         shard_host_bytes,
         dit_host_bytes_while_running: dit_host_bytes,
-        released_bytes,
+        released_bytes: group.released_bytes,
         restore_issued: Vec::new(),
         full_section_bytes: full,
         sections,
-        h2d_bytes: parts.stacks.iter().map(|s| s.stats().h2d_bytes).sum(),
-        windowed_all_gathers: collective.windowed_gathers(),
+        h2d_bytes: h2d(),
+        windowed_all_gathers: 0,
         timing,
         trace,
     })

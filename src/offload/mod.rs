@@ -17,19 +17,24 @@
 pub mod backend;
 pub mod distributed;
 pub mod distributed_backend;
+mod group;
 pub mod layout;
 pub mod resident;
 pub mod shard_restore;
 pub mod units;
 
-use crate::config::{OffloadConfig, Strategy};
+use crate::config::{Component, OffloadConfig, Strategy, WeightTransfer};
 use crate::hooks::HookError;
 use crate::model::ModelError;
 use crate::plan::{PlanError, StorageId};
+use distributed::DistributedError;
+use group::Communicator;
+use weightferry_actors::collective_actor::{CollectiveFactory, GatherError};
 use weightferry_actors::platform::{DeviceBufferId, PlatformError, PlatformRef};
 use weightferry_actors::SchedulerError;
 
 pub use backend::{BackendReport, StreamingBackend};
+pub use group::COMM_STREAM;
 pub use resident::ResidentPlacement;
 
 /// Errors of the offload backends.
@@ -72,6 +77,53 @@ pub enum OffloadError {
     /// between homes. (A platform failure reading it is [`OffloadError::Platform`].)
     #[error(transparent)]
     Model(ModelError),
+    /// The rank's sharded host masters could not be built.
+    #[error(transparent)]
+    Shards(#[from] DistributedError),
+    /// The collective actor failed (it could not start, or a gather could not be sent).
+    #[error(transparent)]
+    Collective(#[from] GatherError),
+    /// The collective given to the backend does not match the config's offload group.
+    #[error(
+        "the collective is rank {rank} of {world} ranks, but the config's offload group has {expected} ranks; build \
+         the communicator over the config's group (data_parallel_size, or sequence_parallel_size when that is 1)"
+    )]
+    GroupMismatch {
+        /// The collective's rank.
+        rank: usize,
+        /// The collective's ranks.
+        world: usize,
+        /// Ranks of the config's group.
+        expected: usize,
+    },
+    /// An AllGather failed: the rank's collective issues no further collective; the storages released to the
+    /// group's shards that were not restored stay released (reading them is an error).
+    #[error(
+        "rank {rank}: collective poisoned ({cause}); {unrestored} released weight storage(s) could not be restored \
+         (reading them is an error); the pipeline must be reloaded"
+    )]
+    Poisoned {
+        /// This rank.
+        rank: usize,
+        /// The failure that poisoned the collective.
+        cause: PlatformError,
+        /// Released storages not restored.
+        unrestored: usize,
+    },
+    /// The final gather to host failed on this rank alone (a device or host allocation, a copy) while the
+    /// collective stayed usable; the storages it did not restore stay released.
+    #[error(
+        "rank {rank}: restoring the released weights failed ({cause}); {unrestored} storage(s) stay released \
+         (reading them is an error); the pipeline must be reloaded"
+    )]
+    RestoreFailed {
+        /// This rank.
+        rank: usize,
+        /// Released storages not restored.
+        unrestored: usize,
+        /// The first failure.
+        cause: String,
+    },
 }
 
 impl From<ModelError> for OffloadError {
@@ -91,22 +143,34 @@ pub trait WeightSource: Send + Sync {
     fn locate(&self, storage: StorageId) -> Result<(DeviceBufferId, u64), OffloadError>;
 }
 
-/// Creates the backend for `config`, or `None` when offload is disabled. Creating a backend touches nothing; an
-/// unsupported combination fails here, before any hook or tensor is touched.
+/// Creates the backend for `config` — model-level, layerwise or distributed layerwise — or `None` when offload is
+/// disabled. Creating a backend touches nothing; an unsupported combination fails here, before any hook or tensor
+/// is touched.
+///
+/// `collective` is this rank's communicator for AllGather transfer (`weight_transfer = "allgather"`): a factory
+/// that builds it on the collective actor's own thread (an NCCL communicator is bound to the thread that made it)
+/// at the first `enable`, e.g. an NCCL communicator from a unique id the host engine exchanged, or one that
+/// [`crate::dist`] bootstraps from the torchrun/SLURM environment. It must span the config's offload group. With
+/// a collective, the components that select AllGather shard their blocks over it (also in a group of one rank);
+/// without one, AllGather across a group of more than one rank is refused, and a group of one rank copies blocks
+/// rank-locally. Components on rank-local transfer never use it.
 pub fn get_offload_backend(
     config: &OffloadConfig,
     platform: PlatformRef,
+    collective: Option<CollectiveFactory>,
 ) -> Result<Option<StreamingBackend>, OffloadError> {
     if config.strategy == Strategy::None {
         return Ok(None);
     }
-    if config.group.size > 1 && crate::config::Component::ALL.iter().any(|&c| config.uses_allgather(c)) {
+    let gathers = Component::ALL.iter().any(|&c| config.transfer_for(c) == WeightTransfer::Allgather);
+    if collective.is_none() && config.group.size > 1 && Component::ALL.iter().any(|&c| config.uses_allgather(c)) {
         return Err(OffloadError::Unsupported(format!(
-            "weight_transfer = \"allgather\" across an offload group of {} ranks needs one process per rank; this \
-             single-process run cannot AllGather. Set layer_options.<component>.weight_transfer = \"rank-local\" or \
-             launch one process per GPU",
+            "weight_transfer = \"allgather\" across an offload group of {} ranks needs this rank's collective; pass \
+             one to get_offload_backend (weightferry::dist builds one from the torchrun/SLURM environment), or set \
+             layer_options.<component>.weight_transfer = \"rank-local\"",
             config.group.size
         )));
     }
-    Ok(Some(StreamingBackend::new(config.clone(), platform)))
+    let collective = if gathers { collective.map(Communicator::new) } else { None };
+    Ok(Some(StreamingBackend::with_collective(config.clone(), platform, collective)))
 }

@@ -20,7 +20,7 @@
 //! peers' restore is not held up; nothing is freed while work that touches it may still be pending.
 
 use super::distributed::ShardedMasters;
-use super::distributed_backend::tag_of;
+use super::group::tag_of;
 use super::layout::UnitLayout;
 use crate::model::{Home, HostModel, ModelError};
 use crate::plan::StorageId;

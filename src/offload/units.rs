@@ -8,7 +8,7 @@
 //! block's weight stays with the ring.
 
 use super::layout::{storages_of, UnitLayout};
-use crate::config::{Component, CopySubmission, OffloadConfig, Strategy};
+use crate::config::{Component, CopySubmission, OffloadConfig, Strategy, WeightTransfer};
 use crate::hooks::{DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK, LAYERWISE_OFFLOAD_HOOK, SEQUENTIAL_OFFLOAD_HOOK};
 use crate::plan::ComponentKind;
 use crate::plan::{PipelineDesc, ResolvedComponent, ResolvedPlan, StorageId};
@@ -32,6 +32,11 @@ pub struct StackPlan {
     pub eager: bool,
     /// Who enqueues the stack's streamed loads (`copy_submission` of its component; staged stacks use the actor).
     pub submission: Submission,
+    /// The stack's component selects AllGather transfer (`weight_transfer = "allgather"`): with a collective, the
+    /// backend shards its blocks over the group and rebuilds them by AllGather.
+    pub allgather: bool,
+    /// With `allgather`: gathered bytes per AllGather (`allgather_chunk_size`); `None` = one per section.
+    pub chunk_bytes: Option<u64>,
 }
 
 /// Everything a backend builds for a plan.
@@ -61,18 +66,42 @@ pub fn hook_name(strategy: Strategy) -> &'static str {
     }
 }
 
-/// A stack before packing: name, `(unit path, storages)`, resident head, resident mask, depth, eager prefetch,
-/// submission.
-type RawStack = (String, Vec<(String, Vec<StorageId>)>, usize, Option<Vec<bool>>, usize, bool, Submission);
+/// A stack before packing: its plan with `(unit path, storages)` instead of packed units.
+struct RawStack {
+    plan: StackPlan,
+    units: Vec<(String, Vec<StorageId>)>,
+}
 
-/// The submission mode a component's stacks use: its `copy_submission` (encoder stacks follow `text_encoder`, as
-/// their prefetch depth does).
-fn submission_of(cfg: &OffloadConfig, kind: ComponentKind) -> Submission {
-    let c = match kind {
+impl RawStack {
+    /// A staged stack (one slot, no prefetch, the actor submits) of `units`, keeping the first `head` resident.
+    fn staged(name: &str, units: Vec<(String, Vec<StorageId>)>, head: usize) -> RawStack {
+        let plan = StackPlan {
+            name: name.to_string(),
+            units: Vec::new(),
+            resident_head: head,
+            resident_mask: None,
+            depth: 0,
+            eager: false,
+            submission: Submission::Actor,
+            allgather: false,
+            chunk_bytes: None,
+        };
+        RawStack { plan, units }
+    }
+}
+
+/// The config component whose layer options a plan component's stacks follow (encoder stacks follow
+/// `text_encoder`).
+fn option_component(kind: ComponentKind) -> Component {
+    match kind {
         ComponentKind::TextEncoder | ComponentKind::Encoder => Component::TextEncoder,
         _ => Component::Dit,
-    };
-    match cfg.copy_submission(c) {
+    }
+}
+
+/// The submission mode a component's stacks use: its `copy_submission`.
+fn submission_of(cfg: &OffloadConfig, kind: ComponentKind) -> Submission {
+    match cfg.copy_submission(option_component(kind)) {
         CopySubmission::Actor => Submission::Actor,
         CopySubmission::Hook => Submission::Hook,
     }
@@ -97,7 +126,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     .map(|c| (c.path.clone(), storages_of(p, &c.path)))
                     .collect();
                 let head = if cfg.keep_dit_resident { dits.len() } else { 0 };
-                stacks.push(("model-swap".to_string(), units, head, None, 0, false, Submission::Actor));
+                stacks.push(RawStack::staged("model-swap", units, head));
             }
         }
         Strategy::LayerWise | Strategy::DistributedLayerWise => {
@@ -113,15 +142,19 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     }
                     for s in &c.stacks {
                         let units = s.blocks.iter().map(|b| (b.clone(), storages_of(p, b))).collect();
-                        stacks.push((
-                            s.name.clone(),
-                            units,
-                            s.resident_head,
-                            s.resident_mask.clone(),
-                            s.prefetch_depth as usize,
+                        let allgather = cfg.transfer_for(option_component(c.kind)) == WeightTransfer::Allgather;
+                        let plan = StackPlan {
+                            name: s.name.clone(),
+                            units: Vec::new(),
+                            resident_head: s.resident_head,
+                            resident_mask: s.resident_mask.clone(),
+                            depth: s.prefetch_depth as usize,
                             eager,
-                            submission_of(cfg, c.kind),
-                        ));
+                            submission: submission_of(cfg, c.kind),
+                            allgather,
+                            chunk_bytes: cfg.allgather_chunk_bytes(option_component(c.kind)),
+                        };
+                        stacks.push(RawStack { plan, units });
                     }
                 };
                 for c in plan.components() {
@@ -131,7 +164,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                     }
                 }
                 if !staged.is_empty() {
-                    stacks.push(("on-demand".to_string(), staged, 0, None, 0, false, Submission::Actor));
+                    stacks.push(RawStack::staged("on-demand", staged, 0));
                 }
             }
         }
@@ -139,8 +172,8 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
 
     // A storage claimed by two units is pinned to the fixed placement.
     let mut count: BTreeMap<StorageId, usize> = BTreeMap::new();
-    for (_, units, ..) in &stacks {
-        for (_, st) in units {
+    for raw in &stacks {
+        for (_, st) in &raw.units {
             for s in st {
                 *count.entry(*s).or_default() += 1;
             }
@@ -151,20 +184,16 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
     let fixed: Vec<StorageId> = p.storages.keys().copied().filter(|s| !streamed.contains(s)).collect();
     let stacks = stacks
         .into_iter()
-        .map(|(name, units, resident_head, resident_mask, depth, eager, submission)| StackPlan {
-            name,
-            units: units
+        .map(|raw| StackPlan {
+            units: raw
+                .units
                 .into_iter()
                 .map(|(path, st)| {
                     let st: Vec<StorageId> = st.into_iter().filter(|s| !shared.contains(s)).collect();
                     UnitLayout::pack(p, &path, &st)
                 })
                 .collect(),
-            resident_head,
-            resident_mask,
-            depth,
-            eager,
-            submission,
+            ..raw.plan
         })
         .collect();
     UnitPlan { hook_name: hook, stacks, fixed }
