@@ -6,15 +6,11 @@
 //! - [`hooks`]: the forward-hook registry the strategies install into.
 //! - [`dist`]: multi-process runs: the launch environment, the TCP rendezvous, the process launcher.
 
-pub mod cli;
 pub mod config;
 pub mod diag;
 pub mod dist;
-pub mod engine;
 pub mod hooks;
 pub mod model;
 pub mod offload;
 pub mod plan;
 pub mod platform;
-pub mod report;
-pub mod trace;

@@ -5,7 +5,7 @@ set -eu
 cd "$(dirname "$0")/.."
 cargo test --workspace --all-targets
 # The CUDA / NCCL modules' unit tests that need no GPU (config structs, the symmetric heap's bookkeeping).
-cargo test --features nccl --lib platform::cuda::
+cargo test -p weightferry --features nccl --lib platform::cuda::
 # The peer benchmark's pure-Python parts (shape export, table merge); its torch tests skip without torch.
 if command -v python3 > /dev/null; then
   python3 benches/peers/test_peers.py

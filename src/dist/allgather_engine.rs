@@ -10,7 +10,7 @@
 use std::fmt;
 
 /// The AllGather asked for (`run --allgather-engine`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AllGatherEngine {
     /// The copy engines when every rank can use them on one node, else kernels.
     #[default]

@@ -5,8 +5,8 @@
 //! zero-padded at the end (see [`weightferry_actors::shard`]). An AllGather of the ranks' shards rebuilds the
 //! section followed by fewer than `N` zero elements, so across the group host memory totals one model copy plus
 //! that padding. With a chunk size (chunked transport) the shards use the chunk-major layout of
-//! [`ShardSpec::chunked`]: one AllGather per chunk rebuilds the chunk in place. Not wired into
-//! `get_offload_backend`: distributed runs go through [`super::distributed_backend`].
+//! [`ShardSpec::chunked`]: one AllGather per chunk rebuilds the chunk in place. The backend builds them for its
+//! gathered stacks (`group.rs`).
 //!
 //! Invariant: [`build_sharded_masters`] either returns every shard of every section or fails having freed every
 //! host buffer it allocated (it never changes the model's homes); the shards of ranks `0..N` of one section

@@ -5,10 +5,10 @@
 //!   hooks that turn the engine's `pre_forward` / `post_forward` into scheduler messages.
 //! - [`units`] decides, per strategy, what the stacks and their units are (blocks for the layerwise strategies,
 //!   whole components for model-level swapping and on-demand staging).
-//! - [`distributed`] builds per-rank sharded host masters; [`distributed_backend`] runs distributed layerwise
-//!   offload end to end, one rank at a time on any platform ([`distributed_backend::run_rank`]) or with simulated
-//!   ranks as threads (gather-path block stacks over a collective); [`shard_restore`] gives the storages such a run
-//!   released to the group's shards their loaded host buffers back, by one final gather to host.
+//! - Distributed layerwise offload is the same backend given this rank's collective: `group.rs` holds the
+//!   collective actor and the gathered stacks' state, [`distributed`] builds the rank's sharded host masters, and
+//!   [`shard_restore`] gives the storages released to the group's shards their loaded host buffers back at
+//!   `disable`, by one final gather to host.
 //!
 //! Lifecycle contract: `enable` is transactional (any failure removes every installed hook, frees every device
 //! buffer and gives every storage its own host buffer back, so the pipeline can be retried); `disable` releases
@@ -16,7 +16,6 @@
 
 pub mod backend;
 pub mod distributed;
-pub mod distributed_backend;
 mod group;
 pub mod layout;
 pub mod resident;

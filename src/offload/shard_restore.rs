@@ -1,6 +1,5 @@
-//! The final gather to host of a distributed run that released its loaded DiT weights
-//! ([`DistributedRunSpec::release_loaded`](super::distributed_backend::DistributedRunSpec::release_loaded)): every
-//! released storage ([`Home::Sharded`]) is rebuilt from the group's shards and given a loaded host buffer again.
+//! The final gather to host of a distributed backend, which released the loaded host copies of its gathered
+//! stacks' weights at enable: every released storage ([`Home::Sharded`]) is rebuilt from the group's shards and given a loaded host buffer again.
 //!
 //! Unit by unit, in the run's stack and unit order: the rank copies its shards of the unit host → device into one
 //! restore input buffer and observes the copy's completion; it then sends one [`GatherCmd`] per section chunk — the

@@ -13,3 +13,4 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod timeline;

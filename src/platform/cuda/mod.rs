@@ -236,6 +236,19 @@ impl CudaPlatform {
         self.device.get(buf.0).map(|d| (d.ptr(), d.len()))
     }
 
+    /// Zeroes all of device buffer `buf`, ordered on `stream` (no host wait).
+    pub fn zero_device_async(&self, buf: DeviceBufferId, stream: StreamId) -> Result<(), PlatformError> {
+        let (ptr, len) =
+            self.device_ptr(buf).ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })?;
+        let raw =
+            self.raw_stream(stream).ok_or(PlatformError::InvalidHandle { what: "stream", id: u64::from(stream.0) })?;
+        // SAFETY: `ptr` is a live allocation of `len` bytes owned by this platform and `raw` a live stream of its
+        // context, both looked up just above; the memset is stream-ordered and `cuMemFree` waits for outstanding
+        // device work before releasing memory, so a later free cannot pull the buffer from under it.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, len as usize, raw) }
+            .map_err(|e| PlatformError::Driver(format!("memset: {e:?}")))
+    }
+
     /// Start address and size of a host buffer, or `None` for an unknown handle. The memory stays valid until the
     /// buffer is freed; reading or writing it through the pointer is the caller's `unsafe` business.
     pub fn host_ptr(&self, buf: HostBufferId) -> Option<(*mut u8, u64)> {
@@ -611,7 +624,7 @@ impl Platform for CudaPlatform {
         self.bind_to_thread()?;
         // `timeline_begin` returns at once when disarmed; the label is formatted only when armed.
         let span = if self.timeline.armed() {
-            self.timeline_begin(stream, crate::engine::timeline::COPY_LANE, &format!("h2d {len}"))
+            self.timeline_begin(stream, crate::platform::timeline::COPY_LANE, &format!("h2d {len}"))
         } else {
             None
         };

@@ -573,7 +573,7 @@ impl NcclCollective {
         }
         // A span on the comm lane while the device timeline is armed (the label is formatted only then).
         let span = if self.platform.timeline.armed() {
-            self.platform.timeline_begin(stream, crate::engine::timeline::COMM_LANE, &format!("allgather {out_len}"))
+            self.platform.timeline_begin(stream, crate::platform::timeline::COMM_LANE, &format!("allgather {out_len}"))
         } else {
             None
         };

@@ -20,7 +20,7 @@ use weightferry_actors::platform::{PlatformError, PlatformResult, StreamId};
 
 use super::driver::describe;
 use super::CudaPlatform;
-use crate::engine::timeline::{DeviceSpan, DeviceTracer};
+use crate::platform::timeline::{DeviceSpan, DeviceTracer};
 
 /// A span begun by [`CudaPlatform::timeline_begin`]; hand it back to [`CudaPlatform::timeline_end`].
 #[derive(Debug)]

@@ -15,18 +15,18 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
-use weightferry::engine::compute::{Compute, SimCompute};
-use weightferry::engine::driver::{run, RunSpec};
 use weightferry::model::{fnv1a, FNV_OFFSET};
-use weightferry::offload::distributed_backend::run_rank;
-use weightferry::offload::distributed_backend::{
-    resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, Jitter, RankRun,
-};
 use weightferry::plan::presets::preset;
 use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup};
 use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry_harness::distributed_run::run_rank;
+use weightferry_harness::distributed_run::{
+    resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, Jitter, RankRun,
+};
+use weightferry_harness::engine::compute::{Compute, SimCompute};
+use weightferry_harness::engine::driver::{run, RunSpec};
 
 fn ok_ranks(spec: &DistributedRunSpec) -> Vec<RankRun> {
     run_distributed_sim(spec)
@@ -463,7 +463,7 @@ fn an_untimed_run_has_no_timing_and_bad_timed_steps_are_refused() {
 
 #[test]
 fn step_seconds_is_the_difference_over_the_extra_steps() {
-    use weightferry::offload::distributed_backend::step_seconds;
+    use weightferry_harness::distributed_run::step_seconds;
     let s = step_seconds((1, 3), Duration::from_millis(500), Duration::from_millis(900));
     assert!((s - 0.2).abs() < 1e-12, "{s}");
     assert_eq!(step_seconds((2, 2), Duration::from_secs(1), Duration::from_secs(2)), 0.0);
@@ -472,7 +472,7 @@ fn step_seconds_is_the_difference_over_the_extra_steps() {
 #[test]
 fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     use weightferry::model::HostModel;
-    use weightferry::offload::distributed_backend::{resident_run_with_model, run_rank_with_model};
+    use weightferry_harness::distributed_run::{resident_run_with_model, run_rank_with_model};
     let desc = preset("flux-tiny").unwrap();
     let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
     let platform: PlatformRef = sim.clone();
@@ -503,7 +503,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
 #[test]
 fn the_dist_sh_config_gives_two_ranks_depth_2_and_whole_sections_for_the_full_size_presets() {
     // The config `benches/gpu/dist.sh` writes for the GPU run (keep the two in step).
-    let script = include_str!("../benches/gpu/dist.sh");
+    let script = include_str!("../../../benches/gpu/dist.sh");
     let start = script.find("{\"data_parallel_size\"").expect("config in dist.sh");
     let end = start + script[start..].find("\nEOF").expect("end of the config");
     let config = OffloadConfig::from_json_str(&script[start..end]).expect("config");
@@ -518,17 +518,17 @@ fn the_dist_sh_config_gives_two_ranks_depth_2_and_whole_sections_for_the_full_si
 struct FakeTracer {
     armed: std::sync::atomic::AtomicUsize,
     collected: std::sync::atomic::AtomicUsize,
-    spans: Vec<weightferry::engine::timeline::DeviceSpan>,
+    spans: Vec<weightferry_harness::engine::timeline::DeviceSpan>,
     fail_arm: bool,
 }
 
-impl weightferry::engine::timeline::DeviceTracer for FakeTracer {
+impl weightferry_harness::engine::timeline::DeviceTracer for FakeTracer {
     fn arm(
         &self,
         _stream: weightferry_actors::platform::StreamId,
         capacity: usize,
     ) -> Result<(), weightferry_actors::platform::PlatformError> {
-        assert_eq!(capacity, weightferry::offload::distributed_backend::TRACE_CAPACITY);
+        assert_eq!(capacity, weightferry_harness::distributed_run::TRACE_CAPACITY);
         if self.fail_arm {
             return Err(weightferry_actors::platform::PlatformError::Driver("no timing events left".into()));
         }
@@ -538,8 +538,10 @@ impl weightferry::engine::timeline::DeviceTracer for FakeTracer {
 
     fn collect(
         &self,
-    ) -> Result<(Vec<weightferry::engine::timeline::DeviceSpan>, u64), weightferry_actors::platform::PlatformError>
-    {
+    ) -> Result<
+        (Vec<weightferry_harness::engine::timeline::DeviceSpan>, u64),
+        weightferry_actors::platform::PlatformError,
+    > {
         self.collected.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok((self.spans.clone(), 3))
     }
@@ -547,8 +549,8 @@ impl weightferry::engine::timeline::DeviceTracer for FakeTracer {
 
 #[test]
 fn a_traced_timed_run_traces_one_more_lo_execution_and_summarises_the_dit_window() {
-    use weightferry::engine::timeline::{DeviceSpan, COMM_LANE, COMPUTE_LANE, COPY_LANE};
-    use weightferry::offload::distributed_backend::RunTracer;
+    use weightferry_harness::distributed_run::RunTracer;
+    use weightferry_harness::engine::timeline::{DeviceSpan, COMM_LANE, COMPUTE_LANE, COPY_LANE};
     let desc = preset("flux-tiny").unwrap();
     let root = desc.components.as_ref().unwrap().dit[0].clone();
     let span =

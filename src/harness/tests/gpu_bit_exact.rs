@@ -6,10 +6,10 @@
 #![cfg(feature = "cuda")]
 
 use weightferry::config::OffloadConfig;
-use weightferry::engine::cuda::GpuShape;
-use weightferry::engine::gpu::gpu_run;
 use weightferry::plan::presets::preset;
 use weightferry_actors::OrderingFault;
+use weightferry_harness::engine::cuda::GpuShape;
+use weightferry_harness::engine::gpu::gpu_run;
 
 const SHAPE: GpuShape = GpuShape { tokens: 256, context_tokens: 64 };
 
@@ -98,13 +98,13 @@ fn a_broken_ordering_is_detected_on_the_gpu() {
 #[ignore = "needs a CUDA GPU (and ~35 GB of device memory)"]
 fn an_execution_does_not_depend_on_earlier_executions() {
     use std::sync::Arc;
-    use weightferry::engine::cuda::CudaCompute;
-    use weightferry::engine::{Engine, ExecOptions};
     use weightferry::hooks::HookRegistry;
     use weightferry::model::HostModel;
     use weightferry::offload::ResidentPlacement;
     use weightferry::platform::cuda::CudaPlatform;
     use weightferry_actors::platform::PlatformRef;
+    use weightferry_harness::engine::cuda::CudaCompute;
+    use weightferry_harness::engine::{Engine, ExecOptions};
     // flux-dev's VAE has products wider than any activation: they must not read what an earlier run left behind.
     let desc = preset("flux-dev").unwrap();
     let cuda = Arc::new(CudaPlatform::new(0).unwrap());

@@ -156,14 +156,8 @@ impl CudaCompute {
         }
         // Zero the scratch once so every read of it is deterministic.
         let zero_stream = p.create_stream("gpu-engine-init")?;
-        if let Some(raw) = platform.raw_stream(zero_stream) {
-            for (&b, &s) in bufs.iter().zip(&sizes) {
-                if let Some((ptr, _)) = platform.device_ptr(b) {
-                    // SAFETY: `ptr` is a live allocation of `s` bytes made above; the stream is live.
-                    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, s as usize, raw) }
-                        .map_err(|e| PlatformError::Driver(format!("memset: {e:?}")))?;
-                }
-            }
+        for &b in &bufs {
+            platform.zero_device_async(b, zero_stream)?;
         }
         p.stream_synchronize(zero_stream)?;
         Ok(CudaCompute {

@@ -33,10 +33,6 @@
 //! either restored bit-exactly or still released when it returns (the model's checksum after a successful run equals
 //! the one before).
 
-use super::distributed::DistributedError;
-use super::resident::ResidentPlacement;
-use super::units::{build_unit_plan, UnitPlan};
-use super::{get_offload_backend, OffloadError, StreamingBackend};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
@@ -45,6 +41,10 @@ use crate::engine::{Engine, EngineError, ExecOptions};
 use crate::hooks::{HookRegistry, ModelHook};
 use crate::model::splitmix64;
 use crate::model::{Home, HostModel, ModelError};
+use crate::offload::distributed::DistributedError;
+use crate::offload::resident::ResidentPlacement;
+use crate::offload::units::{build_unit_plan, UnitPlan};
+use crate::offload::{get_offload_backend, OffloadError, StreamingBackend};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -145,7 +145,7 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
              weightferry launch); on one GPU, weightferry bench --rounds repeats configurations",
         ));
     }
-    if a.allgather_engine != AllGatherEngine::Auto {
+    if AllGatherEngine::from(a.allgather_engine) != AllGatherEngine::Auto {
         return Err(CliError::invalid(
             "--allgather-engine applies only to a distributed run on --platform cuda (WORLD_SIZE > 1, e.g. under \
              weightferry launch)",

@@ -4,8 +4,6 @@
 
 use std::sync::Arc;
 use weightferry::config::OffloadConfig;
-use weightferry::engine::compute::SimCompute;
-use weightferry::engine::{Engine, ExecOptions};
 use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
 use weightferry::offload::{get_offload_backend, OffloadError, ResidentPlacement};
@@ -13,6 +11,8 @@ use weightferry::plan::presets::preset;
 use weightferry::plan::StorageId;
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry_harness::engine::compute::SimCompute;
+use weightferry_harness::engine::{Engine, ExecOptions};
 
 fn cfg(json: &str) -> OffloadConfig {
     OffloadConfig::from_json_str(json).unwrap()

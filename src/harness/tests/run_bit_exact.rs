@@ -4,12 +4,12 @@
 //! the bound.
 
 use weightferry::config::OffloadConfig;
-use weightferry::engine::driver::{run, RunSpec};
 use weightferry::offload::layout::UnitLayout;
 use weightferry::offload::units::build_unit_plan;
 use weightferry::plan::presets::preset;
 use weightferry::plan::resolve_offload_plan;
-use weightferry::report::RunReport;
+use weightferry_harness::engine::driver::{run, RunSpec};
+use weightferry_harness::report::RunReport;
 
 const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];
 
@@ -156,8 +156,8 @@ fn a_different_seed_changes_the_output() {
 #[test]
 fn the_checks_can_fail() {
     use std::time::Duration;
-    use weightferry::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
     use weightferry_actors::OrderingFault;
+    use weightferry_harness::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
     // Compute that does not wait for its copies reads slots before they land: the hazard detector sees it.
     let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
     spec.steps = 1;

@@ -1,7 +1,7 @@
 //! `weightferry run` as one rank of a distributed run (the launch environment has `WORLD_SIZE > 1`, as set by
 //! `weightferry launch`, torchrun or a job script): this process joins the TCP rendezvous, checks that every rank runs
 //! the same spec, runs its rank of distributed layerwise offload on the simulated device through
-//! [`run_rank`](crate::offload::distributed_backend::run_rank) with a [`TcpCollective`], compares its output with the
+//! [`run_rank`](crate::distributed_run::run_rank) with a [`TcpCollective`], compares its output with the
 //! fully resident run, and exchanges the verdicts; rank 0 prints the report (text, or one JSON object with `--json`).
 //! Every rank exits 1 when any rank's output differs or its hazard detector fired, and a rank whose run fails exits 1
 //! naming itself — or exits [`PEER_FAILED_EXIT`] (3) when it stopped only because another rank failed (a peer left, or
@@ -28,12 +28,12 @@ use crate::config::OffloadConfig;
 use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::launch::PEER_FAILED_EXIT;
 use crate::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
+use crate::distributed_run::{
+    resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
+};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::model::HostModel;
 use crate::model::{fnv1a, ModelError, FNV_OFFSET};
-use crate::offload::distributed_backend::{
-    resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
-};
 use crate::report::human_bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -290,7 +290,7 @@ pub struct RankTimelineReport {
 
 impl RankTimelineReport {
     /// The per-step report of a rank's trace, written to `trace_file`.
-    pub fn new(t: &crate::offload::distributed_backend::RankTrace, trace_file: String) -> Self {
+    pub fn new(t: &crate::distributed_run::RankTrace, trace_file: String) -> Self {
         let per_step = crate::engine::timeline::StepTimeline::per_step(t.summary.clone(), t.steps, t.dropped);
         RankTimelineReport { steps: t.steps, per_step, trace_file }
     }
@@ -497,7 +497,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
              --features nccl, or run with --platform sim"
         )));
     }
-    if a.allgather_engine == AllGatherEngine::CopyEngine && a.platform != PlatformArg::Cuda {
+    if AllGatherEngine::from(a.allgather_engine) == AllGatherEngine::CopyEngine && a.platform != PlatformArg::Cuda {
         return Err(CliError::invalid(
             "--allgather-engine copy-engine needs --platform cuda (the simulated device has no NCCL): remove it, or \
              run on GPUs"
@@ -708,7 +708,7 @@ struct RankOutcome {
 /// Which part of a simulated rank failed.
 enum SimRankError {
     Resident(crate::engine::EngineError),
-    Run(crate::offload::distributed_backend::DistributedRunError),
+    Run(crate::distributed_run::DistributedRunError),
     /// The weights after the run are not the ones before ([`check_restored_weights`]'s message).
     Weights(String),
 }
@@ -804,7 +804,7 @@ fn cuda_rank(
     })?);
     // The AllGather engine, agreed by every rank from every rank's offer; with the copy engines, the gather
     // stacks' buffers come from NCCL's symmetric heap.
-    let (heap, unable) = match a.allgather_engine {
+    let (heap, unable) = match AllGatherEngine::from(a.allgather_engine) {
         AllGatherEngine::Kernel => (None, Some("kernels were asked for".to_string())),
         _ => match SymmetricHeap::for_copy_engine(&cuda) {
             Ok(heap) => (Some(heap), None),
@@ -818,7 +818,7 @@ fn cuda_rank(
         .map(|b| EngineOffer::from_bytes(b))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| failed("AllGather engine offers", &e))?;
-    let engine = choose_engine(a.allgather_engine, &offers).map_err(CliError::invalid)?;
+    let engine = choose_engine(a.allgather_engine.into(), &offers).map_err(CliError::invalid)?;
     let options = match heap {
         Some(heap) if engine.copy_engine => {
             if !cuda.set_shared_device_memory(heap.clone()) {
@@ -871,7 +871,7 @@ fn cuda_rank(
         let before = model.checksum().map_err(|e| failed("weights checksum", &e))?;
         let mut spec = spec.clone();
         if a.trace.is_some() {
-            spec.trace = Some(crate::offload::distributed_backend::RunTracer(cuda.clone()));
+            spec.trace = Some(crate::distributed_run::RunTracer(cuda.clone()));
         }
         let run = run_rank_with_model(
             platform.clone(),
@@ -933,8 +933,8 @@ mod tests {
 
     #[test]
     fn the_timeline_report_is_per_step_and_flat_in_json() {
+        use crate::distributed_run::RankTrace;
         use crate::engine::timeline::TimelineSummary;
-        use crate::offload::distributed_backend::RankTrace;
         let summary = TimelineSummary { window_us: 4000.0, comm_busy_us: 1000.0, ..Default::default() };
         let t = RankTrace { steps: 2, spans: Vec::new(), dropped: 1, summary };
         let r = RankTimelineReport::new(&t, "t.rank0.json".into());

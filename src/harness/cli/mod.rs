@@ -277,8 +277,8 @@ pub struct RunArgs {
     /// symmetric windows, the communicator runs under `NCCL_CTA_POLICY_ZERO`, and the AllGathers run on the copy
     /// engines, taking no SMs from the compute. `kernel`: NCCL's kernels. `auto`: the copy engines when every rank
     /// can use them, else kernels.
-    #[arg(long, value_enum, value_name = "E", default_value_t = crate::dist::allgather_engine::AllGatherEngine::Auto)]
-    pub allgather_engine: crate::dist::allgather_engine::AllGatherEngine,
+    #[arg(long, value_enum, value_name = "E", default_value_t = AllGatherEngineArg::Auto)]
+    pub allgather_engine: AllGatherEngineArg,
 }
 
 /// Deliberately broken orderings (testing aid).
@@ -457,5 +457,29 @@ mod tests {
     #[test]
     fn messages_are_one_line() {
         assert_eq!(CliError::invalid("a\n  b").message, "a b");
+    }
+}
+
+/// `--allgather-engine`: the library's [`AllGatherEngine`](crate::dist::allgather_engine::AllGatherEngine) as a
+/// command-line value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum AllGatherEngineArg {
+    /// The copy engines when every rank can use them on one node, else kernels.
+    #[default]
+    Auto,
+    /// NCCL's copy-engine AllGather; an error when some rank cannot use it.
+    CopyEngine,
+    /// NCCL's kernel AllGather.
+    Kernel,
+}
+
+impl From<AllGatherEngineArg> for crate::dist::allgather_engine::AllGatherEngine {
+    fn from(a: AllGatherEngineArg) -> Self {
+        use crate::dist::allgather_engine::AllGatherEngine as E;
+        match a {
+            AllGatherEngineArg::Auto => E::Auto,
+            AllGatherEngineArg::CopyEngine => E::CopyEngine,
+            AllGatherEngineArg::Kernel => E::Kernel,
+        }
     }
 }

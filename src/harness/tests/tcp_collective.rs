@@ -9,13 +9,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::dist::{Rendezvous, RendezvousOptions, TcpCollective};
-use weightferry::engine::compute::{Compute, SimCompute};
-use weightferry::offload::distributed_backend::{resident_output, run_rank, DistributedRunSpec};
 use weightferry::plan::presets::preset;
 use weightferry_actors::collective::{Collective, CollectiveError};
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::PlatformRef;
 use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry_harness::distributed_run::{resident_output, run_rank, DistributedRunSpec};
+use weightferry_harness::engine::compute::{Compute, SimCompute};
 
 /// Joins `world` rendezvous ranks on a fresh loopback port; runs `f(rank, rendezvous)` on a thread per rank.
 fn ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<Rendezvous>) -> T + Sync) -> Vec<T> {

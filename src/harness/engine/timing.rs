@@ -1,7 +1,7 @@
 //! Per-step figures of the benchmarks, derived from two executions of the same pipeline with `lo` and `hi` DiT
 //! steps: the difference removes everything an execution does once (encoders, VAE, the first, cold step), so
 //! `(t_hi − t_lo) / (hi − lo)` is the time of one step and the same difference of a byte counter is the bytes of
-//! one step. The single-GPU bench (`engine::gpu`), the distributed timing mode (`offload::distributed_backend`) and
+//! one step. The single-GPU bench (`engine::gpu`), the distributed timing mode (`distributed_run`) and
 //! the gather bench all use these, so their figures are comparable.
 
 use std::time::Duration;

@@ -5,33 +5,15 @@
 //! DiT window (a copy or, in a distributed run, an AllGather arrived late: a *stall*), and did the compute itself
 //! take longer than in the resident run (copies and collectives contending with kernels for memory bandwidth and
 //! SMs). Everything here is pure arithmetic on spans, so it is tested on the CPU; the spans come from
-//! `platform::cuda::timeline` on a GPU, through a [`DeviceTracer`].
+//! `platform::cuda::timeline` on a GPU, through a [`DeviceTracer`] (both in the library's `platform::timeline`).
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+pub use weightferry::platform::timeline::{DeviceSpan, DeviceTracer, COMM_LANE, COMPUTE_LANE, COPY_LANE};
 use weightferry_actors::platform::{PlatformError, StreamId};
 
-/// Lane of the engine's kernels.
-pub const COMPUTE_LANE: &str = "compute";
-/// Lane of host-to-device copies.
-pub const COPY_LANE: &str = "copy";
-/// Lane of collectives (NCCL AllGathers, on the communicator's stream).
-pub const COMM_LANE: &str = "comm";
 /// Gaps on the compute lane shorter than this are launch gaps, not stalls.
 pub const STALL_THRESHOLD_US: f64 = 20.0;
-
-/// One timed span on one lane, in microseconds after a common origin.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DeviceSpan {
-    /// The lane (one per stream role: [`COMPUTE_LANE`], [`COPY_LANE`], [`COMM_LANE`]).
-    pub lane: String,
-    /// What ran (a module path, `h2d <bytes>`).
-    pub label: String,
-    /// Start, µs.
-    pub start_us: f64,
-    /// End, µs.
-    pub end_us: f64,
-}
 
 /// Where the time of a window of compute spans went.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -133,16 +115,6 @@ pub fn trace_execution<T, E: From<PlatformError>>(
 /// not `dit2.x`): the selection of a component's window for [`summarize`].
 pub fn in_modules(label: &str, roots: &[String]) -> bool {
     roots.iter().any(|r| label.strip_prefix(r.as_str()).is_some_and(|rest| rest.is_empty() || rest.starts_with('.')))
-}
-
-/// Arms and collects a device timeline around one execution: the CUDA platform's timing events, or a test's fake.
-/// `arm` starts recording (spans after it are measured from an event recorded on `stream`); `collect` waits for
-/// every recorded span, returns them (sorted by start) with the number dropped for want of events, and disarms.
-pub trait DeviceTracer: Send + Sync {
-    /// Starts recording, with room for `capacity` spans.
-    fn arm(&self, stream: StreamId, capacity: usize) -> Result<(), PlatformError>;
-    /// Stops recording and returns the spans and the number dropped.
-    fn collect(&self) -> Result<(Vec<DeviceSpan>, u64), PlatformError>;
 }
 
 /// Union of intervals, sorted and merged.

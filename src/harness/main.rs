@@ -1,4 +1,4 @@
-//! The `weightferry` command line: `weightferry run` and `weightferry plan` (see [`weightferry::cli`]).
+//! The `weightferry` command line: `weightferry run` and `weightferry plan` (see [`weightferry_harness::cli`]).
 //!
 //! Logging goes to stderr, filtered by `RUST_LOG` (default: errors only, so a failing command prints one line).
 
@@ -6,5 +6,5 @@ fn main() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-    std::process::exit(weightferry::cli::main_with_args(std::env::args_os()));
+    std::process::exit(weightferry_harness::cli::main_with_args(std::env::args_os()));
 }
