@@ -1,7 +1,7 @@
 //! The synchronisation shim: every atomic, lock, thread and channel the scheduler uses comes from here.
 //!
-//! Normally these are `std` primitives and `crossbeam-channel` mailboxes (kanal mailboxes with the cargo feature
-//! `kanal-mailbox`, kept for the A/B of the CPU benches, see `benches/RESULTS.md`). Under `--cfg weightferry_loom` they are
+//! Normally these are `std` primitives and `crossbeam-channel` mailboxes (kanal was measured against it on the CPU
+//! benches and not kept: `benches/RESULTS.md`, "Mailboxes: kanal against crossbeam-channel"). Under `--cfg weightferry_loom` they are
 //! loom's primitives (and a mailbox built from loom's `Mutex` + `Condvar`), so the production scheduler code runs
 //! unchanged inside loom models. Nothing outside this module may name `std::sync` or `std::thread` directly.
 
@@ -66,7 +66,7 @@ pub mod mailbox {
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub struct Disconnected;
 
-    #[cfg(all(not(weightferry_loom), not(feature = "kanal-mailbox")))]
+    #[cfg(not(weightferry_loom))]
     mod imp {
         use super::Disconnected;
 
@@ -110,51 +110,6 @@ pub mod mailbox {
                     Err(crossbeam_channel::TryRecvError::Empty) => Ok(None),
                     Err(crossbeam_channel::TryRecvError::Disconnected) => Err(Disconnected),
                 }
-            }
-        }
-    }
-
-    #[cfg(all(not(weightferry_loom), feature = "kanal-mailbox"))]
-    mod imp {
-        use super::Disconnected;
-
-        /// Sending half of a mailbox.
-        #[derive(Debug)]
-        pub struct Sender<T>(kanal::Sender<T>);
-        impl<T> Clone for Sender<T> {
-            fn clone(&self) -> Self {
-                Sender(self.0.clone())
-            }
-        }
-        /// Receiving half of a mailbox.
-        #[derive(Debug)]
-        pub struct Receiver<T>(kanal::Receiver<T>);
-
-        /// A mailbox that never blocks its senders.
-        pub fn unbounded<T>() -> (Sender<T>, Receiver<T>) {
-            let (s, r) = kanal::unbounded();
-            (Sender(s), Receiver(r))
-        }
-        /// A mailbox holding at most `cap` messages; senders block when it is full.
-        pub fn bounded<T>(cap: usize) -> (Sender<T>, Receiver<T>) {
-            let (s, r) = kanal::bounded(cap);
-            (Sender(s), Receiver(r))
-        }
-        impl<T> Sender<T> {
-            /// Sends, blocking while a bounded mailbox is full.
-            pub fn send(&self, msg: T) -> Result<(), Disconnected> {
-                self.0.send(msg).map_err(|_| Disconnected)
-            }
-        }
-        impl<T> Receiver<T> {
-            /// Receives, blocking until a message arrives or every sender is gone (queued messages are delivered
-            /// first, as with crossbeam-channel).
-            pub fn recv(&self) -> Result<T, Disconnected> {
-                self.0.recv().map_err(|_| Disconnected)
-            }
-            /// Receives without blocking; `Ok(None)` when empty.
-            pub fn try_recv(&self) -> Result<Option<T>, Disconnected> {
-                self.0.try_recv().map_err(|_| Disconnected)
             }
         }
     }
@@ -285,8 +240,7 @@ pub mod mailbox {
 
 #[cfg(all(test, not(weightferry_loom)))]
 mod tests {
-    //! The mailbox contract both non-loom backends (crossbeam-channel and kanal) must keep; run with and without
-    //! `--features kanal-mailbox`.
+    //! The mailbox contract of the non-loom backend (the loom mailbox keeps it too; the loom models exercise it).
     use super::mailbox::{bounded, unbounded, Disconnected};
 
     #[test]
