@@ -1,6 +1,7 @@
 //! The synchronisation shim: every atomic, lock, thread and channel the scheduler uses comes from here.
 //!
-//! Normally these are `std` primitives and `crossbeam-channel` mailboxes. Under `--cfg weightferry_loom` they are
+//! Normally these are `std` primitives and `crossbeam-channel` mailboxes (kanal was measured against it on the CPU
+//! benches and not kept: `benches/RESULTS.md`, "Mailboxes: kanal against crossbeam-channel"). Under `--cfg weightferry_loom` they are
 //! loom's primitives (and a mailbox built from loom's `Mutex` + `Condvar`), so the production scheduler code runs
 //! unchanged inside loom models. Nothing outside this module may name `std::sync` or `std::thread` directly.
 
@@ -235,4 +236,42 @@ pub mod mailbox {
     }
 
     pub use imp::{bounded, unbounded, Receiver, Sender};
+}
+
+#[cfg(all(test, not(weightferry_loom)))]
+mod tests {
+    //! The mailbox contract of the non-loom backend (the loom mailbox keeps it too; the loom models exercise it).
+    use super::mailbox::{bounded, unbounded, Disconnected};
+
+    #[test]
+    fn queued_messages_are_delivered_after_every_sender_is_gone() {
+        let (tx, rx) = unbounded();
+        let tx2 = tx.clone();
+        tx.send(1).unwrap();
+        tx2.send(2).unwrap();
+        drop((tx, tx2));
+        assert_eq!(rx.try_recv(), Ok(Some(1)));
+        assert_eq!(rx.recv(), Ok(2));
+        assert_eq!(rx.recv(), Err(Disconnected));
+        assert_eq!(rx.try_recv(), Err(Disconnected));
+    }
+
+    #[test]
+    fn an_empty_mailbox_is_not_disconnected_and_a_dropped_receiver_refuses_sends() {
+        let (tx, rx) = bounded::<u32>(2);
+        assert_eq!(rx.try_recv(), Ok(None));
+        drop(rx);
+        assert_eq!(tx.send(7), Err(Disconnected));
+    }
+
+    #[test]
+    fn a_full_bounded_mailbox_blocks_its_sender_until_a_receive() {
+        let (tx, rx) = bounded(1);
+        tx.send(0u32).unwrap();
+        let t = std::thread::spawn(move || tx.send(1).map(|_| ()));
+        assert_eq!(rx.recv(), Ok(0));
+        assert_eq!(rx.recv(), Ok(1));
+        assert_eq!(t.join().unwrap(), Ok(()));
+        assert_eq!(rx.recv(), Err(Disconnected));
+    }
 }

@@ -3,7 +3,10 @@
 //!
 //! Invariant: the planned bound counts every byte the backends will allocate for weights (always-resident state,
 //! resident heads, ring slots, the largest on-demand component), so a run's peak device weight memory never exceeds
-//! `device_weight_bytes`.
+//! `device_weight_bytes`. Each storage is counted once, where the backend places it: with the unit (block or staged
+//! component) whose subtree holds it, or in the fixed placement when no unit, or more than one, holds it (see
+//! [`placement`]), whichever component an attribute that views it belongs to; so a budget at the real need is
+//! accepted.
 
 use super::pipeline::{PipelineDesc, StorageId};
 use super::resolver::{ResolvedComponent, ResolvedPlan};
@@ -59,16 +62,96 @@ pub fn non_block_storages(p: &PipelineDesc, c: &ResolvedComponent) -> BTreeSet<S
     all
 }
 
-/// Storages of the pipeline that belong to no discovered component (root-level state, undeclared modules): they
-/// are placed on the device with everything else that never moves.
-fn outside_components(p: &PipelineDesc, plan: &ResolvedPlan) -> BTreeSet<StorageId> {
-    let mut all: BTreeSet<StorageId> = p.storages.keys().copied().collect();
-    for c in plan.components() {
-        for s in storages_under(p, &c.path) {
-            all.remove(&s);
+/// Where the backend places every storage of the pipeline: the units it moves (each a set of storages), the
+/// storages that more than one unit holds, and the fixed placement (on the device for the whole run).
+///
+/// This mirrors the offload backend's unit plan: under the layerwise strategies a unit is a block of a selected
+/// stack (DiT, DiT child or encoder) or a selected component staged on demand; under model-level offload it is a
+/// whole selected DiT, encoder or VAE (only when a DiT and an encoder are selected: otherwise nothing swaps). A
+/// storage held by two units (an alias across blocks or components) is pinned to the fixed placement; every storage
+/// that no unit holds (non-block state, components that are not offloaded, root-level tensors) is fixed too, even
+/// when an attribute of an offloaded component views it, and a storage inside a unit stays with that unit even when
+/// an attribute of another component views it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// Storages held by more than one unit (pinned to the fixed placement).
+    pub shared: BTreeSet<StorageId>,
+    /// Storages on the device for the whole run: those of no unit, and the shared ones.
+    pub fixed: BTreeSet<StorageId>,
+}
+
+impl Placement {
+    /// Device bytes a unit holding `storages` moves: its storages less the shared ones, each aligned.
+    pub fn unit_bytes(&self, p: &PipelineDesc, storages: &BTreeSet<StorageId>) -> u64 {
+        storages
+            .iter()
+            .filter(|s| !self.shared.contains(s))
+            .fold(0u64, |a, s| a.saturating_add(p.storage_device_bytes(*s)))
+    }
+    /// Device bytes of the fixed placement, each storage once.
+    pub fn fixed_bytes(&self, p: &PipelineDesc) -> u64 {
+        bytes_of(p, &self.fixed)
+    }
+}
+
+/// The storage sets of the units the backend moves for `plan` (see [`Placement`]).
+fn unit_storage_sets(p: &PipelineDesc, plan: &ResolvedPlan) -> Vec<BTreeSet<StorageId>> {
+    let mut units = Vec::new();
+    match plan.strategy {
+        Strategy::None => {}
+        Strategy::ModelLevel => {
+            let dits = plan.dits.iter().filter(|d| d.selected);
+            let encs = plan.encoders.iter().filter(|e| e.selected);
+            if dits.clone().next().is_some() && encs.clone().next().is_some() {
+                let vaes = plan.vaes.iter().filter(|v| v.selected);
+                units.extend(dits.chain(encs).chain(vaes).map(|c| storages_under(p, &c.path)));
+            }
+        }
+        Strategy::LayerWise | Strategy::DistributedLayerWise => {
+            let mut visit = |c: &ResolvedComponent| {
+                if !c.selected {
+                    return;
+                }
+                if c.on_demand {
+                    units.push(storages_under(p, &c.path));
+                }
+                units.extend(c.block_paths().map(|b| storages_under(p, b)));
+            };
+            for c in plan.components() {
+                visit(c);
+                for ch in &c.children {
+                    visit(ch);
+                }
+            }
         }
     }
-    all
+    units
+}
+
+/// Where the backend places every storage of `p` under `plan` (see [`Placement`]).
+pub fn placement(p: &PipelineDesc, plan: &ResolvedPlan) -> Placement {
+    let units = unit_storage_sets(p, plan);
+    let mut seen = BTreeSet::new();
+    let mut shared = BTreeSet::new();
+    for u in &units {
+        for s in u {
+            if !seen.insert(*s) {
+                shared.insert(*s);
+            }
+        }
+    }
+    let fixed = p.storages.keys().copied().filter(|s| !seen.contains(s) || shared.contains(s)).collect();
+    Placement { shared, fixed }
+}
+
+/// Sets every stack's `block_bytes` to what its blocks move under `place` (their storages less the shared ones).
+fn refine_block_bytes(p: &PipelineDesc, place: &Placement, c: &mut ResolvedComponent) {
+    for s in &mut c.stacks {
+        s.block_bytes = s.blocks.iter().map(|b| place.unit_bytes(p, &storages_under(p, b))).collect();
+    }
+    for ch in &mut c.children {
+        refine_block_bytes(p, place, ch);
+    }
 }
 
 /// Computes the budget plan and, for the layerwise strategy with a `device_budget`, rewrites the DiT stacks'
@@ -77,29 +160,27 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
     let mut b = BudgetPlan { budget: cfg.device_budget, ..Default::default() };
     match plan.strategy {
         Strategy::None => {
-            let outside = bytes_of(p, &outside_components(p, plan));
-            b.always_resident_bytes = plan.components().fold(outside, |a, c| a.saturating_add(c.device_bytes));
+            b.always_resident_bytes = bytes_of(p, &p.storages.keys().copied().collect());
         }
         Strategy::ModelLevel => {
-            let mut always = bytes_of(p, &outside_components(p, plan));
+            let place = placement(p, plan);
+            let mut always = place.fixed_bytes(p);
             let mut enc_stage = 0u64;
             let mut dit_stage = 0u64;
             let mut vae_stage = 0u64;
-            for c in plan.components() {
-                if !c.selected {
-                    always = always.saturating_add(c.device_bytes);
-                    continue;
-                }
+            let swaps = plan.dits.iter().any(|d| d.selected) && plan.encoders.iter().any(|e| e.selected);
+            for c in plan.components().filter(|c| c.selected && swaps) {
+                let bytes = place.unit_bytes(p, &storages_under(p, &c.path));
                 match c.kind {
                     super::resolver::ComponentKind::Dit => {
                         if cfg.keep_dit_resident {
-                            always = always.saturating_add(c.device_bytes);
+                            always = always.saturating_add(bytes);
                         } else {
-                            dit_stage = dit_stage.max(c.device_bytes);
+                            dit_stage = dit_stage.max(bytes);
                         }
                     }
-                    super::resolver::ComponentKind::Vae => vae_stage = vae_stage.max(c.device_bytes),
-                    _ => enc_stage = enc_stage.max(c.device_bytes),
+                    super::resolver::ComponentKind::Vae => vae_stage = vae_stage.max(bytes),
+                    _ => enc_stage = enc_stage.max(bytes),
                 }
             }
             b.always_resident_bytes = always;
@@ -109,25 +190,27 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
             }
         }
         Strategy::LayerWise | Strategy::DistributedLayerWise => {
-            let mut always = bytes_of(p, &outside_components(p, plan));
+            let place = placement(p, plan);
+            for c in plan.dits.iter_mut().chain(&mut plan.encoders).chain(&mut plan.vaes).chain(&mut plan.residents) {
+                refine_block_bytes(p, &place, c);
+            }
+            let always = place.fixed_bytes(p);
+            let staged = |c: &ResolvedComponent| place.unit_bytes(p, &storages_under(p, &c.path));
             let mut on_demand = 0u64;
             let mut fixed_slots = 0u64;
             let mut fixed_heads = 0u64;
             for c in plan.components() {
                 if !c.selected {
-                    always = always.saturating_add(c.device_bytes);
                     continue;
                 }
                 if c.on_demand {
-                    on_demand = on_demand.max(c.device_bytes);
+                    on_demand = on_demand.max(staged(c));
                     continue;
                 }
-                always = always.saturating_add(bytes_of(p, &non_block_storages(p, c)));
                 for ch in &c.children {
                     if ch.on_demand {
-                        on_demand = on_demand.max(ch.device_bytes);
+                        on_demand = on_demand.max(staged(ch));
                     } else {
-                        always = always.saturating_add(bytes_of(p, &non_block_storages(p, ch)));
                         for s in &ch.stacks {
                             fixed_slots = fixed_slots.saturating_add(s.slot_bytes());
                             fixed_heads = fixed_heads.saturating_add(s.resident_bytes());

@@ -72,7 +72,8 @@ pub struct BlockStack {
     pub attrs: Vec<String>,
     /// Full dotted path of every block, in execution order.
     pub blocks: Vec<String>,
-    /// Device bytes of each block (its distinct storages, each aligned as the device layout packs them).
+    /// Device bytes of each block (its distinct storages, each aligned as the device layout packs them; after
+    /// budgeting, less the storages another unit holds too, which the backend pins to the fixed placement).
     pub block_bytes: Vec<u64>,
     /// Number of blocks kept resident on the device: the leading ones, unless `resident_mask` says which.
     pub resident_head: usize,
