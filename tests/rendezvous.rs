@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use weightferry::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions};
 
 fn opts(ms: u64) -> RendezvousOptions {
-    RendezvousOptions { timeout: Duration::from_millis(ms) }
+    RendezvousOptions { timeout: Duration::from_millis(ms), ..RendezvousOptions::default() }
 }
 
 /// Starts `world` ranks (rank 0 on a fresh loopback port) and runs `f` on each; results indexed by rank.
@@ -83,6 +83,7 @@ fn ranks_join_through_the_launch_environment() {
                         local_rank: rank,
                         master_addr: Some("127.0.0.1".into()),
                         master_port: Some(port),
+                        run_id: Some("run-a".into()),
                     };
                     let rdv = Rendezvous::connect(&env, opts(5000)).unwrap();
                     rdv.all_gather_bytes(&[rank as u8]).unwrap()
@@ -235,9 +236,9 @@ fn strangers_on_the_port_neither_delay_nor_break_the_join() {
     let mut http = TcpStream::connect(addr).unwrap();
     http.write_all(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n").unwrap();
     let mut partial = TcpStream::connect(addr).unwrap();
-    partial.write_all(&frame(1, 1, 1, &3u64.to_le_bytes())[..10]).unwrap();
+    partial.write_all(&frame(2, 1, 1, &3u64.to_le_bytes())[..10]).unwrap();
     let mut not_hello = TcpStream::connect(addr).unwrap();
-    not_hello.write_all(&frame(1, 4, 1, b"x")).unwrap();
+    not_hello.write_all(&frame(2, 4, 1, b"x")).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let peers: Vec<_> = (1..3)
         .map(|rank| {
@@ -284,11 +285,12 @@ fn a_hello_of_another_protocol_version_fails_the_rendezvous() {
     let addr = listener.local_addr().unwrap();
     let root = std::thread::spawn(move || Rendezvous::root(listener, 2, opts(3000)).map(|_| ()));
     let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&frame(2, 1, 1, &2u64.to_le_bytes())).unwrap();
+    // Version 1 (before the run id) is another protocol version too.
+    s.write_all(&frame(1, 1, 1, &2u64.to_le_bytes())).unwrap();
     let e = root.join().unwrap().unwrap_err();
-    assert!(matches!(e, RendezvousError::Protocol { magic: 0x5652_4657, version: 2, .. }), "{e:?}");
+    assert!(matches!(e, RendezvousError::Protocol { magic: 0x5652_4657, version: 1, .. }), "{e:?}");
     assert!(e.to_string().ends_with(
-        "sent magic 0x56524657 version 2, not a weightferry rendezvous v1 frame; is MASTER_PORT used by another \
+        "sent magic 0x56524657 version 1, not a weightferry rendezvous v2 frame; is MASTER_PORT used by another \
          program, or do the ranks run different weightferry versions?"
     ));
 }

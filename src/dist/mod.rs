@@ -22,6 +22,6 @@ pub mod rendezvous;
 pub mod tcp_collective;
 
 pub use env::{LaunchEnv, LaunchEnvError};
-pub use launch::{launch, LaunchError, LaunchSpec};
-pub use rendezvous::{Rendezvous, RendezvousError, RendezvousOptions};
+pub use launch::{launch, launch_forwarding_signals, LaunchError, LaunchSpec};
+pub use rendezvous::{Rendezvous, RendezvousError, RendezvousOptions, RunId};
 pub use tcp_collective::TcpCollective;
