@@ -335,4 +335,40 @@ mod tests {
              node (its GPU index), or unset it"
         );
     }
+
+    #[test]
+    fn a_huge_world_or_a_master_addr_with_a_port_is_an_exact_error() {
+        assert_eq!(
+            err(&[("WORLD_SIZE", "4000000000")]),
+            "WORLD_SIZE=4000000000 is more ranks than a weightferry run supports (at most 16384: rank 0's rendezvous \
+             holds one connection per rank); set WORLD_SIZE to the number of processes (one per GPU)"
+        );
+        assert_eq!(
+            env(&[("WORLD_SIZE", "16384"), ("RANK", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]).unwrap().world,
+            16384
+        );
+        let with_addr =
+            |a: &'static str| [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", a), ("MASTER_PORT", "29500")];
+        assert_eq!(
+            err(&with_addr("127.0.0.1:5")),
+            "MASTER_ADDR=\"127.0.0.1:5\" is not a host name or IP address (it has a ':', but a port belongs in \
+             MASTER_PORT); set MASTER_ADDR to the rank-0 host alone (e.g. 10.0.0.1, node0 or ::1) and its port in \
+             MASTER_PORT"
+        );
+        for ok in ["::1", "[::1]", "node0.cluster", "10.0.0.1"] {
+            assert_eq!(env(&with_addr(ok)).unwrap().master_addr.as_deref(), Some(ok));
+        }
+    }
+
+    #[test]
+    fn the_run_id_comes_from_the_launcher() {
+        let mut vars = OK.to_vec();
+        assert_eq!(env(&vars).unwrap().run_id, None);
+        vars.extend([("SLURM_JOB_ID", "77"), ("SLURM_STEP_ID", "2")]);
+        assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("slurm-77.2"));
+        vars.push(("TORCHELASTIC_RUN_ID", "job-x"));
+        assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("job-x"));
+        vars.push(("WEIGHTFERRY_RUN_ID", "launch-1"));
+        assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("launch-1"));
+    }
 }

@@ -375,6 +375,8 @@ enum Handshake {
     Drop(String),
     /// A weightferry frame (right magic) of another protocol version.
     Wrong { magic: u32, version: u16 },
+    /// A complete hello of another run (told why, then dropped).
+    OtherRun { rank: usize, theirs: RunId },
     /// A complete hello of this run.
     Hello { rank: usize, theirs: usize },
 }
@@ -405,9 +407,7 @@ fn judge(b: &[u8], run: RunId) -> Option<Handshake> {
     let theirs = usize::try_from(theirs).unwrap_or(usize::MAX);
     let their_run = RunId(u128::from_le_bytes(b[HEADER + 8..HELLO_LEN].try_into().unwrap_or([0; 16])));
     if their_run != run {
-        return Some(Handshake::Drop(format!(
-            "sent a hello as rank {rank} of another run (run id {their_run}, this run's is {run})"
-        )));
+        return Some(Handshake::OtherRun { rank, theirs: their_run });
     }
     Some(Handshake::Hello { rank, theirs })
 }
@@ -435,10 +435,14 @@ async fn handshake(mut stream: TcpStream, handshake: Duration, run: RunId) -> (T
         Ok(h) => h,
         Err(_) => Handshake::Drop(format!("sent {} of the {HELLO_LEN} bytes of a hello in time", buf.len())),
     };
-    if let Handshake::Drop(why) = &verdict {
-        if why.contains("of another run") {
-            refuse(&mut stream, 0, &format!("MASTER_PORT belongs to another run: rank 0 {why}")).await;
-        }
+    if let Handshake::OtherRun { rank, theirs } = verdict {
+        let reason = format!(
+            "MASTER_PORT belongs to another run (run id {run}), this rank {rank} has run id {theirs}; give every rank \
+             of one run the same WEIGHTFERRY_RUN_ID, or use another MASTER_PORT"
+        );
+        refuse(&mut stream, 0, &reason).await;
+        let why = format!("sent a hello as rank {rank} of another run (run id {theirs}, this run's is {run})");
+        return (stream, Handshake::Drop(why));
     }
     (stream, verdict)
 }
@@ -904,6 +908,7 @@ async fn accept_all(
                 let Ok((peer, (stream, verdict))) = done else { continue };
                 match verdict {
                     Handshake::Drop(why) => tracing::warn!(%peer, "rendezvous: dropped a connection that {why}"),
+                    Handshake::OtherRun { .. } => tracing::warn!(%peer, "rendezvous: dropped a hello of another run"),
                     Handshake::Wrong { magic, version } => {
                         let err = RendezvousError::Protocol { peer: peer.to_string(), magic, version };
                         break Some((Some(stream), err));
