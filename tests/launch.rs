@@ -1,7 +1,8 @@
 //! The process launcher (`weightferry::dist::launch`) with `sh` as the program: every rank gets the launch
 //! environment; a failing rank stops the others (a sleeping rank is killed, not waited for) and is named with its
 //! exit status; a rank that exits with `PEER_FAILED_EXIT` (it failed because another did) is named only when no
-//! rank failed on its own.
+//! rank failed on its own; a rank stopped by SIGSTOP is named instead of the healthy rank that gave up on it; every
+//! launch gives its ranks one fresh run id.
 
 #![cfg(unix)]
 

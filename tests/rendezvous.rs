@@ -4,7 +4,9 @@
 //! a peer that leaves, nobody listening, another protocol on the port, a broadcast without its root payload, and
 //! the rendezvous staying broken after a failure; and rank 0 dropping strangers on its port (silent, garbage,
 //! partial or non-hello frames) without delaying the join, while a weightferry hello of another protocol version or
-//! a rank outside the group still fails it.
+//! a rank outside the group still fails it; a hello of another run naming a rank does not take its place; a world
+//! size over the limit and an address that is not `host:port` are exact errors at once; rank 0 listens on loopback
+//! when `MASTER_ADDR` is loopback.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
