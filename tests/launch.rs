@@ -1,7 +1,8 @@
 //! The process launcher (`weightferry::dist::launch`) with `sh` as the program: every rank gets the launch
 //! environment; a failing rank stops the others (a sleeping rank is killed, not waited for) and is named with its
 //! exit status; a rank that exits with `PEER_FAILED_EXIT` (it failed because another did) is named only when no
-//! rank failed on its own.
+//! rank failed on its own; a rank stopped by SIGSTOP is named instead of the healthy rank that gave up on it; every
+//! launch gives its ranks one fresh run id.
 
 #![cfg(unix)]
 
@@ -62,4 +63,34 @@ fn bad_launches_are_errors() {
         Err(LaunchError::Spawn { rank: 0, .. }) => {}
         other => panic!("expected a spawn error, got {other:?}"),
     }
+}
+
+/// A rank stopped by SIGSTOP is the one named when another rank gives up waiting for it (exit
+/// `PEER_FAILED_EXIT`), not the healthy rank that gave up; the stopped rank is killed, and launch returns at once.
+#[test]
+fn a_stopped_rank_is_named_not_the_rank_that_gave_up_on_it() {
+    let t = Instant::now();
+    let script = format!(r#"if [ "$RANK" = 1 ]; then kill -STOP $$; fi; sleep 0.5; exit {PEER_FAILED_EXIT}"#);
+    let r = launch(&sh(2, &script));
+    assert_eq!(r, Err(LaunchError::Stopped { rank: 1, waiting: 0, status: format!("exit status {PEER_FAILED_EXIT}") }));
+    assert_eq!(
+        r.unwrap_err().to_string(),
+        "rank 1 was stopped (by SIGSTOP or SIGTSTP) and stopped answering; rank 0 gave up waiting for it (exit status \
+         3); every rank was stopped"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+}
+
+/// Every rank gets a run id, the same for all ranks of one launch and another for the next launch.
+#[test]
+fn every_launch_gives_its_ranks_one_fresh_run_id() {
+    let dir = std::env::temp_dir().join(format!("weightferry-launch-run-id-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(r#"test -n "$WEIGHTFERRY_RUN_ID" && echo "$WEIGHTFERRY_RUN_ID" > {}/$RANK"#, dir.display());
+    let read = |r: usize| std::fs::read_to_string(dir.join(r.to_string())).unwrap();
+    assert_eq!(launch(&sh(2, &script)), Ok(()));
+    let first = read(0);
+    assert_eq!(read(1), first);
+    assert_eq!(launch(&sh(2, &script)), Ok(()));
+    assert_ne!(read(0), first);
 }

@@ -4,15 +4,17 @@
 //! a peer that leaves, nobody listening, another protocol on the port, a broadcast without its root payload, and
 //! the rendezvous staying broken after a failure; and rank 0 dropping strangers on its port (silent, garbage,
 //! partial or non-hello frames) without delaying the join, while a weightferry hello of another protocol version or
-//! a rank outside the group still fails it.
+//! a rank outside the group still fails it; a hello of another run naming a rank does not take its place; a world
+//! size over the limit and an address that is not `host:port` are exact errors at once; rank 0 listens on loopback
+//! when `MASTER_ADDR` is loopback.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
-use weightferry::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions};
+use weightferry::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, RunId};
 
 fn opts(ms: u64) -> RendezvousOptions {
-    RendezvousOptions { timeout: Duration::from_millis(ms) }
+    RendezvousOptions { timeout: Duration::from_millis(ms), ..RendezvousOptions::default() }
 }
 
 /// Starts `world` ranks (rank 0 on a fresh loopback port) and runs `f` on each; results indexed by rank.
@@ -83,6 +85,7 @@ fn ranks_join_through_the_launch_environment() {
                         local_rank: rank,
                         master_addr: Some("127.0.0.1".into()),
                         master_port: Some(port),
+                        run_id: Some("run-a".into()),
                     };
                     let rdv = Rendezvous::connect(&env, opts(5000)).unwrap();
                     rdv.all_gather_bytes(&[rank as u8]).unwrap()
@@ -235,9 +238,9 @@ fn strangers_on_the_port_neither_delay_nor_break_the_join() {
     let mut http = TcpStream::connect(addr).unwrap();
     http.write_all(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n").unwrap();
     let mut partial = TcpStream::connect(addr).unwrap();
-    partial.write_all(&frame(1, 1, 1, &3u64.to_le_bytes())[..10]).unwrap();
+    partial.write_all(&frame(2, 1, 1, &3u64.to_le_bytes())[..10]).unwrap();
     let mut not_hello = TcpStream::connect(addr).unwrap();
-    not_hello.write_all(&frame(1, 4, 1, b"x")).unwrap();
+    not_hello.write_all(&frame(2, 4, 1, b"x")).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let peers: Vec<_> = (1..3)
         .map(|rank| {
@@ -284,11 +287,12 @@ fn a_hello_of_another_protocol_version_fails_the_rendezvous() {
     let addr = listener.local_addr().unwrap();
     let root = std::thread::spawn(move || Rendezvous::root(listener, 2, opts(3000)).map(|_| ()));
     let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&frame(2, 1, 1, &2u64.to_le_bytes())).unwrap();
+    // Version 1 (before the run id) is another protocol version too.
+    s.write_all(&frame(1, 1, 1, &2u64.to_le_bytes())).unwrap();
     let e = root.join().unwrap().unwrap_err();
-    assert!(matches!(e, RendezvousError::Protocol { magic: 0x5652_4657, version: 2, .. }), "{e:?}");
+    assert!(matches!(e, RendezvousError::Protocol { magic: 0x5652_4657, version: 1, .. }), "{e:?}");
     assert!(e.to_string().ends_with(
-        "sent magic 0x56524657 version 2, not a weightferry rendezvous v1 frame; is MASTER_PORT used by another \
+        "sent magic 0x56524657 version 1, not a weightferry rendezvous v2 frame; is MASTER_PORT used by another \
          program, or do the ranks run different weightferry versions?"
     ));
 }
@@ -343,4 +347,121 @@ fn broadcast_takes_the_payload_on_rank_zero_only() {
         results[1].as_ref().unwrap(),
         "rank 1: broadcast takes the payload on rank 0 (the root) and `None` on every other rank"
     );
+}
+
+fn run_opts(ms: u64, run: &str) -> RendezvousOptions {
+    RendezvousOptions { timeout: Duration::from_millis(ms), run: RunId::from_name(run) }
+}
+
+/// A hello of this protocol naming rank 1 but of another run (or of no run) arrives first and stays open: it does
+/// not take rank 1's place; the real rank 1 joins at once, and a weightferry rank of the other run is told why.
+#[test]
+fn a_strangers_hello_naming_a_rank_does_not_block_the_real_rank() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = Instant::now();
+    let root = std::thread::spawn(move || Rendezvous::root(listener, 2, run_opts(30_000, "run-a"))?.barrier());
+    let mut hello = 2u64.to_le_bytes().to_vec();
+    hello.extend_from_slice(&0u128.to_le_bytes());
+    let mut no_run = TcpStream::connect(addr).unwrap();
+    no_run.write_all(&frame(2, 1, 1, &hello)).unwrap();
+    let other = Rendezvous::peer(&addr.to_string(), 1, 2, run_opts(30_000, "run-b")).unwrap_err();
+    let (a, b) = (RunId::from_name("run-a"), RunId::from_name("run-b"));
+    assert_eq!(
+        other.to_string(),
+        format!(
+            "rank 0 ended the rendezvous: MASTER_PORT belongs to another run (run id {a}), this rank 1 has run id \
+             {b}; give every rank of one run the same WEIGHTFERRY_RUN_ID, or use another MASTER_PORT"
+        )
+    );
+    let real = Rendezvous::peer(&addr.to_string(), 1, 2, run_opts(30_000, "run-a")).unwrap();
+    real.barrier().unwrap();
+    root.join().unwrap().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "the join took {:?}", t.elapsed());
+    assert!(closed_by_rank0(no_run), "rank 0 kept the hello of no run open");
+}
+
+/// A world size past `MAX_WORLD` is an exact error at once, on rank 0 and on the others, before anything is
+/// allocated for it.
+#[test]
+fn a_huge_world_size_is_an_exact_error_at_once() {
+    let t = Instant::now();
+    for world in [4_000_000_000usize, 100_000_000, 16_385, 0] {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let expected = format!(
+            "a rendezvous of {world} ranks: the world size must be in 1..=16384 (rank 0 holds one connection per \
+             rank); set WORLD_SIZE to the number of processes (one per GPU)"
+        );
+        assert_eq!(Rendezvous::root(listener, world, opts(60_000)).unwrap_err().to_string(), expected);
+        assert_eq!(Rendezvous::peer("127.0.0.1:1", 1, world, opts(60_000)).unwrap_err().to_string(), expected);
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+}
+
+/// Missing ranks are listed as ranges, so the message stays one short line for any world size.
+#[test]
+fn missing_ranks_are_listed_as_ranges() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let e = Rendezvous::root(listener, 16_384, opts(200)).unwrap_err().to_string();
+    assert!(e.starts_with("rank 0: ranks 1-16383 did not join within "), "{e}");
+    assert!(e.ends_with(" start all WORLD_SIZE=16384 ranks with the same MASTER_ADDR and MASTER_PORT"), "{e}");
+    assert_eq!(weightferry::dist::rendezvous::rank_ranges(&[1, 2, 3, 5, 7, 8]), "1-3, 5, 7-8");
+}
+
+/// An address that is not `host:port` (e.g. `MASTER_ADDR=127.0.0.1:5` made `127.0.0.1:5:29500`) is reported at
+/// once, not after the 60 s of retries.
+#[test]
+fn an_address_that_is_not_host_port_is_reported_at_once() {
+    let t = Instant::now();
+    let e = Rendezvous::peer("127.0.0.1:5:29500", 1, 2, opts(60_000)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "rank 1: \"127.0.0.1:5:29500\" is not a host:port address of rank 0 (the host \"127.0.0.1:5\" has a ':' (a \
+         port belongs in MASTER_PORT)); set MASTER_ADDR to the rank-0 host alone (e.g. 10.0.0.1, node0 or ::1) and \
+         MASTER_PORT to its port"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+}
+
+/// The port's listening socket in `/proc/net/tcp` (`"0100007F"` is 127.0.0.1, `"00000000"` all interfaces).
+fn listening_address(port: u16) -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (ip, p) = f.get(1)?.split_once(':')?;
+        (u16::from_str_radix(p, 16).ok()? == port && f.get(3) == Some(&"0A")).then(|| ip.to_string())
+    })
+}
+
+/// With `MASTER_ADDR=127.0.0.1` (as `weightferry launch` sets it) rank 0 listens on loopback only; with another
+/// host, on all interfaces.
+#[cfg(target_os = "linux")]
+#[test]
+fn rank_0_listens_on_loopback_when_master_addr_is_loopback() {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    use weightferry::dist::rendezvous::listen_ip;
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let env = move |rank| LaunchEnv {
+        rank,
+        world: 2,
+        local_rank: rank,
+        master_addr: Some("127.0.0.1".into()),
+        master_port: Some(port),
+        run_id: None,
+    };
+    let root = std::thread::spawn(move || Rendezvous::connect(&env(0), opts(10_000))?.barrier());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut seen = None;
+    while seen.is_none() && Instant::now() < deadline {
+        seen = listening_address(port);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(seen.as_deref(), Some("0100007F"), "rank 0's listening address on port {port}");
+    Rendezvous::connect(&env(1), opts(10_000)).unwrap().barrier().unwrap();
+    root.join().unwrap().unwrap();
+    assert_eq!(listen_ip("127.0.0.1"), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    assert_eq!(listen_ip("localhost"), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    assert_eq!(listen_ip("::1"), IpAddr::V6(Ipv6Addr::LOCALHOST));
+    assert_eq!(listen_ip("10.0.0.1"), IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    assert_eq!(listen_ip("node0"), IpAddr::V4(Ipv4Addr::UNSPECIFIED));
 }

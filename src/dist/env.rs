@@ -4,9 +4,15 @@
 //! when the torchrun variables are not set (`srun` sets those; `MASTER_ADDR` / `MASTER_PORT` still come from the
 //! job script).
 //!
-//! Invariant: a [`LaunchEnv`] exists only if it is consistent: `world >= 1`, `rank < world`, and, when
-//! `world > 1`, a non-empty master address and a port in `1..=65535`. Every rejection is a [`LaunchEnvError`]
-//! naming the variable, its value and the fix.
+//! The run id ([`LaunchEnv::run_id`]) tells the ranks of one run from strangers on the rendezvous port:
+//! `WEIGHTFERRY_RUN_ID` (`weightferry launch` sets a fresh one per launch), else torchrun's
+//! `TORCHELASTIC_RUN_ID`, else SLURM's `SLURM_JOB_ID` and `SLURM_STEP_ID`.
+//!
+//! Invariant: a [`LaunchEnv`] exists only if it is consistent: `1 <= world <=` [`MAX_WORLD`], `rank < world`,
+//! and, when `world > 1`, a master address that is a host alone (a name or an IP address, no port) and a port in
+//! `1..=65535`. Every rejection is a [`LaunchEnvError`] naming the variable, its value and the fix.
+
+use super::rendezvous::MAX_WORLD;
 
 /// Why the launch environment is unusable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,6 +34,28 @@ pub enum LaunchEnvError {
     ZeroWorld {
         /// The variable read (`WORLD_SIZE` or `SLURM_NTASKS`).
         var: &'static str,
+    },
+    /// The world size is over [`MAX_WORLD`].
+    #[error(
+        "{var}={world} is more ranks than a weightferry run supports (at most {MAX_WORLD}: rank 0's rendezvous \
+         holds one connection per rank); set {var} to the number of processes (one per GPU)"
+    )]
+    WorldTooLarge {
+        /// The variable read (`WORLD_SIZE` or `SLURM_NTASKS`).
+        var: &'static str,
+        /// Its value.
+        world: usize,
+    },
+    /// `MASTER_ADDR` is not a host alone.
+    #[error(
+        "MASTER_ADDR={value:?} is not a host name or IP address ({reason}); set MASTER_ADDR to the rank-0 host \
+         alone (e.g. 10.0.0.1, node0 or ::1) and its port in MASTER_PORT"
+    )]
+    BadAddr {
+        /// The value.
+        value: String,
+        /// What is wrong with it.
+        reason: &'static str,
     },
     /// A variable a multi-process run needs is not set.
     #[error("{var} is not set but {world_var}={world} asks for a distributed run; {fix}")]
@@ -72,12 +100,15 @@ pub struct LaunchEnv {
     pub master_addr: Option<String>,
     /// Port rank 0 listens on for the rendezvous (`MASTER_PORT`); `None` only when `world == 1`.
     pub master_port: Option<u16>,
+    /// The id every rank of this run shares (`WEIGHTFERRY_RUN_ID`, `TORCHELASTIC_RUN_ID`, or
+    /// `SLURM_JOB_ID.SLURM_STEP_ID`), if the launcher set one; rank 0 drops hellos of other runs.
+    pub run_id: Option<String>,
 }
 
 impl LaunchEnv {
     /// A single process (rank 0 of 1).
     pub fn single() -> LaunchEnv {
-        LaunchEnv { rank: 0, world: 1, local_rank: 0, master_addr: None, master_port: None }
+        LaunchEnv { rank: 0, world: 1, local_rank: 0, master_addr: None, master_port: None, run_id: None }
     }
 
     /// Whether more than one process takes part.
@@ -99,6 +130,7 @@ impl LaunchEnv {
             None => ("WORLD_SIZE", 1),
             Some((name, v)) => match number(name, &v, "a positive integer", WORLD_FIX)? {
                 0 => return Err(LaunchEnvError::ZeroWorld { var: name }),
+                n if n > MAX_WORLD => return Err(LaunchEnvError::WorldTooLarge { var: name, world: n }),
                 n => (name, n),
             },
         };
@@ -118,11 +150,18 @@ impl LaunchEnv {
             Some((name, v)) => number(name, &v, "a local rank (an integer from 0)", LOCAL_FIX)?,
         };
         if world == 1 {
-            return Ok(LaunchEnv { rank, world, local_rank, master_addr: None, master_port: None });
+            return Ok(LaunchEnv { rank, world, local_rank, master_addr: None, master_port: None, run_id: None });
         }
         let Some((_, addr)) = read(&["MASTER_ADDR"]) else {
             return Err(LaunchEnvError::Missing { var: "MASTER_ADDR", world_var, world, fix: ADDR_FIX });
         };
+        check_host(addr.trim()).map_err(|reason| LaunchEnvError::BadAddr { value: addr.clone(), reason })?;
+        let run_id = read(&["WEIGHTFERRY_RUN_ID", "TORCHELASTIC_RUN_ID"]).map(|(_, v)| v).or_else(|| {
+            read(&["SLURM_JOB_ID"]).map(|(_, job)| match read(&["SLURM_STEP_ID"]) {
+                Some((_, step)) => format!("slurm-{job}.{step}"),
+                None => format!("slurm-{job}"),
+            })
+        });
         let Some((_, port)) = read(&["MASTER_PORT"]) else {
             return Err(LaunchEnvError::Missing { var: "MASTER_PORT", world_var, world, fix: PORT_FIX });
         };
@@ -136,8 +175,27 @@ impl LaunchEnv {
             local_rank,
             master_addr: Some(addr.trim().to_string()),
             master_port: Some(master_port),
+            run_id,
         })
     }
+}
+
+/// Why `host` (the trimmed `MASTER_ADDR`) is not a host alone: a name or an IP address, an IPv6 one optionally
+/// in brackets, no port.
+fn check_host(host: &str) -> Result<(), &'static str> {
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(());
+    }
+    if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        return inner.parse::<std::net::Ipv6Addr>().map(|_| ()).map_err(|_| "not an IPv6 address in brackets");
+    }
+    if host.contains(':') {
+        return Err("it has a ':', but a port belongs in MASTER_PORT");
+    }
+    if host.chars().any(|c| c.is_whitespace() || c == '/') {
+        return Err("it has a space or a '/'");
+    }
+    Ok(())
 }
 
 const WORLD_FIX: &str = "set WORLD_SIZE to the number of processes (one per GPU)";
@@ -190,7 +248,8 @@ mod tests {
                 world: 2,
                 local_rank: 1,
                 master_addr: Some("10.0.0.1".into()),
-                master_port: Some(29500)
+                master_port: Some(29500),
+                run_id: None,
             }
         );
         assert!(e.is_distributed());
@@ -275,5 +334,41 @@ mod tests {
             "LOCAL_RANK=\"x\" is not a local rank (an integer from 0); set LOCAL_RANK to this process's rank on its \
              node (its GPU index), or unset it"
         );
+    }
+
+    #[test]
+    fn a_huge_world_or_a_master_addr_with_a_port_is_an_exact_error() {
+        assert_eq!(
+            err(&[("WORLD_SIZE", "4000000000")]),
+            "WORLD_SIZE=4000000000 is more ranks than a weightferry run supports (at most 16384: rank 0's rendezvous \
+             holds one connection per rank); set WORLD_SIZE to the number of processes (one per GPU)"
+        );
+        assert_eq!(
+            env(&[("WORLD_SIZE", "16384"), ("RANK", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]).unwrap().world,
+            16384
+        );
+        let with_addr =
+            |a: &'static str| [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", a), ("MASTER_PORT", "29500")];
+        assert_eq!(
+            err(&with_addr("127.0.0.1:5")),
+            "MASTER_ADDR=\"127.0.0.1:5\" is not a host name or IP address (it has a ':', but a port belongs in \
+             MASTER_PORT); set MASTER_ADDR to the rank-0 host alone (e.g. 10.0.0.1, node0 or ::1) and its port in \
+             MASTER_PORT"
+        );
+        for ok in ["::1", "[::1]", "node0.cluster", "10.0.0.1"] {
+            assert_eq!(env(&with_addr(ok)).unwrap().master_addr.as_deref(), Some(ok));
+        }
+    }
+
+    #[test]
+    fn the_run_id_comes_from_the_launcher() {
+        let mut vars = OK.to_vec();
+        assert_eq!(env(&vars).unwrap().run_id, None);
+        vars.extend([("SLURM_JOB_ID", "77"), ("SLURM_STEP_ID", "2")]);
+        assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("slurm-77.2"));
+        vars.push(("TORCHELASTIC_RUN_ID", "job-x"));
+        assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("job-x"));
+        vars.push(("WEIGHTFERRY_RUN_ID", "launch-1"));
+        assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("launch-1"));
     }
 }

@@ -9,7 +9,10 @@
 //! - [`tcp_collective`]: [`TcpCollective`], the AllGather contract across processes on the simulated device.
 //! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
 //! - [`launch`](mod@launch): `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
-//!   prefixed.
+//!   prefixed; SIGINT / SIGTERM forwarded to every rank.
+//!
+//! The rendezvous and launch are the control plane and run on tokio (each owns a current-thread runtime behind a
+//! blocking API); the scheduler stays on OS threads.
 //!
 //! Invariant: every rank of a run calls the same rendezvous operations and the same AllGathers in the same order;
 //! any failure (bad environment, a rank out of step or gone, a failed AllGather) is an error naming the rank,
@@ -22,6 +25,6 @@ pub mod rendezvous;
 pub mod tcp_collective;
 
 pub use env::{LaunchEnv, LaunchEnvError};
-pub use launch::{launch, LaunchError, LaunchSpec};
-pub use rendezvous::{Rendezvous, RendezvousError, RendezvousOptions};
+pub use launch::{launch, launch_forwarding_signals, LaunchError, LaunchSpec};
+pub use rendezvous::{Rendezvous, RendezvousError, RendezvousOptions, RunId};
 pub use tcp_collective::TcpCollective;

@@ -1,37 +1,50 @@
-//! A small TCP rendezvous for the processes of one distributed run: rank 0 listens on `MASTER_PORT` (all IPv4
-//! interfaces), every other rank connects to `MASTER_ADDR:MASTER_PORT` (retrying until the timeout), and they then
-//! exchange small messages through rank 0 (a star): [`Rendezvous::broadcast`] (rank 0's bytes to every rank, e.g.
-//! the 128-byte NCCL unique id), [`Rendezvous::all_gather_bytes`] (every rank's bytes to every rank, rank order)
-//! and [`Rendezvous::barrier`]. The simulated multi-process collective ([`super::TcpCollective`]) runs its
-//! AllGathers over it too.
+//! A small TCP rendezvous for the processes of one distributed run: rank 0 listens on `MASTER_PORT`, every other
+//! rank connects to `MASTER_ADDR:MASTER_PORT` (retrying until the timeout), and they then exchange small messages
+//! through rank 0 (a star): [`Rendezvous::broadcast`] (rank 0's bytes to every rank, e.g. the 128-byte NCCL unique
+//! id), [`Rendezvous::all_gather_bytes`] (every rank's bytes to every rank, rank order) and
+//! [`Rendezvous::barrier`]. The simulated multi-process collective ([`super::TcpCollective`]) runs its AllGathers
+//! over it too. Rank 0 listens on the loopback interface when `MASTER_ADDR` is a loopback address (as under
+//! `weightferry launch`), else on all IPv4 interfaces.
+//!
+//! It runs on tokio (the control plane): each [`Rendezvous`] owns a current-thread runtime that its blocking
+//! methods drive, so callers stay plain threads (the scheduler's collective actor calls it from its own thread).
+//! Do not call it from inside an async task.
 //!
 //! Wire format: every message is one frame, a 28-byte little-endian header — magic `"WFRV"` ([`MAGIC`]), protocol
 //! [`VERSION`], kind, a reserved byte, the sender's rank, the operation's sequence number, the payload length —
-//! then the payload (at most [`MAX_PAYLOAD`] bytes). Joining is a `HELLO` carrying the joiner's rank and world
-//! size, answered by `WELCOME` once every rank has joined, or by `REFUSE` with the reason. Rank 0 keeps accepting
-//! while it waits, and gives each connection [`RendezvousOptions::handshake_timeout`] to send its hello: strangers
-//! on the port (silent, another protocol, not a hello) are dropped with a warning and cannot delay the join, while a
-//! weightferry hello that cannot join (another version, world size or a taken rank) fails the rendezvous.
+//! then the payload (at most [`MAX_PAYLOAD`] bytes). Joining is a `HELLO` carrying the joiner's rank, its world
+//! size and its [`RunId`], answered by `WELCOME` once every rank has joined, or by `REFUSE` with the reason. Rank 0
+//! keeps accepting while it waits, and gives each connection [`RendezvousOptions::handshake_timeout`] to send its
+//! hello: strangers on the port (silent, another protocol, not a hello, or a hello of another run) are dropped with
+//! a warning and cannot delay the join, while a weightferry hello of this run that cannot join (another version,
+//! world size or a taken rank) fails the rendezvous.
 //!
 //! Invariants: operations are collective — every rank calls the same operations in the same order, and each frame
 //! carries the operation's sequence number and kind, so a rank out of step is an error naming it, never a silent
 //! mix-up; every wait is bounded by the timeout; after any failure the rendezvous is broken: rank 0 tells every
 //! peer why (best effort), and every later operation fails at once with the first error, so no rank waits on a
 //! peer that already gave up. One operation at a time holds the connections (a lock), so the rendezvous can be
-//! shared between threads.
+//! shared between threads. A world size outside `1..=`[`MAX_WORLD`] is an error before anything is allocated.
 
 use super::env::LaunchEnv;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::pin::Pin;
 use std::sync::Mutex;
+use std::task::Poll;
 use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
 
 /// First four bytes of every frame (`"WFRV"` read as a little-endian `u32`).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"WFRV");
-/// Protocol version; ranks of different versions refuse each other.
-pub const VERSION: u16 = 1;
+/// Protocol version; ranks of different versions refuse each other. Version 2 added the [`RunId`] to the hello.
+pub const VERSION: u16 = 2;
 /// Largest payload of one frame (1 GiB).
 pub const MAX_PAYLOAD: u64 = 1 << 30;
+/// Largest world size: rank 0 holds one connection (one file descriptor) per rank.
+pub const MAX_WORLD: usize = 16384;
 /// Bytes of a frame header.
 const HEADER: usize = 28;
 
@@ -42,6 +55,9 @@ const BCAST: u8 = 4;
 const GATHER: u8 = 5;
 const GATHERED: u8 = 6;
 
+/// How long rank 0 tries to tell a peer why it ends the rendezvous (best effort).
+const REFUSE_TIMEOUT: Duration = Duration::from_secs(1);
+
 fn kind_name(kind: u8) -> &'static str {
     match kind {
         HELLO => "hello",
@@ -50,6 +66,59 @@ fn kind_name(kind: u8) -> &'static str {
         BCAST => "broadcast",
         GATHER | GATHERED => "all_gather",
         _ => "unknown",
+    }
+}
+
+/// `1-3, 5, 7-9` (sorted ranks, runs of consecutive ranks shortened), so a message stays short for any world.
+pub fn rank_ranges(ranks: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let start = ranks[i];
+        let mut end = start;
+        while i + 1 < ranks.len() && ranks[i + 1] == end + 1 {
+            i += 1;
+            end = ranks[i];
+        }
+        out.push(if end == start { start.to_string() } else { format!("{start}-{end}") });
+        i += 1;
+        if out.len() == 32 && i < ranks.len() {
+            out.push(format!("and {} more", ranks.len() - i));
+            break;
+        }
+    }
+    out.join(", ")
+}
+
+/// Which run a rank belongs to: a digest of a run id the launcher gives every rank of one run
+/// ([`LaunchEnv::run_id`]). Rank 0 drops a hello of another run as a stranger's, so a stale or foreign process
+/// naming a rank cannot take that rank's place. [`RunId::NONE`] (no run id known) matches only itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct RunId(pub u128);
+
+impl RunId {
+    /// No run id: every hello without one is taken at its word.
+    pub const NONE: RunId = RunId(0);
+
+    /// The digest of a run id string (FNV-1a, 128-bit; never [`RunId::NONE`]).
+    pub fn from_name(name: &str) -> RunId {
+        const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013B;
+        let mut h: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+        for b in name.as_bytes() {
+            h ^= u128::from(*b);
+            h = h.wrapping_mul(PRIME);
+        }
+        RunId(h.max(1))
+    }
+}
+
+impl std::fmt::Display for RunId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == RunId::NONE {
+            f.write_str("none")
+        } else {
+            write!(f, "{:08x}", (self.0 >> 96) as u32)
+        }
     }
 }
 
@@ -79,10 +148,33 @@ pub enum RendezvousError {
         /// The last error.
         reason: String,
     },
+    /// The address of rank 0 is not `host:port` (reported at once: retrying cannot fix it).
+    #[error(
+        "rank {rank}: {addr:?} is not a host:port address of rank 0 ({reason}); set MASTER_ADDR to the rank-0 host \
+         alone (e.g. 10.0.0.1, node0 or ::1) and MASTER_PORT to its port"
+    )]
+    Address {
+        /// This rank.
+        rank: usize,
+        /// The address given.
+        addr: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A world size of 0 or over [`MAX_WORLD`].
+    #[error(
+        "a rendezvous of {world} ranks: the world size must be in 1..={MAX_WORLD} (rank 0 holds one connection per \
+         rank); set WORLD_SIZE to the number of processes (one per GPU)"
+    )]
+    World {
+        /// The world size asked for.
+        world: usize,
+    },
     /// Not every rank joined in time.
     #[error(
-        "rank 0: ranks {missing:?} did not join within {waited:?}; start all WORLD_SIZE={world} ranks with the same \
-         MASTER_ADDR and MASTER_PORT"
+        "rank 0: ranks {} did not join within {waited:?}; start all WORLD_SIZE={world} ranks with the same \
+         MASTER_ADDR and MASTER_PORT",
+        rank_ranges(missing)
     )]
     Incomplete {
         /// The world size.
@@ -173,6 +265,9 @@ pub enum RendezvousError {
         /// This rank.
         rank: usize,
     },
+    /// The I/O runtime of the rendezvous could not start.
+    #[error("cannot start the rendezvous I/O runtime: {0}")]
+    Runtime(String),
     /// An earlier operation failed; nothing more is exchanged.
     #[error("the rendezvous is broken by an earlier failure: {0}")]
     Broken(String),
@@ -183,12 +278,15 @@ pub enum RendezvousError {
 pub struct RendezvousOptions {
     /// Longest wait for joining, and for each message of an operation.
     pub timeout: Duration,
+    /// The run this rank belongs to; [`Rendezvous::connect`] uses [`LaunchEnv::run_id`] when this is
+    /// [`RunId::NONE`].
+    pub run: RunId,
 }
 
 impl Default for RendezvousOptions {
-    /// A 60 s timeout.
+    /// A 60 s timeout, no run id.
     fn default() -> Self {
-        RendezvousOptions { timeout: Duration::from_secs(60) }
+        RendezvousOptions { timeout: Duration::from_secs(60), run: RunId::NONE }
     }
 }
 
@@ -216,7 +314,17 @@ enum FrameError {
     TooLarge(u64),
 }
 
-fn write_frame(s: &mut TcpStream, kind: u8, rank: usize, seq: u64, payload: &[u8]) -> std::io::Result<()> {
+fn timed_out() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out")
+}
+
+async fn write_frame<W: AsyncWrite + Unpin>(
+    s: &mut W,
+    kind: u8,
+    rank: usize,
+    seq: u64,
+    payload: &[u8],
+) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(HEADER + payload.len());
     buf.extend_from_slice(&MAGIC.to_le_bytes());
     buf.extend_from_slice(&VERSION.to_le_bytes());
@@ -226,13 +334,18 @@ fn write_frame(s: &mut TcpStream, kind: u8, rank: usize, seq: u64, payload: &[u8
     buf.extend_from_slice(&seq.to_le_bytes());
     buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     buf.extend_from_slice(payload);
-    s.write_all(&buf)?;
-    s.flush()
+    s.write_all(&buf).await?;
+    s.flush().await
 }
 
-fn read_frame(s: &mut TcpStream) -> Result<Frame, FrameError> {
+/// Best effort: tells `s` why rank 0 ends the rendezvous, giving up after [`REFUSE_TIMEOUT`].
+async fn refuse<W: AsyncWrite + Unpin>(s: &mut W, seq: u64, reason: &str) {
+    let _ = tokio::time::timeout(REFUSE_TIMEOUT, write_frame(s, REFUSE, 0, seq, reason.as_bytes())).await;
+}
+
+async fn read_frame<R: AsyncRead + Unpin>(s: &mut R) -> Result<Frame, FrameError> {
     let mut h = [0u8; HEADER];
-    s.read_exact(&mut h).map_err(FrameError::Io)?;
+    s.read_exact(&mut h).await.map_err(FrameError::Io)?;
     let le32 = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     let le64 = |b: &[u8]| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
     let magic = le32(&h[0..4]);
@@ -244,80 +357,94 @@ fn read_frame(s: &mut TcpStream) -> Result<Frame, FrameError> {
     if len > MAX_PAYLOAD {
         return Err(FrameError::TooLarge(len));
     }
-    let mut payload = vec![0u8; len as usize];
-    s.read_exact(&mut payload).map_err(FrameError::Io)?;
+    // Grows with what arrives, so a header announcing a large payload allocates nothing up front.
+    let mut payload = Vec::new();
+    let got = (&mut *s).take(len).read_to_end(&mut payload).await.map_err(FrameError::Io)?;
+    if got as u64 != len {
+        return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+    }
     Ok(Frame { kind: h[6], rank: le32(&h[8..12]), seq: le64(&h[12..20]), payload })
 }
 
-/// Bytes of a hello: the header and the joiner's world size (`u64`).
-const HELLO_LEN: usize = HEADER + 8;
+/// Bytes of a hello: the header, the joiner's world size (`u64`) and its run id (`u128`).
+const HELLO_LEN: usize = HEADER + 8 + 16;
 
-/// A connection rank 0 accepted that has not sent its whole hello yet (read without blocking).
-struct Pending {
-    stream: TcpStream,
-    peer: std::net::SocketAddr,
-    /// The bytes of the hello so far (never more than [`HELLO_LEN`], so nothing after the hello is consumed).
-    buf: Vec<u8>,
-    /// When it is dropped unless its hello is complete.
-    deadline: Instant,
-}
-
-/// Where one pending connection's handshake stands.
+/// How one accepted connection's handshake ended.
 enum Handshake {
-    /// Its hello is incomplete and its deadline has not passed.
-    Waiting,
-    /// Not a joining weightferry rank (the reason completes "dropped a connection that …"): drop it, go on.
+    /// Not a joining rank of this run (the reason completes "dropped a connection that …"): drop it, go on.
     Drop(String),
     /// A weightferry frame (right magic) of another protocol version.
     Wrong { magic: u32, version: u16 },
-    /// A complete hello.
+    /// A complete hello of another run (told why, then dropped).
+    OtherRun { rank: usize, theirs: RunId },
+    /// A complete hello of this run.
     Hello { rank: usize, theirs: usize },
 }
 
-impl Pending {
-    /// Reads what has arrived (without blocking) and judges the bytes so far.
-    fn advance(&mut self) -> Handshake {
+/// Judges the first bytes of a connection; `None` while they are a correct but incomplete hello.
+fn judge(b: &[u8], run: RunId) -> Option<Handshake> {
+    if b.len() >= 4 && b[..4] != MAGIC.to_le_bytes() {
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        return Some(Handshake::Drop(format!("sent magic {magic:#010x}, not a weightferry rendezvous frame")));
+    }
+    if b.len() >= 6 {
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Some(Handshake::Wrong { magic: MAGIC, version });
+        }
+    }
+    if b.len() >= HEADER {
+        let len = u64::from_le_bytes(b[20..28].try_into().unwrap_or([0; 8]));
+        if b[6] != HELLO || len != (HELLO_LEN - HEADER) as u64 {
+            return Some(Handshake::Drop(format!("sent a {} frame of {len} bytes, not a hello", kind_name(b[6]))));
+        }
+    }
+    if b.len() < HELLO_LEN {
+        return None;
+    }
+    let rank = u32::from_le_bytes(b[8..12].try_into().unwrap_or([0; 4])) as usize;
+    let theirs = u64::from_le_bytes(b[HEADER..HEADER + 8].try_into().unwrap_or([0; 8]));
+    let theirs = usize::try_from(theirs).unwrap_or(usize::MAX);
+    let their_run = RunId(u128::from_le_bytes(b[HEADER + 8..HELLO_LEN].try_into().unwrap_or([0; 16])));
+    if their_run != run {
+        return Some(Handshake::OtherRun { rank, theirs: their_run });
+    }
+    Some(Handshake::Hello { rank, theirs })
+}
+
+/// Reads one accepted connection's hello (never more than [`HELLO_LEN`] bytes, so nothing after it is consumed)
+/// within `handshake`; a hello of another run is told why before it is dropped.
+async fn handshake(mut stream: TcpStream, handshake: Duration, run: RunId) -> (TcpStream, Handshake) {
+    let mut buf = Vec::with_capacity(HELLO_LEN);
+    let read = async {
         let mut chunk = [0u8; HELLO_LEN];
         loop {
-            let want = HELLO_LEN - self.buf.len();
-            if want == 0 {
-                break;
-            }
-            match self.stream.read(&mut chunk[..want]) {
+            let want = HELLO_LEN - buf.len();
+            match stream.read(&mut chunk[..want]).await {
                 Ok(0) => return Handshake::Drop("closed before sending a hello".into()),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Handshake::Drop(format!("failed before sending a hello: {e}")),
             }
-        }
-        let b = &self.buf;
-        if b.len() >= 4 && b[..4] != MAGIC.to_le_bytes() {
-            let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            return Handshake::Drop(format!("sent magic {magic:#010x}, not a weightferry rendezvous frame"));
-        }
-        if b.len() >= 6 {
-            let version = u16::from_le_bytes([b[4], b[5]]);
-            if version != VERSION {
-                return Handshake::Wrong { magic: MAGIC, version };
+            if let Some(h) = judge(&buf, run) {
+                return h;
             }
         }
-        if b.len() >= HEADER {
-            let len = u64::from_le_bytes(b[20..28].try_into().unwrap_or([0; 8]));
-            if b[6] != HELLO || len != 8 {
-                return Handshake::Drop(format!("sent a {} frame of {len} bytes, not a hello", kind_name(b[6])));
-            }
-        }
-        if b.len() == HELLO_LEN {
-            let rank = u32::from_le_bytes(b[8..12].try_into().unwrap_or([0; 4])) as usize;
-            let theirs = u64::from_le_bytes(b[HEADER..].try_into().unwrap_or([0; 8])) as usize;
-            return Handshake::Hello { rank, theirs };
-        }
-        if Instant::now() >= self.deadline {
-            return Handshake::Drop(format!("sent {} of the {HELLO_LEN} bytes of a hello in time", b.len()));
-        }
-        Handshake::Waiting
+    };
+    let verdict = match tokio::time::timeout(handshake, read).await {
+        Ok(h) => h,
+        Err(_) => Handshake::Drop(format!("sent {} of the {HELLO_LEN} bytes of a hello in time", buf.len())),
+    };
+    if let Handshake::OtherRun { rank, theirs } = verdict {
+        let reason = format!(
+            "MASTER_PORT belongs to another run (run id {run}), this rank {rank} has run id {theirs}; give every rank \
+             of one run the same WEIGHTFERRY_RUN_ID, or use another MASTER_PORT"
+        );
+        refuse(&mut stream, 0, &reason).await;
+        let why = format!("sent a hello as rank {rank} of another run (run id {theirs}, this run's is {run})");
+        return (stream, Handshake::Drop(why));
     }
+    (stream, verdict)
 }
 
 fn io_reason(e: &std::io::Error) -> String {
@@ -326,6 +453,45 @@ fn io_reason(e: &std::io::Error) -> String {
         std::io::ErrorKind::UnexpectedEof => "it closed the connection (the process exited or failed)".to_string(),
         _ => e.to_string(),
     }
+}
+
+/// Reads one frame from every stream at once; the first failure (or the timeout, naming the lowest rank not
+/// heard from) ends the wait. Frames come back in rank order.
+async fn read_from_all(
+    streams: &mut [Option<TcpStream>],
+    timeout: Duration,
+) -> Result<Vec<(usize, Frame)>, (usize, FrameError)> {
+    type Read<'a> = Pin<Box<dyn Future<Output = Result<Frame, FrameError>> + Send + 'a>>;
+    let mut reads: Vec<(usize, Option<Read<'_>>)> = streams
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(r, s)| s.as_mut().map(|s| (r, Some(Box::pin(read_frame(s)) as Read<'_>))))
+        .collect();
+    let mut frames: Vec<(usize, Frame)> = Vec::with_capacity(reads.len());
+    let mut deadline = std::pin::pin!(tokio::time::sleep(timeout));
+    std::future::poll_fn(|cx| {
+        for (rank, slot) in reads.iter_mut() {
+            let Some(read) = slot.as_mut() else { continue };
+            match read.as_mut().poll(cx) {
+                Poll::Ready(Ok(f)) => {
+                    frames.push((*rank, f));
+                    *slot = None;
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err((*rank, e))),
+                Poll::Pending => {}
+            }
+        }
+        if let Some((rank, _)) = reads.iter().find(|(_, s)| s.is_some()) {
+            return match deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err((*rank, FrameError::Io(timed_out())))),
+                Poll::Pending => Poll::Pending,
+            };
+        }
+        Poll::Ready(Ok(()))
+    })
+    .await?;
+    frames.sort_by_key(|(r, _)| *r);
+    Ok(frames)
 }
 
 struct State {
@@ -340,7 +506,10 @@ pub struct Rendezvous {
     rank: usize,
     world: usize,
     timeout: Duration,
+    /// Dropped before the runtime (declaration order), so the sockets deregister from a live reactor.
     state: Mutex<State>,
+    /// Drives every network wait; `None` for a single rank, which exchanges nothing.
+    rt: Option<Runtime>,
 }
 
 impl std::fmt::Debug for Rendezvous {
@@ -349,21 +518,89 @@ impl std::fmt::Debug for Rendezvous {
     }
 }
 
+fn runtime() -> Result<Runtime, RendezvousError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .map_err(|e| RendezvousError::Runtime(e.to_string()))
+}
+
+fn check_world(world: usize) -> Result<(), RendezvousError> {
+    if world == 0 || world > MAX_WORLD {
+        return Err(RendezvousError::World { world });
+    }
+    Ok(())
+}
+
+/// The address rank 0 listens on for a run whose ranks reach it at `master_addr`: that loopback address when it
+/// is one (`127.0.0.1`, `::1`, `localhost`: every rank is on this host, as under `weightferry launch`, so nothing
+/// needs to reach it from outside), else all IPv4 interfaces (`0.0.0.0`), since the name may resolve to any of
+/// this host's interfaces.
+pub fn listen_ip(master_addr: &str) -> IpAddr {
+    let host = master_addr.trim();
+    if host.eq_ignore_ascii_case("localhost") {
+        return IpAddr::V4(Ipv4Addr::LOCALHOST);
+    }
+    match host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        Ok(ip) if ip.is_loopback() => ip,
+        _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+    }
+}
+
+/// `host:port`, with an IPv6 literal in brackets.
+fn host_port(host: &str, port: u16) -> String {
+    let host = host.trim();
+    match host.parse::<Ipv6Addr>() {
+        Ok(_) => format!("[{host}]:{port}"),
+        Err(_) => format!("{host}:{port}"),
+    }
+}
+
+/// Checks that `addr` is `host:port` (an IPv6 host in brackets); what is wrong otherwise.
+fn check_host_port(addr: &str) -> Result<(), String> {
+    if addr.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err("no port".into());
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(format!("{port:?} is not a port"));
+    }
+    if host.is_empty() {
+        return Err("no host".into());
+    }
+    if host.contains(':') {
+        return Err(format!("the host {host:?} has a ':' (a port belongs in MASTER_PORT)"));
+    }
+    if host.chars().any(|c| c.is_whitespace() || c == '/') {
+        return Err(format!("the host {host:?} is not a host name"));
+    }
+    Ok(())
+}
+
 impl Rendezvous {
-    /// Joins the rendezvous `env` describes: rank 0 listens on `MASTER_PORT` (all IPv4 interfaces) and waits for
-    /// every other rank; the others connect to `MASTER_ADDR:MASTER_PORT`. A single process needs no connection.
+    /// Joins the rendezvous `env` describes: rank 0 listens on `MASTER_PORT` (on [`listen_ip`] of `MASTER_ADDR`)
+    /// and waits for every other rank; the others connect to `MASTER_ADDR:MASTER_PORT`. The run id is
+    /// `options.run`, else the digest of [`LaunchEnv::run_id`]. A single process needs no connection.
     pub fn connect(env: &LaunchEnv, options: RendezvousOptions) -> Result<Rendezvous, RendezvousError> {
         if env.world <= 1 {
             return Ok(Self::single());
         }
+        check_world(env.world)?;
+        let mut options = options;
+        if options.run == RunId::NONE {
+            options.run = env.run_id.as_deref().map_or(RunId::NONE, RunId::from_name);
+        }
         let port = env.master_port.unwrap_or(0);
+        let host = env.master_addr.as_deref().unwrap_or("127.0.0.1");
         if env.rank == 0 {
-            let listener = TcpListener::bind(("0.0.0.0", port))
+            let listener = std::net::TcpListener::bind((listen_ip(host), port))
                 .map_err(|e| RendezvousError::Listen { port, reason: e.to_string() })?;
             Self::root(listener, env.world, options)
         } else {
-            let addr = format!("{}:{port}", env.master_addr.as_deref().unwrap_or("127.0.0.1"));
-            Self::peer(&addr, env.rank, env.world, options)
+            Self::peer(&host_port(host, port), env.rank, env.world, options)
         }
     }
 
@@ -374,13 +611,14 @@ impl Rendezvous {
             world: 1,
             timeout: Duration::ZERO,
             state: Mutex::new(State { streams: vec![None], seq: 0, broken: None }),
+            rt: None,
         }
     }
 
     /// Rank 0 of `world` ranks, accepting on `listener` until every other rank joined; each accepted connection
     /// has [`RendezvousOptions::handshake_timeout`] to send its hello (see [`Rendezvous::root_with_handshake`]).
     pub fn root(
-        listener: TcpListener,
+        listener: std::net::TcpListener,
         world: usize,
         options: RendezvousOptions,
     ) -> Result<Rendezvous, RendezvousError> {
@@ -390,189 +628,57 @@ impl Rendezvous {
     /// Rank 0 of `world` ranks, accepting on `listener` until every other rank joined or `options.timeout` passed.
     ///
     /// Rank 0 keeps accepting while earlier connections are still handshaking, so no connection can hold up the
-    /// others: each accepted connection has `handshake` (from its accept) to send a complete hello, read without
-    /// blocking. Connections that are not joining weightferry ranks are dropped with a `tracing` warning and the
-    /// wait goes on: one that stays silent past `handshake`, closes, does not start with [`MAGIC`] (another
-    /// program: a port scanner, a health check, HTTP), or sends a weightferry frame that is not a hello.
-    /// A hello from a weightferry peer that cannot join fails the whole rendezvous, as a misconfigured launch,
-    /// with the exact error (rank 0 tells the offender and every joined rank why): another protocol
-    /// [`VERSION`] ([`RendezvousError::Protocol`]), another world size ([`RendezvousError::WorldMismatch`]), a
-    /// rank already joined or outside `1..world` ([`RendezvousError::BadRank`]).
+    /// others: each accepted connection has `handshake` (from its accept) to send a complete hello. Connections
+    /// that are not joining ranks of this run are dropped with a `tracing` warning and the wait goes on: one that
+    /// stays silent past `handshake`, closes, does not start with [`MAGIC`] (another program: a port scanner, a
+    /// health check, HTTP), sends a weightferry frame that is not a hello, or a hello of another run
+    /// ([`RendezvousOptions::run`]; it is told why first). A hello from a peer of this run that cannot join fails
+    /// the whole rendezvous, as a misconfigured launch, with the exact error (rank 0 tells the offender and every
+    /// joined rank why): another protocol [`VERSION`] ([`RendezvousError::Protocol`]), another world size
+    /// ([`RendezvousError::WorldMismatch`]), a rank already joined or outside `1..world`
+    /// ([`RendezvousError::BadRank`]).
     pub fn root_with_handshake(
-        listener: TcpListener,
+        listener: std::net::TcpListener,
         world: usize,
         options: RendezvousOptions,
         handshake: Duration,
     ) -> Result<Rendezvous, RendezvousError> {
-        let start = Instant::now();
-        let deadline = start + options.timeout;
+        check_world(world)?;
+        let rt = runtime()?;
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
-        listener.set_nonblocking(true).map_err(|e| RendezvousError::Listen { port, reason: e.to_string() })?;
-        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        let mut pending: Vec<Pending> = Vec::new();
-        let fail = |streams: &mut Vec<Option<TcpStream>>, offender: Option<&mut TcpStream>, err: RendezvousError| {
-            let reason = err.to_string();
-            for s in offender.into_iter().chain(streams.iter_mut().flatten()) {
-                let _ = write_frame(s, REFUSE, 0, 0, reason.as_bytes());
-            }
-            Err(err)
-        };
-        while streams.iter().skip(1).any(Option::is_none) {
-            let mut progressed = false;
-            loop {
-                match listener.accept() {
-                    Ok((stream, peer)) => {
-                        progressed = true;
-                        let setup = stream.set_nonblocking(true).and_then(|()| stream.set_nodelay(true));
-                        match setup {
-                            Ok(()) => pending.push(Pending {
-                                stream,
-                                peer,
-                                buf: Vec::with_capacity(HELLO_LEN),
-                                deadline: Instant::now() + handshake,
-                            }),
-                            Err(e) => tracing::warn!(%peer, "rendezvous: dropped a connection: {e}"),
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::ConnectionAborted
-                                | std::io::ErrorKind::ConnectionReset
-                                | std::io::ErrorKind::Interrupted
-                        ) =>
-                    {
-                        tracing::warn!("rendezvous: a connection failed before rank 0 accepted it: {e}");
-                    }
-                    Err(e) => return fail(&mut streams, None, RendezvousError::Listen { port, reason: e.to_string() }),
-                }
-            }
-            let mut i = 0;
-            while i < pending.len() {
-                let step = pending[i].advance();
-                if !matches!(step, Handshake::Waiting) {
-                    progressed = true;
-                }
-                match step {
-                    Handshake::Waiting => i += 1,
-                    Handshake::Drop(why) => {
-                        let p = pending.swap_remove(i);
-                        tracing::warn!(peer = %p.peer, "rendezvous: dropped a connection that {why}");
-                    }
-                    Handshake::Wrong { magic, version } => {
-                        let mut p = pending.swap_remove(i);
-                        let err = RendezvousError::Protocol { peer: p.peer.to_string(), magic, version };
-                        return fail(&mut streams, Some(&mut p.stream), err);
-                    }
-                    Handshake::Hello { rank, theirs } => {
-                        let mut p = pending.swap_remove(i);
-                        let err = if theirs != world {
-                            Some(RendezvousError::WorldMismatch { rank, theirs, ours: world })
-                        } else if rank == 0 || rank >= world || streams[rank].is_some() {
-                            Some(RendezvousError::BadRank { rank, world })
-                        } else {
-                            None
-                        };
-                        if let Some(err) = err {
-                            return fail(&mut streams, Some(&mut p.stream), err);
-                        }
-                        let setup = p
-                            .stream
-                            .set_nonblocking(false)
-                            .and_then(|()| p.stream.set_read_timeout(Some(options.timeout)))
-                            .and_then(|()| p.stream.set_write_timeout(Some(options.timeout)));
-                        match setup {
-                            Ok(()) => streams[rank] = Some(p.stream),
-                            Err(e) => tracing::warn!(peer = %p.peer, rank, "rendezvous: dropped rank {rank}: {e}"),
-                        }
-                    }
-                }
-            }
-            if streams.iter().skip(1).all(Option::is_some) {
-                break;
-            }
-            if Instant::now() >= deadline {
-                let missing = (1..world).filter(|&r| streams[r].is_none()).collect();
-                return fail(
-                    &mut streams,
-                    None,
-                    RendezvousError::Incomplete { world, missing, waited: start.elapsed() },
-                );
-            }
-            if !progressed {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-        drop(pending);
-        for (r, s) in streams.iter_mut().enumerate() {
-            if let Some(s) = s {
-                write_frame(s, WELCOME, 0, 0, &[]).map_err(|e| RendezvousError::Io {
-                    rank: 0,
-                    peer: r,
-                    op: "join",
-                    seq: 0,
-                    reason: io_reason(&e),
-                })?;
-            }
-        }
+        let listen_err = |e: std::io::Error| RendezvousError::Listen { port, reason: e.to_string() };
+        listener.set_nonblocking(true).map_err(listen_err)?;
+        let streams = rt.block_on(async {
+            let listener = TcpListener::from_std(listener).map_err(listen_err)?;
+            accept_all(listener, port, world, options, handshake).await
+        })?;
         Ok(Rendezvous {
             rank: 0,
             world,
             timeout: options.timeout,
             state: Mutex::new(State { streams, seq: 0, broken: None }),
+            rt: Some(rt),
         })
     }
 
     /// Rank `rank` (not 0) of `world` ranks, joining rank 0 at `addr` (`host:port`), retrying until the timeout.
+    /// An `addr` that is not `host:port` is an error at once ([`RendezvousError::Address`]).
     pub fn peer(
         addr: &str,
         rank: usize,
         world: usize,
         options: RendezvousOptions,
     ) -> Result<Rendezvous, RendezvousError> {
-        let start = Instant::now();
-        let deadline = start + options.timeout;
-        let connect_err =
-            |reason: String| RendezvousError::Connect { rank, addr: addr.to_string(), waited: start.elapsed(), reason };
-        let mut s = loop {
-            let attempt = addr.to_socket_addrs().map_err(|e| e.to_string()).and_then(|mut addrs| {
-                let a = addrs.next().ok_or_else(|| "the address resolves to nothing".to_string())?;
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
-                TcpStream::connect_timeout(&a, left.min(Duration::from_secs(5))).map_err(|e| e.to_string())
-            });
-            match attempt {
-                Ok(s) => break s,
-                Err(reason) if Instant::now() >= deadline => return Err(connect_err(reason)),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
-        let io = |e: std::io::Error| RendezvousError::Io { rank, peer: 0, op: "join", seq: 0, reason: io_reason(&e) };
-        s.set_nodelay(true).map_err(io)?;
-        s.set_read_timeout(Some(options.timeout)).map_err(io)?;
-        s.set_write_timeout(Some(options.timeout)).map_err(io)?;
-        write_frame(&mut s, HELLO, rank, 0, &(world as u64).to_le_bytes()).map_err(io)?;
-        match read_frame(&mut s) {
-            Ok(f) if f.kind == WELCOME => {}
-            Ok(f) if f.kind == REFUSE => {
-                return Err(RendezvousError::Refused { reason: String::from_utf8_lossy(&f.payload).into_owned() })
-            }
-            Ok(f) => {
-                return Err(RendezvousError::OutOfStep { seq: 0, op: "join", peer: 0, got: kind_name(f.kind).into() })
-            }
-            Err(FrameError::Io(e)) => return Err(io(e)),
-            Err(FrameError::Protocol { magic, version }) => {
-                return Err(RendezvousError::Protocol { peer: addr.to_string(), magic, version })
-            }
-            Err(FrameError::TooLarge(len)) => return Err(RendezvousError::TooLarge { len }),
-        }
-        let mut streams: Vec<Option<TcpStream>> = vec![None];
-        streams[0] = Some(s);
+        check_world(world)?;
+        check_host_port(addr).map_err(|reason| RendezvousError::Address { rank, addr: addr.to_string(), reason })?;
+        let rt = runtime()?;
+        let s = rt.block_on(join_root(addr, rank, world, options))?;
         Ok(Rendezvous {
             rank,
             world,
             timeout: options.timeout,
-            state: Mutex::new(State { streams, seq: 0, broken: None }),
+            state: Mutex::new(State { streams: vec![Some(s)], seq: 0, broken: None }),
+            rt: Some(rt),
         })
     }
 
@@ -601,19 +707,18 @@ impl Rendezvous {
                 return Err(RendezvousError::TooLarge { len: p.len() as u64 });
             }
         }
-        self.operation(|st, seq| {
+        let (rt, mut st, seq) = self.begin()?;
+        let Some(rt) = rt else { return Ok(root_payload.unwrap_or_default().to_vec()) };
+        let result = rt.block_on(async {
             if self.rank == 0 {
                 let payload = root_payload.unwrap_or_default();
-                for (r, s) in st.streams.iter_mut().enumerate() {
-                    if let Some(s) = s {
-                        write_frame(s, BCAST, 0, seq, payload).map_err(|e| self.io(r, "broadcast", seq, &e))?;
-                    }
-                }
+                self.send_all(&mut st, BCAST, seq, "broadcast", payload).await?;
                 Ok(payload.to_vec())
             } else {
-                self.expect(st, BCAST, "broadcast", seq)
+                self.expect(&mut st, BCAST, "broadcast", seq).await
             }
-        })
+        });
+        self.finish(rt, &mut st, seq, result)
     }
 
     /// Every rank's `mine`, indexed by rank (lengths may differ).
@@ -621,39 +726,17 @@ impl Rendezvous {
         if mine.len() as u64 > MAX_PAYLOAD {
             return Err(RendezvousError::TooLarge { len: mine.len() as u64 });
         }
-        self.operation(|st, seq| {
+        let (rt, mut st, seq) = self.begin()?;
+        let Some(rt) = rt else { return Ok(vec![mine.to_vec()]) };
+        let result = rt.block_on(async {
             if self.rank == 0 {
-                let mut all: Vec<Vec<u8>> = vec![mine.to_vec()];
-                for r in 1..self.world {
-                    let Some(s) = st.streams[r].as_mut() else {
-                        return Err(RendezvousError::BadRank { rank: r, world: self.world });
-                    };
-                    let f = read_frame(s).map_err(|e| self.frame_error(r, "all_gather", seq, e))?;
-                    if f.kind != GATHER || f.seq != seq || f.rank as usize != r {
-                        return Err(out_of_step(seq, "all_gather", r, &f));
-                    }
-                    all.push(f.payload);
-                }
-                let total: usize = all.iter().map(|b| 8 + b.len()).sum::<usize>() + 4;
-                if total as u64 > MAX_PAYLOAD {
-                    return Err(RendezvousError::TooLarge { len: total as u64 });
-                }
-                let mut out = Vec::with_capacity(total);
-                out.extend_from_slice(&(all.len() as u32).to_le_bytes());
-                for b in &all {
-                    out.extend_from_slice(&(b.len() as u64).to_le_bytes());
-                    out.extend_from_slice(b);
-                }
-                for (r, s) in st.streams.iter_mut().enumerate() {
-                    if let Some(s) = s {
-                        write_frame(s, GATHERED, 0, seq, &out).map_err(|e| self.io(r, "all_gather", seq, &e))?;
-                    }
-                }
-                Ok(all)
+                self.gather_root(&mut st, seq, mine).await
             } else {
                 let s = st.streams[0].as_mut().ok_or(RendezvousError::BadRank { rank: 0, world: self.world })?;
-                write_frame(s, GATHER, self.rank, seq, mine).map_err(|e| self.io(0, "all_gather", seq, &e))?;
-                let bytes = self.expect(st, GATHERED, "all_gather", seq)?;
+                self.within(write_frame(s, GATHER, self.rank, seq, mine))
+                    .await
+                    .map_err(|e| self.io(0, "all_gather", seq, &e))?;
+                let bytes = self.expect(&mut st, GATHERED, "all_gather", seq).await?;
                 decode_gathered(&bytes, self.world).ok_or(RendezvousError::OutOfStep {
                     seq,
                     op: "all_gather",
@@ -661,7 +744,8 @@ impl Rendezvous {
                     got: format!("a malformed result of {} bytes", bytes.len()),
                 })
             }
-        })
+        });
+        self.finish(rt, &mut st, seq, result)
     }
 
     /// Returns once every rank called it.
@@ -669,35 +753,99 @@ impl Rendezvous {
         self.all_gather_bytes(&[]).map(|_| ())
     }
 
-    /// Runs one collective operation under the lock; any failure breaks the rendezvous (rank 0 first tells every
-    /// peer why).
-    fn operation<T>(
-        &self,
-        f: impl FnOnce(&mut State, u64) -> Result<T, RendezvousError>,
-    ) -> Result<T, RendezvousError> {
+    /// Rank 0's side of an all-gather: every peer's bytes (read from all at once), then the result to each.
+    async fn gather_root(&self, st: &mut State, seq: u64, mine: &[u8]) -> Result<Vec<Vec<u8>>, RendezvousError> {
+        let frames = read_from_all(&mut st.streams, self.timeout)
+            .await
+            .map_err(|(r, e)| self.frame_error(r, "all_gather", seq, e))?;
+        let mut all: Vec<Vec<u8>> = vec![mine.to_vec()];
+        for (r, f) in frames {
+            if f.kind != GATHER || f.seq != seq || f.rank as usize != r {
+                return Err(out_of_step(seq, "all_gather", r, &f));
+            }
+            all.push(f.payload);
+        }
+        if all.len() != self.world {
+            return Err(RendezvousError::BadRank { rank: all.len(), world: self.world });
+        }
+        let total: usize = all.iter().map(|b| 8 + b.len()).sum::<usize>() + 4;
+        if total as u64 > MAX_PAYLOAD {
+            return Err(RendezvousError::TooLarge { len: total as u64 });
+        }
+        let mut out = Vec::with_capacity(total);
+        out.extend_from_slice(&(all.len() as u32).to_le_bytes());
+        for b in &all {
+            out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+            out.extend_from_slice(b);
+        }
+        self.send_all(st, GATHERED, seq, "all_gather", &out).await?;
+        Ok(all)
+    }
+
+    /// Starts one collective operation: takes the lock and the operation's number. Fails at once when the
+    /// rendezvous is broken. The runtime is `None` for a single rank, which has nothing to exchange.
+    #[allow(clippy::type_complexity)]
+    fn begin(&self) -> Result<(Option<&Runtime>, std::sync::MutexGuard<'_, State>, u64), RendezvousError> {
         let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(e) = &st.broken {
             return Err(RendezvousError::Broken(e.to_string()));
         }
         let seq = st.seq;
         st.seq += 1;
-        let result = f(&mut st, seq);
+        Ok((self.rt.as_ref(), st, seq))
+    }
+
+    /// Ends operation `seq`: a failure breaks the rendezvous (rank 0 first tells every peer why).
+    fn finish<T>(
+        &self,
+        rt: &Runtime,
+        st: &mut State,
+        seq: u64,
+        result: Result<T, RendezvousError>,
+    ) -> Result<T, RendezvousError> {
         if let Err(e) = &result {
             if self.rank == 0 {
                 let reason = e.to_string();
-                for s in st.streams.iter_mut().flatten() {
-                    let _ = write_frame(s, REFUSE, 0, seq, reason.as_bytes());
-                }
+                rt.block_on(async {
+                    for s in st.streams.iter_mut().flatten() {
+                        refuse(s, seq, &reason).await;
+                    }
+                });
             }
             st.broken = Some(e.clone());
         }
         result
     }
 
+    /// Rank 0: sends one frame to every peer.
+    async fn send_all(
+        &self,
+        st: &mut State,
+        kind: u8,
+        seq: u64,
+        op: &'static str,
+        payload: &[u8],
+    ) -> Result<(), RendezvousError> {
+        for (r, s) in st.streams.iter_mut().enumerate() {
+            if let Some(s) = s {
+                self.within(write_frame(s, kind, 0, seq, payload)).await.map_err(|e| self.io(r, op, seq, &e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `f`, or a timed-out error after the timeout.
+    async fn within<T>(&self, f: impl Future<Output = std::io::Result<T>>) -> std::io::Result<T> {
+        tokio::time::timeout(self.timeout, f).await.unwrap_or_else(|_| Err(timed_out()))
+    }
+
     /// Reads the frame of kind `kind` of operation `seq` from rank 0.
-    fn expect(&self, st: &mut State, kind: u8, op: &'static str, seq: u64) -> Result<Vec<u8>, RendezvousError> {
+    async fn expect(&self, st: &mut State, kind: u8, op: &'static str, seq: u64) -> Result<Vec<u8>, RendezvousError> {
         let s = st.streams[0].as_mut().ok_or(RendezvousError::BadRank { rank: 0, world: self.world })?;
-        let f = read_frame(s).map_err(|e| self.frame_error(0, op, seq, e))?;
+        let f = tokio::time::timeout(self.timeout, read_frame(s))
+            .await
+            .unwrap_or_else(|_| Err(FrameError::Io(timed_out())))
+            .map_err(|e| self.frame_error(0, op, seq, e))?;
         if f.kind == REFUSE {
             return Err(RendezvousError::Refused { reason: String::from_utf8_lossy(&f.payload).into_owned() });
         }
@@ -719,6 +867,143 @@ impl Rendezvous {
             }
             FrameError::TooLarge(len) => RendezvousError::TooLarge { len },
         }
+    }
+}
+
+/// Rank 0's join: accepts until every other rank of this run sent its hello (see
+/// [`Rendezvous::root_with_handshake`]), then welcomes them all.
+async fn accept_all(
+    listener: TcpListener,
+    port: u16,
+    world: usize,
+    options: RendezvousOptions,
+    handshake_for: Duration,
+) -> Result<Vec<Option<TcpStream>>, RendezvousError> {
+    let start = Instant::now();
+    let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let mut joined = 1usize;
+    let mut pending = tokio::task::JoinSet::new();
+    let deadline = tokio::time::sleep(options.timeout);
+    tokio::pin!(deadline);
+    let failure = loop {
+        if joined == world {
+            break None;
+        }
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    let run = options.run;
+                    pending.spawn(async move { (peer, handshake(stream, handshake_for, run).await) });
+                }
+                Err(e) if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::Interrupted
+                ) => tracing::warn!("rendezvous: a connection failed before rank 0 accepted it: {e}"),
+                Err(e) => break Some((None, RendezvousError::Listen { port, reason: e.to_string() })),
+            },
+            Some(done) = pending.join_next() => {
+                let Ok((peer, (stream, verdict))) = done else { continue };
+                match verdict {
+                    Handshake::Drop(why) => tracing::warn!(%peer, "rendezvous: dropped a connection that {why}"),
+                    Handshake::OtherRun { .. } => tracing::warn!(%peer, "rendezvous: dropped a hello of another run"),
+                    Handshake::Wrong { magic, version } => {
+                        let err = RendezvousError::Protocol { peer: peer.to_string(), magic, version };
+                        break Some((Some(stream), err));
+                    }
+                    Handshake::Hello { rank, theirs } => {
+                        if theirs != world {
+                            break Some((Some(stream), RendezvousError::WorldMismatch { rank, theirs, ours: world }));
+                        }
+                        if rank == 0 || rank >= world || streams[rank].is_some() {
+                            break Some((Some(stream), RendezvousError::BadRank { rank, world }));
+                        }
+                        streams[rank] = Some(stream);
+                        joined += 1;
+                    }
+                }
+            }
+            () = &mut deadline => {
+                let missing = (1..world).filter(|&r| streams[r].is_none()).collect();
+                break Some((None, RendezvousError::Incomplete { world, missing, waited: start.elapsed() }));
+            }
+        }
+    };
+    pending.abort_all();
+    if let Some((mut offender, err)) = failure {
+        let reason = err.to_string();
+        for s in offender.iter_mut().chain(streams.iter_mut().flatten()) {
+            refuse(s, 0, &reason).await;
+        }
+        return Err(err);
+    }
+    for (r, s) in streams.iter_mut().enumerate() {
+        if let Some(s) = s {
+            tokio::time::timeout(options.timeout, write_frame(s, WELCOME, 0, 0, &[]))
+                .await
+                .unwrap_or_else(|_| Err(timed_out()))
+                .map_err(|e| RendezvousError::Io { rank: 0, peer: r, op: "join", seq: 0, reason: io_reason(&e) })?;
+        }
+    }
+    Ok(streams)
+}
+
+/// A rank's join: connects to rank 0 at `addr` (retrying while it is not listening yet, until the timeout), sends
+/// its hello and waits for the welcome.
+async fn join_root(
+    addr: &str,
+    rank: usize,
+    world: usize,
+    options: RendezvousOptions,
+) -> Result<TcpStream, RendezvousError> {
+    let start = Instant::now();
+    let deadline = start + options.timeout;
+    let connect_err =
+        |reason: String| RendezvousError::Connect { rank, addr: addr.to_string(), waited: start.elapsed(), reason };
+    let mut backoff = Duration::from_millis(10);
+    let mut s = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = tokio::time::timeout(left.min(Duration::from_secs(5)), async {
+            let mut addrs = tokio::net::lookup_host(addr).await.map_err(|e| e.to_string())?;
+            let a = addrs.next().ok_or_else(|| "the address resolves to nothing".to_string())?;
+            TcpStream::connect(a).await.map_err(|e| e.to_string())
+        })
+        .await
+        .unwrap_or_else(|_| Err("connecting timed out".to_string()));
+        match attempt {
+            Ok(s) => break s,
+            Err(reason) if Instant::now() >= deadline => return Err(connect_err(reason)),
+            Err(_) => {
+                tokio::time::sleep(backoff.min(deadline.saturating_duration_since(Instant::now()))).await;
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
+        }
+    };
+    let io = |e: std::io::Error| RendezvousError::Io { rank, peer: 0, op: "join", seq: 0, reason: io_reason(&e) };
+    s.set_nodelay(true).map_err(io)?;
+    let mut hello = Vec::with_capacity(HELLO_LEN - HEADER);
+    hello.extend_from_slice(&(world as u64).to_le_bytes());
+    hello.extend_from_slice(&options.run.0.to_le_bytes());
+    tokio::time::timeout(options.timeout, write_frame(&mut s, HELLO, rank, 0, &hello))
+        .await
+        .unwrap_or_else(|_| Err(timed_out()))
+        .map_err(io)?;
+    let reply = tokio::time::timeout(options.timeout, read_frame(&mut s))
+        .await
+        .unwrap_or_else(|_| Err(FrameError::Io(timed_out())));
+    match reply {
+        Ok(f) if f.kind == WELCOME => Ok(s),
+        Ok(f) if f.kind == REFUSE => {
+            Err(RendezvousError::Refused { reason: String::from_utf8_lossy(&f.payload).into_owned() })
+        }
+        Ok(f) => Err(RendezvousError::OutOfStep { seq: 0, op: "join", peer: 0, got: kind_name(f.kind).into() }),
+        Err(FrameError::Io(e)) => Err(io(e)),
+        Err(FrameError::Protocol { magic, version }) => {
+            Err(RendezvousError::Protocol { peer: addr.to_string(), magic, version })
+        }
+        Err(FrameError::TooLarge(len)) => Err(RendezvousError::TooLarge { len }),
     }
 }
 

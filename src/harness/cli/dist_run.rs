@@ -458,6 +458,46 @@ impl fmt::Display for DistributedReport {
     }
 }
 
+/// What every rank must agree on before its first AllGather, all-gathered at the rendezvous as JSON. The
+/// pipeline and the config enter by the digest of their serialized form (their content, not their name).
+#[derive(Debug, Serialize)]
+struct RankFingerprint {
+    pipeline: String,
+    pipeline_content: String,
+    config: String,
+    steps: u32,
+    seed: u64,
+    depth: usize,
+    chunk_bytes: Option<u64>,
+    inject_gather_failure: Option<(usize, u64)>,
+    timed_steps: Option<(u32, u32)>,
+    timed_rounds: u32,
+    tokens: Option<usize>,
+    allgather_engine: String,
+}
+
+/// `pipeline_content differs (rank 1: …, rank 0: …)` for every field of two serialized [`RankFingerprint`]s
+/// that differs.
+fn fingerprint_differences(theirs: &[u8], ours: &[u8], r: usize) -> String {
+    let parse = |b: &[u8]| serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(b).ok();
+    let (Some(t), Some(o)) = (parse(theirs), parse(ours)) else {
+        return format!("its rank check is not one of this version ({} bytes)", theirs.len());
+    };
+    let diffs: Vec<String> = o
+        .iter()
+        .filter(|(k, v)| t.get(*k) != Some(v))
+        .map(|(k, v)| {
+            let theirs = t.get(k).map_or_else(|| "missing".to_string(), |x| x.to_string());
+            format!("{k} differs (rank {r}: {theirs}, rank 0: {v})")
+        })
+        .collect();
+    if diffs.is_empty() {
+        "its rank check differs".to_string()
+    } else {
+        diffs.join("; ")
+    }
+}
+
 /// A failure of this rank (exit 1), or of the rendezvous because another rank failed ([`PEER_FAILED_EXIT`]).
 fn rendezvous_error(rank: usize, e: RendezvousError) -> CliError {
     match e {
@@ -570,27 +610,33 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let failed = |what: &str, e: &dyn fmt::Display| CliError::failed(format!("rank {rank}: {what}: {e}"));
     let rdv = Arc::new(Rendezvous::connect(env, RendezvousOptions::default()).map_err(|e| rendezvous_error(rank, e))?);
     // Every rank must run the same thing, or the AllGathers would not match.
-    let fingerprint = format!(
-        "{}|{:016x}|{}|{}|{}|{:?}|{:?}|{:?}|{}|{:?}|{:?}",
-        pipeline.name,
-        fnv1a(FNV_OFFSET, format!("{config:?}").as_bytes()),
-        spec.steps,
-        spec.seed,
-        spec.depth,
-        spec.chunk_bytes,
-        fault,
-        spec.timed_steps,
-        spec.timed_rounds,
-        a.tokens,
-        a.allgather_engine
-    );
-    let all = rdv.all_gather_bytes(fingerprint.as_bytes()).map_err(|e| rendezvous_error(rank, e))?;
+    let content = |what: &str, json: serde_json::Result<Vec<u8>>| {
+        json.map(|b| format!("{:016x}", fnv1a(FNV_OFFSET, &b)))
+            .map_err(|e| CliError::failed(format!("rank {rank}: cannot serialize the {what} for the rank check: {e}")))
+    };
+    let fingerprint = RankFingerprint {
+        pipeline: pipeline.name.clone(),
+        pipeline_content: content("pipeline", serde_json::to_vec(&pipeline.desc))?,
+        config: content("config", serde_json::to_vec(&config))?,
+        steps: spec.steps,
+        seed: spec.seed,
+        depth: spec.depth,
+        chunk_bytes: spec.chunk_bytes,
+        inject_gather_failure: fault,
+        timed_steps: spec.timed_steps,
+        timed_rounds: spec.timed_rounds,
+        tokens: a.tokens,
+        allgather_engine: clap::ValueEnum::to_possible_value(&a.allgather_engine)
+            .map_or_else(String::new, |v| v.get_name().to_string()),
+    };
+    let mine = serde_json::to_vec(&fingerprint)
+        .map_err(|e| CliError::failed(format!("rank {rank}: cannot serialize the rank check: {e}")))?;
+    let all = rdv.all_gather_bytes(&mine).map_err(|e| rendezvous_error(rank, e))?;
     if let Some(r) = all.iter().position(|f| f.as_slice() != all[0].as_slice()) {
         return Err(CliError::failed(format!(
-            "rank {r} runs another pipeline, config, step count or seed than rank 0 ({} vs {}); launch every rank \
-             with the same arguments",
-            String::from_utf8_lossy(&all[r]),
-            String::from_utf8_lossy(&all[0])
+            "rank {r} does not run what rank 0 runs: {}; launch every rank with the same arguments and the same \
+             pipeline and config files",
+            fingerprint_differences(&all[r], &all[0], r)
         )));
     }
 

@@ -351,3 +351,76 @@ fn bad_time_steps_are_an_exact_error_naming_the_flag() {
          one GPU, weightferry bench times layerwise offload",
     );
 }
+
+/// `WORLD_SIZE` past the rendezvous' limit, or `MASTER_ADDR` with a port, is an exact exit-2 error at once (no
+/// allocation for the world, no 60 s of retries).
+#[test]
+fn a_huge_world_size_or_a_master_addr_with_a_port_is_an_exact_error_at_once() {
+    let t = std::time::Instant::now();
+    for world in ["4000000000", "100000000"] {
+        invalid(
+            &["run"],
+            &[("RANK", "1"), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")],
+            &format!(
+                "error: WORLD_SIZE={world} is more ranks than a weightferry run supports (at most 16384: rank 0's \
+                 rendezvous holds one connection per rank); set WORLD_SIZE to the number of processes (one per GPU)"
+            ),
+        );
+    }
+    invalid(
+        &["run"],
+        &[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1:5"), ("MASTER_PORT", "29500")],
+        "error: MASTER_ADDR=\"127.0.0.1:5\" is not a host name or IP address (it has a ':', but a port belongs in \
+         MASTER_PORT); set MASTER_ADDR to the rank-0 host alone (e.g. 10.0.0.1, node0 or ::1) and its port in \
+         MASTER_PORT",
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t.elapsed());
+}
+
+/// A pipeline file named alike on both ranks (`pipe.json` in each rank's own directory) whose content differs
+/// fails the rank check at the rendezvous, naming the field, before any AllGather.
+#[test]
+fn pipeline_files_that_share_a_name_but_differ_fail_the_rank_check() {
+    let pipeline = |width: u32| {
+        format!(
+            r#"{{"class": "P", "modules": {{"transformer": {{"class": "DiT", "children": {{
+                "blocks": {{"repeat": 2, "block": {{"class": "Block", "children": {{"fc": {{"class": "Linear",
+                    "tensors": {{"weight": {{"dtype": "bf16", "shape": [32, {width}]}}}}}}}}}}}}}}}}}}}}"#
+        )
+    };
+    let base = std::env::temp_dir().join(format!("weightferry-dist-cli-{}-fp", std::process::id()));
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let children: Vec<_> = [32u32, 16]
+        .iter()
+        .enumerate()
+        .map(|(rank, &width)| {
+            let dir = base.join(format!("rank{rank}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("pipe.json"), pipeline(width)).unwrap();
+            let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
+            c.args(["run", "--pipeline", "pipe.json", "--steps", "1"]).current_dir(&dir).env_remove("RUST_LOG");
+            for v in LAUNCH_VARS {
+                c.env_remove(v);
+            }
+            let rank = rank.to_string();
+            c.envs([("RANK", rank.as_str()), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")]);
+            c.env("MASTER_PORT", &port).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            c.spawn().unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    for (rank, o) in outs.iter().enumerate() {
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "rank {rank}: {err}");
+        let line = err.lines().last().unwrap_or_default();
+        assert!(
+            line.starts_with("error: rank 1 does not run what rank 0 runs: pipeline_content differs (rank 1: \""),
+            "rank {rank}: {err}"
+        );
+        assert!(
+            line.ends_with("; launch every rank with the same arguments and the same pipeline and config files"),
+            "rank {rank}: {err}"
+        );
+        assert!(!line.contains("pipeline differs") && !line.contains("steps differs"), "{line}");
+    }
+}

@@ -22,7 +22,7 @@ fn ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<Rendezvous>) -> T + Sync) 
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let mut listener = Some(listener);
-    let opts = RendezvousOptions { timeout: Duration::from_secs(10) };
+    let opts = RendezvousOptions { timeout: Duration::from_secs(10), ..RendezvousOptions::default() };
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|rank| {
