@@ -10,7 +10,17 @@ cargo test -p weightferry --features nccl --lib platform::cuda::
 if command -v python3 > /dev/null; then
   python3 benches/peers/test_peers.py
 fi
+# The deliberately broken orderings (`OrderingFault`, actors/src/block_stack/faults.rs) exist only in builds with
+# `--cfg weightferry_broken`; elsewhere a stack asking for one is refused. The tests proving that the checks can fail
+# run here, in their own target dir (the cfg change would otherwise rebuild the ordinary one), limited to the test
+# targets that hold them.
+RUSTFLAGS="--cfg weightferry_broken" \
+  cargo test -p weightferry-actors --target-dir target/broken --test scheduler --test scheduler_props --test gather_stack
+RUSTFLAGS="--cfg weightferry_broken" \
+  cargo test -p weightferry --target-dir target/broken --test cli --test run_bit_exact -- checks_can_fail failed_checks
 # Loom models run the production scheduler code under `--cfg weightferry_loom`, in their own target dir so the
-# cfg change does not invalidate the ordinary build.
-RUSTFLAGS="--cfg weightferry_loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
+# cfg change does not invalidate the ordinary build. `--cfg weightferry_broken` compiles in the broken variants
+# (`broken_*`, which prove each model can fail) in the same build; the correct models run with
+# `OrderingFault::None`, where every fault point takes its production branch.
+RUSTFLAGS="--cfg weightferry_loom --cfg weightferry_broken" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
   cargo test -p weightferry-loom --release --target-dir target/loom -- --test-threads=2

@@ -1,5 +1,6 @@
 //! Errors of the scheduler.
 
+use crate::block_stack::OrderingFault;
 use crate::platform::PlatformError;
 use crate::slot::SlotError;
 
@@ -67,5 +68,16 @@ pub enum SchedulerError {
         stack: String,
         /// What is wrong.
         reason: String,
+    },
+    /// A stack asked for a deliberately broken ordering in a build that does not contain them.
+    #[error(
+        "stack '{stack}': ordering fault {fault:?} needs a build with RUSTFLAGS=\"--cfg weightferry_broken\" \
+         (test builds only)"
+    )]
+    FaultNotBuilt {
+        /// Stack name.
+        stack: String,
+        /// The fault asked for.
+        fault: OrderingFault,
     },
 }

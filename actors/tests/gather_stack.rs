@@ -280,6 +280,7 @@ fn the_gather_of_a_chunk_overlaps_the_copy_of_the_next() {
 }
 
 #[test]
+#[cfg(weightferry_broken)] // needs RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
 fn skipping_the_last_use_wait_is_caught() {
     let outs = run_group(2, 5, 1, 3, OrderingFault::SkipLastUseWait);
     assert!(outs.iter().any(|o| o.violations > 0), "the hazard check never fired");
@@ -320,6 +321,15 @@ fn invalid_gather_specs_are_errors() {
     for (s, g) in cases {
         let r = BlockStack::with_gather(p.clone(), s, None, compute, stream.clone(), g);
         assert!(matches!(r, Err(SchedulerError::InvalidSpec { .. })), "{r:?}");
+    }
+    // Without the broken orderings compiled in, a gather stack asking for one is refused too.
+    #[cfg(not(weightferry_broken))]
+    {
+        let s = StackSpec { ordering_fault: OrderingFault::SkipLastUseWait, ..spec(false) };
+        let r =
+            BlockStack::with_gather(p.clone(), s, None, compute, stream.clone(), path(vec![one.clone(), one.clone()]));
+        let want = SchedulerError::FaultNotBuilt { stack: "g".into(), fault: OrderingFault::SkipLastUseWait };
+        assert_eq!(r.unwrap_err(), want);
     }
     assert_eq!(sim.device_memory().in_use, 0, "a refused stack allocated device memory");
     let ok =

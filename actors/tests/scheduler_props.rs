@@ -23,7 +23,9 @@ use proptest::test_runner::Config as ProptestConfig;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weightferry_actors::platform::{HostMemoryKind, Platform, PlatformRef, StreamId};
-use weightferry_actors::sim::{Access, FaultPlan, HazardKind, SimConfig, SimPlatform};
+#[cfg(weightferry_broken)]
+use weightferry_actors::sim::HazardKind;
+use weightferry_actors::sim::{Access, FaultPlan, SimConfig, SimPlatform};
 use weightferry_actors::{
     BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StreamHandle, StreamOptions, Submission,
 };
@@ -325,7 +327,9 @@ proptest! {
     }
 }
 
-/// Slow copies and a stack of a few blocks; the compute stream does not wait for copies.
+/// Slow copies and a stack of a few blocks; the compute stream does not wait for copies. The broken-ordering
+/// properties need a build with RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs them so).
+#[cfg(weightferry_broken)]
 fn broken_case() -> impl Strategy<Value = (Vec<BlockShape>, usize, usize)> {
     prop::collection::vec(block_shape(), 2..5).prop_flat_map(|blocks| {
         let n = blocks.len();
@@ -333,6 +337,7 @@ fn broken_case() -> impl Strategy<Value = (Vec<BlockShape>, usize, usize)> {
     })
 }
 
+#[cfg(weightferry_broken)]
 proptest! {
     #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -347,6 +352,7 @@ proptest! {
     }
 }
 
+#[cfg(weightferry_broken)]
 fn broken_ready_wait(
     blocks: &[BlockShape],
     head: usize,

@@ -78,18 +78,21 @@ fn hook_mode_fence_right_after_the_eager_prefetch_follows_it() {
 }
 
 #[test]
+#[cfg(weightferry_broken)]
 #[should_panic(expected = "hazard read-before-ready")]
 fn broken_hook_mode_compute_skipping_the_ready_wait_is_caught() {
     pass(3, 1, 3, OrderingFault::SkipReadyWait);
 }
 
 #[test]
+#[cfg(weightferry_broken)]
 #[should_panic(expected = "hazard overwrite-before-last-use")]
 fn broken_hook_mode_reuse_without_last_use_wait_is_caught() {
     pass(3, 1, 3, OrderingFault::SkipLastUseWait);
 }
 
 #[test]
+#[cfg(weightferry_broken)]
 #[should_panic(expected = "fence replied before earlier loads completed")]
 fn broken_hook_mode_fence_replying_on_record_is_caught() {
     fence_after_prefetch(0, OrderingFault::FenceOnRecord);

@@ -202,6 +202,7 @@ fn help_exits_0() {
 }
 
 #[test]
+#[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
 fn failed_checks_exit_1() {
     let o = wf(&[
         "run",
@@ -219,6 +220,21 @@ fn failed_checks_exit_1() {
     assert!(v["hazard_violations"].as_u64().unwrap() > 0);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("error: "), "{err}");
+}
+
+/// A build without the broken orderings refuses to inject one: exit 1, one line naming the build it needs.
+#[test]
+#[cfg(not(weightferry_broken))]
+fn an_ordering_fault_needs_the_broken_build() {
+    let o = wf(&["run", "--json", "--steps", "1", "--inject-ordering-fault", "skip-ready-wait"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(
+        err.contains("ordering fault SkipReadyWait needs a build with RUSTFLAGS=\"--cfg weightferry_broken\""),
+        "{err}"
+    );
 }
 
 #[test]

@@ -154,6 +154,7 @@ fn a_different_seed_changes_the_output() {
 }
 
 #[test]
+#[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
 fn the_checks_can_fail() {
     use std::time::Duration;
     use weightferry_actors::OrderingFault;
@@ -167,6 +168,11 @@ fn the_checks_can_fail() {
     assert!(r.hazard_violations > 0, "{r}");
     assert!(!r.passed());
     assert!(r.first_violation.as_deref().unwrap_or("").starts_with("ReadBeforeReady"), "{r}");
+}
+
+#[test]
+fn a_pipeline_over_the_engines_limit_is_refused() {
+    use weightferry::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
     // A pipeline larger than the engine's limit is refused before anything runs.
     let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
     spec.max_weight_bytes = 1000;
@@ -205,6 +211,7 @@ fn hook_submission_is_bit_exact_at_every_depth_with_and_without_skips() {
 }
 
 #[test]
+#[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
 fn hook_submission_checks_can_fail() {
     use std::time::Duration;
     use weightferry_actors::OrderingFault;
