@@ -17,7 +17,7 @@ fi
 RUSTFLAGS="--cfg weightferry_broken" \
   cargo test -p weightferry-actors --target-dir target/broken --test scheduler --test scheduler_props --test gather_stack
 RUSTFLAGS="--cfg weightferry_broken" \
-  cargo test -p weightferry --target-dir target/broken --test cli --test run_bit_exact -- checks_can_fail failed_checks
+  cargo test -p weightferry-harness --target-dir target/broken --test cli --test run_bit_exact -- checks_can_fail failed_checks
 # Loom models run the production scheduler code under `--cfg weightferry_loom`, in their own target dir so the
 # cfg change does not invalidate the ordinary build. `--cfg weightferry_broken` compiles in the broken variants
 # (`broken_*`, which prove each model can fail) in the same build; the correct models run with
