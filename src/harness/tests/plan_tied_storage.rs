@@ -18,11 +18,11 @@
 //! All weights: 5 + 16 + 2 + 18 = 41 U.
 
 use weightferry::config::{OffloadConfig, Strategy};
-use weightferry_harness::engine::driver::{run, RunSpec};
 use weightferry::offload::layout::UnitLayout;
 use weightferry::offload::units::build_unit_plan;
 use weightferry::plan::json::load_pipeline_json;
 use weightferry::plan::{resolve_offload_plan, PipelineDesc, ResolvedPlan};
+use weightferry_harness::engine::driver::{run, RunSpec};
 
 /// Size unit (bytes): the device packing alignment.
 const U: u64 = 256;

@@ -172,7 +172,7 @@ fn the_checks_can_fail() {
 
 #[test]
 fn a_pipeline_over_the_engines_limit_is_refused() {
-    use weightferry::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
+    use weightferry_harness::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
     // A pipeline larger than the engine's limit is refused before anything runs.
     let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
     spec.max_weight_bytes = 1000;
