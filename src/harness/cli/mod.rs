@@ -41,7 +41,7 @@ pub const DEFAULT_PRESET: &str = "flux-tiny";
 
 /// Streams diffusion-model weights between host and device memory; runs and plans offload on a simulated device.
 #[derive(Debug, Parser)]
-#[command(name = "weightferry", version, about, long_about = None)]
+#[command(name = "weightferry", version = VERSION, about, long_about = None)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -63,6 +63,12 @@ pub enum Command {
     /// causes (needs the `nccl` feature). NVLink multicast stays off: NCCL_NVLS_ENABLE must be unset (it is then
     /// set to 0) or 0.
     BenchGather(BenchGatherArgs),
+    /// Print a shell completion script (e.g. `weightferry completions bash > /etc/bash_completion.d/weightferry`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 /// Arguments of `bench-gather`.
@@ -389,8 +395,11 @@ pub fn emit(text: &str) {
     let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
 }
 
-/// Parses `args` and runs the command; returns the process exit code. Prints results on stdout and at most one
-/// error line on stderr.
+/// `--version`: the package version and the git revision it was built from (`build.rs`).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("WEIGHTFERRY_GIT_REV"), ")");
+
+/// Parses `args` and runs the command; returns the process exit code. Prints results on stdout and one error line
+/// on stderr (followed by clap's suggestions for a mistyped argument).
 pub fn main_with_args<I, T>(args: I) -> i32
 where
     I: IntoIterator<Item = T>,
@@ -415,6 +424,10 @@ where
             let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid arguments");
             let first = first.trim().strip_prefix("error: ").unwrap_or(first.trim());
             eprintln!("error: {first} (see weightferry --help)");
+            // clap's own suggestions ("tip: a similar argument exists: '--steps'") stay with the error.
+            for tip in text.lines().map(str::trim).filter(|l| l.starts_with("tip:")) {
+                eprintln!("  {tip}");
+            }
             return 2;
         }
     };
@@ -424,6 +437,12 @@ where
         Command::Bench(a) => bench::bench(a),
         Command::Launch(a) => launch::launch(a),
         Command::BenchGather(a) => bench_gather::bench_gather(a),
+        Command::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut <Cli as clap::CommandFactory>::command(), "weightferry", &mut script);
+            emit(&String::from_utf8_lossy(&script));
+            Ok(0)
+        }
     };
     match result {
         Ok(code) => code,

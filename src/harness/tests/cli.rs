@@ -326,3 +326,47 @@ fn bench_takes_a_copy_submission_for_every_configuration() {
         }
     }
 }
+
+#[test]
+fn a_misspelt_flag_keeps_clap_s_suggestion() {
+    let o = wf(&["run", "--step", "3"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "error: unexpected argument '--step' found (see weightferry --help)",
+            "  tip: a similar argument exists: '--steps'"
+        ],
+        "{err}"
+    );
+}
+
+#[test]
+fn version_names_the_git_revision() {
+    let o = wf(&["--version"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out.trim();
+    let rest =
+        line.strip_prefix(concat!("weightferry ", env!("CARGO_PKG_VERSION"), " (")).unwrap_or_else(|| panic!("{line}"));
+    let rev = rest.strip_suffix(')').unwrap_or_else(|| panic!("{line}"));
+    let hex = rev.strip_suffix("-dirty").unwrap_or(rev);
+    assert!(rev == "unknown" || (hex.len() == 12 && hex.chars().all(|c| c.is_ascii_hexdigit())), "{line}");
+}
+
+#[test]
+fn completions_cover_every_subcommand_and_refuse_an_unknown_shell() {
+    let o = wf(&["completions", "bash"]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let script = String::from_utf8_lossy(&o.stdout);
+    assert!(script.contains("_weightferry()"), "not a bash completion script");
+    for sub in ["run", "plan", "bench", "launch", "bench-gather", "completions"] {
+        assert!(script.contains(sub), "{sub} missing");
+    }
+    assert!(script.contains("--steps"), "run's flags missing");
+    let bad = wf(&["completions", "cmd"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).starts_with("error: invalid value 'cmd' for '<SHELL>'"));
+}
