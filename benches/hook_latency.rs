@@ -16,7 +16,7 @@ mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weightferry::hooks::{HookRegistry, ModelHook};
+use weightferry::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
 use weightferry_actors::{BlockStack, Submission};
 
 struct Hook {
@@ -24,11 +24,12 @@ struct Hook {
     block: usize,
 }
 impl ModelHook for Hook {
-    fn pre_forward(&self, _: &str) -> Result<(), String> {
-        self.stack.pre_forward(self.block).map(|_| ()).map_err(|e| e.to_string())
+    fn pre_forward(&self, _: &str) -> Result<Option<Residency>, HookFailure> {
+        self.stack.pre_forward(self.block)?;
+        Ok(None)
     }
-    fn post_forward(&self, _: &str) -> Result<(), String> {
-        self.stack.post_forward(self.block).map_err(|e| e.to_string())
+    fn post_forward(&self, _: &str) -> Result<(), HookFailure> {
+        Ok(self.stack.post_forward(self.block)?)
     }
 }
 

@@ -3,10 +3,14 @@
 //! Invariants: `pre_forward` hooks run in name order and `post_forward` hooks in reverse name order; at most one
 //! hook per module replaces the forward; every hook has an owner and an owner removes only its own hooks; at most
 //! one offload strategy owns offload hooks on a pipeline at a time. Hook calls never hold the registry lock while a
-//! hook runs.
+//! hook runs. A hook that places its module's weights says where in the [`Residency`] its `pre_forward` returns, so
+//! the engine finds a streamed block's weights without asking the backend again.
 
-use std::collections::BTreeMap;
+use crate::plan::StorageId;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
+use weightferry_actors::platform::DeviceBufferId;
+use weightferry_actors::SchedulerError;
 
 /// Hook name of the model-level (sequential) strategy.
 pub const SEQUENTIAL_OFFLOAD_HOOK: &str = "sequential_offload";
@@ -51,23 +55,54 @@ pub enum HookError {
         requested: String,
     },
     /// A hook failed while running.
-    #[error("hook '{name}' failed on module '{module}': {message}")]
+    #[error("hook '{name}' failed on module '{module}': {source}")]
     Failed {
         /// Module path.
         module: String,
         /// Hook name.
         name: String,
-        /// What went wrong.
-        message: String,
+        /// What went wrong (boxed: a scheduler error is large, and this is the cold path).
+        source: Box<HookFailure>,
     },
+}
+
+/// Why a hook's `pre_forward` or `post_forward` failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HookFailure {
+    /// The transfer scheduler refused or failed (an offload hook): the typed error, for callers that match on it.
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerError),
+    /// A hook of the host engine's own failed.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Where a module's weights are on the device while its forward runs: the block's region (`buffer` at `base`) and
+/// each of its storages' offset inside that region. Valid from the `pre_forward` that returned it to the module's
+/// `post_forward`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Residency {
+    /// The device buffer holding the block.
+    pub buffer: DeviceBufferId,
+    /// Offset of the block's region in `buffer`.
+    pub base: u64,
+    /// Offset of each storage of the block inside its region.
+    pub offsets: Arc<HashMap<StorageId, u64>>,
+}
+
+impl Residency {
+    /// Device buffer and byte offset of `storage`, if it is one of this block's.
+    pub fn locate(&self, storage: StorageId) -> Option<(DeviceBufferId, u64)> {
+        self.offsets.get(&storage).map(|&off| (self.buffer, self.base + off))
+    }
 }
 
 /// A hook run around a module's forward pass.
 pub trait ModelHook: Send + Sync {
-    /// Runs before the module's forward.
-    fn pre_forward(&self, module: &str) -> Result<(), String>;
+    /// Runs before the module's forward; a hook that made the module's weights resident says where.
+    fn pre_forward(&self, module: &str) -> Result<Option<Residency>, HookFailure>;
     /// Runs after the module's forward.
-    fn post_forward(&self, module: &str) -> Result<(), String>;
+    fn post_forward(&self, module: &str) -> Result<(), HookFailure>;
     /// Whether this hook replaces the module's forward (at most one per module).
     fn replaces_forward(&self) -> bool {
         false
@@ -221,27 +256,30 @@ impl HookRegistry {
         self.read().modules.get(module).cloned()
     }
 
-    /// Runs `module`'s pre-forward hooks in name order.
-    pub fn pre_forward(&self, module: &str) -> Result<(), HookError> {
-        let Some(list) = self.snapshot(module) else { return Ok(()) };
+    /// Runs `module`'s pre-forward hooks in name order; returns the residency the module's weights got (from the
+    /// last hook that gave one: at most one offload strategy places a module).
+    pub fn pre_forward(&self, module: &str) -> Result<Option<Residency>, HookError> {
+        let Some(list) = self.snapshot(module) else { return Ok(None) };
+        let mut residency = None;
         for e in list.iter() {
-            e.hook.pre_forward(module).map_err(|message| HookError::Failed {
+            let r = e.hook.pre_forward(module).map_err(|source| HookError::Failed {
                 module: module.to_string(),
                 name: e.name.clone(),
-                message,
+                source: Box::new(source),
             })?;
+            residency = r.or(residency);
         }
-        Ok(())
+        Ok(residency)
     }
 
     /// Runs `module`'s post-forward hooks in reverse name order.
     pub fn post_forward(&self, module: &str) -> Result<(), HookError> {
         let Some(list) = self.snapshot(module) else { return Ok(()) };
         for e in list.iter().rev() {
-            e.hook.post_forward(module).map_err(|message| HookError::Failed {
+            e.hook.post_forward(module).map_err(|source| HookError::Failed {
                 module: module.to_string(),
                 name: e.name.clone(),
-                message,
+                source: Box::new(source),
             })?;
         }
         Ok(())
@@ -255,13 +293,14 @@ impl HookRegistry {
 pub struct ForwardScope<'a> {
     registry: &'a HookRegistry,
     module: String,
+    residency: Option<Residency>,
 }
 
 impl HookRegistry {
     /// Runs `module`'s `pre_forward` hooks and returns a scope whose drop runs its `post_forward` hooks.
     pub fn scope(&self, module: &str) -> Result<ForwardScope<'_>, HookError> {
-        self.pre_forward(module)?;
-        Ok(ForwardScope { registry: self, module: module.to_string() })
+        let residency = self.pre_forward(module)?;
+        Ok(ForwardScope { registry: self, module: module.to_string(), residency })
     }
 }
 
@@ -269,6 +308,11 @@ impl ForwardScope<'_> {
     /// The module this scope keeps loaded.
     pub fn module(&self) -> &str {
         &self.module
+    }
+
+    /// Where the module's weights are while the scope lives, when a hook placed them.
+    pub fn residency(&self) -> Option<&Residency> {
+        self.residency.as_ref()
     }
 }
 
@@ -292,15 +336,15 @@ mod tests {
         fail: bool,
     }
     impl ModelHook for Rec {
-        fn pre_forward(&self, m: &str) -> Result<(), String> {
+        fn pre_forward(&self, m: &str) -> Result<Option<Residency>, HookFailure> {
             self.log.lock().unwrap().push(format!("pre:{}:{m}", self.tag));
             if self.fail {
-                Err("boom".into())
+                Err(HookFailure::Other("boom".into()))
             } else {
-                Ok(())
+                Ok(None)
             }
         }
-        fn post_forward(&self, m: &str) -> Result<(), String> {
+        fn post_forward(&self, m: &str) -> Result<(), HookFailure> {
             self.log.lock().unwrap().push(format!("post:{}:{m}", self.tag));
             Ok(())
         }
@@ -397,5 +441,44 @@ mod tests {
         let r = HookRegistry::new();
         r.register("blk", "h", "o", Arc::new(Rec { tag: "f", log: log.clone(), replaces: false, fail: true })).unwrap();
         assert_eq!(r.pre_forward("blk").unwrap_err().to_string(), "hook 'h' failed on module 'blk': boom");
+    }
+
+    struct Placing(Option<Residency>, Option<SchedulerError>);
+    impl ModelHook for Placing {
+        fn pre_forward(&self, _: &str) -> Result<Option<Residency>, HookFailure> {
+            match &self.1 {
+                Some(e) => Err(e.clone().into()),
+                None => Ok(self.0.clone()),
+            }
+        }
+        fn post_forward(&self, _: &str) -> Result<(), HookFailure> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn pre_forward_hands_back_the_residency_and_typed_scheduler_errors() {
+        let offsets = Arc::new(HashMap::from([(StorageId(4), 64u64)]));
+        let placed = Residency { buffer: DeviceBufferId(9), base: 4096, offsets };
+        let r = HookRegistry::new();
+        r.register("blk", "a_user", "u", Arc::new(Placing(None, None))).unwrap();
+        r.register("blk", "layerwise_offload", "l", Arc::new(Placing(Some(placed.clone()), None))).unwrap();
+        r.register("blk", "z_user", "u", Arc::new(Placing(None, None))).unwrap();
+        let got = r.pre_forward("blk").unwrap().expect("the offload hook placed the block");
+        assert_eq!(got, placed);
+        assert_eq!(got.locate(StorageId(4)), Some((DeviceBufferId(9), 4160)));
+        assert_eq!(got.locate(StorageId(5)), None);
+        assert_eq!(r.scope("blk").unwrap().residency(), Some(&placed));
+        assert_eq!(r.pre_forward("unhooked").unwrap(), None);
+        let refused = SchedulerError::Disabled { stack: "dit".into() };
+        r.register("bad", "h", "o", Arc::new(Placing(None, Some(refused.clone())))).unwrap();
+        assert_eq!(
+            r.pre_forward("bad").unwrap_err(),
+            HookError::Failed {
+                module: "bad".into(),
+                name: "h".into(),
+                source: Box::new(HookFailure::Scheduler(refused))
+            }
+        );
     }
 }

@@ -14,7 +14,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use weightferry::config::OffloadConfig;
-use weightferry::hooks::{HookError, HookRegistry, LAYERWISE_OFFLOAD_HOOK, SEQUENTIAL_OFFLOAD_HOOK};
+use weightferry::hooks::{HookError, HookFailure, HookRegistry, LAYERWISE_OFFLOAD_HOOK, SEQUENTIAL_OFFLOAD_HOOK};
 use weightferry::model::{Home, HostModel};
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
 use weightferry::offload::{get_offload_backend, OffloadError, StreamingBackend, WeightSource};
@@ -403,7 +403,8 @@ fn a_copy_failure_while_streaming_names_the_block() {
     let mut first_err = None;
     'outer: for (j, l) in ring.units.iter().enumerate().take(6) {
         for phase in ["pre", "post"] {
-            let r = if phase == "pre" { f.hooks.pre_forward(&l.path) } else { f.hooks.post_forward(&l.path) };
+            let r =
+                if phase == "pre" { f.hooks.pre_forward(&l.path).map(|_| ()) } else { f.hooks.post_forward(&l.path) };
             if let Err(e) = r {
                 first_err = Some((j, phase, e));
                 break 'outer;
@@ -412,13 +413,18 @@ fn a_copy_failure_while_streaming_names_the_block() {
     }
     let (j, phase, e) = first_err.expect("a hook must fail");
     assert!((2..=4).contains(&j) && !(j == 2 && phase == "pre") && !(j == 4 && phase == "post"), "{j} {phase}: {e}");
+    // The scheduler's error reaches the engine typed, not as text.
+    let HookError::Failed { module, name, source } = &e else { panic!("expected a hook failure, got {e:?}") };
+    let HookFailure::Scheduler(SchedulerError::LoadFailed { stack, block, .. }) = source.as_ref() else {
+        panic!("expected a typed load failure, got {e:?}");
+    };
     assert_eq!(
-        e,
-        HookError::Failed {
-            module: ring.units[j].path.clone(),
-            name: LAYERWISE_OFFLOAD_HOOK.to_string(),
-            message: expect.clone()
-        }
+        (module, name.as_str(), stack.as_str(), *block),
+        (&ring.units[j].path, LAYERWISE_OFFLOAD_HOOK, FLUX_DIT_STACK, 4)
+    );
+    assert_eq!(
+        e.to_string(),
+        format!("hook '{LAYERWISE_OFFLOAD_HOOK}' failed on module '{}': {expect}", ring.units[j].path)
     );
     // Once a fence has observed every completion, the stack stays failed: fence and every later hook report the
     // copy failure (which block they name is not stable, see the ignored test below).

@@ -38,7 +38,7 @@ use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
 use crate::engine::timeline::{in_modules, summarize, trace_execution, DeviceSpan, DeviceTracer, TimelineSummary};
 use crate::engine::{Engine, EngineError, ExecOptions};
-use crate::hooks::{HookRegistry, ModelHook};
+use crate::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
 use crate::model::splitmix64;
 use crate::model::{Home, HostModel, ModelError};
 use crate::offload::distributed::DistributedError;
@@ -332,11 +332,11 @@ impl JitterHook {
 }
 
 impl ModelHook for JitterHook {
-    fn pre_forward(&self, _module: &str) -> Result<(), String> {
+    fn pre_forward(&self, _module: &str) -> Result<Option<Residency>, HookFailure> {
         self.sleep();
-        Ok(())
+        Ok(None)
     }
-    fn post_forward(&self, _module: &str) -> Result<(), String> {
+    fn post_forward(&self, _module: &str) -> Result<(), HookFailure> {
         self.sleep();
         Ok(())
     }

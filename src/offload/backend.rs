@@ -13,7 +13,7 @@ use super::resident::ResidentPlacement;
 use super::units::{build_unit_plan, UnitPlan};
 use super::{OffloadError, WeightSource};
 use crate::config::{OffloadConfig, Strategy};
-use crate::hooks::{HookRegistry, ModelHook};
+use crate::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
 use crate::model::HostModel;
 use crate::plan::{resolve_offload_plan, ResolvedPlan, StorageId};
 use serde::Serialize;
@@ -93,18 +93,22 @@ pub struct GroupReport {
     pub windowed_all_gathers: u64,
 }
 
-/// The hook of one unit of a block stack: `pre_forward` / `post_forward` of its module become the stack's.
+/// The hook of one unit of a block stack: `pre_forward` / `post_forward` of its module become the stack's, and
+/// `pre_forward` hands the engine the block's location with its storages' offsets.
 pub(crate) struct StackHook {
     pub(crate) stack: Arc<BlockStack>,
     pub(crate) unit: usize,
+    /// Offset of each of the unit's storages inside its block region.
+    pub(crate) offsets: Arc<HashMap<StorageId, u64>>,
 }
 
 impl ModelHook for StackHook {
-    fn pre_forward(&self, _module: &str) -> Result<(), String> {
-        self.stack.pre_forward(self.unit).map(|_| ()).map_err(|e| e.to_string())
+    fn pre_forward(&self, _module: &str) -> Result<Option<Residency>, HookFailure> {
+        let loc = self.stack.pre_forward(self.unit)?;
+        Ok(Some(Residency { buffer: loc.buffer, base: loc.offset, offsets: self.offsets.clone() }))
     }
-    fn post_forward(&self, _module: &str) -> Result<(), String> {
-        self.stack.post_forward(self.unit).map_err(|e| e.to_string())
+    fn post_forward(&self, _module: &str) -> Result<(), HookFailure> {
+        Ok(self.stack.post_forward(self.unit)?)
     }
 }
 
@@ -397,9 +401,14 @@ impl StreamingBackend {
             st.stacks.push(Arc::new(stack));
         }
         st.hooks_installed = true;
+        let mut offsets: HashMap<(usize, usize), HashMap<StorageId, u64>> = HashMap::new();
+        for (&s, &(si, ui, off)) in &st.locations {
+            offsets.entry((si, ui)).or_default().insert(s, off);
+        }
         for (si, sp) in units.stacks.iter().enumerate() {
             for (ui, unit) in sp.units.iter().enumerate() {
-                let hook = Arc::new(StackHook { stack: st.stacks[si].clone(), unit: ui });
+                let offsets = Arc::new(offsets.remove(&(si, ui)).unwrap_or_default());
+                let hook = Arc::new(StackHook { stack: st.stacks[si].clone(), unit: ui, offsets });
                 hooks.register(&unit.path, units.hook_name, units.hook_name, hook)?;
             }
         }

@@ -30,7 +30,7 @@ pub mod slow;
 pub mod timeline;
 pub mod timing;
 
-use crate::hooks::{HookError, HookRegistry};
+use crate::hooks::{HookError, HookRegistry, Residency};
 use crate::model::{fnv1a, splitmix64, ModelError, FNV_OFFSET};
 use crate::offload::{OffloadError, WeightSource};
 use crate::plan::{PipelineDesc, StorageId};
@@ -237,7 +237,8 @@ impl Engine {
                 }
             }
         }
-        let mut run = Run { engine: self, source, hooks, opts, acts, out: ExecOutput::default(), ahead };
+        let mut run =
+            Run { engine: self, source, hooks, opts, acts, out: ExecOutput::default(), ahead, placed: Vec::new() };
         let result = run.all(progress);
         let mut ahead = std::mem::take(&mut run.ahead);
         if let Err(e) = result {
@@ -302,6 +303,8 @@ struct Run<'a> {
     acts: Activations,
     out: ExecOutput,
     ahead: AheadRing,
+    /// Residencies of the modules whose forward is open (innermost last), as their `pre_forward` returned them.
+    placed: Vec<(String, Residency)>,
 }
 
 impl Run<'_> {
@@ -329,12 +332,22 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Runs one hook and returns its wall time.
+    /// Runs one hook and returns its wall time; a `pre_forward` that placed the module's weights pushes their
+    /// residency (popped by the matching `post_forward`), so kernels find them without asking the source.
     fn hook(&mut self, module: &str, kind: HookKind) -> Result<Duration, EngineError> {
         let t0 = Instant::now();
         let r = match kind {
-            HookKind::Pre => self.hooks.pre_forward(module),
-            HookKind::Post => self.hooks.post_forward(module),
+            HookKind::Pre => self.hooks.pre_forward(module).map(|r| {
+                if let Some(r) = r {
+                    self.placed.push((module.to_string(), r));
+                }
+            }),
+            HookKind::Post => {
+                if self.placed.last().is_some_and(|(m, _)| m == module) {
+                    self.placed.pop();
+                }
+                self.hooks.post_forward(module)
+            }
         };
         let d = t0.elapsed();
         if let Some(epoch) = self.opts.span_epoch {
@@ -417,7 +430,11 @@ impl Run<'_> {
                 weights.push(WeightRange { storage: s, buffer: self.acts.latent, offset: 0, len: 0 });
                 continue;
             }
-            let (buffer, offset) = self.source.locate(s)?;
+            let placed = self.placed.iter().rev().find_map(|(_, r)| r.locate(s));
+            let (buffer, offset) = match placed {
+                Some(p) => p,
+                None => self.source.locate(s)?,
+            };
             weights.push(WeightRange { storage: s, buffer, offset, len });
         }
         let kernel =
@@ -440,12 +457,12 @@ mod tests {
 
     struct Rec(Arc<Mutex<Vec<String>>>);
     impl ModelHook for Rec {
-        fn pre_forward(&self, m: &str) -> Result<(), String> {
-            self.0.lock().map_err(|e| e.to_string())?.push(format!("pre {m}"));
-            Ok(())
+        fn pre_forward(&self, m: &str) -> Result<Option<crate::hooks::Residency>, crate::hooks::HookFailure> {
+            self.0.lock().unwrap().push(format!("pre {m}"));
+            Ok(None)
         }
-        fn post_forward(&self, m: &str) -> Result<(), String> {
-            self.0.lock().map_err(|e| e.to_string())?.push(format!("post {m}"));
+        fn post_forward(&self, m: &str) -> Result<(), crate::hooks::HookFailure> {
+            self.0.lock().unwrap().push(format!("post {m}"));
             Ok(())
         }
     }
@@ -503,5 +520,60 @@ mod tests {
         assert_ne!(engine.execute(&placement, &hooks, &full, &mut |_| {}).unwrap().checksum, full_sum);
         engine.release().unwrap();
         placement.release().unwrap();
+    }
+
+    /// Asks the wrapped source and records which storages it was asked for.
+    struct Counting<'a>(&'a dyn WeightSource, Mutex<Vec<StorageId>>);
+    impl WeightSource for Counting<'_> {
+        fn locate(
+            &self,
+            s: StorageId,
+        ) -> Result<(weightferry_actors::platform::DeviceBufferId, u64), crate::offload::OffloadError> {
+            self.1.lock().unwrap().push(s);
+            self.0.locate(s)
+        }
+    }
+
+    #[test]
+    fn streamed_weights_are_found_from_pre_forward_without_asking_the_backend() {
+        use crate::config::OffloadConfig;
+        use crate::offload::get_offload_backend;
+        use crate::offload::units::build_unit_plan;
+        use crate::plan::resolve_offload_plan;
+        let desc = Arc::new(preset("flux-tiny").unwrap());
+        let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
+        let platform: weightferry_actors::platform::PlatformRef = sim.clone();
+        let mut model = HostModel::synthetic(platform.clone(), desc.clone(), 3).unwrap();
+        let mut engine = Engine::new(Arc::new(compute::SimCompute::new(sim.clone())), &desc).unwrap();
+        let opts = ExecOptions { steps: 2, input_seed: 1, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
+        let up = platform.create_stream("up").unwrap();
+        let all: Vec<StorageId> = desc.storages.keys().copied().collect();
+        let mut placement = ResidentPlacement::upload(&platform, &model, &all, up).unwrap();
+        let resident = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {}).unwrap();
+        placement.release().unwrap();
+        let config = OffloadConfig::from_json_str(
+            r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder", "vae"]}}"#,
+        )
+        .unwrap();
+        let units = build_unit_plan(&desc, &config, &resolve_offload_plan(&desc, &config).unwrap());
+        let streamed: std::collections::BTreeSet<StorageId> = units
+            .stacks
+            .iter()
+            .flat_map(|sp| sp.units.iter())
+            .flat_map(|u| u.sections.iter().flat_map(|sec| sec.storages.iter().map(|&(s, _)| s)))
+            .collect();
+        assert!(!streamed.is_empty());
+        let hooks = HookRegistry::new();
+        let mut b = get_offload_backend(&config, platform.clone(), None).unwrap().unwrap();
+        b.enable(&mut model, &hooks, engine.stream).unwrap();
+        let counting = Counting(&b, Mutex::new(Vec::new()));
+        let out = engine.execute(&counting, &hooks, &opts, &mut |_| {}).unwrap();
+        assert_eq!(out.output, resident.output, "offloaded run is bit-exact");
+        let asked = counting.1.into_inner().unwrap();
+        let again: Vec<_> = asked.iter().filter(|s| streamed.contains(s)).collect();
+        assert!(again.is_empty(), "{} streamed storages looked up a second time, first {:?}", again.len(), again[0]);
+        assert!(!asked.is_empty(), "fixed placement is still located through the source");
+        b.disable(&mut model, &hooks).unwrap();
+        engine.release().unwrap();
     }
 }
