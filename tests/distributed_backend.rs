@@ -61,7 +61,7 @@ fn rank(
     let before = model.checksum().unwrap();
     let loaded: HashMap<StorageId, Vec<u8>> =
         desc.storages.keys().map(|&s| (s, model.read_storage(s).unwrap())).collect();
-    let config = OffloadConfig::distributed_dit(world as u32, 2, chunk.map(Into::into));
+    let config = OffloadConfig::distributed_dit(world as u32, 2, chunk);
     let paths = block_paths(&desc, &config);
     let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
     let mut b = get_offload_backend(&config, platform.clone(), Some(factory)).unwrap().expect("offload is on");
@@ -138,7 +138,7 @@ fn every_rank_of_2_and_4_sees_each_block_bit_exact_and_gets_its_weights_back() {
     for (world, name, chunk) in [(2usize, "flux-tiny", None), (4, "flux-tiny", None), (2, "wan-tiny", Some(4096u64))] {
         let what = format!("{name} N={world} chunk {chunk:?}");
         let desc = preset(name).unwrap();
-        let blocks = block_paths(&desc, &OffloadConfig::distributed_dit(world as u32, 2, chunk.map(Into::into))).len();
+        let blocks = block_paths(&desc, &OffloadConfig::distributed_dit(world as u32, 2, chunk)).len();
         let results: Vec<RankResult> = run_group(world, name, chunk, None)
             .into_iter()
             .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
