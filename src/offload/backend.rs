@@ -245,6 +245,26 @@ impl StreamingBackend {
         &self.restore_log
     }
 
+    /// While enabled, the module path of the unit each host master holds: `(buffer, unit path)` for every master of
+    /// every stack (a distributed rank's shard masters included), in stack and unit order; empty when disabled.
+    /// Lets a trace writer name a copy by the block it loads.
+    pub fn master_units(&self) -> Vec<(HostBufferId, String)> {
+        let Some(st) = &self.state else { return Vec::new() };
+        let Some(units) = &st.units else { return Vec::new() };
+        let mut out = Vec::new();
+        for (sp, blocks) in units.stacks.iter().zip(&st.block_specs) {
+            for (unit, block) in sp.units.iter().zip(blocks) {
+                out.extend(block.segments.iter().map(|seg| (seg.host, unit.path.clone())));
+            }
+        }
+        if let Some(g) = &st.group {
+            for unit in g.masters.iter().flat_map(|m| &m.units) {
+                out.extend(unit.sections.iter().map(|sec| (sec.host, unit.path.clone())));
+            }
+        }
+        out
+    }
+
     /// Test hook: run every stack with a deliberately broken ordering (to prove the hazard checks can fail).
     pub fn set_ordering_fault(&mut self, fault: OrderingFault) {
         self.ordering_fault = fault;

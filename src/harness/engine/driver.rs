@@ -23,7 +23,7 @@ use crate::report::{RunReport, RunStack};
 use crate::trace::RunTrace;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weightferry_actors::platform::{Platform, PlatformRef};
+use weightferry_actors::platform::{HostBufferId, Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 use weightferry_actors::OrderingFault;
 
@@ -123,6 +123,8 @@ struct Offloaded {
     out: ExecOutput,
     enabled: bool,
     stacks: Vec<RunStack>,
+    /// The unit each host master held (names the trace's copies).
+    masters: Vec<(HostBufferId, String)>,
 }
 
 /// Runs `spec`: resident, then offloaded, then compares. `progress` sees every component (and DiT step) start.
@@ -240,6 +242,7 @@ fn run_on(
             out,
             enabled: false,
             stacks: Vec::new(),
+            masters: Vec::new(),
         }),
     };
     let off_wall = t0.elapsed();
@@ -247,7 +250,11 @@ fn run_on(
     let offloaded = offloaded?;
     let peak = sim.device_memory().peak.saturating_sub(base_in_use);
     let stats1 = sim.stats();
-    let trace = spec.trace.then(|| RunTrace { events: sim.trace(), hooks: offloaded.out.hook_spans.clone() });
+    let trace = spec.trace.then(|| RunTrace {
+        events: sim.trace(),
+        hooks: offloaded.out.hook_spans.clone(),
+        copy_names: offloaded.masters.iter().cloned().collect(),
+    });
     engine.release()?;
 
     let report = RunReport {
@@ -308,14 +315,15 @@ fn run_backend(
         // The plan had nothing to offload: the pipeline runs resident.
         let all: Vec<StorageId> = model.desc().storages.keys().copied().collect();
         let out = run_placement(engine, model, &all, opts, upload, platform, progress)?;
-        return Ok(Offloaded { out, enabled: false, stacks: Vec::new() });
+        return Ok(Offloaded { out, enabled: false, stacks: Vec::new(), masters: Vec::new() });
     }
     let out = engine.execute(backend as &dyn WeightSource, hooks, opts, &mut |p| progress(RunStage::Offloaded, p));
     let stacks = backend.report().stacks;
+    let masters = backend.master_units();
     let disabled = backend.disable(model, hooks);
     let out = out?;
     disabled?;
-    Ok(Offloaded { out, enabled: true, stacks })
+    Ok(Offloaded { out, enabled: true, stacks, masters })
 }
 
 /// Execution with every storage placed on the device (no offload).
