@@ -17,8 +17,10 @@ use crate::engine::compute::SimCompute;
 use crate::engine::Engine;
 use crate::hooks::HookRegistry;
 use crate::model::HostModel;
+use crate::offload::backend::EnableProgress;
 use crate::offload::{get_offload_backend, ResidentPlacement, StreamingBackend, WeightSource};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use crate::progress::{RunObserver, StepWatch};
 use crate::report::{RunReport, RunStack};
 use crate::trace::RunTrace;
 use std::sync::Arc;
@@ -72,6 +74,9 @@ pub struct RunSpec {
     pub max_weight_bytes: u64,
     /// Test hook: run the backend's stacks with a deliberately broken ordering (proves the checks can fail).
     pub ordering_fault: OrderingFault,
+    /// Told how `enable` builds masters and how each execution's DiT steps complete on the device (progress bars);
+    /// `None`: nothing is observed.
+    pub observer: Option<Arc<dyn RunObserver>>,
 }
 
 impl RunSpec {
@@ -88,6 +93,7 @@ impl RunSpec {
             trace: false,
             max_weight_bytes: DEFAULT_MAX_WEIGHT_BYTES,
             ordering_fault: OrderingFault::None,
+            observer: None,
         }
     }
 }
@@ -206,6 +212,11 @@ fn run_on(
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
 ) -> Result<RunParts, EngineError> {
     let mut engine = Engine::new(compute, &spec.pipeline)?;
+    let mut watch = StepWatch::new(platform.clone(), engine.stream(), spec.observer.clone());
+    let progress = &mut |stage, p: Progress<'_>| {
+        watch.observe(stage, p);
+        progress(stage, p)
+    };
     let upload = platform.create_stream("resident-upload")?;
     let all: Vec<StorageId> = spec.pipeline.storages.keys().copied().collect();
     let opts = ExecOptions {
@@ -228,6 +239,8 @@ fn run_on(
     let mut backend = get_offload_backend(&spec.config, platform.clone(), None)?;
     if let Some(b) = backend.as_mut() {
         b.set_ordering_fault(spec.ordering_fault);
+        let observer = spec.observer.clone();
+        b.set_progress(observer.map(|o| EnableProgress::new(move |done, total| o.masters(done, total))));
     }
     sim.clear_trace();
     sim.set_tracing(spec.trace);
@@ -248,6 +261,7 @@ fn run_on(
     let off_wall = t0.elapsed();
     sim.set_tracing(false);
     let offloaded = offloaded?;
+    watch.finish();
     let peak = sim.device_memory().peak.saturating_sub(base_in_use);
     let stats1 = sim.stats();
     let trace = spec.trace.then(|| RunTrace {
