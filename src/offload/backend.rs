@@ -170,6 +170,30 @@ pub fn master_batches(unit_bytes: &[u64], max_bytes: u64, max_units: usize) -> V
     out
 }
 
+/// Observes `enable` building host masters (for a progress display): called on the thread that calls `enable` with
+/// `(bytes done, bytes total)` of the streamed units' masters — once with `done = 0` before the first, then after
+/// each batch of masters (and each gathered stack's shards). Set with [`StreamingBackend::set_progress`].
+#[derive(Clone)]
+pub struct EnableProgress(Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl EnableProgress {
+    /// An observer calling `f(done, total)`.
+    pub fn new(f: impl Fn(u64, u64) + Send + Sync + 'static) -> Self {
+        EnableProgress(Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for EnableProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EnableProgress")
+    }
+}
+
+/// Section bytes of one unit (its masters' size).
+fn unit_bytes(u: &UnitLayout) -> u64 {
+    u.sections.iter().map(|s| s.len).sum()
+}
+
 /// The backend for every strategy.
 pub struct StreamingBackend {
     config: OffloadConfig,
@@ -182,6 +206,8 @@ pub struct StreamingBackend {
     communicator: Option<Communicator>,
     /// `(sequence number, tag)` of the final restore's AllGathers at the last disable.
     restore_log: Vec<(u64, u64)>,
+    /// Observer of master building at `enable`.
+    progress: Option<EnableProgress>,
 }
 
 impl Drop for StreamingBackend {
@@ -224,6 +250,7 @@ impl StreamingBackend {
             ordering_fault: OrderingFault::None,
             communicator,
             restore_log: Vec::new(),
+            progress: None,
         }
     }
 
@@ -247,6 +274,31 @@ impl StreamingBackend {
     /// released).
     pub fn restore_log(&self) -> &[(u64, u64)] {
         &self.restore_log
+    }
+
+    /// Observes master building at every later `enable` (`None`: no observer).
+    pub fn set_progress(&mut self, progress: Option<EnableProgress>) {
+        self.progress = progress;
+    }
+
+    /// While enabled, the module path of the unit each host master holds: `(buffer, unit path)` for every master of
+    /// every stack (a distributed rank's shard masters included), in stack and unit order; empty when disabled.
+    /// Lets a trace writer name a copy by the block it loads.
+    pub fn master_units(&self) -> Vec<(HostBufferId, String)> {
+        let Some(st) = &self.state else { return Vec::new() };
+        let Some(units) = &st.units else { return Vec::new() };
+        let mut out = Vec::new();
+        for (sp, blocks) in units.stacks.iter().zip(&st.block_specs) {
+            for (unit, block) in sp.units.iter().zip(blocks) {
+                out.extend(block.segments.iter().map(|seg| (seg.host, unit.path.clone())));
+            }
+        }
+        if let Some(g) = &st.group {
+            for unit in g.masters.iter().flat_map(|m| &m.units) {
+                out.extend(unit.sections.iter().map(|sec| (sec.host, unit.path.clone())));
+            }
+        }
+        out
     }
 
     /// Test hook: run every stack with a deliberately broken ordering (to prove the hazard checks can fail).
@@ -342,19 +394,31 @@ impl StreamingBackend {
             let (handle, sequence) = comm.start(&self.platform, self.config.group.size as usize)?;
             st.group = Some(Group::new(handle, sequence));
         }
+        let total: u64 = units.stacks.iter().flat_map(|sp| &sp.units).map(unit_bytes).sum();
+        let mut done = 0;
+        let report = |done| {
+            if let Some(p) = &self.progress {
+                (p.0)(done, total);
+            }
+        };
+        report(done);
         for (si, sp) in units.stacks.iter().enumerate() {
             if let Some(group) = st.group.as_mut().filter(|_| sp.allgather) {
                 let gi = group.add_stack(model, &sp.units, kind, sp.chunk_bytes, si, &mut st.locations)?;
                 st.gathered.push(Some(gi));
                 let blocks = sp.units.iter().map(|u| BlockSpec { segments: Vec::new(), device_bytes: u.device_bytes });
                 st.block_specs.push(blocks.collect());
+                done += sp.units.iter().map(unit_bytes).sum::<u64>();
+                report(done);
                 continue;
             }
             st.gathered.push(None);
             let mut blocks = Vec::new();
-            let unit_bytes: Vec<u64> = sp.units.iter().map(|u| u.sections.iter().map(|s| s.len).sum()).collect();
-            for r in master_batches(&unit_bytes, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
+            let sizes: Vec<u64> = sp.units.iter().map(unit_bytes).collect();
+            for r in master_batches(&sizes, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
                 blocks.extend(self.build_masters(st, model, &sp.units[r.clone()], kind, si, r.start)?);
+                done += sizes[r].iter().sum::<u64>();
+                report(done);
             }
             st.block_specs.push(blocks);
         }

@@ -17,7 +17,7 @@ use super::memory::{BytesError, DeviceBuffer, HostBuffer};
 use super::stats::StatCounters;
 use super::trace::{TraceEvent, TraceKind};
 use super::Shared;
-use crate::platform::{EventId, HostMemoryKind, PlatformError, PlatformResult};
+use crate::platform::{EventId, HostBufferId, HostMemoryKind, PlatformError, PlatformResult};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{lock, thread, Arc, Condvar, Mutex};
 use std::collections::VecDeque;
@@ -181,7 +181,10 @@ fn execute(
     }
 }
 
-fn trace(shared: &Shared, q: &StreamQueue, kind: TraceKind, label: &str, t0: Instant, bytes: u64) {
+/// The bytes and host buffer a record describes (`(0, None)` for kernels and waits).
+type Moved = (u64, Option<HostBufferId>);
+
+fn trace(shared: &Shared, q: &StreamQueue, kind: TraceKind, label: &str, t0: Instant, (bytes, host_buffer): Moved) {
     let duration = t0.elapsed();
     shared.trace.record(|| TraceEvent {
         stream_name: q.name.clone(),
@@ -190,6 +193,7 @@ fn trace(shared: &Shared, q: &StreamQueue, kind: TraceKind, label: &str, t0: Ins
         start: t0.saturating_duration_since(shared.epoch),
         duration,
         bytes,
+        host_buffer,
     });
 }
 
@@ -222,7 +226,7 @@ fn copy(
         Direction::H2d => (TraceKind::H2d, "host-to-device", &shared.stats.h2d_copies, &shared.stats.h2d_bytes),
         Direction::D2h => (TraceKind::D2h, "device-to-host", &shared.stats.d2h_copies, &shared.stats.d2h_bytes),
     };
-    trace(shared, q, kind, &c.label, t0, c.len);
+    trace(shared, q, kind, &c.label, t0, (c.len, Some(c.host.id)));
     match outcome {
         Ok(()) => {
             StatCounters::bump(copies, 1);
@@ -276,7 +280,7 @@ fn kernel(
         Err(_) => Err("kernel panicked".to_string()),
     };
     shared.hazards.complete(seq);
-    trace(shared, q, TraceKind::Kernel, ctx.label(), t0, 0);
+    trace(shared, q, TraceKind::Kernel, ctx.label(), t0, (0, None));
     match outcome {
         Ok(()) => {
             StatCounters::bump(&shared.stats.kernels, 1);
@@ -300,7 +304,7 @@ fn wait_event(
     let status = shared.events.wait_gen(event, gen, &shared.life).ok_or(Stopped)?;
     let waited = t0.elapsed();
     q.wait_nanos.fetch_add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-    trace(shared, q, TraceKind::Wait, &format!("wait event {} gen {gen}", event.0), t0, 0);
+    trace(shared, q, TraceKind::Wait, &format!("wait event {} gen {gen}", event.0), t0, (0, None));
     Ok(match status {
         GenStatus::Failed(reason) => Some(PlatformError::EventFailed { event, reason }),
         GenStatus::Done | GenStatus::Pending => None,

@@ -3,6 +3,7 @@
 //! Invariant: records are appended in the order ops finish; nothing is recorded (and no record is built) while
 //! tracing is off.
 
+use crate::platform::HostBufferId;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{lock, Mutex};
 use std::time::Duration;
@@ -35,6 +36,9 @@ pub struct TraceEvent {
     pub duration: Duration,
     /// Bytes moved (0 for kernels and waits).
     pub bytes: u64,
+    /// The host side of a copy (its source for host→device, its destination for device→host); `None` for kernels
+    /// and waits. Lets a trace writer name a copy by what the buffer holds.
+    pub host_buffer: Option<HostBufferId>,
 }
 
 /// The trace buffer and its on/off switch.

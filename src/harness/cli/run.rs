@@ -1,16 +1,19 @@
 //! `weightferry run`: loads the pipeline and config, runs the [`driver`](crate::engine::driver) on the simulated
 //! platform (or, when the launch environment has `WORLD_SIZE > 1`, one rank of a distributed run: see
 //! [`super::dist_run`]), prints the report (text, or one JSON object with `--json`), writes the trace, and maps
-//! the outcome to an exit code (1 when outputs or weights differ or the hazard detector fired).
+//! the outcome to an exit code (1 when outputs or weights differ or the hazard detector fired). On a terminal it
+//! draws progress bars on stderr ([`crate::progress`]).
 
 use super::{emit, load_config, load_pipeline, CliError, FaultArg, PlatformArg, RunArgs, DEFAULT_PRESET};
 use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::LaunchEnv;
-use crate::engine::driver::{run as drive, RunSpec, RunStage};
-use crate::engine::{EngineError, Progress};
+use crate::engine::driver::{run as drive, RunSpec};
+use crate::engine::EngineError;
 use crate::offload::OffloadError;
-use std::io::{IsTerminal, Write};
-use std::time::{Duration, Instant};
+use crate::progress::{RunBars, RunObserver};
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::time::Duration;
 use weightferry_actors::OrderingFault;
 
 /// Maps an engine error to the CLI contract: input problems exit 2, everything else 1.
@@ -93,41 +96,6 @@ fn run_cuda(
     Ok(0)
 }
 
-/// A throttled one-line progress indicator on stderr (only when stderr is a terminal).
-struct ProgressLine {
-    on: bool,
-    last: Option<Instant>,
-    drawn: bool,
-}
-
-impl ProgressLine {
-    fn update(&mut self, stage: RunStage, p: Progress<'_>) {
-        if !self.on || self.last.is_some_and(|t| t.elapsed() < Duration::from_millis(100)) {
-            return;
-        }
-        self.last = Some(Instant::now());
-        self.drawn = true;
-        let mut err = std::io::stderr().lock();
-        let _ = write!(
-            err,
-            "\r\x1b[K{} run: {} {} (step {}/{})",
-            stage.name(),
-            p.phase.name(),
-            p.component,
-            p.step + 1,
-            p.steps
-        );
-        let _ = err.flush();
-    }
-    fn clear(&mut self) {
-        if self.drawn {
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[K");
-            let _ = err.flush();
-        }
-    }
-}
-
 /// Runs `weightferry run`; returns the exit code.
 pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     let env = LaunchEnv::from_env().map_err(|e| CliError::invalid(e.to_string()))?;
@@ -186,9 +154,13 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
         ),
         None => None,
     };
-    let mut line = ProgressLine { on: !a.json && std::io::stderr().is_terminal(), last: None, drawn: false };
-    let outcome = drive(&spec, &mut |stage, p| line.update(stage, p));
-    line.clear();
+    // Progress bars on a terminal stderr (never with --json), once the work is expected to last about a second.
+    let bars = RunBars::for_stderr(a.json, std::io::stderr().is_terminal());
+    spec.observer = bars.clone().map(|b| b as Arc<dyn RunObserver>);
+    let outcome = drive(&spec, &mut |_, _| {});
+    if let Some(b) = &bars {
+        b.clear();
+    }
     let outcome = outcome.map_err(engine_error)?;
     if let (Some(path), Some(trace)) = (&a.trace, &outcome.trace) {
         drop(trace_file);

@@ -17,13 +17,15 @@ use crate::engine::compute::SimCompute;
 use crate::engine::Engine;
 use crate::hooks::HookRegistry;
 use crate::model::HostModel;
+use crate::offload::backend::EnableProgress;
 use crate::offload::{get_offload_backend, ResidentPlacement, StreamingBackend, WeightSource};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use crate::progress::{RunObserver, StepWatch};
 use crate::report::{RunReport, RunStack};
 use crate::trace::RunTrace;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weightferry_actors::platform::{Platform, PlatformRef};
+use weightferry_actors::platform::{HostBufferId, Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 use weightferry_actors::OrderingFault;
 
@@ -72,6 +74,9 @@ pub struct RunSpec {
     pub max_weight_bytes: u64,
     /// Test hook: run the backend's stacks with a deliberately broken ordering (proves the checks can fail).
     pub ordering_fault: OrderingFault,
+    /// Told how `enable` builds masters and how each execution's DiT steps complete on the device (progress bars);
+    /// `None`: nothing is observed.
+    pub observer: Option<Arc<dyn RunObserver>>,
 }
 
 impl RunSpec {
@@ -88,6 +93,7 @@ impl RunSpec {
             trace: false,
             max_weight_bytes: DEFAULT_MAX_WEIGHT_BYTES,
             ordering_fault: OrderingFault::None,
+            observer: None,
         }
     }
 }
@@ -123,6 +129,8 @@ struct Offloaded {
     out: ExecOutput,
     enabled: bool,
     stacks: Vec<RunStack>,
+    /// The unit each host master held (names the trace's copies).
+    masters: Vec<(HostBufferId, String)>,
 }
 
 /// Runs `spec`: resident, then offloaded, then compares. `progress` sees every component (and DiT step) start.
@@ -204,6 +212,11 @@ fn run_on(
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
 ) -> Result<RunParts, EngineError> {
     let mut engine = Engine::new(compute, &spec.pipeline)?;
+    let mut watch = StepWatch::new(platform.clone(), engine.stream(), spec.observer.clone());
+    let progress = &mut |stage, p: Progress<'_>| {
+        watch.observe(stage, p);
+        progress(stage, p)
+    };
     let upload = platform.create_stream("resident-upload")?;
     let all: Vec<StorageId> = spec.pipeline.storages.keys().copied().collect();
     let opts = ExecOptions {
@@ -226,6 +239,8 @@ fn run_on(
     let mut backend = get_offload_backend(&spec.config, platform.clone(), None)?;
     if let Some(b) = backend.as_mut() {
         b.set_ordering_fault(spec.ordering_fault);
+        let observer = spec.observer.clone();
+        b.set_progress(observer.map(|o| EnableProgress::new(move |done, total| o.masters(done, total))));
     }
     sim.clear_trace();
     sim.set_tracing(spec.trace);
@@ -240,14 +255,20 @@ fn run_on(
             out,
             enabled: false,
             stacks: Vec::new(),
+            masters: Vec::new(),
         }),
     };
     let off_wall = t0.elapsed();
     sim.set_tracing(false);
     let offloaded = offloaded?;
+    watch.finish();
     let peak = sim.device_memory().peak.saturating_sub(base_in_use);
     let stats1 = sim.stats();
-    let trace = spec.trace.then(|| RunTrace { events: sim.trace(), hooks: offloaded.out.hook_spans.clone() });
+    let trace = spec.trace.then(|| RunTrace {
+        events: sim.trace(),
+        hooks: offloaded.out.hook_spans.clone(),
+        copy_names: offloaded.masters.iter().cloned().collect(),
+    });
     engine.release()?;
 
     let report = RunReport {
@@ -308,14 +329,15 @@ fn run_backend(
         // The plan had nothing to offload: the pipeline runs resident.
         let all: Vec<StorageId> = model.desc().storages.keys().copied().collect();
         let out = run_placement(engine, model, &all, opts, upload, platform, progress)?;
-        return Ok(Offloaded { out, enabled: false, stacks: Vec::new() });
+        return Ok(Offloaded { out, enabled: false, stacks: Vec::new(), masters: Vec::new() });
     }
     let out = engine.execute(backend as &dyn WeightSource, hooks, opts, &mut |p| progress(RunStage::Offloaded, p));
     let stacks = backend.report().stacks;
+    let masters = backend.master_units();
     let disabled = backend.disable(model, hooks);
     let out = out?;
     disabled?;
-    Ok(Offloaded { out, enabled: true, stacks })
+    Ok(Offloaded { out, enabled: true, stacks, masters })
 }
 
 /// Execution with every storage placed on the device (no offload).

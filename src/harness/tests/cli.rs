@@ -103,6 +103,60 @@ fn run_with_config_skips_and_trace() {
     assert_eq!(threads[0], "host engine (hooks)");
     assert_eq!(threads[1], "stream compute");
     assert!(threads.contains(&"stream copy"), "{threads:?}");
+    // Model-level units are whole components: their copies are named by the component.
+    let mut named: Vec<&str> = events
+        .iter()
+        .filter(|e| e["cat"] == "h2d" && e["args"]["unit"].is_string())
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    named.sort();
+    named.dedup();
+    assert_eq!(named, vec!["h2d text_encoder", "h2d transformer", "h2d vae"]);
+}
+
+/// The copies of a `run --trace` named by a master's unit: `(name, unit, bytes)`.
+fn unit_copies(trace: &Value) -> Vec<(String, String, u64)> {
+    let events = trace["traceEvents"].as_array().unwrap();
+    events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["args"]["unit"].is_string())
+        .map(|e| {
+            let unit = e["args"]["unit"].as_str().unwrap().to_string();
+            (e["name"].as_str().unwrap().to_string(), unit, e["args"]["bytes"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn run_trace_names_every_streamed_copy_by_its_block() {
+    let trace = temp("blocks.json", "");
+    let o = wf(&["run", "--json", "--steps", "2", "--trace", trace.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // One clean JSON object on stdout, nothing on stderr (no progress bar without a terminal).
+    assert!(o.stderr.is_empty(), "{}", stderr(&o));
+    let v = stdout_json(&o);
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let copies = unit_copies(&t);
+    for (name, unit, _) in &copies {
+        assert_eq!(name, &format!("h2d {unit}"));
+    }
+    let mut units: Vec<&str> = copies.iter().map(|c| c.1.as_str()).collect();
+    units.sort();
+    units.dedup();
+    // Every streamed unit of flux-tiny's two stacks (19 double, 38 single blocks; 24 encoder blocks), nothing else.
+    let mut want: Vec<String> = (0..19)
+        .map(|i| format!("transformer.transformer_blocks.{i}"))
+        .chain((0..38).map(|i| format!("transformer.single_transformer_blocks.{i}")))
+        .chain((0..24).map(|i| format!("text_encoder.encoder.block.{i}")))
+        .collect();
+    want.sort();
+    assert_eq!(units, want);
+    // The named copies are exactly the stacks' loads: one copy per load (one dtype per block), the same bytes.
+    let stacks = v["stacks"].as_array().unwrap();
+    let loads: u64 = stacks.iter().map(|s| s["loads"].as_u64().unwrap()).sum();
+    let bytes: u64 = stacks.iter().map(|s| s["h2d_bytes"].as_u64().unwrap()).sum();
+    assert_eq!(copies.len() as u64, loads);
+    assert_eq!(copies.iter().map(|c| c.2).sum::<u64>(), bytes);
 }
 
 #[test]
