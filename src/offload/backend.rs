@@ -7,7 +7,7 @@
 //! hooks, and gives each storage its own host buffer back with a real copy out of the master; if that fails it keeps
 //! the masters so a second `disable` can finish.
 
-use super::group::{Communicator, Group};
+use super::group::{Communicator, GatherNames, Group};
 use super::layout::{write_section, UnitLayout, MASTER_BOUNCE_BYTES};
 use super::resident::ResidentPlacement;
 use super::units::{build_unit_plan, UnitPlan};
@@ -299,6 +299,15 @@ impl StreamingBackend {
             }
         }
         out
+    }
+
+    /// Which block each AllGather of this backend gathers, by tag (empty unless enabled with gathered stacks): for
+    /// naming the spans of a device timeline.
+    pub fn gather_names(&self) -> GatherNames {
+        match self.state.as_ref().and_then(|st| st.group.as_ref()) {
+            Some(g) => GatherNames::of(g.masters.iter().map(|m| m.units.iter().map(|u| u.path.as_str()))),
+            None => GatherNames::default(),
+        }
     }
 
     /// Test hook: run every stack with a deliberately broken ordering (to prove the hazard checks can fail).

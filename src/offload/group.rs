@@ -34,6 +34,29 @@ pub(crate) fn tag_of(gi: usize, ui: usize, k: usize, j: u64) -> u64 {
     ((gi as u64 + 1) << 52) | ((ui as u64) << 28) | ((k as u64) << 20) | j
 }
 
+/// Which block each AllGather gathers, by tag: the unit's module path (for naming trace spans).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GatherNames(HashMap<u64, String>);
+
+impl GatherNames {
+    /// The module path of the block that the AllGather tagged `tag` gathers, if one of this backend's.
+    pub fn name(&self, tag: u64) -> Option<&str> {
+        self.0.get(&(tag >> 28)).map(String::as_str)
+    }
+
+    /// Names every gathered stack's units: `stacks[gi][ui]` is unit `ui`'s path in gathered stack `gi`.
+    pub(crate) fn of<'a>(stacks: impl IntoIterator<Item = impl IntoIterator<Item = &'a str>>) -> Self {
+        let mut m = HashMap::new();
+        for (gi, units) in stacks.into_iter().enumerate() {
+            for (ui, path) in units.into_iter().enumerate() {
+                // Every chunk of every section of a unit shares the tag's bits above the section index.
+                m.insert(tag_of(gi, ui, 0, 0) >> 28, path.to_string());
+            }
+        }
+        GatherNames(m)
+    }
+}
+
 /// The communicator a backend gathers over: the host engine's factory until the first `enable` starts it, then the
 /// running collective actor and the rank's gather numbering (which continues across enable cycles).
 pub(crate) struct Communicator {
@@ -250,5 +273,21 @@ impl Group {
         let issued = outcome?;
         freed?;
         Ok(issued)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_chunk_of_every_section_of_a_unit_is_named_by_that_unit() {
+        let names = GatherNames::of([vec!["dit.blocks.0", "dit.blocks.1"], vec!["enc.block.0"]]);
+        assert_eq!(names.name(tag_of(0, 0, 0, 0)), Some("dit.blocks.0"));
+        assert_eq!(names.name(tag_of(0, 1, 3, 17)), Some("dit.blocks.1"));
+        assert_eq!(names.name(tag_of(1, 0, 255, (1 << 20) - 1)), Some("enc.block.0"));
+        assert_eq!(names.name(tag_of(0, 2, 0, 0)), None);
+        assert_eq!(names.name(tag_of(2, 0, 0, 0)), None);
+        assert_eq!(names.name(weightferry_actors::collective_actor::WARM_UP_TAG), None);
     }
 }

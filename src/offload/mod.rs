@@ -33,7 +33,7 @@ use weightferry_actors::platform::{DeviceBufferId, PlatformError, PlatformRef};
 use weightferry_actors::SchedulerError;
 
 pub use backend::{BackendReport, StreamingBackend};
-pub use group::COMM_STREAM;
+pub use group::{GatherNames, COMM_STREAM};
 pub use resident::ResidentPlacement;
 
 /// Errors of the offload backends.

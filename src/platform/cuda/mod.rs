@@ -624,7 +624,7 @@ impl Platform for CudaPlatform {
         self.bind_to_thread()?;
         // `timeline_begin` returns at once when disarmed; the label is formatted only when armed.
         let span = if self.timeline.armed() {
-            self.timeline_begin(stream, crate::platform::timeline::COPY_LANE, &format!("h2d {len}"))
+            self.timeline_begin(stream, crate::platform::timeline::COPY_LANE, &self.copy_label(src, len))
         } else {
             None
         };

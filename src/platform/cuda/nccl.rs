@@ -516,7 +516,7 @@ impl NcclCollective {
             return Err(NcclError::Poisoned { cause: Box::new(cause) });
         }
         self.state.borrow_mut().issued.push(tag);
-        match self.enqueue(stream, input, output) {
+        match self.enqueue(stream, input, output, tag) {
             Ok(()) => Ok(()),
             Err(e) => Err(self.poison(e)),
         }
@@ -527,6 +527,7 @@ impl NcclCollective {
         stream: StreamId,
         (in_buf, in_off, len): (DeviceBufferId, u64, u64),
         (out_buf, out_off): (DeviceBufferId, u64),
+        tag: u64,
     ) -> Result<(), NcclError> {
         self.async_error()?;
         let raw_stream = self
@@ -573,7 +574,8 @@ impl NcclCollective {
         }
         // A span on the comm lane while the device timeline is armed (the label is formatted only then).
         let span = if self.platform.timeline.armed() {
-            self.platform.timeline_begin(stream, crate::platform::timeline::COMM_LANE, &format!("allgather {out_len}"))
+            let label = self.platform.gather_label(tag, out_len);
+            self.platform.timeline_begin(stream, crate::platform::timeline::COMM_LANE, &label)
         } else {
             None
         };

@@ -8,15 +8,19 @@
 //! pool created when the timeline is armed, so recording a span never creates a driver object; when the pool runs
 //! dry further spans are counted as dropped, never blocked on.
 //!
+//! Copies out of a block's master and AllGathers of a block are named by that block once the offload backend's
+//! names are given ([`CudaPlatform::timeline_name`]).
+//!
 //! Invariant: a disarmed timeline costs one relaxed atomic load per copy and records nothing; timing events are
 //! never mixed with the platform's scheduling events (those stay `CU_EVENT_DISABLE_TIMING`).
 
+use std::collections::HashMap;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use weightferry_actors::platform::{PlatformError, PlatformResult, StreamId};
+use weightferry_actors::platform::{HostBufferId, PlatformError, PlatformResult, StreamId};
 
 use super::driver::describe;
 use super::CudaPlatform;
@@ -36,12 +40,18 @@ struct Pending {
     end: Option<sys::CUevent>,
 }
 
+/// Names an AllGather's span from its tag (the offload backend knows which block a tag gathers).
+pub type GatherNamer = Arc<dyn Fn(u64) -> Option<String> + Send + Sync>;
+
 #[derive(Default)]
 struct State {
     free: Vec<sys::CUevent>,
     base: Option<sys::CUevent>,
     spans: Vec<Pending>,
     dropped: u64,
+    /// What each named host buffer holds (a block's master), for copy spans.
+    copy_names: HashMap<HostBufferId, String>,
+    gather_namer: Option<GatherNamer>,
 }
 
 /// Timing events and recorded spans of one platform.
@@ -92,6 +102,31 @@ fn record(ev: sys::CUevent, stream: sys::CUstream) -> PlatformResult<()> {
 }
 
 impl CudaPlatform {
+    /// Names copy spans out of these host buffers by what they hold (`h2d transformer.transformer_blocks.7`), and
+    /// AllGather spans by `namer(tag)`; copies from other buffers keep their byte count. Replaces earlier names.
+    pub fn timeline_name(&self, copies: impl IntoIterator<Item = (HostBufferId, String)>, namer: Option<GatherNamer>) {
+        let mut state = self.timeline.lock();
+        state.copy_names = copies.into_iter().collect();
+        state.gather_namer = namer;
+    }
+
+    /// The label of a copy of `len` bytes out of `src` (only formatted while armed).
+    pub(crate) fn copy_label(&self, src: HostBufferId, len: u64) -> String {
+        match self.timeline.lock().copy_names.get(&src) {
+            Some(name) => format!("h2d {name}"),
+            None => format!("h2d {len}"),
+        }
+    }
+
+    /// The label of an AllGather of `out_len` bytes tagged `tag`.
+    pub(crate) fn gather_label(&self, tag: u64, out_len: u64) -> String {
+        let namer = self.timeline.lock().gather_namer.clone();
+        match namer.and_then(|f| f(tag)) {
+            Some(name) => format!("allgather {name}"),
+            None => format!("allgather {out_len}"),
+        }
+    }
+
     /// Arms the timeline with a pool of `capacity` timing events and records the arming event on `stream`; earlier
     /// spans are discarded.
     pub fn timeline_arm(&self, stream: StreamId, capacity: usize) -> PlatformResult<()> {
