@@ -1,10 +1,39 @@
-//! Per-step figures of the benchmarks, derived from two executions of the same pipeline with `lo` and `hi` DiT
-//! steps: the difference removes everything an execution does once (encoders, VAE, the first, cold step), so
-//! `(t_hi − t_lo) / (hi − lo)` is the time of one step and the same difference of a byte counter is the bytes of
-//! one step. The single-GPU bench (`engine::gpu`), the distributed timing mode (`distributed_run`) and
-//! the gather bench all use these, so their figures are comparable.
+//! Timing figures of the drivers and benchmarks.
+//!
+//! Per-step figures come from two executions of the same pipeline with `lo` and `hi` DiT steps: the difference
+//! removes everything an execution does once (encoders, VAE, the first, cold step), so `(t_hi − t_lo) / (hi − lo)`
+//! is the time of one step and the same difference of a byte counter is the bytes of one step. The single-GPU bench
+//! (`engine::gpu`), the distributed timing mode (`distributed_run`) and the gather bench all use these, so their
+//! figures are comparable. Also here: hook-latency percentiles and milliseconds, as the reports print them.
 
+use crate::offload::BackendReport;
 use std::time::Duration;
+
+/// Milliseconds of `d`.
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Nearest-rank percentile of sorted durations, in microseconds (0 for no samples).
+pub fn percentile_us(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1e6
+}
+
+/// The median and 99th percentile ([`percentile_us`]) of hook latencies in any order, µs.
+pub fn hook_percentiles_us(latencies: &[Duration]) -> (f64, f64) {
+    let mut sorted = latencies.to_vec();
+    sorted.sort();
+    (percentile_us(&sorted, 50.0), percentile_us(&sorted, 99.0))
+}
+
+/// Host → device bytes the backend's block stacks copied: the counter per-step bytes are taken from.
+pub fn stack_h2d_bytes(report: &BackendReport) -> u64 {
+    report.stacks.iter().map(|s| s.h2d_bytes).sum()
+}
 
 /// `(t_hi − t_lo) / (hi − lo)` in seconds (0 when `hi <= lo`).
 pub fn step_seconds((lo, hi): (u32, u32), t_lo: Duration, t_hi: Duration) -> f64 {
@@ -110,6 +139,19 @@ mod tests {
             more_rounds((1, 3), (ms(10), ms(20)), 2, |_| Err::<(Duration, u32), _>("boom"), &mut out),
             Err("boom")
         );
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank_over_the_sorted_latencies() {
+        let us = Duration::from_micros;
+        assert_eq!(percentile_us(&[], 50.0), 0.0);
+        assert_eq!(percentile_us(&[us(1), us(2), us(3), us(4)], 50.0), 2.0);
+        assert_eq!(percentile_us(&[us(1), us(2), us(3), us(4)], 99.0), 4.0);
+        assert_eq!(percentile_us(&[us(7)], 0.0), 7.0);
+        // Any order: sorted first.
+        assert_eq!(hook_percentiles_us(&[us(30), us(10), us(20)]), (20.0, 30.0));
+        assert_eq!(hook_percentiles_us(&[]), (0.0, 0.0));
+        assert_eq!(ms(Duration::from_micros(1500)), 1.5);
     }
 
     #[test]
