@@ -24,7 +24,6 @@ use weightferry_actors::sim::{SimConfig, SimPlatform, SimStats};
 use weightferry_actors::OrderingFault;
 
 pub use super::compare::RunStage;
-pub use super::timing::percentile_us;
 
 /// Largest pipeline (bytes of weights) the sim reference engine accepts by default.
 pub const DEFAULT_MAX_WEIGHT_BYTES: u64 = 1 << 30;

@@ -8,9 +8,10 @@
 //! streamed per step are taken the same way from the scheduler's counters. The bound of a configuration is
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
+use super::compare::{compare, single_process_backend};
 use super::cuda::{CudaCompute, GpuShape};
 use super::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
-use super::timing::{bytes_per_step, median, step_seconds};
+use super::timing::{bytes_per_step, hook_percentiles_us, median, ms, stack_h2d_bytes, step_seconds};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
 use crate::config::{CopySubmission, OffloadConfig};
 use crate::hooks::HookRegistry;
@@ -129,12 +130,6 @@ pub struct BenchSpec {
     /// every depth and budget configuration runs once per mode, next to each other in each round (an interleaved
     /// A/B on the same weights); the all-resident row uses the first mode. Empty means `[Actor]`.
     pub copy_submission: Vec<CopySubmission>,
-}
-
-/// Nearest-rank percentile of unsorted durations, in microseconds.
-fn percentile_us(mut v: Vec<Duration>, p: f64) -> f64 {
-    v.sort();
-    super::driver::percentile_us(&v, p)
 }
 
 /// A `/proc/self/status` memory line (`VmHWM:` peak resident set, `VmRSS:` current) in bytes; 0 if unreadable.
@@ -436,6 +431,7 @@ fn bench_preset(
                 master_bytes = master_bytes.max(rep.master_host_bytes);
                 let planned = b.plan().map_or(0, |p| p.budget.device_weight_bytes);
                 let dit_stack = rep.stacks.first();
+                let (hook_p50, hook_p99) = hook_percentiles_us(&t.out.hook_latencies);
                 let row = BenchRow {
                     preset: name.to_string(),
                     config: label.clone(),
@@ -450,8 +446,8 @@ fn bench_preset(
                     streamed_bytes_per_step: t.bytes_per_step,
                     peak_weight_bytes: peak,
                     planned_weight_bytes: planned,
-                    hook_p50_us: percentile_us(t.out.hook_latencies.clone(), 50.0),
-                    hook_p99_us: percentile_us(t.out.hook_latencies.clone(), 99.0),
+                    hook_p50_us: hook_p50,
+                    hook_p99_us: hook_p99,
                     outputs_match: matches,
                     timeline,
                 };
@@ -571,7 +567,8 @@ pub struct GpuRunReport {
     pub hook_latency_p99_us: f64,
 }
 
-/// Runs `desc` on GPU 0 fully resident, then offloaded under `config`, and compares outputs and host weights.
+/// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
+/// weights. With `slow_copies` every host → device copy waits behind a dummy one ([`super::slow::SlowCopies`]).
 #[allow(clippy::too_many_arguments)]
 pub fn gpu_run(
     desc: &PipelineDesc,
@@ -588,54 +585,29 @@ pub fn gpu_run(
     let platform: PlatformRef =
         if slow_copies { Arc::new(super::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
     let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
-    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), seed)?;
-    let before = model.checksum()?;
+    let mut model = HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?;
     let engine = Engine::new(compute, desc)?;
-    let opts = ExecOptions { steps, input_seed: seed, skip_seed, span_epoch: None, max_blocks_ahead: None };
-    let upload = platform.create_stream("resident-upload")?;
-    let all: Vec<StorageId> = desc.storages.keys().copied().collect();
-    let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
-    let resident = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {});
-    placement.release()?;
-    let resident = resident?;
-
-    let hooks = HookRegistry::new();
-    cuda.reset_peak();
-    let base = cuda.device_memory().in_use;
-    let mut backend = get_offload_backend(config, platform.clone(), None)?;
-    let t = Instant::now();
-    let (out, h2d, sync_fetches) = match backend.as_mut() {
-        Some(b) => {
-            b.set_ordering_fault(ordering_fault);
-            b.enable(&mut model, &hooks, engine.stream())?;
-            let out = engine.execute(&*b, &hooks, &opts, &mut |_| {});
-            let rep = b.report();
-            let d = b.disable(&mut model, &hooks);
-            let out = out?;
-            d?;
-            (out, rep.stacks.iter().map(|s| s.h2d_bytes).sum(), rep.stacks.iter().map(|s| s.sync_fetches).sum())
-        }
-        None => (resident.clone(), 0, 0),
-    };
-    let off_wall = t.elapsed();
-    let peak = cuda.device_memory().peak.saturating_sub(base);
-    let after = model.checksum()?;
-    let lat = out.hook_latencies.clone();
+    let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
+    let mut offload = |p: &PlatformRef| single_process_backend(config, p, ordering_fault);
+    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |_, _| {});
     model.release();
+    let cmp = cmp?;
+    let backend = cmp.backend.as_ref();
+    let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
     Ok(GpuRunReport {
         device: cuda.device_name().to_string(),
         strategy: plan.strategy.report_name().to_string(),
-        resident_checksum: format!("{:016x}", resident.checksum),
-        offloaded_checksum: format!("{:016x}", out.checksum),
-        outputs_match: resident.output == out.output,
-        weights_match: before == after,
-        peak_device_weight_bytes: peak,
+        resident_checksum: format!("{:016x}", cmp.resident.checksum),
+        offloaded_checksum: format!("{:016x}", cmp.offloaded.checksum),
+        outputs_match: cmp.outputs_match(),
+        weights_match: cmp.weights_match(),
+        peak_device_weight_bytes: cmp.offloaded_peak_bytes,
         planned_device_weight_bytes: plan.budget.device_weight_bytes,
-        h2d_bytes: h2d,
-        sync_fetches,
-        resident_wall_ms: resident.wall.as_secs_f64() * 1e3,
-        offloaded_wall_ms: off_wall.as_secs_f64() * 1e3,
-        hook_latency_p50_us: percentile_us(lat.clone(), 50.0),
-        hook_latency_p99_us: percentile_us(lat, 99.0),
+        h2d_bytes: backend.map_or(0, stack_h2d_bytes),
+        sync_fetches: backend.map_or(0, |b| b.stacks.iter().map(|s| s.sync_fetches).sum()),
+        resident_wall_ms: ms(cmp.resident.wall),
+        offloaded_wall_ms: ms(cmp.offloaded_wall),
+        hook_latency_p50_us: p50,
+        hook_latency_p99_us: p99,
     })
 }
