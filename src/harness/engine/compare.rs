@@ -280,6 +280,7 @@ mod tests {
     use super::*;
     use crate::engine::compute::SimCompute;
     use crate::plan::presets::preset;
+    use crate::plan::PipelineDesc;
     use std::sync::Arc;
     use weightferry_actors::platform::Platform;
     use weightferry_actors::sim::{SimConfig, SimPlatform};
@@ -302,8 +303,32 @@ mod tests {
         );
     }
 
-    fn sim() -> Arc<SimPlatform> {
-        Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap())
+    /// A simulated device with a synthetic model of `desc` and an engine.
+    struct Fixture {
+        sim: Arc<SimPlatform>,
+        model: HostModel,
+        engine: Engine,
+    }
+
+    impl Fixture {
+        fn new(desc: &PipelineDesc, seed: u64) -> Fixture {
+            let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
+            let model = HostModel::synthetic(sim.clone(), Arc::new(desc.clone()), seed).unwrap();
+            let engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), desc).unwrap();
+            Fixture { sim, model, engine }
+        }
+        fn platform(&self) -> PlatformRef {
+            self.sim.clone()
+        }
+        /// Releases everything; the device then holds nothing, and saw no hazard.
+        fn finish(self) {
+            let Fixture { sim, model, mut engine } = self;
+            engine.release().unwrap();
+            model.release();
+            assert!(sim.violations().is_empty());
+            assert_eq!(sim.device_memory().in_use, 0);
+            sim.shutdown();
+        }
     }
 
     fn layer_config() -> OffloadConfig {
@@ -316,27 +341,20 @@ mod tests {
 
     #[test]
     fn the_offloaded_stage_runs_through_the_backend_and_matches_the_resident_one() {
-        let sim = sim();
-        let platform: PlatformRef = sim.clone();
+        use crate::engine::math::Phase;
         let desc = preset("flux-tiny").unwrap();
-        let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 3).unwrap();
-        let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), &desc).unwrap();
+        let mut f = Fixture::new(&desc, 3);
         let opts = ExecOptions { steps: 2, input_seed: 3, ..ExecOptions::default() };
         let config = layer_config();
         let mut stages = Vec::new();
-        let cmp = compare(
-            &engine,
-            &mut model,
-            &opts,
-            &mut |p: &PlatformRef| single_process_backend(&config, p, OrderingFault::None),
-            &mut |s, p| {
-                if stages.last() != Some(&(s, p.phase)) {
-                    stages.push((s, p.phase));
-                }
-            },
-        )
+        let mut off = |p: &PlatformRef| single_process_backend(&config, p, OrderingFault::None);
+        let cmp = compare(&f.engine, &mut f.model, &opts, &mut off, &mut |s, p| {
+            if stages.last() != Some(&(s, p.phase)) {
+                stages.push((s, p.phase));
+            }
+        })
         .unwrap();
-        assert!(cmp.outputs_match() && cmp.weights_match(), "{cmp:?}");
+        assert!(cmp.outputs_match() && cmp.weights_match(), "{:?}", cmp.mismatch);
         assert_eq!(cmp.resident.output, cmp.offloaded.output);
         let ids: Vec<StorageId> = desc.storages.keys().copied().collect();
         let all = crate::offload::layout::UnitLayout::pack(&desc, "<fixed>", &ids).device_bytes;
@@ -345,34 +363,23 @@ mod tests {
         assert!(report.enabled && !report.stacks.is_empty());
         assert!(cmp.offloaded_peak_bytes > 0 && cmp.offloaded_peak_bytes < all, "{}", cmp.offloaded_peak_bytes);
         assert_eq!(cmp.offloaded.blocks_run, cmp.resident.blocks_run);
-        use crate::engine::math::Phase;
-        let seen: Vec<_> = stages.iter().map(|(s, _)| *s).collect();
-        assert_eq!(seen.first(), Some(&RunStage::Resident));
-        assert_eq!(seen.last(), Some(&RunStage::Offloaded));
-        assert!(stages.contains(&(RunStage::Offloaded, Phase::Dit)));
-        engine.release().unwrap();
-        model.release();
-        assert!(sim.violations().is_empty());
-        assert_eq!(sim.device_memory().in_use, 0);
-        sim.shutdown();
+        let (r, o) = (RunStage::Resident, RunStage::Offloaded);
+        let phases = [Phase::Encoder, Phase::Dit, Phase::Vae];
+        let expected: Vec<_> = phases.iter().map(|p| (r, *p)).chain(phases.iter().map(|p| (o, *p))).collect();
+        assert_eq!(stages, expected);
+        f.finish();
     }
 
     #[test]
     fn without_a_backend_the_offloaded_stage_runs_resident() {
-        let sim = sim();
-        let platform: PlatformRef = sim.clone();
-        let desc = preset("flux-tiny").unwrap();
-        let mut model = HostModel::synthetic(platform, Arc::new(desc.clone()), 0).unwrap();
-        let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), &desc).unwrap();
+        let mut f = Fixture::new(&preset("flux-tiny").unwrap(), 0);
         let opts = ExecOptions { steps: 1, ..ExecOptions::default() };
         let mut off = |_: &PlatformRef| Ok(None);
-        let cmp = compare(&engine, &mut model, &opts, &mut off, &mut |_, _| {}).unwrap();
+        let cmp = compare(&f.engine, &mut f.model, &opts, &mut off, &mut |_, _| {}).unwrap();
         assert!(cmp.outputs_match() && cmp.weights_match());
         assert!(cmp.backend.is_none());
         assert_eq!(cmp.offloaded_peak_bytes, cmp.resident_weight_bytes);
-        engine.release().unwrap();
-        model.release();
-        sim.shutdown();
+        f.finish();
     }
 
     #[test]
@@ -389,48 +396,36 @@ mod tests {
             .build()
             .unwrap();
         let config = OffloadConfig::from_json_str(r#"{"enable_layerwise_offload": true}"#).unwrap();
-        let sim = sim();
-        let platform: PlatformRef = sim.clone();
-        let mut model = HostModel::synthetic(platform, Arc::new(desc.clone()), 0).unwrap();
-        let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), &desc).unwrap();
+        let mut f = Fixture::new(&desc, 0);
         let opts = ExecOptions { steps: 1, ..ExecOptions::default() };
         let mut built = false;
         let mut off = |p: &PlatformRef| {
             built = true;
             single_process_backend(&config, p, OrderingFault::None)
         };
-        let cmp = compare(&engine, &mut model, &opts, &mut off, &mut |_, _| {}).unwrap();
+        let cmp = compare(&f.engine, &mut f.model, &opts, &mut off, &mut |_, _| {}).unwrap();
         assert!(built);
         assert!(cmp.outputs_match() && cmp.weights_match());
         assert!(cmp.backend.is_none(), "{:?}", cmp.backend);
         assert_eq!(cmp.offloaded_peak_bytes, cmp.resident_weight_bytes);
         assert_eq!(cmp.resident.kernels, cmp.offloaded.kernels);
-        engine.release().unwrap();
-        model.release();
-        sim.shutdown();
+        f.finish();
     }
 
     #[test]
     fn the_backend_is_disabled_when_the_execution_fails() {
-        let sim = sim();
-        let platform: PlatformRef = sim.clone();
-        let desc = preset("flux-tiny").unwrap();
-        let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
-        let before = model.checksum().unwrap();
-        let mut engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), &desc).unwrap();
-        let mut backend = single_process_backend(&layer_config(), &platform, OrderingFault::None).unwrap().unwrap();
+        let mut f = Fixture::new(&preset("flux-tiny").unwrap(), 0);
+        let before = f.model.checksum().unwrap();
+        let mut backend = single_process_backend(&layer_config(), &f.platform(), OrderingFault::None).unwrap().unwrap();
         let hooks = HookRegistry::new();
-        let (out, disabled) = run_offloaded(&mut backend, &mut model, &hooks, engine.stream(), |b, _| {
+        let (out, disabled) = run_offloaded(&mut backend, &mut f.model, &hooks, f.engine.stream(), |b, _| {
             assert!(b.is_enabled());
             Err::<(), _>(EngineError::Failed("boom".into()))
         });
         assert_eq!(out, Err(EngineError::Failed("boom".into())));
         assert_eq!(disabled, Ok(()));
         assert!(!backend.is_enabled());
-        assert_eq!(model.checksum().unwrap(), before);
-        engine.release().unwrap();
-        model.release();
-        assert_eq!(sim.device_memory().in_use, 0);
-        sim.shutdown();
+        assert_eq!(f.model.checksum().unwrap(), before);
+        f.finish();
     }
 }
