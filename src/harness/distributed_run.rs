@@ -48,7 +48,7 @@ use crate::offload::units::{build_unit_plan, UnitPlan};
 use crate::offload::{get_offload_backend, OffloadError, StreamingBackend};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
 use weightferry_actors::collective_actor::{CollectiveFactory, GatherError};
 use weightferry_actors::platform::{PlatformError, PlatformRef};
@@ -228,12 +228,8 @@ impl DistributedRunSpec {
                 "distributed layerwise needs a prefetch depth of at least 1".into(),
             ));
         }
-        if let Some((lo, hi)) = self.timed_steps {
-            if lo == 0 || hi <= lo {
-                return Err(DistributedRunError::Invalid(format!(
-                    "timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)"
-                )));
-            }
+        if let Some(steps) = self.timed_steps {
+            check_timed_steps(steps).map_err(DistributedRunError::Invalid)?;
         }
         if !(1..=MAX_TIMED_ROUNDS).contains(&self.timed_rounds) {
             return Err(DistributedRunError::Invalid(format!(
@@ -440,7 +436,15 @@ impl RankTiming {
 }
 
 pub use crate::engine::timing::step_seconds;
-use crate::engine::timing::{bytes_per_step, more_rounds};
+use crate::engine::timing::{stack_h2d_bytes, time_rounds, timed_execution};
+
+/// Timed steps `(lo, hi)` need `1 <= lo < hi`; the error is the message naming the fix.
+fn check_timed_steps((lo, hi): (u32, u32)) -> Result<(), String> {
+    if lo == 0 || hi <= lo {
+        return Err(format!("timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)"));
+    }
+    Ok(())
+}
 
 /// A resident run on a caller's model ([`resident_run_with_model`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -491,29 +495,22 @@ pub fn resident_run_with_model(
     timed: Option<(u32, u32)>,
     rounds: u32,
 ) -> Result<ResidentRun, EngineError> {
-    if let Some((lo, hi)) = timed {
-        if lo == 0 || hi <= lo {
-            return Err(EngineError::Invalid(format!("timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)")));
-        }
+    if let Some(steps) = timed {
+        check_timed_steps(steps).map_err(EngineError::Invalid)?;
     }
     let mut engine = Engine::new(compute, pipeline)?;
     let upload = model.platform().create_stream(UPLOAD_STREAM)?;
     let result = run_resident(model, upload, |placement, hooks| {
-        let run = |n: u32| -> Result<(Duration, Vec<u8>), EngineError> {
-            let opts =
-                ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
-            let t = Instant::now();
-            let out = engine.execute(placement, hooks, &opts, &mut |_| {})?;
-            Ok((t.elapsed(), out.output))
+        let run = |n: u32| {
+            let opts = ExecOptions { steps: n, input_seed: seed, ..ExecOptions::default() };
+            timed_execution(&engine, placement, hooks, &opts, &mut |_| {}).map(|(t, out)| (t, out.output))
         };
         match timed {
             None => run(steps).map(|(_, output)| ResidentRun { output, timing: None }),
-            Some((lo, hi)) => {
+            Some(steps) => {
                 run(1)?;
-                let (t_lo, _) = run(lo)?;
-                let (t_hi, mut output) = run(hi)?;
-                let r = more_rounds((lo, hi), (t_lo, t_hi), rounds, run, &mut output)?;
-                Ok(ResidentRun { output, timing: Some(((lo, hi), r.lo, r.hi)) })
+                let t = time_rounds(steps, rounds, run, || 0)?;
+                Ok(ResidentRun { output: t.out, timing: Some((steps, t.rounds.lo, t.rounds.hi)) })
             }
         }
     });
@@ -741,10 +738,8 @@ fn run_enabled(
     let dit_host_bytes =
         shard_host_bytes + dit_storages.iter().filter(still_held).map(|s| model.storage_bytes(*s)).sum::<u64>();
     let probed = std::cell::Cell::new(false);
-    let run = |steps: u32| -> Result<(Duration, Vec<u8>), EngineError> {
-        let opts =
-            ExecOptions { steps, input_seed: spec.seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
-        let t = Instant::now();
+    let run = |steps: u32| {
+        let opts = ExecOptions { steps, input_seed: spec.seed, ..ExecOptions::default() };
         let mut progress = |p: crate::engine::Progress<'_>| {
             if let (Some(probe), Phase::Dit, false) = (&spec.probe, p.phase, probed.get()) {
                 probed.set(true);
@@ -752,22 +747,16 @@ fn run_enabled(
                 (probe.0)(&RunningRank { rank, model, dit_storages, shard_host_bytes, dit_host_bytes });
             }
         };
-        let out = engine.execute(backend, hooks, &opts, &mut progress)?;
-        Ok((t.elapsed(), out.output))
+        timed_execution(engine, backend, hooks, &opts, &mut progress).map(|(t, out)| (t, out.output))
     };
-    let h2d = || backend.report().stacks.iter().map(|s| s.h2d_bytes).sum::<u64>();
+    let h2d = || stack_h2d_bytes(&backend.report());
     let dit_roots: Vec<String> = spec.pipeline.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone());
     let (output, timing, trace) = match spec.timed_steps {
         None => run(spec.steps).map(|(_, output)| (output, None, None))?,
         Some(steps) => {
             run(1)?;
-            let b0 = h2d();
-            let (t_lo, _) = run(steps.0)?;
-            let b1 = h2d();
-            let (t_hi, mut output) = run(steps.1)?;
-            let b2 = h2d();
-            let rounds = more_rounds(steps, (t_lo, t_hi), spec.timed_rounds, run, &mut output)?;
-            let shard = bytes_per_step(steps, b0, b1, b2);
+            let timed = time_rounds(steps, spec.timed_rounds, run, h2d)?;
+            let (rounds, shard) = (timed.rounds, timed.bytes_per_step);
             let full_per_step = if shard_host_bytes == 0 {
                 0
             } else {
@@ -792,7 +781,7 @@ fn run_enabled(
                 }
                 None => None,
             };
-            (output, Some(timing), trace)
+            (timed.out, Some(timing), trace)
         }
     };
     backend.fence()?;
