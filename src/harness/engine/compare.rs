@@ -235,6 +235,7 @@ pub fn compare(
     })
 }
 
+/// One execution of `stage`, its progress tagged with the stage.
 fn execute(
     engine: &Engine,
     source: &dyn WeightSource,
@@ -255,24 +256,32 @@ fn offloaded_stage(
     opts: &ExecOptions,
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
 ) -> Result<(ExecOutput, Option<BackendReport>), EngineError> {
-    let stage = RunStage::Offloaded;
-    let Some(backend) = backend else {
-        return run_resident(model, upload, |p, hooks| execute(engine, p, hooks, opts, stage, progress))
-            .map(|(out, _)| (out, None));
-    };
+    let Some(backend) = backend else { return resident_again(engine, model, upload, opts, progress) };
     let hooks = HookRegistry::new();
     let (out, disabled) = run_offloaded(backend, model, &hooks, engine.stream(), |b, model| {
         if !b.is_enabled() {
             // The plan had nothing to offload: the pipeline runs resident.
-            return run_resident(model, upload, |p, hooks| execute(engine, p, hooks, opts, stage, progress))
-                .map(|(out, _)| (out, None));
+            return resident_again(engine, model, upload, opts, progress);
         }
-        let out = execute(engine, b, &hooks, opts, stage, progress)?;
+        let out = execute(engine, b, &hooks, opts, RunStage::Offloaded, progress)?;
         Ok((out, Some(b.report())))
     });
     let out = out?;
     disabled?;
     Ok(out)
+}
+
+/// The offloaded stage without an enabled backend: resident again.
+fn resident_again(
+    engine: &Engine,
+    model: &HostModel,
+    upload: StreamId,
+    opts: &ExecOptions,
+    progress: &mut dyn FnMut(RunStage, Progress<'_>),
+) -> Result<(ExecOutput, Option<BackendReport>), EngineError> {
+    let (out, _) =
+        run_resident(model, upload, |p, hooks| execute(engine, p, hooks, opts, RunStage::Offloaded, progress))?;
+    Ok((out, None))
 }
 
 #[cfg(test)]
