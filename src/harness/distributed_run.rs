@@ -8,9 +8,9 @@
 //! only the rank's sharded host masters ([`build_sharded_masters`]); every block is rebuilt in a device slot by the
 //! H2D of the rank's shard then one AllGather per dtype section (or per chunk of one, with
 //! [`DistributedRunSpec::chunk_bytes`]), through gather-path [`BlockStack`]s that share one [`GatherSequence`] and
-//! one collective actor. Everything outside the DiT stacks is placed on the device once ([`ResidentPlacement`]).
-//! No block is prefetched before the first forward, so every rank's first gather happens inside the same hook
-//! sequence.
+//! one collective actor. Everything outside the DiT stacks is placed on the device once
+//! ([`ResidentPlacement`](crate::offload::ResidentPlacement)). No block is prefetched before the first forward, so
+//! every rank's first gather happens inside the same hook sequence.
 //!
 //! Host memory ([`DistributedRunSpec::release_loaded`]): right after a unit's shards are built, the rank frees the
 //! loaded host buffer of every storage of the unit that no later unit needs ([`HostModel::release_to_shards`]), so
@@ -23,7 +23,8 @@
 //! Timing ([`DistributedRunSpec::timed_steps`]): a rank runs a warm-up step, then `lo` and `hi` steps through the
 //! same stacks and reports [`RankTiming`] (seconds per step and bytes per step from the stacks' counters, derived
 //! as the single-GPU bench does); [`resident_run_with_model`] times the resident baseline the same way, on the
-//! same model ([`run_rank_with_model`]).
+//! same model ([`run_rank_with_model`]). The two run the comparison's stages apart
+//! ([`run_resident`], [`run_offloaded`]: `disable` also after a failure).
 //!
 //! Invariants: every rank runs the same deterministic hook sequence (same plan, same program, no block skips), so
 //! every rank issues the same AllGathers in the same order (invariant 4); a failed AllGather anywhere poisons the
@@ -34,6 +35,7 @@
 //! the one before).
 
 use crate::config::{Component, OffloadConfig, Strategy};
+use crate::engine::compare::{run_offloaded, run_resident, UPLOAD_STREAM};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
 use crate::engine::timeline::{in_modules, summarize, trace_execution, DeviceSpan, DeviceTracer, TimelineSummary};
@@ -42,12 +44,11 @@ use crate::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
 use crate::model::splitmix64;
 use crate::model::{Home, HostModel, ModelError};
 use crate::offload::distributed::DistributedError;
-use crate::offload::resident::ResidentPlacement;
 use crate::offload::units::{build_unit_plan, UnitPlan};
 use crate::offload::{get_offload_backend, OffloadError, StreamingBackend};
 use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
 use weightferry_actors::collective_actor::{CollectiveFactory, GatherError};
 use weightferry_actors::platform::{PlatformError, PlatformRef};
@@ -227,12 +228,8 @@ impl DistributedRunSpec {
                 "distributed layerwise needs a prefetch depth of at least 1".into(),
             ));
         }
-        if let Some((lo, hi)) = self.timed_steps {
-            if lo == 0 || hi <= lo {
-                return Err(DistributedRunError::Invalid(format!(
-                    "timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)"
-                )));
-            }
+        if let Some(steps) = self.timed_steps {
+            check_timed_steps(steps).map_err(DistributedRunError::Invalid)?;
         }
         if !(1..=MAX_TIMED_ROUNDS).contains(&self.timed_rounds) {
             return Err(DistributedRunError::Invalid(format!(
@@ -439,7 +436,15 @@ impl RankTiming {
 }
 
 pub use crate::engine::timing::step_seconds;
-use crate::engine::timing::{bytes_per_step, more_rounds};
+use crate::engine::timing::{stack_h2d_bytes, time_rounds, timed_execution};
+
+/// Timed steps `(lo, hi)` need `1 <= lo < hi`; the error is the message naming the fix.
+fn check_timed_steps((lo, hi): (u32, u32)) -> Result<(), String> {
+    if lo == 0 || hi <= lo {
+        return Err(format!("timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)"));
+    }
+    Ok(())
+}
 
 /// A resident run on a caller's model ([`resident_run_with_model`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -490,36 +495,27 @@ pub fn resident_run_with_model(
     timed: Option<(u32, u32)>,
     rounds: u32,
 ) -> Result<ResidentRun, EngineError> {
-    if let Some((lo, hi)) = timed {
-        if lo == 0 || hi <= lo {
-            return Err(EngineError::Invalid(format!("timed steps ({lo}, {hi}): need 1 <= lo < hi, e.g. (1, 3)")));
-        }
+    if let Some(steps) = timed {
+        check_timed_steps(steps).map_err(EngineError::Invalid)?;
     }
-    let platform = compute.platform();
     let mut engine = Engine::new(compute, pipeline)?;
-    let upload = platform.create_stream("resident-upload")?;
-    let all: Vec<StorageId> = pipeline.storages.keys().copied().collect();
-    let mut placement = ResidentPlacement::upload(&platform, model, &all, upload)?;
-    let run = |n: u32| -> Result<(Duration, Vec<u8>), EngineError> {
-        let opts =
-            ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
-        let t = Instant::now();
-        let out = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {})?;
-        Ok((t.elapsed(), out.output))
-    };
-    let result = match timed {
-        None => run(steps).map(|(_, output)| ResidentRun { output, timing: None }),
-        Some((lo, hi)) => (|| {
-            run(1)?;
-            let (t_lo, _) = run(lo)?;
-            let (t_hi, mut output) = run(hi)?;
-            let r = more_rounds((lo, hi), (t_lo, t_hi), rounds, run, &mut output)?;
-            Ok(ResidentRun { output, timing: Some(((lo, hi), r.lo, r.hi)) })
-        })(),
-    };
+    let upload = model.platform().create_stream(UPLOAD_STREAM)?;
+    let result = run_resident(model, upload, |placement, hooks| {
+        let run = |n: u32| {
+            let opts = ExecOptions { steps: n, input_seed: seed, ..ExecOptions::default() };
+            timed_execution(&engine, placement, hooks, &opts, &mut |_| {}).map(|(t, out)| (t, out.output))
+        };
+        match timed {
+            None => run(steps).map(|(_, output)| ResidentRun { output, timing: None }),
+            Some(steps) => {
+                run(1)?;
+                let t = time_rounds(steps, rounds, run, || 0)?;
+                Ok(ResidentRun { output: t.out, timing: Some((steps, t.rounds.lo, t.rounds.hi)) })
+            }
+        }
+    });
     let released = engine.release();
-    placement.release()?;
-    let result = result?;
+    let (result, _) = result?;
     released?;
     Ok(result)
 }
@@ -666,20 +662,18 @@ pub fn run_rank_with_model(
     };
     let mut engine = Engine::new(compute, &spec.pipeline)?;
     let hooks = HookRegistry::new();
-    let enabled = backend.enable(model, &hooks, engine.stream());
-    let result = match enabled {
-        Ok(()) => run_enabled(spec, rank, &units, &backend, &engine, &hooks, model),
-        Err(e) => Err(e.into()),
-    };
-    hooks.remove_owned_by(JITTER_HOOK);
-    let engine_released = engine.release();
-    let issued = backend.gather_log();
-    let disabled = backend.disable(model, &hooks);
+    let stream = engine.stream();
+    let (result, disabled) = run_offloaded(&mut backend, model, &hooks, stream, |backend, model| {
+        let run = run_enabled(spec, rank, &units, backend, &engine, &hooks, model);
+        hooks.remove_owned_by(JITTER_HOOK);
+        let released = engine.release();
+        let issued = backend.gather_log();
+        run.and_then(|run| released.map(|()| RankRun { issued, ..run }).map_err(DistributedRunError::from))
+    });
     let restore_issued = backend.restore_log().to_vec();
     let windowed = backend.windowed_gathers();
     let poisoned = backend.poisoned();
     drop(backend);
-    let result = result.and_then(|run| engine_released.map(|()| run).map_err(DistributedRunError::from));
     let run_error = |r: &Result<RankRun, DistributedRunError>| r.as_ref().err().map(ToString::to_string);
     match disabled {
         Err(OffloadError::Poisoned { cause, unrestored, .. }) => {
@@ -706,7 +700,6 @@ pub fn run_rank_with_model(
             };
             run.restore_issued = restore_issued;
             run.windowed_all_gathers = windowed;
-            run.issued = issued;
             Ok(run)
         }
     }
@@ -745,10 +738,8 @@ fn run_enabled(
     let dit_host_bytes =
         shard_host_bytes + dit_storages.iter().filter(still_held).map(|s| model.storage_bytes(*s)).sum::<u64>();
     let probed = std::cell::Cell::new(false);
-    let run = |steps: u32| -> Result<(Duration, Vec<u8>), EngineError> {
-        let opts =
-            ExecOptions { steps, input_seed: spec.seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
-        let t = Instant::now();
+    let run = |steps: u32| {
+        let opts = ExecOptions { steps, input_seed: spec.seed, ..ExecOptions::default() };
         let mut progress = |p: crate::engine::Progress<'_>| {
             if let (Some(probe), Phase::Dit, false) = (&spec.probe, p.phase, probed.get()) {
                 probed.set(true);
@@ -756,22 +747,16 @@ fn run_enabled(
                 (probe.0)(&RunningRank { rank, model, dit_storages, shard_host_bytes, dit_host_bytes });
             }
         };
-        let out = engine.execute(backend, hooks, &opts, &mut progress)?;
-        Ok((t.elapsed(), out.output))
+        timed_execution(engine, backend, hooks, &opts, &mut progress).map(|(t, out)| (t, out.output))
     };
-    let h2d = || backend.report().stacks.iter().map(|s| s.h2d_bytes).sum::<u64>();
+    let h2d = || stack_h2d_bytes(&backend.report());
     let dit_roots: Vec<String> = spec.pipeline.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone());
     let (output, timing, trace) = match spec.timed_steps {
         None => run(spec.steps).map(|(_, output)| (output, None, None))?,
         Some(steps) => {
             run(1)?;
-            let b0 = h2d();
-            let (t_lo, _) = run(steps.0)?;
-            let b1 = h2d();
-            let (t_hi, mut output) = run(steps.1)?;
-            let b2 = h2d();
-            let rounds = more_rounds(steps, (t_lo, t_hi), spec.timed_rounds, run, &mut output)?;
-            let shard = bytes_per_step(steps, b0, b1, b2);
+            let timed = time_rounds(steps, spec.timed_rounds, run, h2d)?;
+            let (rounds, shard) = (timed.rounds, timed.bytes_per_step);
             let full_per_step = if shard_host_bytes == 0 {
                 0
             } else {
@@ -796,7 +781,7 @@ fn run_enabled(
                 }
                 None => None,
             };
-            (output, Some(timing), trace)
+            (timed.out, Some(timing), trace)
         }
     };
     backend.fence()?;

@@ -1,55 +1,34 @@
 //! The `run` driver: runs a pipeline fully resident, then offloaded under a config, on the simulated platform, and
-//! compares.
+//! reports the comparison.
 //!
 //! Order of a run: resolve the plan (a bad config/pipeline combination fails here, before anything is allocated) →
-//! load synthetic weights and checksum them → allocate activations → resident run (every storage placed on the
-//! device with [`ResidentPlacement`], no hooks) → release the placement → reset the device peak → offloaded run
-//! (`get_offload_backend` → `enable` → execute → `disable`) → checksum the host weights again. The report compares
-//! outputs and weights bit for bit, and sets the offloaded run's peak device weight memory (peak minus the
-//! activations allocated before the reset) against the plan's bound.
-//!
-//! Invariant: whatever fails after `enable`, the driver calls `disable` before returning, so host weights are back
-//! in their own buffers.
+//! load synthetic weights → allocate activations → [`compare`] (checksum the host weights, resident run, offloaded
+//! run through `get_offload_backend`, checksum again) with the simulated device's trace and counters armed around
+//! the offloaded run. The report compares outputs and weights bit for bit, and sets the offloaded run's peak device
+//! weight memory (peak minus the activations allocated before it) against the plan's bound.
 
-use super::{EngineError, ExecOptions, ExecOutput, Progress};
+use super::compare::{compare, single_process_backend, Comparison, OffloadedSource};
+use super::timing::{hook_percentiles_us, ms};
+use super::{EngineError, ExecOptions, Progress};
 use crate::config::{OffloadConfig, Strategy};
 use crate::engine::compute::SimCompute;
 use crate::engine::Engine;
-use crate::hooks::HookRegistry;
 use crate::model::HostModel;
 use crate::offload::backend::EnableProgress;
-use crate::offload::{get_offload_backend, ResidentPlacement, StreamingBackend, WeightSource};
-use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use crate::plan::{resolve_offload_plan, PipelineDesc};
 use crate::progress::{RunObserver, StepWatch};
-use crate::report::{RunReport, RunStack};
+use crate::report::RunReport;
 use crate::trace::RunTrace;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weightferry_actors::platform::{HostBufferId, Platform, PlatformRef};
-use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry_actors::platform::{Platform, PlatformRef};
+use weightferry_actors::sim::{SimConfig, SimPlatform, SimStats};
 use weightferry_actors::OrderingFault;
+
+pub use super::compare::RunStage;
 
 /// Largest pipeline (bytes of weights) the sim reference engine accepts by default.
 pub const DEFAULT_MAX_WEIGHT_BYTES: u64 = 1 << 30;
-
-/// Which of the two executions is running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunStage {
-    /// The fully resident baseline.
-    Resident,
-    /// The offloaded execution.
-    Offloaded,
-}
-
-impl RunStage {
-    /// `"resident"` or `"offloaded"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            RunStage::Resident => "resident",
-            RunStage::Offloaded => "offloaded",
-        }
-    }
-}
 
 /// Everything a run needs.
 #[derive(Debug, Clone)]
@@ -107,30 +86,40 @@ pub struct RunOutcome {
     pub trace: Option<RunTrace>,
 }
 
-/// Nearest-rank percentile of sorted durations, in microseconds (0 for no samples).
-pub fn percentile_us(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1e6
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-fn wait_of(stats: &weightferry_actors::sim::SimStats, stream: &str) -> Duration {
+fn wait_of(stats: &SimStats, stream: &str) -> Duration {
     stats.wait_time_per_stream.iter().filter(|(n, _)| n == stream).map(|(_, d)| *d).sum()
 }
 
-/// What the offloaded phase measured.
-struct Offloaded {
-    out: ExecOutput,
-    enabled: bool,
-    stacks: Vec<RunStack>,
-    /// The unit each host master held (names the trace's copies).
-    masters: Vec<(HostBufferId, String)>,
+/// The offloaded side of a sim run: the backend of the spec's config, and the simulated device's trace and
+/// counters armed around the offloaded run.
+struct SimOffload<'a> {
+    spec: &'a RunSpec,
+    sim: &'a SimPlatform,
+    epoch: Instant,
+    /// Counters when the offloaded run began, and when it ended.
+    stats: (SimStats, SimStats),
+}
+
+impl OffloadedSource for SimOffload<'_> {
+    fn build(&mut self, platform: &PlatformRef) -> Result<Option<crate::offload::StreamingBackend>, EngineError> {
+        let mut backend = single_process_backend(&self.spec.config, platform, self.spec.ordering_fault)?;
+        if let (Some(b), Some(o)) = (backend.as_mut(), self.spec.observer.clone()) {
+            b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
+        }
+        Ok(backend)
+    }
+    fn options(&self, resident: &ExecOptions) -> ExecOptions {
+        ExecOptions { span_epoch: self.spec.trace.then_some(self.epoch), ..resident.clone() }
+    }
+    fn begin(&mut self) {
+        self.sim.clear_trace();
+        self.sim.set_tracing(self.spec.trace);
+        self.stats.0 = self.sim.stats();
+    }
+    fn end(&mut self) {
+        self.sim.set_tracing(false);
+        self.stats.1 = self.sim.stats();
+    }
 }
 
 /// Runs `spec`: resident, then offloaded, then compares. `progress` sees every component (and DiT step) start.
@@ -154,204 +143,101 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
     let platform: PlatformRef = sim.clone();
     let compute = Arc::new(SimCompute::new(sim.clone()));
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)?;
-    let before = model.checksum()?;
-    let result = run_on(spec, &sim, &platform, compute, &mut model, epoch, progress);
-    let after = model.checksum();
+    let result = compare_on(spec, &sim, compute, &mut model, epoch, progress);
     model.release();
-    let (mut report, trace, resident_out, offloaded) = result?;
-    let after = after?;
+    let Compared { cmp, stats: (stats0, stats1), trace, activation_bytes } = result?;
 
     let violations = sim.violations();
-    let mut lat = offloaded.out.hook_latencies.clone();
-    lat.sort();
-    report.strategy = plan.strategy.report_name().to_string();
-    report.offload_enabled = offloaded.enabled;
-    report.skip_reason = plan.skip_reason.clone().or_else(|| {
-        (!offloaded.enabled && plan.strategy != Strategy::None)
-            .then(|| "the plan has nothing to offload for this pipeline".to_string())
-    });
-    report.planned_device_weight_bytes = plan.budget.device_weight_bytes;
-    report.within_plan = report.peak_device_weight_bytes <= report.planned_device_weight_bytes;
-    report.prefetch_hits = offloaded.stacks.iter().map(|s| s.prefetch_hits).sum();
-    report.reuse_hits = offloaded.stacks.iter().map(|s| s.reuse_hits).sum();
-    report.sync_fetches = offloaded.stacks.iter().map(|s| s.sync_fetches).sum();
-    report.stacks = offloaded.stacks;
-    report.blocks_run = offloaded.out.blocks_run;
-    report.blocks_skipped = offloaded.out.blocks_skipped;
-    report.kernels = offloaded.out.kernels;
-    report.hook_calls = lat.len();
-    report.hook_latency_p50_us = percentile_us(&lat, 50.0);
-    report.hook_latency_p99_us = percentile_us(&lat, 99.0);
-    report.resident_wall_ms = ms(resident_out.wall);
-    report.hazard_violations = violations.len();
-    report.first_violation = violations.first().map(|v| {
-        format!(
-            "{:?}: '{}' on {} started while '{}' on {} was pending ({:?} bytes {:?})",
-            v.kind, v.later.label, v.later.stream_name, v.earlier.label, v.earlier.stream_name, v.buffer, v.range
-        )
-    });
-    report.resident_checksum = format!("{:016x}", resident_out.checksum);
-    report.offloaded_checksum = format!("{:016x}", offloaded.out.checksum);
-    report.outputs_match = resident_out.output == offloaded.out.output;
-    report.weights_match = before == after;
-    report.notes = plan.budget.notes.iter().chain(&plan.warnings).cloned().collect();
-    report.wall_ms = ms(t_all.elapsed());
-    sim.shutdown();
-    Ok(RunOutcome { report, trace })
-}
-
-type RunParts = (RunReport, Option<RunTrace>, ExecOutput, Offloaded);
-
-fn run_on(
-    spec: &RunSpec,
-    sim: &Arc<SimPlatform>,
-    platform: &PlatformRef,
-    compute: Arc<SimCompute>,
-    model: &mut HostModel,
-    epoch: Instant,
-    progress: &mut dyn FnMut(RunStage, Progress<'_>),
-) -> Result<RunParts, EngineError> {
-    let mut engine = Engine::new(compute, &spec.pipeline)?;
-    let mut watch = StepWatch::new(platform.clone(), engine.stream(), spec.observer.clone());
-    let progress = &mut |stage, p: Progress<'_>| {
-        watch.observe(stage, p);
-        progress(stage, p)
-    };
-    let upload = platform.create_stream("resident-upload")?;
-    let all: Vec<StorageId> = spec.pipeline.storages.keys().copied().collect();
-    let opts = ExecOptions {
-        steps: spec.steps,
-        input_seed: spec.seed,
-        skip_seed: spec.skip_seed,
-        span_epoch: None,
-        max_blocks_ahead: None,
-    };
-
-    // Resident baseline.
-    let mut placement = ResidentPlacement::upload(platform, model, &all, upload)?;
-    let resident_bytes = placement.bytes();
-    let resident = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |p| progress(RunStage::Resident, p));
-    placement.release()?;
-    let resident = resident?;
-
-    // Offloaded run.
-    let hooks = HookRegistry::new();
-    let mut backend = get_offload_backend(&spec.config, platform.clone(), None)?;
-    if let Some(b) = backend.as_mut() {
-        b.set_ordering_fault(spec.ordering_fault);
-        let observer = spec.observer.clone();
-        b.set_progress(observer.map(|o| EnableProgress::new(move |done, total| o.masters(done, total))));
-    }
-    sim.clear_trace();
-    sim.set_tracing(spec.trace);
-    let off_opts = ExecOptions { span_epoch: spec.trace.then_some(epoch), ..opts };
-    sim.reset_peak();
-    let base_in_use = sim.device_memory().in_use;
-    let stats0 = sim.stats();
-    let t0 = Instant::now();
-    let offloaded = match backend.as_mut() {
-        Some(b) => run_backend(b, &engine, model, &hooks, &off_opts, upload, platform, progress),
-        None => run_placement(&engine, model, &all, &off_opts, upload, platform, progress).map(|out| Offloaded {
-            out,
-            enabled: false,
-            stacks: Vec::new(),
-            masters: Vec::new(),
-        }),
-    };
-    let off_wall = t0.elapsed();
-    sim.set_tracing(false);
-    let offloaded = offloaded?;
-    watch.finish();
-    let peak = sim.device_memory().peak.saturating_sub(base_in_use);
-    let stats1 = sim.stats();
-    let trace = spec.trace.then(|| RunTrace {
-        events: sim.trace(),
-        hooks: offloaded.out.hook_spans.clone(),
-        copy_names: offloaded.masters.iter().cloned().collect(),
-    });
-    engine.release()?;
-
+    let enabled = cmp.backend.is_some();
+    let (outputs_match, weights_match) = (cmp.outputs_match(), cmp.weights_match());
+    let stacks = cmp.backend.map(|b| b.stacks).unwrap_or_default();
+    let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
+    let peak = cmp.offloaded_peak_bytes;
+    let planned = plan.budget.device_weight_bytes;
     let report = RunReport {
         pipeline: spec.pipeline_name.clone(),
         platform: sim.name().to_string(),
         steps: spec.steps,
         seed: spec.seed,
         skip_seed: spec.skip_seed,
-        strategy: String::new(),
-        offload_enabled: false,
-        skip_reason: None,
-        stacks: Vec::new(),
+        strategy: plan.strategy.report_name().to_string(),
+        offload_enabled: enabled,
+        skip_reason: plan.skip_reason.clone().or_else(|| {
+            (!enabled && plan.strategy != Strategy::None)
+                .then(|| "the plan has nothing to offload for this pipeline".to_string())
+        }),
         peak_device_weight_bytes: peak,
-        planned_device_weight_bytes: 0,
-        within_plan: false,
-        resident_device_weight_bytes: resident_bytes,
-        activation_bytes: engine.activation_bytes(),
+        planned_device_weight_bytes: planned,
+        within_plan: peak <= planned,
+        resident_device_weight_bytes: cmp.resident_weight_bytes,
+        activation_bytes,
         h2d_bytes: stats1.h2d_bytes - stats0.h2d_bytes,
         d2h_bytes: stats1.d2h_bytes - stats0.d2h_bytes,
-        prefetch_hits: 0,
-        reuse_hits: 0,
-        sync_fetches: 0,
-        blocks_run: 0,
-        blocks_skipped: 0,
-        kernels: 0,
+        prefetch_hits: stacks.iter().map(|s| s.prefetch_hits).sum(),
+        reuse_hits: stacks.iter().map(|s| s.reuse_hits).sum(),
+        sync_fetches: stacks.iter().map(|s| s.sync_fetches).sum(),
+        stacks,
+        blocks_run: cmp.offloaded.blocks_run,
+        blocks_skipped: cmp.offloaded.blocks_skipped,
+        kernels: cmp.offloaded.kernels,
         compute_wait_ms: ms(wait_of(&stats1, "compute").saturating_sub(wait_of(&stats0, "compute"))),
-        hook_calls: 0,
-        hook_latency_p50_us: 0.0,
-        hook_latency_p99_us: 0.0,
-        resident_wall_ms: 0.0,
-        offloaded_wall_ms: ms(off_wall),
-        wall_ms: 0.0,
-        hazard_violations: 0,
-        first_violation: None,
-        resident_checksum: String::new(),
-        offloaded_checksum: String::new(),
-        outputs_match: false,
-        weights_match: false,
-        notes: Vec::new(),
+        hook_calls: cmp.offloaded.hook_latencies.len(),
+        hook_latency_p50_us: p50,
+        hook_latency_p99_us: p99,
+        resident_wall_ms: ms(cmp.resident.wall),
+        offloaded_wall_ms: ms(cmp.offloaded_wall),
+        wall_ms: ms(t_all.elapsed()),
+        hazard_violations: violations.len(),
+        first_violation: violations.first().map(|v| {
+            format!(
+                "{:?}: '{}' on {} started while '{}' on {} was pending ({:?} bytes {:?})",
+                v.kind, v.later.label, v.later.stream_name, v.earlier.label, v.earlier.stream_name, v.buffer, v.range
+            )
+        }),
+        resident_checksum: format!("{:016x}", cmp.resident.checksum),
+        offloaded_checksum: format!("{:016x}", cmp.offloaded.checksum),
+        outputs_match,
+        weights_match,
+        notes: plan.budget.notes.iter().chain(&plan.warnings).cloned().collect(),
     };
-    Ok((report, trace, resident, offloaded))
+    sim.shutdown();
+    Ok(RunOutcome { report, trace })
 }
 
-/// Offloaded execution through a backend: enable → execute → report → disable (disable also on failure).
-#[allow(clippy::too_many_arguments)]
-fn run_backend(
-    backend: &mut StreamingBackend,
-    engine: &Engine,
+/// What [`compare_on`] measured besides the comparison.
+struct Compared {
+    cmp: Comparison,
+    stats: (SimStats, SimStats),
+    trace: Option<RunTrace>,
+    activation_bytes: u64,
+}
+
+/// The comparison of `spec` on `sim` with the engine's activations allocated around it.
+fn compare_on(
+    spec: &RunSpec,
+    sim: &Arc<SimPlatform>,
+    compute: Arc<SimCompute>,
     model: &mut HostModel,
-    hooks: &HookRegistry,
-    opts: &ExecOptions,
-    upload: weightferry_actors::platform::StreamId,
-    platform: &PlatformRef,
+    epoch: Instant,
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
-) -> Result<Offloaded, EngineError> {
-    backend.enable(model, hooks, engine.stream())?;
-    if !backend.is_enabled() {
-        // The plan had nothing to offload: the pipeline runs resident.
-        let all: Vec<StorageId> = model.desc().storages.keys().copied().collect();
-        let out = run_placement(engine, model, &all, opts, upload, platform, progress)?;
-        return Ok(Offloaded { out, enabled: false, stacks: Vec::new(), masters: Vec::new() });
-    }
-    let out = engine.execute(backend as &dyn WeightSource, hooks, opts, &mut |p| progress(RunStage::Offloaded, p));
-    let stacks = backend.report().stacks;
-    let masters = backend.master_units();
-    let disabled = backend.disable(model, hooks);
-    let out = out?;
-    disabled?;
-    Ok(Offloaded { out, enabled: true, stacks, masters })
-}
-
-/// Execution with every storage placed on the device (no offload).
-fn run_placement(
-    engine: &Engine,
-    model: &HostModel,
-    all: &[StorageId],
-    opts: &ExecOptions,
-    upload: weightferry_actors::platform::StreamId,
-    platform: &PlatformRef,
-    progress: &mut dyn FnMut(RunStage, Progress<'_>),
-) -> Result<ExecOutput, EngineError> {
-    let mut placement = ResidentPlacement::upload(platform, model, all, upload)?;
-    let out = engine.execute(&placement, &HookRegistry::new(), opts, &mut |p| progress(RunStage::Offloaded, p));
-    placement.release()?;
-    out
+) -> Result<Compared, EngineError> {
+    let mut engine = Engine::new(compute, &spec.pipeline)?;
+    let opts =
+        ExecOptions { steps: spec.steps, input_seed: spec.seed, skip_seed: spec.skip_seed, ..ExecOptions::default() };
+    let mut offload = SimOffload { spec, sim, epoch, stats: Default::default() };
+    let platform: PlatformRef = sim.clone();
+    let mut watch = StepWatch::new(platform, engine.stream(), spec.observer.clone());
+    let progress = &mut |stage, p: Progress<'_>| {
+        watch.observe(stage, p);
+        progress(stage, p)
+    };
+    let cmp = compare(&engine, model, &opts, &mut offload, progress)?;
+    watch.finish();
+    let trace = spec.trace.then(|| RunTrace {
+        events: sim.trace(),
+        hooks: cmp.offloaded.hook_spans.clone(),
+        copy_names: cmp.master_units.iter().cloned().collect(),
+    });
+    engine.release()?;
+    Ok(Compared { cmp, stats: offload.stats, trace, activation_bytes: engine.activation_bytes() })
 }

@@ -8,19 +8,20 @@
 //! streamed per step are taken the same way from the scheduler's counters. The bound of a configuration is
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
+use super::compare::{compare, run_resident, single_process_backend};
 use super::cuda::{CudaCompute, GpuShape};
 use super::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
-use super::timing::{bytes_per_step, median, step_seconds};
+use super::timing::{hook_percentiles_us, median, ms, stack_h2d_bytes, time_rounds, timed_execution, Timed};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
 use crate::config::{CopySubmission, OffloadConfig};
 use crate::hooks::HookRegistry;
 use crate::model::HostModel;
-use crate::offload::{get_offload_backend, ResidentPlacement, StreamingBackend, WeightSource};
-use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use crate::offload::{get_offload_backend, StreamingBackend, WeightSource};
+use crate::plan::{resolve_offload_plan, PipelineDesc};
 use crate::platform::cuda::CudaPlatform;
 use serde::Serialize;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use weightferry_actors::platform::{Platform, PlatformRef};
 
 /// Label of the configuration that keeps every block resident through the backend.
@@ -131,19 +132,13 @@ pub struct BenchSpec {
     pub copy_submission: Vec<CopySubmission>,
 }
 
-/// Nearest-rank percentile of unsorted durations, in microseconds.
-fn percentile_us(mut v: Vec<Duration>, p: f64) -> f64 {
-    v.sort();
-    super::driver::percentile_us(&v, p)
-}
-
-/// A `/proc/self/status` memory line (`VmHWM:` peak resident set, `VmRSS:` current) in bytes; 0 if unreadable.
 /// Resets the process's peak RSS (`VmHWM`) to its current RSS (`5` into `/proc/self/clear_refs`, Linux ≥ 4.0);
 /// false where that is not allowed.
 fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// A `/proc/self/status` memory line (`VmHWM:` peak resident set, `VmRSS:` current) in bytes; 0 if unreadable.
 fn rss_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -155,13 +150,7 @@ fn rss_bytes(key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-struct Timed {
-    step_s: f64,
-    out: ExecOutput,
-    bytes_per_step: u64,
-}
-
-/// Runs `lo` then `hi` steps and derives the per-step time and bytes.
+/// Runs `lo` then `hi` steps and derives the per-step time and the stacks' per-step bytes.
 fn timed(
     engine: &Engine,
     source: &dyn WeightSource,
@@ -170,48 +159,47 @@ fn timed(
     steps: (u32, u32),
     seed: u64,
     ahead: Option<u32>,
-) -> Result<Timed, EngineError> {
-    let h2d =
-        |b: Option<&StreamingBackend>| b.map_or(0, |b| b.report().stacks.iter().map(|s| s.h2d_bytes).sum::<u64>());
-    let run = |n: u32| -> Result<(Duration, ExecOutput), EngineError> {
-        let opts =
-            ExecOptions { steps: n, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: ahead };
-        let t = Instant::now();
-        let out = engine.execute(source, hooks, &opts, &mut |_| {})?;
-        Ok((t.elapsed(), out))
+) -> Result<Timed<ExecOutput>, EngineError> {
+    let run = |n: u32| {
+        let opts = ExecOptions { steps: n, input_seed: seed, max_blocks_ahead: ahead, ..ExecOptions::default() };
+        timed_execution(engine, source, hooks, &opts, &mut |_| {})
     };
-    let b0 = h2d(backend);
-    let (t_lo, _) = run(steps.0)?;
-    let b1 = h2d(backend);
-    let (t_hi, out) = run(steps.1)?;
-    let b2 = h2d(backend);
-    Ok(Timed { step_s: step_seconds(steps, t_lo, t_hi), out, bytes_per_step: bytes_per_step(steps, b0, b1, b2) })
+    time_rounds(steps, 1, run, || backend.map_or(0, |b| stack_h2d_bytes(&b.report())))
 }
 
-/// Runs `steps` steps once with the device timeline armed; summarises the DiT window and writes the Chrome trace.
-#[allow(clippy::too_many_arguments)]
-fn traced(
-    cuda: &CudaPlatform,
-    engine: &Engine,
-    source: &dyn WeightSource,
-    hooks: &HookRegistry,
-    dit: &[String],
-    steps: u32,
-    seed: u64,
-    ahead: Option<u32>,
-    file: Option<std::path::PathBuf>,
-    title: &str,
-) -> Result<StepTimeline, EngineError> {
-    let opts = ExecOptions { steps, input_seed: seed, skip_seed: None, span_epoch: None, max_blocks_ahead: ahead };
-    let (_, spans, dropped) =
-        trace_execution(cuda, engine.stream(), 1 << 16, || engine.execute(source, hooks, &opts, &mut |_| {}))?;
-    let summary = summarize(&spans, |label| in_modules(label, dit));
-    if let Some(path) = file {
-        let text = to_chrome_json(&spans, title).to_string();
+/// Traces one more execution of each configuration when the spec asks for traces ([`BenchSpec::trace_dir`]).
+struct Tracer<'a> {
+    cuda: &'a CudaPlatform,
+    engine: &'a Engine,
+    /// The DiT's module paths: the window the timeline is summarised over.
+    dit: Vec<String>,
+    /// The traced execution's options.
+    opts: ExecOptions,
+    dir: Option<&'a std::path::Path>,
+    preset: &'a str,
+}
+
+impl Tracer<'_> {
+    /// With a trace directory: runs configuration `label` once with the device timeline armed, writes its Chrome
+    /// trace there and summarises the DiT window per step. Without one: `None`.
+    fn trace(
+        &self,
+        source: &dyn WeightSource,
+        hooks: &HookRegistry,
+        label: &str,
+    ) -> Result<Option<StepTimeline>, EngineError> {
+        let Some(dir) = self.dir else { return Ok(None) };
+        let engine = self.engine;
+        let (_, spans, dropped) = trace_execution(self.cuda, engine.stream(), 1 << 16, || {
+            engine.execute(source, hooks, &self.opts, &mut |_| {})
+        })?;
+        let summary = summarize(&spans, |l| in_modules(l, &self.dit));
+        let path = trace_file(dir, self.preset, label);
+        let text = to_chrome_json(&spans, &format!("{} {label}", self.preset)).to_string();
         std::fs::write(&path, text)
             .map_err(|e| EngineError::Invalid(format!("cannot write trace `{}`: {e}", path.display())))?;
+        Ok(Some(StepTimeline::per_step(summary, self.opts.steps, dropped)))
     }
-    Ok(StepTimeline::per_step(summary, steps, dropped))
 }
 
 /// A file name for a configuration's trace.
@@ -274,40 +262,28 @@ fn bench_preset(
     let dit_bytes: u64 = desc.components.as_ref().map_or(0, |c| c.dit.iter().map(|d| desc.subtree_bytes(d)).sum());
 
     // Resident baseline: the compute time.
+    let tracer = Tracer {
+        cuda: &cuda,
+        engine: &engine,
+        dit: desc.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone()),
+        opts: ExecOptions {
+            steps: spec.steps.0.max(1),
+            input_seed: spec.seed,
+            max_blocks_ahead: spec.max_blocks_ahead,
+            ..ExecOptions::default()
+        },
+        dir: spec.trace_dir.as_deref(),
+        preset: name,
+    };
     let upload = platform.create_stream("bench-upload")?;
-    let all: Vec<StorageId> = desc.storages.keys().copied().collect();
-    let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
-    // Warm up first: the first execution pays cuBLAS handle creation and kernel loading.
-    let warm =
-        ExecOptions { steps: 1, input_seed: spec.seed, skip_seed: None, span_epoch: None, max_blocks_ahead: None };
-    if let Err(e) = engine.execute(&placement, &HookRegistry::new(), &warm, &mut |_| {}) {
-        placement.release()?;
-        return Err(e);
-    }
-    let dit_paths: Vec<String> = desc.components.as_ref().map_or_else(Vec::new, |c| c.dit.clone());
-    let trace_steps = spec.steps.0.max(1);
-    let resident = timed(&engine, &placement, &HookRegistry::new(), None, spec.steps, spec.seed, spec.max_blocks_ahead)
-        .and_then(|t| {
-            let tl = match &spec.trace_dir {
-                Some(dir) => Some(traced(
-                    &cuda,
-                    &engine,
-                    &placement,
-                    &HookRegistry::new(),
-                    &dit_paths,
-                    trace_steps,
-                    spec.seed,
-                    spec.max_blocks_ahead,
-                    Some(trace_file(dir, name, "resident")),
-                    &format!("{name} resident"),
-                )?),
-                None => None,
-            };
-            Ok((t, tl))
-        });
-    placement.release()?;
-    let (resident, resident_timeline) = resident?;
-    let mut compute_s = resident.step_s;
+    let ((resident, resident_timeline), _) = run_resident(&model, upload, |placement, hooks| {
+        // Warm up first: the first execution pays cuBLAS handle creation and kernel loading.
+        let warm = ExecOptions { steps: 1, input_seed: spec.seed, ..ExecOptions::default() };
+        engine.execute(placement, hooks, &warm, &mut |_| {})?;
+        let t = timed(&engine, placement, hooks, None, spec.steps, spec.seed, spec.max_blocks_ahead)?;
+        Ok((t, tracer.trace(placement, hooks, "resident")?))
+    })?;
+    let mut compute_s = resident.step_s();
     progress(&format!("{name}: resident {compute_s:.4} s/step ({:.1} s)", t0.elapsed().as_secs_f64()));
     report.compute_s.push((name.to_string(), compute_s));
     report.rows.push(BenchRow {
@@ -322,7 +298,7 @@ fn bench_preset(
         bound_s: compute_s,
         ratio: 1.0,
         streamed_bytes_per_step: 0,
-        peak_weight_bytes: all.iter().map(|s| model.storage_bytes(*s)).sum(),
+        peak_weight_bytes: desc.storages.keys().map(|s| model.storage_bytes(*s)).sum(),
         planned_weight_bytes: 0,
         hook_p50_us: 0.0,
         hook_p99_us: 0.0,
@@ -405,37 +381,24 @@ fn bench_preset(
                 let peak = cuda.device_memory().peak.saturating_sub(base);
                 if round > 0 {
                     if let Some(row) = rows.get_mut(i) {
-                        row.step_samples.push(t.step_s);
+                        row.step_samples.push(t.step_s());
                         row.outputs_match &= matches;
                         row.peak_weight_bytes = row.peak_weight_bytes.max(peak);
                         progress(&format!(
                             "{name} {label} (round {}): {:.4} s/step ({:.1} s)",
                             round + 1,
-                            t.step_s,
+                            t.step_s(),
                             t0.elapsed().as_secs_f64()
                         ));
                     }
                     continue;
                 }
-                let timeline = match &spec.trace_dir {
-                    Some(dir) => Some(traced(
-                        &cuda,
-                        &engine,
-                        b,
-                        &hooks,
-                        &dit_paths,
-                        trace_steps,
-                        spec.seed,
-                        spec.max_blocks_ahead,
-                        Some(trace_file(dir, name, label)),
-                        &format!("{name} {label}"),
-                    )?),
-                    None => None,
-                };
+                let timeline = tracer.trace(b, &hooks, label)?;
                 let rep = b.report();
                 master_bytes = master_bytes.max(rep.master_host_bytes);
                 let planned = b.plan().map_or(0, |p| p.budget.device_weight_bytes);
                 let dit_stack = rep.stacks.first();
+                let (hook_p50, hook_p99) = hook_percentiles_us(&t.out.hook_latencies);
                 let row = BenchRow {
                     preset: name.to_string(),
                     config: label.clone(),
@@ -443,15 +406,15 @@ fn bench_preset(
                     resident_blocks: dit_stack.map_or(0, |s| s.resident),
                     depth: dit_stack.map_or(0, |s| s.depth),
                     budget_bytes: *budget,
-                    step_s: t.step_s,
-                    step_samples: vec![t.step_s],
+                    step_s: t.step_s(),
+                    step_samples: vec![t.step_s()],
                     bound_s: 0.0,
                     ratio: 0.0,
                     streamed_bytes_per_step: t.bytes_per_step,
                     peak_weight_bytes: peak,
                     planned_weight_bytes: planned,
-                    hook_p50_us: percentile_us(t.out.hook_latencies.clone(), 50.0),
-                    hook_p99_us: percentile_us(t.out.hook_latencies.clone(), 99.0),
+                    hook_p50_us: hook_p50,
+                    hook_p99_us: hook_p99,
                     outputs_match: matches,
                     timeline,
                 };
@@ -571,7 +534,8 @@ pub struct GpuRunReport {
     pub hook_latency_p99_us: f64,
 }
 
-/// Runs `desc` on GPU 0 fully resident, then offloaded under `config`, and compares outputs and host weights.
+/// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
+/// weights. With `slow_copies` every host → device copy waits behind a dummy one ([`super::slow::SlowCopies`]).
 #[allow(clippy::too_many_arguments)]
 pub fn gpu_run(
     desc: &PipelineDesc,
@@ -588,54 +552,29 @@ pub fn gpu_run(
     let platform: PlatformRef =
         if slow_copies { Arc::new(super::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
     let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
-    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), seed)?;
-    let before = model.checksum()?;
+    let mut model = HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?;
     let engine = Engine::new(compute, desc)?;
-    let opts = ExecOptions { steps, input_seed: seed, skip_seed, span_epoch: None, max_blocks_ahead: None };
-    let upload = platform.create_stream("resident-upload")?;
-    let all: Vec<StorageId> = desc.storages.keys().copied().collect();
-    let mut placement = ResidentPlacement::upload(&platform, &model, &all, upload)?;
-    let resident = engine.execute(&placement, &HookRegistry::new(), &opts, &mut |_| {});
-    placement.release()?;
-    let resident = resident?;
-
-    let hooks = HookRegistry::new();
-    cuda.reset_peak();
-    let base = cuda.device_memory().in_use;
-    let mut backend = get_offload_backend(config, platform.clone(), None)?;
-    let t = Instant::now();
-    let (out, h2d, sync_fetches) = match backend.as_mut() {
-        Some(b) => {
-            b.set_ordering_fault(ordering_fault);
-            b.enable(&mut model, &hooks, engine.stream())?;
-            let out = engine.execute(&*b, &hooks, &opts, &mut |_| {});
-            let rep = b.report();
-            let d = b.disable(&mut model, &hooks);
-            let out = out?;
-            d?;
-            (out, rep.stacks.iter().map(|s| s.h2d_bytes).sum(), rep.stacks.iter().map(|s| s.sync_fetches).sum())
-        }
-        None => (resident.clone(), 0, 0),
-    };
-    let off_wall = t.elapsed();
-    let peak = cuda.device_memory().peak.saturating_sub(base);
-    let after = model.checksum()?;
-    let lat = out.hook_latencies.clone();
+    let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
+    let mut offload = |p: &PlatformRef| single_process_backend(config, p, ordering_fault);
+    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |_, _| {});
     model.release();
+    let cmp = cmp?;
+    let backend = cmp.backend.as_ref();
+    let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
     Ok(GpuRunReport {
         device: cuda.device_name().to_string(),
         strategy: plan.strategy.report_name().to_string(),
-        resident_checksum: format!("{:016x}", resident.checksum),
-        offloaded_checksum: format!("{:016x}", out.checksum),
-        outputs_match: resident.output == out.output,
-        weights_match: before == after,
-        peak_device_weight_bytes: peak,
+        resident_checksum: format!("{:016x}", cmp.resident.checksum),
+        offloaded_checksum: format!("{:016x}", cmp.offloaded.checksum),
+        outputs_match: cmp.outputs_match(),
+        weights_match: cmp.weights_match(),
+        peak_device_weight_bytes: cmp.offloaded_peak_bytes,
         planned_device_weight_bytes: plan.budget.device_weight_bytes,
-        h2d_bytes: h2d,
-        sync_fetches,
-        resident_wall_ms: resident.wall.as_secs_f64() * 1e3,
-        offloaded_wall_ms: off_wall.as_secs_f64() * 1e3,
-        hook_latency_p50_us: percentile_us(lat.clone(), 50.0),
-        hook_latency_p99_us: percentile_us(lat, 99.0),
+        h2d_bytes: backend.map_or(0, stack_h2d_bytes),
+        sync_fetches: backend.map_or(0, |b| b.stacks.iter().map(|s| s.sync_fetches).sum()),
+        resident_wall_ms: ms(cmp.resident.wall),
+        offloaded_wall_ms: ms(cmp.offloaded_wall),
+        hook_latency_p50_us: p50,
+        hook_latency_p99_us: p99,
     })
 }
