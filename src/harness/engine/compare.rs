@@ -250,6 +250,9 @@ fn execute(
     engine.execute(source, hooks, opts, &mut |p| progress(stage, p))
 }
 
+/// The offloaded execution, and when it ran through an enabled backend, the backend's report and master units.
+type OffloadedStage = (ExecOutput, Option<BackendReport>, Vec<(HostBufferId, String)>);
+
 /// The offloaded execution and, when it ran through an enabled backend, the backend's report.
 fn offloaded_stage(
     engine: &Engine,
@@ -258,7 +261,7 @@ fn offloaded_stage(
     upload: StreamId,
     opts: &ExecOptions,
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
-) -> Result<(ExecOutput, Option<BackendReport>, Vec<(HostBufferId, String)>), EngineError> {
+) -> Result<OffloadedStage, EngineError> {
     let Some(backend) = backend else {
         let (out, _) = resident_again(engine, model, upload, opts, progress)?;
         return Ok((out, None, Vec::new()));
