@@ -774,6 +774,7 @@ fn run_enabled(
             };
             let trace = match &spec.trace {
                 Some(tracer) => {
+                    tracer.0.name_spans(backend.master_units(), Some(backend.gather_names().into_namer()));
                     let (_, spans, dropped) =
                         trace_execution(tracer.0.as_ref(), engine.stream(), TRACE_CAPACITY, || run(steps.0))?;
                     let summary = summarize(&spans, |label| in_modules(label, &dit_roots));

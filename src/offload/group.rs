@@ -44,6 +44,11 @@ impl GatherNames {
         self.0.get(&(tag >> 28)).map(String::as_str)
     }
 
+    /// As a trace namer: the block's path for its AllGathers.
+    pub fn into_namer(self) -> crate::platform::timeline::GatherNamer {
+        std::sync::Arc::new(move |tag| self.name(tag).map(str::to_string))
+    }
+
     /// Names every gathered stack's units: `stacks[gi][ui]` is unit `ui`'s path in gathered stack `gi`.
     pub(crate) fn of<'a>(stacks: impl IntoIterator<Item = impl IntoIterator<Item = &'a str>>) -> Self {
         let mut m = HashMap::new();

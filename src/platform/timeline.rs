@@ -3,7 +3,8 @@
 //! harness summarises the spans (stalls, copy and collective overlap) and writes traces.
 
 use serde::Serialize;
-use weightferry_actors::platform::{PlatformError, StreamId};
+use std::sync::Arc;
+use weightferry_actors::platform::{HostBufferId, PlatformError, StreamId};
 
 /// Lane of the engine's kernels.
 pub const COMPUTE_LANE: &str = "compute";
@@ -24,6 +25,9 @@ pub struct DeviceSpan {
     pub end_us: f64,
 }
 
+/// Names an AllGather's span from its tag (an offload backend's `gather_names` knows which block a tag gathers).
+pub type GatherNamer = Arc<dyn Fn(u64) -> Option<String> + Send + Sync>;
+
 /// Arms and collects a device timeline around one execution: the CUDA platform's timing events, or a test's fake.
 /// `arm` starts recording (spans after it are measured from an event recorded on `stream`); `collect` waits for
 /// every recorded span, returns them (sorted by start) with the number dropped for want of events, and disarms.
@@ -32,4 +36,7 @@ pub trait DeviceTracer: Send + Sync {
     fn arm(&self, stream: StreamId, capacity: usize) -> Result<(), PlatformError>;
     /// Stops recording and returns the spans and the number dropped.
     fn collect(&self) -> Result<(Vec<DeviceSpan>, u64), PlatformError>;
+    /// Names copy spans out of `copies`' host buffers by what they hold, and AllGather spans by `gathers(tag)`
+    /// (an offload backend's `master_units` and `gather_names`); a tracer without names ignores this.
+    fn name_spans(&self, _copies: Vec<(HostBufferId, String)>, _gathers: Option<GatherNamer>) {}
 }

@@ -393,6 +393,9 @@ fn bench_preset(
                     }
                     continue;
                 }
+                if tracer.dir.is_some() {
+                    tracer.cuda.timeline_name(b.master_units(), None);
+                }
                 let timeline = tracer.trace(b, &hooks, label)?;
                 let rep = b.report();
                 master_bytes = master_bytes.max(rep.master_host_bytes);

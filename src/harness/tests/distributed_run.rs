@@ -520,6 +520,8 @@ struct FakeTracer {
     collected: std::sync::atomic::AtomicUsize,
     spans: Vec<weightferry_harness::engine::timeline::DeviceSpan>,
     fail_arm: bool,
+    /// What each rank named its spans by: copy names, and the AllGather namer.
+    named: std::sync::Mutex<Vec<(Vec<String>, Option<weightferry::platform::timeline::GatherNamer>)>>,
 }
 
 impl weightferry_harness::engine::timeline::DeviceTracer for FakeTracer {
@@ -545,6 +547,14 @@ impl weightferry_harness::engine::timeline::DeviceTracer for FakeTracer {
         self.collected.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok((self.spans.clone(), 3))
     }
+
+    fn name_spans(
+        &self,
+        copies: Vec<(weightferry_actors::platform::HostBufferId, String)>,
+        gathers: Option<weightferry::platform::timeline::GatherNamer>,
+    ) {
+        self.named.lock().unwrap().push((copies.into_iter().map(|(_, n)| n).collect(), gathers));
+    }
 }
 
 #[test]
@@ -568,6 +578,7 @@ fn a_traced_timed_run_traces_one_more_lo_execution_and_summarises_the_dit_window
         collected: Default::default(),
         spans: spans.clone(),
         fail_arm: false,
+        named: Default::default(),
     });
     let world = 2;
     let mut spec = DistributedRunSpec::new(desc.clone(), world);
@@ -593,6 +604,28 @@ fn a_traced_timed_run_traces_one_more_lo_execution_and_summarises_the_dit_window
         assert!(run.h2d_bytes >= 6 * run.shard_host_bytes, "rank {r}: h2d {}", run.h2d_bytes);
         assert!(run.h2d_bytes <= 7 * run.shard_host_bytes, "rank {r}: h2d {}", run.h2d_bytes);
     }
+    // Each rank named its copies by the DiT blocks whose shards it holds, and every block AllGather by its block.
+    let named = std::mem::take(&mut *fake.named.lock().unwrap());
+    assert_eq!(named.len(), world);
+    let config = OffloadConfig::distributed_dit(world as u32, 2, None);
+    let plan = weightferry::plan::resolve_offload_plan(&desc, &config).unwrap();
+    let blocks: std::collections::BTreeSet<String> =
+        weightferry::offload::units::build_unit_plan(&desc, &config, &plan)
+            .stacks
+            .iter()
+            .flat_map(|s| s.units.iter().map(|u| u.path.clone()))
+            .collect();
+    assert!(blocks.len() > 2);
+    for (copies, gathers) in named {
+        let copies: std::collections::BTreeSet<String> = copies.into_iter().collect();
+        assert_eq!(copies, blocks);
+        let gathers = gathers.expect("a distributed rank names its AllGathers");
+        for &(_, tag) in runs[0].issued.iter().filter(|(_, t)| *t != WARM_UP_TAG) {
+            let name = gathers(tag).unwrap_or_else(|| panic!("AllGather tag {tag:#x} has no name"));
+            assert!(blocks.contains(&name), "{name}");
+        }
+        assert_eq!(gathers(WARM_UP_TAG), None);
+    }
     // Without timed steps a trace is refused before anything runs.
     spec.timed_steps = None;
     let e = run_distributed_sim(&spec).unwrap_err();
@@ -601,8 +634,13 @@ fn a_traced_timed_run_traces_one_more_lo_execution_and_summarises_the_dit_window
         "a traced distributed run needs timed steps (it traces one more execution of the timed lo steps)"
     );
     // A tracer that cannot arm fails the rank's run with its error.
-    let failing =
-        Arc::new(FakeTracer { armed: Default::default(), collected: Default::default(), spans, fail_arm: true });
+    let failing = Arc::new(FakeTracer {
+        armed: Default::default(),
+        collected: Default::default(),
+        spans,
+        fail_arm: true,
+        named: Default::default(),
+    });
     spec.timed_steps = Some((1, 2));
     spec.trace = Some(RunTracer(failing.clone()));
     let results = run_distributed_sim(&spec).expect("the group ran");

@@ -17,14 +17,14 @@
 use std::collections::HashMap;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use cudarc::driver::sys;
 use weightferry_actors::platform::{HostBufferId, PlatformError, PlatformResult, StreamId};
 
 use super::driver::describe;
 use super::CudaPlatform;
-use crate::platform::timeline::{DeviceSpan, DeviceTracer};
+use crate::platform::timeline::{DeviceSpan, DeviceTracer, GatherNamer};
 
 /// A span begun by [`CudaPlatform::timeline_begin`]; hand it back to [`CudaPlatform::timeline_end`].
 #[derive(Debug)]
@@ -39,9 +39,6 @@ struct Pending {
     start: sys::CUevent,
     end: Option<sys::CUevent>,
 }
-
-/// Names an AllGather's span from its tag (the offload backend knows which block a tag gathers).
-pub type GatherNamer = Arc<dyn Fn(u64) -> Option<String> + Send + Sync>;
 
 #[derive(Default)]
 struct State {
@@ -238,5 +235,9 @@ impl DeviceTracer for CudaPlatform {
 
     fn collect(&self) -> Result<(Vec<DeviceSpan>, u64), PlatformError> {
         self.timeline_collect()
+    }
+
+    fn name_spans(&self, copies: Vec<(HostBufferId, String)>, gathers: Option<GatherNamer>) {
+        self.timeline_name(copies, gathers)
     }
 }
