@@ -8,6 +8,7 @@ pub mod presets;
 pub use pipeline::*;
 pub mod budget;
 pub mod discovery;
+pub mod report;
 pub mod resolver;
 
 pub use resolver::{resolve_offload_plan, BlockStack, ComponentKind, PlanError, ResolvedComponent, ResolvedPlan};

@@ -1,0 +1,291 @@
+//! The resolved plan as a report: what `weightferry plan` prints and `weightferry.plan()` returns (one serialisable
+//! struct with a readable text rendering), touching nothing.
+//!
+//! The JSON field names are a public contract: `strategy` (`none|model|layer|distributed_layer`), `components` (each
+//! with `path`, `kind`, `selected` and `stacks` of `{blocks, resident, streaming}`), `skip_reason` and
+//! `device_weight_bytes` are always there.
+
+use crate::config::{OffloadConfig, Strategy};
+use crate::plan::{resolve_offload_plan, PipelineDesc, PlanError, ResolvedComponent, ResolvedPlan};
+use serde::Serialize;
+use std::fmt;
+
+/// Formats a byte count with a binary unit.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {} ({b} B)", UNITS[u])
+    }
+}
+
+/// One stack of a resolved plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanStack {
+    /// Stack name.
+    pub name: String,
+    /// Blocks in the stack.
+    pub blocks: usize,
+    /// Leading blocks kept resident.
+    pub resident: usize,
+    /// Blocks streamed through the ring.
+    pub streaming: usize,
+    /// Bytes of all blocks.
+    pub bytes: u64,
+    /// Bytes of the resident head.
+    pub resident_bytes: u64,
+    /// Largest streamed block.
+    pub max_streaming_block_bytes: u64,
+    /// Prefetch depth.
+    pub prefetch_depth: u32,
+    /// Ring slots.
+    pub slots: usize,
+    /// Bytes of the ring slots.
+    pub slot_bytes: u64,
+}
+
+/// One component of a resolved plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanComponent {
+    /// Path from the pipeline root.
+    pub path: String,
+    /// Role (`dit`, `text_encoder`, `encoder`, `vae`, `resident`, `auxiliary`, `dit_child`).
+    pub kind: String,
+    /// Module class.
+    pub class: String,
+    /// Whether the strategy offloads it.
+    pub selected: bool,
+    /// Staged through the pipeline's lifecycle.
+    pub on_demand: bool,
+    /// Bytes of its weights.
+    pub bytes: u64,
+    /// What happens to it, in words.
+    pub action: String,
+    /// Its block stacks.
+    pub stacks: Vec<PlanStack>,
+    /// Nested children staged or streamed separately.
+    pub children: Vec<PlanComponent>,
+}
+
+/// The device memory side of a plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanBudget {
+    /// Configured budget.
+    pub budget: Option<u64>,
+    /// Bytes that stay on the device.
+    pub always_resident_bytes: u64,
+    /// Bytes of resident heads.
+    pub resident_head_bytes: u64,
+    /// Bytes of ring slots.
+    pub slot_bytes: u64,
+    /// Largest on-demand component.
+    pub on_demand_peak_bytes: u64,
+    /// Whether the planner chose residency and depth.
+    pub planner_chose: bool,
+}
+
+/// What `weightferry plan` resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanReport {
+    /// Pipeline (preset name or file).
+    pub pipeline: String,
+    /// Strategy (`none`, `model`, `layer`, `distributed_layer`).
+    pub strategy: String,
+    /// Components in plan order (DiTs, encoders, VAEs, residents).
+    pub components: Vec<PlanComponent>,
+    /// Why the backend will do nothing, if so.
+    pub skip_reason: Option<String>,
+    /// Bound on device memory used by weights at the configured prefetch depth.
+    pub device_weight_bytes: u64,
+    /// Bytes of all weights (what a fully resident run holds).
+    pub total_weight_bytes: u64,
+    /// Breakdown of the bound.
+    pub budget: PlanBudget,
+    /// Budget notes (planner choices).
+    pub notes: Vec<String>,
+    /// Warnings raised while resolving.
+    pub warnings: Vec<String>,
+}
+
+fn plan_stack(s: &crate::plan::BlockStack) -> PlanStack {
+    PlanStack {
+        name: s.name.clone(),
+        blocks: s.blocks.len(),
+        resident: s.resident().len(),
+        streaming: s.streaming().len(),
+        bytes: s.block_bytes.iter().sum(),
+        resident_bytes: s.resident_bytes(),
+        max_streaming_block_bytes: s.max_streaming_block_bytes(),
+        prefetch_depth: s.prefetch_depth,
+        slots: s.slot_count(),
+        slot_bytes: s.slot_bytes(),
+    }
+}
+
+fn action(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent, keep_dit: bool) -> String {
+    use crate::plan::ComponentKind;
+    if !c.selected {
+        return "stays on the device (not offloaded)".to_string();
+    }
+    match strategy {
+        Strategy::None => "stays on the device (offload disabled)".to_string(),
+        Strategy::ModelLevel => {
+            if c.kind == ComponentKind::Dit && keep_dit {
+                "stays on the device (keep_dit_resident); other components swap around it".to_string()
+            } else {
+                "swapped onto the device for its phase, then released (model-level)".to_string()
+            }
+        }
+        Strategy::LayerWise | Strategy::DistributedLayerWise => {
+            if plan.skip_reason.is_some() {
+                return "untouched (offload skipped)".to_string();
+            }
+            if c.on_demand {
+                return "staged on demand for its phase (pipeline-managed lifecycle)".to_string();
+            }
+            if c.stacks.is_empty() {
+                return "stays on the device (no block stack declared)".to_string();
+            }
+            let parts: Vec<String> = c
+                .stacks
+                .iter()
+                .map(|s| {
+                    format!(
+                        "{} of {} blocks stream (depth {}, {} slots), {} resident",
+                        s.streaming().len(),
+                        s.blocks.len(),
+                        s.prefetch_depth,
+                        s.slot_count(),
+                        s.resident().len()
+                    )
+                })
+                .collect();
+            format!("{}; non-block weights stay on the device", parts.join("; "))
+        }
+    }
+}
+
+fn plan_component(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent, keep_dit: bool) -> PlanComponent {
+    PlanComponent {
+        path: c.path.clone(),
+        kind: c.kind.name().to_string(),
+        class: c.class.clone(),
+        selected: c.selected,
+        on_demand: c.on_demand,
+        bytes: c.bytes,
+        action: action(strategy, plan, c, keep_dit),
+        stacks: c.stacks.iter().map(plan_stack).collect(),
+        children: c.children.iter().map(|ch| plan_component(strategy, plan, ch, keep_dit)).collect(),
+    }
+}
+
+impl PlanReport {
+    /// Builds the report of an already resolved plan.
+    pub fn from_plan(pipeline: &str, desc: &PipelineDesc, config: &OffloadConfig, plan: &ResolvedPlan) -> PlanReport {
+        let b = &plan.budget;
+        PlanReport {
+            pipeline: pipeline.to_string(),
+            strategy: plan.strategy.report_name().to_string(),
+            components: plan
+                .components()
+                .map(|c| plan_component(plan.strategy, plan, c, config.keep_dit_resident))
+                .collect(),
+            skip_reason: plan.skip_reason.clone(),
+            device_weight_bytes: b.device_weight_bytes,
+            total_weight_bytes: desc.storages.values().map(|s| s.byte_size()).sum(),
+            budget: PlanBudget {
+                budget: b.budget,
+                always_resident_bytes: b.always_resident_bytes,
+                resident_head_bytes: b.resident_head_bytes,
+                slot_bytes: b.slot_bytes,
+                on_demand_peak_bytes: b.on_demand_peak_bytes,
+                planner_chose: b.planner_chose,
+            },
+            notes: b.notes.clone(),
+            warnings: plan.warnings.clone(),
+        }
+    }
+
+    /// Resolves `config` against `desc` and reports the plan.
+    pub fn resolve(pipeline: &str, desc: &PipelineDesc, config: &OffloadConfig) -> Result<PlanReport, PlanError> {
+        let plan = resolve_offload_plan(desc, config)?;
+        Ok(Self::from_plan(pipeline, desc, config, &plan))
+    }
+}
+
+fn write_component(f: &mut fmt::Formatter<'_>, c: &PlanComponent, indent: &str) -> fmt::Result {
+    writeln!(
+        f,
+        "{indent}{} [{}, {}] {}: {}",
+        c.path,
+        c.kind,
+        c.class,
+        human_bytes(c.bytes),
+        if c.selected { "selected" } else { "not selected" }
+    )?;
+    writeln!(f, "{indent}  -> {}", c.action)?;
+    for s in &c.stacks {
+        writeln!(
+            f,
+            "{indent}  stack {}: {} blocks ({}), {} resident ({}), {} streaming; depth {}, {} slots of {} = {}",
+            s.name,
+            s.blocks,
+            human_bytes(s.bytes),
+            s.resident,
+            human_bytes(s.resident_bytes),
+            s.streaming,
+            s.prefetch_depth,
+            s.slots,
+            human_bytes(s.max_streaming_block_bytes),
+            human_bytes(s.slot_bytes)
+        )?;
+    }
+    for ch in &c.children {
+        write_component(f, ch, &format!("{indent}  "))?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for PlanReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "weightferry plan: {}", self.pipeline)?;
+        writeln!(f, "strategy: {}", self.strategy)?;
+        if let Some(r) = &self.skip_reason {
+            writeln!(f, "skipped: {r}")?;
+        }
+        writeln!(f, "components:")?;
+        for c in &self.components {
+            write_component(f, c, "  ")?;
+        }
+        let b = &self.budget;
+        writeln!(f, "device weight memory (bound): {}", human_bytes(self.device_weight_bytes))?;
+        writeln!(f, "  always resident  {}", human_bytes(b.always_resident_bytes))?;
+        writeln!(f, "  resident blocks  {}", human_bytes(b.resident_head_bytes))?;
+        writeln!(f, "  ring slots       {}", human_bytes(b.slot_bytes))?;
+        writeln!(f, "  on-demand peak   {}", human_bytes(b.on_demand_peak_bytes))?;
+        writeln!(f, "  all weights      {}", human_bytes(self.total_weight_bytes))?;
+        match b.budget {
+            Some(budget) => writeln!(
+                f,
+                "  budget           {}{}",
+                human_bytes(budget),
+                if b.planner_chose { " (planner chose residency and depth)" } else { "" }
+            )?,
+            None => writeln!(f, "  budget           none set")?,
+        }
+        for n in &self.notes {
+            writeln!(f, "note: {n}")?;
+        }
+        for w in &self.warnings {
+            writeln!(f, "warning: {w}")?;
+        }
+        Ok(())
+    }
+}
