@@ -32,5 +32,5 @@ pub use launch::{launch, launch_forwarding_signals, LaunchError, LaunchSpec};
 #[cfg(feature = "nccl")]
 pub use nccl_bootstrap::{bootstrap_nccl, bootstrap_nccl_from_env, NcclBootstrap};
 pub use nccl_bootstrap::{BootstrapError, ExchangeError, RankExchange};
-pub use rendezvous::{Rendezvous, RendezvousError, RendezvousOptions, RunId};
+pub use rendezvous::{Fingerprint, Rendezvous, RendezvousError, RendezvousOptions, RunId};
 pub use tcp_collective::TcpCollective;

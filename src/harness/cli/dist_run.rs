@@ -32,7 +32,7 @@ use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DE
 use crate::config::OffloadConfig;
 use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::launch::PEER_FAILED_EXIT;
-use crate::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
+use crate::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use crate::distributed_run::{
     resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
 };
@@ -618,7 +618,6 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     sim_config.copy_latency = Duration::from_micros(a.sim_copy_latency_us);
 
     let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
-    let rdv = Arc::new(Rendezvous::connect(env, RendezvousOptions::default()).map_err(|e| rendezvous_error(rank, e))?);
     // Every rank must run the same thing, or the AllGathers would not match.
     let content = |what: &str, json: serde_json::Result<Vec<u8>>| {
         json.map(|b| format!("{:016x}", fnv1a(FNV_OFFSET, &b)))
@@ -641,6 +640,9 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     };
     let mine = serde_json::to_vec(&fingerprint)
         .map_err(|e| CliError::failed(format!("rank {rank}: cannot serialize the rank check: {e}")))?;
+    // Its digest goes in the hello: without a run id, rank 0 drops a hello of another fingerprint as a stranger's.
+    let options = RendezvousOptions { fingerprint: Fingerprint::of(&mine), ..RendezvousOptions::default() };
+    let rdv = Arc::new(Rendezvous::connect(env, options).map_err(|e| rendezvous_error(rank, e))?);
     let all = rdv.all_gather_bytes(&mine).map_err(|e| rendezvous_error(rank, e))?;
     if let Some(r) = all.iter().position(|f| f.as_slice() != all[0].as_slice()) {
         return Err(CliError::failed(format!(
