@@ -72,12 +72,16 @@ fn a_stopped_rank_is_named_not_the_rank_that_gave_up_on_it() {
     let t = Instant::now();
     let script = format!(r#"if [ "$RANK" = 1 ]; then kill -STOP $$; fi; sleep 0.5; exit {PEER_FAILED_EXIT}"#);
     let r = launch(&sh(2, &script));
-    assert_eq!(r, Err(LaunchError::Stopped { rank: 1, waiting: 0, status: format!("exit status {PEER_FAILED_EXIT}") }));
+    let Err(LaunchError::Stopped { rank: 1, pid, waiting: 0, status }) = &r else { panic!("{r:?}") };
+    assert_eq!(status, &format!("exit status {PEER_FAILED_EXIT}"));
     assert_eq!(
-        r.unwrap_err().to_string(),
-        "rank 1 was stopped (by SIGSTOP or SIGTSTP) and stopped answering; rank 0 gave up waiting for it (exit status \
-         3); every rank was stopped"
+        r.as_ref().unwrap_err().to_string(),
+        format!(
+            "rank 1 (pid {pid}) was stopped (SIGSTOP or a debugger) and stopped answering; rank 0 gave up waiting for \
+             it (exit status 3); every rank was stopped"
+        )
     );
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "the stopped rank {pid} was left behind");
     assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
 }
 

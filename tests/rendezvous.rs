@@ -3,15 +3,19 @@
 //! `LaunchEnv`; and every failure as an exact error: mismatched world sizes, a duplicate rank, ranks out of step,
 //! a peer that leaves, nobody listening, another protocol on the port, a broadcast without its root payload, and
 //! the rendezvous staying broken after a failure; and rank 0 dropping strangers on its port (silent, garbage,
-//! partial or non-hello frames) without delaying the join, while a weightferry hello of another protocol version or
-//! a rank outside the group still fails it; a hello of another run naming a rank does not take its place; a world
-//! size over the limit and an address that is not `host:port` are exact errors at once; rank 0 listens on loopback
-//! when `MASTER_ADDR` is loopback.
+//! partial or non-hello frames, a hello of another protocol version) without delaying the join; with a run id, a
+//! hello of this run that cannot join (another world size, a rank outside the group, a rank taken) fails it, a hello
+//! of another run naming a rank does not take its place; without a run id, a hello of another world size,
+//! fingerprint or a rank outside the group is refused at once while the real ranks join, a second claim on a rank is
+//! refused to the newcomer, a claimant that hung up gives its rank up, and rank 0's timeout counts the
+//! hellos it refused; a world size over the limit and an address that is not `host:port` are exact errors at once;
+//! rank 0 listens on loopback when `MASTER_ADDR` is loopback.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
-use weightferry::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, RunId};
+use weightferry::dist::rendezvous::VERSION;
+use weightferry::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, RunId};
 
 fn opts(ms: u64) -> RendezvousOptions {
     RendezvousOptions { timeout: Duration::from_millis(ms), ..RendezvousOptions::default() }
@@ -21,6 +25,16 @@ fn opts(ms: u64) -> RendezvousOptions {
 fn group<T: Send>(
     world: usize,
     worlds: &[usize],
+    f: impl Fn(Rendezvous) -> T + Sync,
+) -> Vec<Result<T, RendezvousError>> {
+    group_with(world, worlds, opts(5000), f)
+}
+
+/// [`group`] with `options` on every rank.
+fn group_with<T: Send>(
+    world: usize,
+    worlds: &[usize],
+    options: RendezvousOptions,
     f: impl Fn(Rendezvous) -> T + Sync,
 ) -> Vec<Result<T, RendezvousError>> {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -33,8 +47,8 @@ fn group<T: Send>(
                 let w = worlds.get(rank).copied().unwrap_or(world);
                 s.spawn(move || {
                     let rdv = match l {
-                        Some(l) => Rendezvous::root(l, w, opts(5000)),
-                        None => Rendezvous::peer(&addr, rank, w, opts(5000)),
+                        Some(l) => Rendezvous::root(l, w, options),
+                        None => Rendezvous::peer(&addr, rank, w, options),
                     }?;
                     Ok(f(rdv))
                 })
@@ -97,9 +111,12 @@ fn ranks_join_through_the_launch_environment() {
     assert_eq!(results, vec![vec![vec![0], vec![1]]; 2]);
 }
 
+/// With a run id, a rank of another world size is a misconfigured launch: both sides fail at once.
 #[test]
 fn a_mismatched_world_size_fails_both_sides() {
-    let results = group(2, &[2, 3], |_| ());
+    let t = Instant::now();
+    let results = group_with(2, &[2, 3], run_opts(5000, "run-a"), |_| ());
+    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
     assert_eq!(
         results[0].as_ref().unwrap_err().to_string(),
         "rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2; launch every rank with the same WORLD_SIZE"
@@ -111,20 +128,33 @@ fn a_mismatched_world_size_fails_both_sides() {
     );
 }
 
+/// With a run id, two processes of the run claiming one rank fail the rendezvous at once, naming both addresses.
 #[test]
 fn a_duplicate_rank_is_refused() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    let o = run_opts(5000, "run-a");
+    let t = Instant::now();
     let (root, a, b) = std::thread::scope(|s| {
-        let root = s.spawn(move || Rendezvous::root(listener, 3, opts(5000)).map(|_| ()));
-        let a = s.spawn(|| Rendezvous::peer(&addr, 1, 3, opts(5000)).map(|_| ()));
-        let b = s.spawn(|| Rendezvous::peer(&addr, 1, 3, opts(5000)).map(|_| ()));
+        let root = s.spawn(move || Rendezvous::root(listener, 3, o).map(|_| ()));
+        let a = s.spawn(|| Rendezvous::peer(&addr, 1, 3, o).map(|_| ()));
+        let b = s.spawn(|| Rendezvous::peer(&addr, 1, 3, o).map(|_| ()));
         (root.join().unwrap(), a.join().unwrap(), b.join().unwrap())
     });
-    let expected = "two processes joined as rank 1 (or it is outside 0..3); give every process its own RANK";
-    assert_eq!(root.unwrap_err().to_string(), expected);
+    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+    let e = root.unwrap_err();
+    assert!(matches!(e, RendezvousError::DuplicateRank { rank: 1, .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(text.starts_with("two processes claim rank 1 (it joined from 127.0.0.1:"), "{text}");
+    assert!(
+        text.ends_with(
+            " claimed it); give every process its own RANK, and every rank of one run the same WEIGHTFERRY_RUN_ID so \
+             that rank 0 can tell strangers from its ranks"
+        ),
+        "{text}"
+    );
     for r in [a, b] {
-        assert_eq!(r.unwrap_err().to_string(), format!("rank 0 ended the rendezvous: {expected}"));
+        assert_eq!(r.unwrap_err().to_string(), format!("rank 0 ended the rendezvous: {text}"));
     }
 }
 
@@ -238,9 +268,9 @@ fn strangers_on_the_port_neither_delay_nor_break_the_join() {
     let mut http = TcpStream::connect(addr).unwrap();
     http.write_all(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n").unwrap();
     let mut partial = TcpStream::connect(addr).unwrap();
-    partial.write_all(&frame(2, 1, 1, &3u64.to_le_bytes())[..10]).unwrap();
+    partial.write_all(&hello(1, 3, 0, 0)[..10]).unwrap();
     let mut not_hello = TcpStream::connect(addr).unwrap();
-    not_hello.write_all(&frame(2, 4, 1, b"x")).unwrap();
+    not_hello.write_all(&frame(VERSION, 4, 1, b"x")).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let peers: Vec<_> = (1..3)
         .map(|rank| {
@@ -280,34 +310,71 @@ fn a_silent_connection_does_not_hold_up_root() {
     assert!(t.elapsed() < Duration::from_secs(4), "the join took {:?}", t.elapsed());
 }
 
-/// A weightferry peer of another protocol version is a misconfigured launch, not a stranger: the rendezvous fails.
-#[test]
-fn a_hello_of_another_protocol_version_fails_the_rendezvous() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let root = std::thread::spawn(move || Rendezvous::root(listener, 2, opts(3000)).map(|_| ()));
-    let mut s = TcpStream::connect(addr).unwrap();
-    // Version 1 (before the run id) is another protocol version too.
-    s.write_all(&frame(1, 1, 1, &2u64.to_le_bytes())).unwrap();
-    let e = root.join().unwrap().unwrap_err();
-    assert!(matches!(e, RendezvousError::Protocol { magic: 0x5652_4657, version: 1, .. }), "{e:?}");
-    assert!(e.to_string().ends_with(
-        "sent magic 0x56524657 version 1, not a weightferry rendezvous v2 frame; is MASTER_PORT used by another \
-         program, or do the ranks run different weightferry versions?"
-    ));
+/// A raw hello of this protocol version: rank, world size, run id and fingerprint.
+fn hello(rank: u32, world: u64, run: u128, fingerprint: u128) -> Vec<u8> {
+    let mut payload = world.to_le_bytes().to_vec();
+    payload.extend_from_slice(&run.to_le_bytes());
+    payload.extend_from_slice(&fingerprint.to_le_bytes());
+    frame(VERSION, 1, rank, &payload)
 }
 
-/// A hello with a rank outside the group fails the rendezvous with the exact error.
+/// The next frame rank 0 sends on `s` (within 5 s): its kind, its flags and its payload as text.
+fn reply(s: &mut TcpStream) -> (u8, u8, String) {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut h = [0u8; 28];
+    s.read_exact(&mut h).unwrap();
+    let mut payload = vec![0u8; u64::from_le_bytes(h[20..28].try_into().unwrap()) as usize];
+    s.read_exact(&mut payload).unwrap();
+    (h[6], h[7], String::from_utf8(payload).unwrap())
+}
+
+const REFUSE: u8 = 3;
+const WELCOME: u8 = 2;
+/// The flags of a `REFUSE` of this connection's hello.
+const HELLO_REFUSED: u8 = 1;
+
+/// A hello of another protocol version (an older weightferry, or another job's) is refused, told why, and dropped;
+/// the real rank joins at once.
+#[test]
+fn a_hello_of_another_protocol_version_is_refused_and_dropped() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = Instant::now();
+    let root = std::thread::spawn(move || Rendezvous::root(listener, 2, opts(30_000))?.barrier());
+    let mut old = TcpStream::connect(addr).unwrap();
+    // Version 2 (before the fingerprint) is another protocol version.
+    let mut v2 = 2u64.to_le_bytes().to_vec();
+    v2.extend_from_slice(&0u128.to_le_bytes());
+    old.write_all(&frame(2, 1, 1, &v2)).unwrap();
+    let (kind, flags, reason) = reply(&mut old);
+    assert_eq!((kind, flags), (REFUSE, HELLO_REFUSED));
+    assert_eq!(
+        reason,
+        format!(
+            "{} sent magic 0x56524657 version 2, not a weightferry rendezvous v3 frame; is MASTER_PORT used by another \
+             program, or do the ranks run different weightferry versions?",
+            old.local_addr().unwrap()
+        )
+    );
+    assert!(closed_by_rank0(old), "rank 0 kept the connection of another version open");
+    Rendezvous::peer(&addr.to_string(), 1, 2, opts(30_000)).unwrap().barrier().unwrap();
+    root.join().unwrap().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "the join took {:?}", t.elapsed());
+}
+
+/// With a run id, a hello of the run with a rank outside the group fails the rendezvous with the exact error.
 #[test]
 fn a_rank_outside_the_group_is_refused() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    let o = run_opts(5000, "run-a");
     let (root, peer) = std::thread::scope(|s| {
-        let root = s.spawn(move || Rendezvous::root(listener, 3, opts(5000)).map(|_| ()));
-        let peer = s.spawn(|| Rendezvous::peer(&addr, 5, 3, opts(5000)).map(|_| ()));
+        let root = s.spawn(move || Rendezvous::root(listener, 3, o).map(|_| ()));
+        let peer = s.spawn(|| Rendezvous::peer(&addr, 5, 3, o).map(|_| ()));
         (root.join().unwrap(), peer.join().unwrap())
     });
-    let expected = "two processes joined as rank 5 (or it is outside 0..3); give every process its own RANK";
+    let expected = "a hello as rank 5, which is not one of the ranks 1..3 that join rank 0 in a run of WORLD_SIZE=3; \
+                    give every process its own RANK below WORLD_SIZE";
     assert_eq!(root.unwrap_err().to_string(), expected);
     assert_eq!(peer.unwrap_err().to_string(), format!("rank 0 ended the rendezvous: {expected}"));
 }
@@ -350,7 +417,7 @@ fn broadcast_takes_the_payload_on_rank_zero_only() {
 }
 
 fn run_opts(ms: u64, run: &str) -> RendezvousOptions {
-    RendezvousOptions { timeout: Duration::from_millis(ms), run: RunId::from_name(run) }
+    RendezvousOptions { timeout: Duration::from_millis(ms), run: RunId::from_name(run), ..RendezvousOptions::default() }
 }
 
 /// A hello of this protocol naming rank 1 but of another run (or of no run) arrives first and stays open: it does
@@ -361,17 +428,15 @@ fn a_strangers_hello_naming_a_rank_does_not_block_the_real_rank() {
     let addr = listener.local_addr().unwrap();
     let t = Instant::now();
     let root = std::thread::spawn(move || Rendezvous::root(listener, 2, run_opts(30_000, "run-a"))?.barrier());
-    let mut hello = 2u64.to_le_bytes().to_vec();
-    hello.extend_from_slice(&0u128.to_le_bytes());
     let mut no_run = TcpStream::connect(addr).unwrap();
-    no_run.write_all(&frame(2, 1, 1, &hello)).unwrap();
+    no_run.write_all(&hello(1, 2, 0, 0)).unwrap();
     let other = Rendezvous::peer(&addr.to_string(), 1, 2, run_opts(30_000, "run-b")).unwrap_err();
     let (a, b) = (RunId::from_name("run-a"), RunId::from_name("run-b"));
     assert_eq!(
         other.to_string(),
         format!(
-            "rank 0 ended the rendezvous: MASTER_PORT belongs to another run (run id {a}), this rank 1 has run id \
-             {b}; give every rank of one run the same WEIGHTFERRY_RUN_ID, or use another MASTER_PORT"
+            "rank 0 refused the hello of this rank 1: MASTER_PORT belongs to another run (run id {a}), this rank 1 \
+             has run id {b}; give every rank of one run the same WEIGHTFERRY_RUN_ID, or use another MASTER_PORT"
         )
     );
     let real = Rendezvous::peer(&addr.to_string(), 1, 2, run_opts(30_000, "run-a")).unwrap();
@@ -379,6 +444,151 @@ fn a_strangers_hello_naming_a_rank_does_not_block_the_real_rank() {
     root.join().unwrap().unwrap();
     assert!(t.elapsed() < Duration::from_secs(5), "the join took {:?}", t.elapsed());
     assert!(closed_by_rank0(no_run), "rank 0 kept the hello of no run open");
+}
+
+fn fp_opts(ms: u64, fingerprint: &[u8]) -> RendezvousOptions {
+    RendezvousOptions {
+        timeout: Duration::from_millis(ms),
+        fingerprint: Fingerprint::of(fingerprint),
+        ..RendezvousOptions::default()
+    }
+}
+
+/// Without a run id: strangers' hellos naming rank 1 arrive first and stay open — one of another fingerprint, one
+/// of another world size, one naming a rank outside the group. Each is refused at once with the exact reason and
+/// dropped; the real rank 1 joins at once and the rendezvous works (rank 0 neither waits for the timeout nor fails).
+#[test]
+fn without_a_run_id_strangers_hellos_are_refused_and_the_real_rank_joins_at_once() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ours = fp_opts(30_000, b"job-a");
+    let t = Instant::now();
+    let root = std::thread::spawn(move || Rendezvous::root(listener, 2, ours)?.broadcast(Some(b"id")));
+    let (a, b) = (Fingerprint::of(b"job-a"), Fingerprint::of(b"job-b"));
+    let cases = [
+        (
+            hello(1, 2, 0, b.0),
+            format!(
+                "rank 1 has fingerprint {b} but rank 0 has {a} (they run different things), and without a run id \
+                 rank 0 takes it for a stranger; launch every rank with the same arguments and files, and every rank \
+                 of one run with the same WEIGHTFERRY_RUN_ID"
+            ),
+        ),
+        (
+            hello(1, 4, 0, a.0),
+            "rank 1 has WORLD_SIZE=4 but rank 0 has WORLD_SIZE=2; launch every rank with the same WORLD_SIZE".into(),
+        ),
+        (
+            hello(7, 2, 0, a.0),
+            "a hello as rank 7, which is not one of the ranks 1..2 that join rank 0 in a run of WORLD_SIZE=2; give \
+             every process its own RANK below WORLD_SIZE"
+                .into(),
+        ),
+    ];
+    let mut strangers = Vec::new();
+    for (bytes, expected) in cases {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&bytes).unwrap();
+        assert_eq!(reply(&mut s), (REFUSE, HELLO_REFUSED, expected));
+        strangers.push(s);
+    }
+    let real = Rendezvous::peer(&addr.to_string(), 1, 2, ours).unwrap();
+    assert_eq!(real.broadcast(None).unwrap(), b"id");
+    assert_eq!(root.join().unwrap().unwrap(), b"id");
+    assert!(t.elapsed() < Duration::from_secs(5), "the join took {:?}", t.elapsed());
+    for s in strangers {
+        assert!(closed_by_rank0(s), "rank 0 kept a refused stranger open");
+    }
+}
+
+/// Without a run id, a peer of another world size is refused at once with the exact reason; rank 0 keeps waiting,
+/// and its timeout counts the hello it refused and quotes why.
+#[test]
+fn without_a_run_id_a_mismatched_world_size_is_refused_and_rank_0_says_so_at_its_timeout() {
+    let t = Instant::now();
+    let results = group_with(2, &[2, 3], opts(600), |_| ());
+    let why = "rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2; launch every rank with the same WORLD_SIZE";
+    let refused = results[1].as_ref().unwrap_err();
+    assert_eq!(refused, &RendezvousError::HelloRefused { rank: 1, reason: why.into() });
+    assert_eq!(refused.to_string(), format!("rank 0 refused the hello of this rank 1: {why}"));
+    let e = results[0].as_ref().unwrap_err();
+    assert!(matches!(e, RendezvousError::Incomplete { refused: 1, .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(text.starts_with("rank 0: ranks 1 did not join within "), "{text}");
+    assert!(
+        text.ends_with(&format!(
+            "; start all WORLD_SIZE=2 ranks with the same MASTER_ADDR and MASTER_PORT (rank 0 refused 1 hello: {why})"
+        )),
+        "{text}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+}
+
+/// Without a run id, a stranger identical to a rank (same world size and fingerprint) that claims rank 1 first and
+/// stays connected keeps it (the documented limit): the real rank 1 is refused at once with the exact reason, the
+/// others still join, and the stranger is welcomed.
+#[test]
+fn without_a_run_id_a_second_claim_on_a_joined_rank_is_refused_to_the_newcomer() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ours = fp_opts(30_000, b"job-a");
+    let t = Instant::now();
+    let root = std::thread::spawn(move || Rendezvous::root(listener, 3, ours).map(|r| r.world()));
+    let mut stranger = TcpStream::connect(addr).unwrap();
+    stranger.write_all(&hello(1, 3, 0, Fingerprint::of(b"job-a").0)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let e = Rendezvous::peer(&addr.to_string(), 1, 3, ours).unwrap_err().to_string();
+    let first = stranger.local_addr().unwrap();
+    let head =
+        format!("rank 0 refused the hello of this rank 1: two processes claim rank 1 (it joined from {first}, then");
+    assert!(e.starts_with(&format!("{head} 127.0.0.1:")), "{e}");
+    assert!(
+        e.ends_with(
+            " claimed it); give every process its own RANK, and every rank of one run the same WEIGHTFERRY_RUN_ID so \
+             that rank 0 can tell strangers from its ranks"
+        ),
+        "{e}"
+    );
+    let rank2 = Rendezvous::peer(&addr.to_string(), 2, 3, ours).unwrap();
+    assert_eq!(root.join().unwrap().unwrap(), 3);
+    assert_eq!(reply(&mut stranger), (WELCOME, 0, String::new()));
+    drop(rank2);
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+}
+
+/// A claimant that hangs up gives its rank up: a stranger's hello as rank 1 that closes does not keep the real
+/// rank 1 out, whether the real rank 1 arrives before rank 2 (it takes the closed claimant's place) or after it
+/// (the join does not complete with a closed connection).
+#[test]
+fn a_claimant_that_hung_up_gives_its_rank_up() {
+    for first in [1usize, 2] {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let t = Instant::now();
+        let root = std::thread::spawn(move || Rendezvous::root(listener, 3, opts(30_000))?.all_gather_bytes(b"0"));
+        let mut gone = TcpStream::connect(addr).unwrap();
+        gone.write_all(&hello(1, 3, 0, 0)).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(gone);
+        std::thread::sleep(Duration::from_millis(100));
+        let peers: Vec<_> = [first, 3 - first]
+            .into_iter()
+            .map(|rank| {
+                let addr = addr.to_string();
+                let peer = std::thread::spawn(move || {
+                    Rendezvous::peer(&addr, rank, 3, opts(30_000))?.all_gather_bytes(&[b'0' + rank as u8])
+                });
+                std::thread::sleep(Duration::from_millis(100));
+                peer
+            })
+            .collect();
+        let expected = vec![b"0".to_vec(), b"1".to_vec(), b"2".to_vec()];
+        assert_eq!(root.join().unwrap().unwrap(), expected, "rank {first} first");
+        for p in peers {
+            assert_eq!(p.join().unwrap().unwrap(), expected, "rank {first} first");
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    }
 }
 
 /// A world size past `MAX_WORLD` is an exact error at once, on rank 0 and on the others, before anything is

@@ -45,11 +45,36 @@ impl EngineOffer {
     }
 
     /// The offer from [`EngineOffer::to_bytes`]'s bytes.
-    pub fn from_bytes(bytes: &[u8]) -> Result<EngineOffer, String> {
-        let text = std::str::from_utf8(bytes).map_err(|_| "an AllGather engine offer is not UTF-8".to_string())?;
-        let (node, why) = text.split_once(SEP).ok_or_else(|| format!("malformed AllGather engine offer {text:?}"))?;
+    pub fn from_bytes(bytes: &[u8]) -> Result<EngineOffer, OfferError> {
+        let text = std::str::from_utf8(bytes).map_err(|_| OfferError::NotUtf8 { len: bytes.len() })?;
+        let (node, why) = text.split_once(SEP).ok_or_else(|| OfferError::NoSeparator { text: text.to_string() })?;
         Ok(EngineOffer { node: node.to_string(), unable: (!why.is_empty()).then(|| why.to_string()) })
     }
+}
+
+/// Why bytes are not an [`EngineOffer`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OfferError {
+    /// The bytes are not UTF-8.
+    #[error("an AllGather engine offer of {len} bytes is not UTF-8")]
+    NotUtf8 {
+        /// Their length.
+        len: usize,
+    },
+    /// The text has no field separator.
+    #[error("malformed AllGather engine offer {text:?}")]
+    NoSeparator {
+        /// The text received.
+        text: String,
+    },
+}
+
+/// `copy-engine` was asked for and some rank cannot use it (or the ranks span nodes).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--allgather-engine copy-engine: {why}; use --allgather-engine auto or kernel")]
+pub struct CopyEngineRefused {
+    /// What rules the copy engines out, naming the rank (`rank 1: NCCL 22703 is older than 2.28`).
+    pub why: String,
 }
 
 /// What the ranks agreed on.
@@ -69,7 +94,7 @@ impl fmt::Display for EngineChoice {
 
 /// Decides from every rank's offer (rank order); every rank calls it with the same offers and gets the same
 /// answer. Errors (only for an explicit `copy-engine`) name the rank and the way out.
-pub fn choose_engine(requested: AllGatherEngine, offers: &[EngineOffer]) -> Result<EngineChoice, String> {
+pub fn choose_engine(requested: AllGatherEngine, offers: &[EngineOffer]) -> Result<EngineChoice, CopyEngineRefused> {
     if requested == AllGatherEngine::Kernel {
         return Ok(EngineChoice { copy_engine: false, note: None });
     }
@@ -89,9 +114,7 @@ pub fn choose_engine(requested: AllGatherEngine, offers: &[EngineOffer]) -> Resu
     };
     match (requested, obstacle) {
         (_, None) => Ok(EngineChoice { copy_engine: true, note: None }),
-        (AllGatherEngine::CopyEngine, Some(why)) => {
-            Err(format!("--allgather-engine copy-engine: {why}; use --allgather-engine auto or kernel"))
-        }
+        (AllGatherEngine::CopyEngine, Some(why)) => Err(CopyEngineRefused { why }),
         (_, Some(why)) => Ok(EngineChoice { copy_engine: false, note: Some(why) }),
     }
 }
@@ -124,10 +147,13 @@ mod tests {
             assert_eq!(EngineOffer::from_bytes(&o.to_bytes()).unwrap(), o);
         }
         assert_eq!(
-            EngineOffer::from_bytes(b"no separator"),
-            Err("malformed AllGather engine offer \"no separator\"".into())
+            EngineOffer::from_bytes(b"no separator").unwrap_err().to_string(),
+            "malformed AllGather engine offer \"no separator\""
         );
-        assert!(EngineOffer::from_bytes(&[0xff, b'\n']).is_err());
+        assert_eq!(
+            EngineOffer::from_bytes(&[0xff, b'\n']).unwrap_err().to_string(),
+            "an AllGather engine offer of 2 bytes is not UTF-8"
+        );
     }
 
     #[test]
@@ -153,9 +179,8 @@ mod tests {
     fn an_explicit_copy_engine_fails_with_the_reason_and_kernel_never_asks() {
         let old = [offer("n", Some("no symmetric memory")), offer("n", None)];
         assert_eq!(
-            choose_engine(AllGatherEngine::CopyEngine, &old),
-            Err("--allgather-engine copy-engine: rank 0: no symmetric memory; use --allgather-engine auto or kernel"
-                .into())
+            choose_engine(AllGatherEngine::CopyEngine, &old).unwrap_err().to_string(),
+            "--allgather-engine copy-engine: rank 0: no symmetric memory; use --allgather-engine auto or kernel"
         );
         assert_eq!(
             choose_engine(AllGatherEngine::CopyEngine, &[offer("n", None), offer("n", None)]).map(|c| c.copy_engine),

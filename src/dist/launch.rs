@@ -12,9 +12,11 @@
 //! grandchild keeps a pipe open, [`OUTPUT_GRACE`] later); when a child fails (non-zero exit or a signal), every
 //! other child still running is killed, and the error names the first rank that failed on its own and how. A rank
 //! that stopped only because another one failed exits with [`PEER_FAILED_EXIT`]; launch then waits up to
-//! [`ROOT_CAUSE_GRACE`] for a rank that failed otherwise and names that one — or, if a rank is stopped
-//! (SIGSTOP, SIGTSTP; noticed at once through SIGCHLD), names the stopped rank. A SIGINT or SIGTERM to launch is
-//! sent to every rank; ranks still running [`SIGNAL_GRACE`] later (or at a second signal) are killed.
+//! [`ROOT_CAUSE_GRACE`] for a rank that failed otherwise and names that one — or, if a rank is stopped, names the
+//! stopped rank. A stopped rank (state `T` or `t` in `/proc/<pid>/stat`: SIGSTOP, SIGTSTP or a debugger; Linux) is
+//! noticed within [`STOP_POLL`] (at once on SIGCHLD) and said on stderr with its pid, as is its continuing. A SIGINT
+//! or SIGTERM to launch is sent to every rank (a stopped rank also gets SIGCONT, so it acts on it); ranks still
+//! running [`SIGNAL_GRACE`] later (or at a second signal) are killed.
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -42,6 +44,9 @@ pub const OUTPUT_GRACE: Duration = Duration::from_secs(2);
 
 /// How long ranks have to exit after launch forwarded a SIGINT or SIGTERM to them, before they are killed.
 pub const SIGNAL_GRACE: Duration = Duration::from_secs(3);
+
+/// How often launch looks for stopped ranks (besides at every SIGCHLD, which a debugger's stop does not send).
+pub const STOP_POLL: Duration = Duration::from_millis(250);
 
 /// What to launch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,14 +91,16 @@ pub enum LaunchError {
         /// How it ended (`exit status 1`, `killed by signal 9`).
         status: String,
     },
-    /// A rank was stopped (SIGSTOP or SIGTSTP) and the others gave up waiting for it.
+    /// A rank was stopped (SIGSTOP, SIGTSTP or a debugger) and the others gave up waiting for it.
     #[error(
-        "rank {rank} was stopped (by SIGSTOP or SIGTSTP) and stopped answering; rank {waiting} gave up waiting for \
-         it ({status}); every rank was stopped"
+        "rank {rank} (pid {pid}) was stopped (SIGSTOP or a debugger) and stopped answering; rank {waiting} gave up \
+         waiting for it ({status}); every rank was stopped"
     )]
     Stopped {
         /// The stopped rank.
         rank: usize,
+        /// Its process id.
+        pid: u32,
         /// The first rank that failed because of it.
         waiting: usize,
         /// How that rank ended.
@@ -219,7 +226,13 @@ async fn own(
         tokio::select! {
             status = child.wait() => break status,
             order = orders.recv() => match order {
-                Some(Order::Signal(sig)) => send_signal(&child, sig),
+                Some(Order::Signal(sig)) => {
+                    send_signal(&child, sig);
+                    // A stopped process acts on nothing but SIGKILL until it continues.
+                    if child.id().is_some_and(is_stopped) {
+                        send_signal(&child, libc::SIGCONT);
+                    }
+                }
                 Some(Order::Kill) | None => {
                     let _ = child.start_kill();
                     break child.wait().await;
@@ -244,10 +257,38 @@ fn send_signal(child: &Child, sig: i32) {
     let _ = (child, sig);
 }
 
-/// Whether process `pid` is stopped (state `T` in `/proc/<pid>/stat`; Linux only, else never).
+/// Whether process `pid` is stopped: state `T` (by a signal) or `t` (by a debugger) in `/proc/<pid>/stat`; Linux
+/// only, else never.
 fn is_stopped(pid: u32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) == Some('T')
+    stat_is_stopped(&stat)
+}
+
+/// Whether a `/proc/<pid>/stat` line has state `T` or `t` (the field after the command name, which may itself hold
+/// spaces and parentheses).
+fn stat_is_stopped(stat: &str) -> bool {
+    matches!(stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()), Some('T' | 't'))
+}
+
+/// Looks at every live rank (`pids`) and says on stderr which ones stopped or continued since the last look
+/// (`stopped`, updated).
+fn watch_stopped(pids: &[Option<u32>], stopped: &mut [bool]) {
+    for (rank, pid) in pids.iter().enumerate() {
+        let Some(pid) = *pid else {
+            stopped[rank] = false;
+            continue;
+        };
+        let now = is_stopped(pid);
+        if now && !stopped[rank] {
+            eprintln!(
+                "weightferry launch: rank {rank} (pid {pid}) is stopped (SIGSTOP or a debugger); the other ranks wait \
+                 for it until their rendezvous timeout (send it SIGCONT to go on)"
+            );
+        } else if !now && stopped[rank] {
+            eprintln!("weightferry launch: rank {rank} (pid {pid}) continues");
+        }
+        stopped[rank] = now;
+    }
 }
 
 /// Runs the ranks of `spec` and waits for them; see the module docs. SIGINT and SIGTERM keep their usual effect on
@@ -312,8 +353,11 @@ async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), 
     use tokio::signal::unix::SignalKind;
     let mut sigint = SignalStream::new(forward_signals, SignalKind::interrupt());
     let mut sigterm = SignalStream::new(forward_signals, SignalKind::terminate());
-    // SIGCHLD also arrives when a child stops or continues: the moment to look for stopped ranks.
+    // SIGCHLD also arrives when a child stops or continues: the moment to look for stopped ranks; a debugger's stop
+    // sends none, so launch looks every STOP_POLL too.
     let mut sigchld = SignalStream::new(true, SignalKind::child());
+    let mut poll = tokio::time::interval(STOP_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let run_id = run_id(port);
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut orders: Vec<Option<mpsc::UnboundedSender<Order>>> = Vec::with_capacity(spec.nproc);
@@ -419,18 +463,8 @@ async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), 
                     kill_at = tokio::time::Instant::now() + SIGNAL_GRACE;
                 }
             }
-            () = sigchld.recv() => {
-                for (rank, pid) in pids.iter().enumerate() {
-                    let now = pid.is_some_and(is_stopped);
-                    if now && !stopped[rank] {
-                        eprintln!(
-                            "weightferry launch: rank {rank} is stopped (SIGSTOP or SIGTSTP); the other ranks wait for \
-                             it until their rendezvous timeout (send it SIGCONT to go on)"
-                        );
-                    }
-                    stopped[rank] = now;
-                }
-            }
+            () = sigchld.recv() => watch_stopped(&pids, &mut stopped),
+            _ = poll.tick() => watch_stopped(&pids, &mut stopped),
             () = tokio::time::sleep_until(grace_end) => break,
             () = tokio::time::sleep_until(kill_at) => {
                 order_all(&mut orders, Order::Kill);
@@ -439,8 +473,8 @@ async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), 
         }
         // A rank that gave up on its peers while one of them is stopped: the stopped one is the cause.
         if let (Some((waiting, status)), Some(rank)) = (&secondary, stopped.iter().position(|&s| s)) {
-            if failure.is_none() && pids[rank].is_some() {
-                failure = Some(LaunchError::Stopped { rank, waiting: *waiting, status: status.clone() });
+            if let (None, Some(pid)) = (&failure, pids[rank]) {
+                failure = Some(LaunchError::Stopped { rank, pid, waiting: *waiting, status: status.clone() });
             }
         }
     }
@@ -473,5 +507,22 @@ async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), 
     match failure {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stat_line_is_stopped_in_state_t_or_t_after_the_command_name() {
+        assert!(stat_is_stopped("4242 (weightferry) T 1 4242 4242 0 -1"));
+        assert!(stat_is_stopped("4242 (gdb target) t 1 4242"));
+        // The command name may hold ") T" itself: the state is after the last parenthesis.
+        assert!(!stat_is_stopped("4242 (a) T (b) S 1 4242"));
+        assert!(!stat_is_stopped("4242 (weightferry) S 1 4242"));
+        assert!(!stat_is_stopped("4242 (weightferry) R 1"));
+        assert!(!stat_is_stopped(""));
+        assert!(!is_stopped(u32::MAX));
     }
 }

@@ -8,6 +8,8 @@
 //!   that ships the NCCL unique id and carries the simulated collective.
 //! - [`tcp_collective`]: [`TcpCollective`], the AllGather contract across processes on the simulated device.
 //! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
+//! - [`nccl_bootstrap`]: a rank's NCCL bootstrap as one call (the engine agreement, the symmetric heap, rank 0's
+//!   unique id) over any [`RankExchange`] (the rendezvous, or a host engine's store); the CUDA side under `nccl`.
 //! - [`launch`](mod@launch): `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
 //!   prefixed; SIGINT / SIGTERM forwarded to every rank.
 //!
@@ -21,10 +23,14 @@
 pub mod allgather_engine;
 pub mod env;
 pub mod launch;
+pub mod nccl_bootstrap;
 pub mod rendezvous;
 pub mod tcp_collective;
 
 pub use env::{LaunchEnv, LaunchEnvError};
 pub use launch::{launch, launch_forwarding_signals, LaunchError, LaunchSpec};
-pub use rendezvous::{Rendezvous, RendezvousError, RendezvousOptions, RunId};
+#[cfg(feature = "nccl")]
+pub use nccl_bootstrap::{bootstrap_nccl, bootstrap_nccl_from_env, NcclBootstrap};
+pub use nccl_bootstrap::{BootstrapError, ExchangeError, RankExchange};
+pub use rendezvous::{Fingerprint, Rendezvous, RendezvousError, RendezvousOptions, RunId};
 pub use tcp_collective::TcpCollective;

@@ -11,13 +11,26 @@
 //! Do not call it from inside an async task.
 //!
 //! Wire format: every message is one frame, a 28-byte little-endian header — magic `"WFRV"` ([`MAGIC`]), protocol
-//! [`VERSION`], kind, a reserved byte, the sender's rank, the operation's sequence number, the payload length —
+//! [`VERSION`], kind, a flags byte, the sender's rank, the operation's sequence number, the payload length —
 //! then the payload (at most [`MAX_PAYLOAD`] bytes). Joining is a `HELLO` carrying the joiner's rank, its world
-//! size and its [`RunId`], answered by `WELCOME` once every rank has joined, or by `REFUSE` with the reason. Rank 0
-//! keeps accepting while it waits, and gives each connection [`RendezvousOptions::handshake_timeout`] to send its
-//! hello: strangers on the port (silent, another protocol, not a hello, or a hello of another run) are dropped with
-//! a warning and cannot delay the join, while a weightferry hello of this run that cannot join (another version,
-//! world size or a taken rank) fails the rendezvous.
+//! size, its [`RunId`] and its [`Fingerprint`], answered by `WELCOME` once every rank has joined, or by `REFUSE`
+//! with the reason (flags 1: this hello was refused, [`RendezvousError::HelloRefused`]; 0: rank 0 ended the
+//! rendezvous, [`RendezvousError::Refused`]). Rank 0 keeps accepting while it waits, and gives each connection
+//! [`RendezvousOptions::handshake_timeout`] to send its hello. Who joins:
+//!
+//! - A connection that is no weightferry hello (silent, closed, another protocol, another frame) is dropped with a
+//!   warning. A hello of another protocol [`VERSION`] or of another run is refused (told why) and dropped.
+//! - With a run id (the same on every rank), a hello of this run is taken at its word: one that cannot join
+//!   (another world size, a rank outside `1..world`, a rank that joined already) is a misconfigured launch and
+//!   fails the rendezvous, rank 0 telling every joined rank why.
+//! - Without a run id, rank 0 cannot tell a misconfigured rank from a stranger, so no single hello fails the join:
+//!   a hello with another world size or [`Fingerprint`], or a rank outside `1..world`, is refused and dropped; a
+//!   second claim on a rank that joined is refused (first come, first served). A refused process fails at once
+//!   with the reason; rank 0 keeps accepting, and if the join then times out its error counts the hellos it
+//!   refused and quotes the first. The limit: a stranger with this run's world size and fingerprint that claims a
+//!   rank first, and stays connected, keeps it; a run id rules that out.
+//! - Either way, a claimant whose connection closed before the join completed gives its rank up: the join completes
+//!   only with every connection open, and a later claim on that rank takes its place.
 //!
 //! Invariants: operations are collective — every rank calls the same operations in the same order, and each frame
 //! carries the operation's sequence number and kind, so a rank out of step is an error naming it, never a silent
@@ -39,8 +52,9 @@ use tokio::runtime::Runtime;
 
 /// First four bytes of every frame (`"WFRV"` read as a little-endian `u32`).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"WFRV");
-/// Protocol version; ranks of different versions refuse each other. Version 2 added the [`RunId`] to the hello.
-pub const VERSION: u16 = 2;
+/// Protocol version; ranks of different versions refuse each other. Version 2 added the [`RunId`] to the hello,
+/// version 3 the [`Fingerprint`].
+pub const VERSION: u16 = 3;
 /// Largest payload of one frame (1 GiB).
 pub const MAX_PAYLOAD: u64 = 1 << 30;
 /// Largest world size: rank 0 holds one connection (one file descriptor) per rank.
@@ -66,6 +80,15 @@ fn kind_name(kind: u8) -> &'static str {
         BCAST => "broadcast",
         GATHER | GATHERED => "all_gather",
         _ => "unknown",
+    }
+}
+
+/// ` (rank 0 refused 2 hellos; the first: …)`, or nothing when it refused none.
+fn refusals(refused: usize, first: Option<&str>) -> String {
+    match (refused, first) {
+        (0, _) | (_, None) => String::new(),
+        (1, Some(why)) => format!(" (rank 0 refused 1 hello: {why})"),
+        (n, Some(why)) => format!(" (rank 0 refused {n} hellos; the first: {why})"),
     }
 }
 
@@ -102,23 +125,55 @@ impl RunId {
 
     /// The digest of a run id string (FNV-1a, 128-bit; never [`RunId::NONE`]).
     pub fn from_name(name: &str) -> RunId {
-        const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013B;
-        let mut h: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
-        for b in name.as_bytes() {
-            h ^= u128::from(*b);
-            h = h.wrapping_mul(PRIME);
-        }
-        RunId(h.max(1))
+        RunId(digest(name.as_bytes()))
+    }
+}
+
+/// FNV-1a, 128-bit, of `bytes`; never 0.
+fn digest(bytes: &[u8]) -> u128 {
+    const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013B;
+    let mut h: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+    for b in bytes {
+        h ^= u128::from(*b);
+        h = h.wrapping_mul(PRIME);
+    }
+    h.max(1)
+}
+
+/// The first 32 bits in hex, or `none` for 0.
+fn short_hex(v: u128, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+    if v == 0 {
+        f.write_str("none")
+    } else {
+        write!(f, "{:08x}", (v >> 96) as u32)
     }
 }
 
 impl std::fmt::Display for RunId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if *self == RunId::NONE {
-            f.write_str("none")
-        } else {
-            write!(f, "{:08x}", (self.0 >> 96) as u32)
-        }
+        short_hex(self.0, f)
+    }
+}
+
+/// What a rank runs, as a digest its caller makes (of its serialized job, say; `weightferry run` uses its rank
+/// check). Without a run id, rank 0 takes a hello with another fingerprint for a stranger's ([`Rendezvous`]'s
+/// module docs); with one, the fingerprint is not compared. [`Fingerprint::NONE`] matches only itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Fingerprint(pub u128);
+
+impl Fingerprint {
+    /// No fingerprint.
+    pub const NONE: Fingerprint = Fingerprint(0);
+
+    /// The digest of `bytes` (FNV-1a, 128-bit; never [`Fingerprint::NONE`]).
+    pub fn of(bytes: &[u8]) -> Fingerprint {
+        Fingerprint(digest(bytes))
+    }
+}
+
+impl std::fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        short_hex(self.0, f)
     }
 }
 
@@ -173,8 +228,9 @@ pub enum RendezvousError {
     /// Not every rank joined in time.
     #[error(
         "rank 0: ranks {} did not join within {waited:?}; start all WORLD_SIZE={world} ranks with the same \
-         MASTER_ADDR and MASTER_PORT",
-        rank_ranges(missing)
+         MASTER_ADDR and MASTER_PORT{}",
+        rank_ranges(missing),
+        refusals(*refused, first_refusal.as_deref())
     )]
     Incomplete {
         /// The world size.
@@ -183,6 +239,10 @@ pub enum RendezvousError {
         missing: Vec<usize>,
         /// How long rank 0 waited.
         waited: Duration,
+        /// Hellos rank 0 refused meanwhile (another version, run, world size or fingerprint, a rank taken).
+        refused: usize,
+        /// Why it refused the first of them.
+        first_refusal: Option<String>,
     },
     /// A rank joined with another world size.
     #[error(
@@ -197,17 +257,56 @@ pub enum RendezvousError {
         /// Rank 0's world size.
         ours: usize,
     },
-    /// Two processes joined with one rank (or a rank outside the group joined).
-    #[error("two processes joined as rank {rank} (or it is outside 0..{world}); give every process its own RANK")]
+    /// A hello named a rank outside `1..world` (the ranks that join rank 0).
+    #[error(
+        "a hello as rank {rank}, which is not one of the ranks 1..{world} that join rank 0 in a run of \
+         WORLD_SIZE={world}; give every process its own RANK below WORLD_SIZE"
+    )]
     BadRank {
         /// The rank.
         rank: usize,
         /// The world size.
         world: usize,
     },
-    /// Rank 0 refused this rank, or gave up and said why.
+    /// A second process claimed a rank that joined already.
+    #[error(
+        "two processes claim rank {rank} (it joined from {first}, then {second} claimed it); give every process its \
+         own RANK, and every rank of one run the same WEIGHTFERRY_RUN_ID so that rank 0 can tell strangers from its \
+         ranks"
+    )]
+    DuplicateRank {
+        /// The rank.
+        rank: usize,
+        /// Where the first claim came from.
+        first: String,
+        /// Where the second came from.
+        second: String,
+    },
+    /// Without a run id: a hello whose fingerprint differs from rank 0's (taken for a stranger's).
+    #[error(
+        "rank {rank} has fingerprint {theirs} but rank 0 has {ours} (they run different things), and without a run \
+         id rank 0 takes it for a stranger; launch every rank with the same arguments and files, and every rank of \
+         one run with the same WEIGHTFERRY_RUN_ID"
+    )]
+    FingerprintMismatch {
+        /// The joining rank.
+        rank: usize,
+        /// Its fingerprint.
+        theirs: Fingerprint,
+        /// Rank 0's.
+        ours: Fingerprint,
+    },
+    /// Rank 0 ended the rendezvous (for every rank) and said why.
     #[error("rank 0 ended the rendezvous: {reason}")]
     Refused {
+        /// Rank 0's reason.
+        reason: String,
+    },
+    /// Rank 0 refused this rank's hello (it took it for a stranger's, or the rank was taken) and goes on without it.
+    #[error("rank 0 refused the hello of this rank {rank}: {reason}")]
+    HelloRefused {
+        /// This rank.
+        rank: usize,
         /// Rank 0's reason.
         reason: String,
     },
@@ -281,12 +380,14 @@ pub struct RendezvousOptions {
     /// The run this rank belongs to; [`Rendezvous::connect`] uses [`LaunchEnv::run_id`] when this is
     /// [`RunId::NONE`].
     pub run: RunId,
+    /// What this rank runs; compared by rank 0 only without a run id (see the module docs).
+    pub fingerprint: Fingerprint,
 }
 
 impl Default for RendezvousOptions {
-    /// A 60 s timeout, no run id.
+    /// A 60 s timeout, no run id, no fingerprint.
     fn default() -> Self {
-        RendezvousOptions { timeout: Duration::from_secs(60), run: RunId::NONE }
+        RendezvousOptions { timeout: Duration::from_secs(60), run: RunId::NONE, fingerprint: Fingerprint::NONE }
     }
 }
 
@@ -303,6 +404,7 @@ impl RendezvousOptions {
 
 struct Frame {
     kind: u8,
+    flags: u8,
     rank: u32,
     seq: u64,
     payload: Vec<u8>,
@@ -318,9 +420,23 @@ fn timed_out() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out")
 }
 
+/// The flags of a `REFUSE` of the connection's hello (it did not join); 0 when rank 0 ends the rendezvous.
+const HELLO_REFUSED: u8 = 1;
+
 async fn write_frame<W: AsyncWrite + Unpin>(
     s: &mut W,
     kind: u8,
+    rank: usize,
+    seq: u64,
+    payload: &[u8],
+) -> std::io::Result<()> {
+    write_frame_with(s, kind, 0, rank, seq, payload).await
+}
+
+async fn write_frame_with<W: AsyncWrite + Unpin>(
+    s: &mut W,
+    kind: u8,
+    flags: u8,
     rank: usize,
     seq: u64,
     payload: &[u8],
@@ -329,7 +445,7 @@ async fn write_frame<W: AsyncWrite + Unpin>(
     buf.extend_from_slice(&MAGIC.to_le_bytes());
     buf.extend_from_slice(&VERSION.to_le_bytes());
     buf.push(kind);
-    buf.push(0);
+    buf.push(flags);
     buf.extend_from_slice(&(rank as u32).to_le_bytes());
     buf.extend_from_slice(&seq.to_le_bytes());
     buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
@@ -341,6 +457,12 @@ async fn write_frame<W: AsyncWrite + Unpin>(
 /// Best effort: tells `s` why rank 0 ends the rendezvous, giving up after [`REFUSE_TIMEOUT`].
 async fn refuse<W: AsyncWrite + Unpin>(s: &mut W, seq: u64, reason: &str) {
     let _ = tokio::time::timeout(REFUSE_TIMEOUT, write_frame(s, REFUSE, 0, seq, reason.as_bytes())).await;
+}
+
+/// Best effort: tells `s` why rank 0 refuses its hello (the rendezvous goes on without it).
+async fn refuse_hello<W: AsyncWrite + Unpin>(s: &mut W, reason: &str) {
+    let write = write_frame_with(s, REFUSE, HELLO_REFUSED, 0, 0, reason.as_bytes());
+    let _ = tokio::time::timeout(REFUSE_TIMEOUT, write).await;
 }
 
 async fn read_frame<R: AsyncRead + Unpin>(s: &mut R) -> Result<Frame, FrameError> {
@@ -363,88 +485,158 @@ async fn read_frame<R: AsyncRead + Unpin>(s: &mut R) -> Result<Frame, FrameError
     if got as u64 != len {
         return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
     }
-    Ok(Frame { kind: h[6], rank: le32(&h[8..12]), seq: le64(&h[12..20]), payload })
+    Ok(Frame { kind: h[6], flags: h[7], rank: le32(&h[8..12]), seq: le64(&h[12..20]), payload })
 }
 
-/// Bytes of a hello: the header, the joiner's world size (`u64`) and its run id (`u128`).
-const HELLO_LEN: usize = HEADER + 8 + 16;
+/// Bytes of a hello: the header, the joiner's world size (`u64`), its run id and its fingerprint (`u128` each).
+const HELLO_LEN: usize = HEADER + 8 + 16 + 16;
 
-/// How one accepted connection's handshake ended.
-enum Handshake {
-    /// Not a joining rank of this run (the reason completes "dropped a connection that …"): drop it, go on.
+/// What rank 0 expects of a hello.
+#[derive(Debug, Clone, Copy)]
+struct Expect {
+    world: usize,
+    run: RunId,
+    fingerprint: Fingerprint,
+}
+
+/// What rank 0 makes of the first bytes of a connection.
+enum Judged {
+    /// Not a weightferry hello: dropped without a word (the reason completes "dropped a connection that …").
     Drop(String),
-    /// A weightferry frame (right magic) of another protocol version.
-    Wrong { magic: u32, version: u16 },
-    /// A complete hello of another run (told why, then dropped).
-    OtherRun { rank: usize, theirs: RunId },
-    /// A complete hello of this run.
-    Hello { rank: usize, theirs: usize },
+    /// A hello that cannot join but must not fail the join: told why, then dropped.
+    Refuse(String),
+    /// A hello of this run (its run id) that cannot join: fails the rendezvous.
+    Fatal(RendezvousError),
+    /// A hello to take as rank `rank` (if that rank is free).
+    Hello { rank: usize },
 }
 
-/// Judges the first bytes of a connection; `None` while they are a correct but incomplete hello.
-fn judge(b: &[u8], run: RunId) -> Option<Handshake> {
+/// Judges the first bytes of a connection (see the module docs); `None` while they are a correct but incomplete
+/// hello.
+fn judge(b: &[u8], expect: Expect, peer: SocketAddr) -> Option<Judged> {
     if b.len() >= 4 && b[..4] != MAGIC.to_le_bytes() {
         let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        return Some(Handshake::Drop(format!("sent magic {magic:#010x}, not a weightferry rendezvous frame")));
+        return Some(Judged::Drop(format!("sent magic {magic:#010x}, not a weightferry rendezvous frame")));
     }
     if b.len() >= 6 {
         let version = u16::from_le_bytes([b[4], b[5]]);
         if version != VERSION {
-            return Some(Handshake::Wrong { magic: MAGIC, version });
+            let e = RendezvousError::Protocol { peer: peer.to_string(), magic: MAGIC, version };
+            return Some(Judged::Refuse(e.to_string()));
         }
     }
     if b.len() >= HEADER {
         let len = u64::from_le_bytes(b[20..28].try_into().unwrap_or([0; 8]));
         if b[6] != HELLO || len != (HELLO_LEN - HEADER) as u64 {
-            return Some(Handshake::Drop(format!("sent a {} frame of {len} bytes, not a hello", kind_name(b[6]))));
+            return Some(Judged::Drop(format!("sent a {} frame of {len} bytes, not a hello", kind_name(b[6]))));
         }
     }
     if b.len() < HELLO_LEN {
         return None;
     }
+    let u128_at = |at: usize| u128::from_le_bytes(b[at..at + 16].try_into().unwrap_or([0; 16]));
     let rank = u32::from_le_bytes(b[8..12].try_into().unwrap_or([0; 4])) as usize;
     let theirs = u64::from_le_bytes(b[HEADER..HEADER + 8].try_into().unwrap_or([0; 8]));
     let theirs = usize::try_from(theirs).unwrap_or(usize::MAX);
-    let their_run = RunId(u128::from_le_bytes(b[HEADER + 8..HELLO_LEN].try_into().unwrap_or([0; 16])));
+    let (their_run, their_fp) = (RunId(u128_at(HEADER + 8)), Fingerprint(u128_at(HEADER + 24)));
+    let (ours, run) = (expect.world, expect.run);
     if their_run != run {
-        return Some(Handshake::OtherRun { rank, theirs: their_run });
+        return Some(Judged::Refuse(format!(
+            "MASTER_PORT belongs to another run (run id {run}), this rank {rank} has run id {their_run}; give every \
+             rank of one run the same WEIGHTFERRY_RUN_ID, or use another MASTER_PORT"
+        )));
     }
-    Some(Handshake::Hello { rank, theirs })
+    let unfit = if theirs != ours {
+        Some(RendezvousError::WorldMismatch { rank, theirs, ours })
+    } else if rank == 0 || rank >= ours {
+        Some(RendezvousError::BadRank { rank, world: ours })
+    } else if run == RunId::NONE && their_fp != expect.fingerprint {
+        Some(RendezvousError::FingerprintMismatch { rank, theirs: their_fp, ours: expect.fingerprint })
+    } else {
+        None
+    };
+    Some(match unfit {
+        None => Judged::Hello { rank },
+        Some(e) if run == RunId::NONE => Judged::Refuse(e.to_string()),
+        Some(e) => Judged::Fatal(e),
+    })
+}
+
+/// How one accepted connection's handshake ended.
+enum Handshake {
+    /// Dropped (the reason completes "dropped a connection that …"); `refused`: the reason it was told.
+    Drop { why: String, refused: Option<String> },
+    /// A hello of this run that cannot join: fails the rendezvous.
+    Fatal(RendezvousError),
+    /// A hello to take as rank `rank`.
+    Hello { rank: usize },
 }
 
 /// Reads one accepted connection's hello (never more than [`HELLO_LEN`] bytes, so nothing after it is consumed)
-/// within `handshake`; a hello of another run is told why before it is dropped.
-async fn handshake(mut stream: TcpStream, handshake: Duration, run: RunId) -> (TcpStream, Handshake) {
+/// within `handshake`, and judges it; a refused hello is told why before it is dropped.
+async fn handshake(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    handshake: Duration,
+    expect: Expect,
+) -> (TcpStream, Handshake) {
     let mut buf = Vec::with_capacity(HELLO_LEN);
     let read = async {
         let mut chunk = [0u8; HELLO_LEN];
         loop {
             let want = HELLO_LEN - buf.len();
             match stream.read(&mut chunk[..want]).await {
-                Ok(0) => return Handshake::Drop("closed before sending a hello".into()),
+                Ok(0) => return Judged::Drop("closed before sending a hello".into()),
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Handshake::Drop(format!("failed before sending a hello: {e}")),
+                Err(e) => return Judged::Drop(format!("failed before sending a hello: {e}")),
             }
-            if let Some(h) = judge(&buf, run) {
-                return h;
+            if let Some(j) = judge(&buf, expect, peer) {
+                return j;
             }
         }
     };
-    let verdict = match tokio::time::timeout(handshake, read).await {
-        Ok(h) => h,
-        Err(_) => Handshake::Drop(format!("sent {} of the {HELLO_LEN} bytes of a hello in time", buf.len())),
+    let judged = match tokio::time::timeout(handshake, read).await {
+        Ok(j) => j,
+        Err(_) => Judged::Drop(format!("sent {} of the {HELLO_LEN} bytes of a hello in time", buf.len())),
     };
-    if let Handshake::OtherRun { rank, theirs } = verdict {
-        let reason = format!(
-            "MASTER_PORT belongs to another run (run id {run}), this rank {rank} has run id {theirs}; give every rank \
-             of one run the same WEIGHTFERRY_RUN_ID, or use another MASTER_PORT"
-        );
-        refuse(&mut stream, 0, &reason).await;
-        let why = format!("sent a hello as rank {rank} of another run (run id {theirs}, this run's is {run})");
-        return (stream, Handshake::Drop(why));
-    }
+    let verdict = match judged {
+        Judged::Drop(why) => Handshake::Drop { why, refused: None },
+        Judged::Refuse(reason) => {
+            refuse_hello(&mut stream, &reason).await;
+            Handshake::Drop { why: format!("sent a hello rank 0 refused: {reason}"), refused: Some(reason) }
+        }
+        Judged::Fatal(e) => Handshake::Fatal(e),
+        Judged::Hello { rank } => Handshake::Hello { rank },
+    };
     (stream, verdict)
+}
+
+/// Whether the peer of `s` closed the connection (or it failed): a peek that does not wait. Data waiting, or none
+/// yet, means it is open.
+fn peer_closed(s: &TcpStream) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        let mut byte = 0u8;
+        // SAFETY: `s` owns an open socket for the whole call; recv(2) writes at most 1 byte into `byte`, which lives
+        // on this stack frame; MSG_PEEK leaves the byte in the socket, and MSG_DONTWAIT keeps the call from blocking.
+        let n =
+            unsafe { libc::recv(s.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        match n {
+            0 => true,
+            n if n > 0 => false,
+            _ => !matches!(
+                std::io::Error::last_os_error().kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            ),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = s;
+        false
+    }
 }
 
 fn io_reason(e: &std::io::Error) -> String {
@@ -631,12 +823,15 @@ impl Rendezvous {
     /// others: each accepted connection has `handshake` (from its accept) to send a complete hello. Connections
     /// that are not joining ranks of this run are dropped with a `tracing` warning and the wait goes on: one that
     /// stays silent past `handshake`, closes, does not start with [`MAGIC`] (another program: a port scanner, a
-    /// health check, HTTP), sends a weightferry frame that is not a hello, or a hello of another run
-    /// ([`RendezvousOptions::run`]; it is told why first). A hello from a peer of this run that cannot join fails
-    /// the whole rendezvous, as a misconfigured launch, with the exact error (rank 0 tells the offender and every
-    /// joined rank why): another protocol [`VERSION`] ([`RendezvousError::Protocol`]), another world size
-    /// ([`RendezvousError::WorldMismatch`]), a rank already joined or outside `1..world`
-    /// ([`RendezvousError::BadRank`]).
+    /// health check, HTTP), sends a weightferry frame that is not a hello, a hello of another protocol
+    /// [`VERSION`] or of another run ([`RendezvousOptions::run`]; both told why first). With a run id, a hello of
+    /// this run that cannot join fails the whole rendezvous, as a misconfigured launch, with the exact error (rank 0
+    /// tells the offender and every joined rank why): another world size ([`RendezvousError::WorldMismatch`]), a
+    /// rank outside `1..world` ([`RendezvousError::BadRank`]) or one that joined already
+    /// ([`RendezvousError::DuplicateRank`]). Without a run id those hellos, and one with another
+    /// [`RendezvousOptions::fingerprint`] ([`RendezvousError::FingerprintMismatch`]), are refused and dropped
+    /// instead, and a rank claimed twice stays with the first claimant unless its connection closed (the module
+    /// docs give the rule).
     pub fn root_with_handshake(
         listener: std::net::TcpListener,
         world: usize,
@@ -880,21 +1075,21 @@ async fn accept_all(
     handshake_for: Duration,
 ) -> Result<Vec<Option<TcpStream>>, RendezvousError> {
     let start = Instant::now();
-    let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-    let mut joined = 1usize;
+    let expect = Expect { world, run: options.run, fingerprint: options.fingerprint };
+    let mut joining = Joining::new(world);
     let mut pending = tokio::task::JoinSet::new();
     let deadline = tokio::time::sleep(options.timeout);
     tokio::pin!(deadline);
     let failure = loop {
-        if joined == world {
+        // Complete only with open connections: a claimant that hung up frees its rank for the real one.
+        if joining.joined == world && joining.drop_closed() == 0 {
             break None;
         }
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    let run = options.run;
-                    pending.spawn(async move { (peer, handshake(stream, handshake_for, run).await) });
+                    pending.spawn(async move { (peer, handshake(stream, peer, handshake_for, expect).await) });
                 }
                 Err(e) if matches!(
                     e.kind(),
@@ -907,31 +1102,32 @@ async fn accept_all(
             Some(done) = pending.join_next() => {
                 let Ok((peer, (stream, verdict))) = done else { continue };
                 match verdict {
-                    Handshake::Drop(why) => tracing::warn!(%peer, "rendezvous: dropped a connection that {why}"),
-                    Handshake::OtherRun { .. } => tracing::warn!(%peer, "rendezvous: dropped a hello of another run"),
-                    Handshake::Wrong { magic, version } => {
-                        let err = RendezvousError::Protocol { peer: peer.to_string(), magic, version };
-                        break Some((Some(stream), err));
+                    Handshake::Drop { why, refused } => {
+                        tracing::warn!(%peer, "rendezvous: dropped a connection that {why}");
+                        joining.note_refusal(refused);
                     }
-                    Handshake::Hello { rank, theirs } => {
-                        if theirs != world {
-                            break Some((Some(stream), RendezvousError::WorldMismatch { rank, theirs, ours: world }));
+                    Handshake::Fatal(err) => break Some((Some(stream), err)),
+                    Handshake::Hello { rank } => match joining.claim(rank, stream, peer) {
+                        Ok(()) => {}
+                        Err((offender, err)) if options.run != RunId::NONE => break Some((Some(offender), err)),
+                        Err((mut newcomer, err)) => {
+                            tracing::warn!(%peer, "rendezvous: refused a second claim on rank {rank}: {err}");
+                            let reason = err.to_string();
+                            refuse_hello(&mut newcomer, &reason).await;
+                            joining.note_refusal(Some(reason));
                         }
-                        if rank == 0 || rank >= world || streams[rank].is_some() {
-                            break Some((Some(stream), RendezvousError::BadRank { rank, world }));
-                        }
-                        streams[rank] = Some(stream);
-                        joined += 1;
-                    }
+                    },
                 }
             }
             () = &mut deadline => {
-                let missing = (1..world).filter(|&r| streams[r].is_none()).collect();
-                break Some((None, RendezvousError::Incomplete { world, missing, waited: start.elapsed() }));
+                let missing = (1..world).filter(|&r| joining.streams[r].is_none()).collect();
+                let (waited, refused, first_refusal) = (start.elapsed(), joining.refused, joining.first_refusal.take());
+                break Some((None, RendezvousError::Incomplete { world, missing, waited, refused, first_refusal }));
             }
         }
     };
     pending.abort_all();
+    let mut streams = joining.streams;
     if let Some((mut offender, err)) = failure {
         let reason = err.to_string();
         for s in offender.iter_mut().chain(streams.iter_mut().flatten()) {
@@ -948,6 +1144,70 @@ async fn accept_all(
         }
     }
     Ok(streams)
+}
+
+/// Rank 0's ranks while they join, and the hellos it refused.
+struct Joining {
+    /// Indexed by rank (`None` at 0 and for ranks not joined).
+    streams: Vec<Option<TcpStream>>,
+    /// Where each joined rank connected from.
+    addrs: Vec<Option<SocketAddr>>,
+    /// Ranks joined, rank 0 included.
+    joined: usize,
+    refused: usize,
+    first_refusal: Option<String>,
+}
+
+impl Joining {
+    fn new(world: usize) -> Joining {
+        Joining {
+            streams: (0..world).map(|_| None).collect(),
+            addrs: vec![None; world],
+            joined: 1,
+            refused: 0,
+            first_refusal: None,
+        }
+    }
+
+    /// Counts a refused hello (`reason`: what it was told), if it was one.
+    fn note_refusal(&mut self, reason: Option<String>) {
+        if let Some(reason) = reason {
+            self.refused += 1;
+            self.first_refusal.get_or_insert(reason);
+        }
+    }
+
+    /// Drops every joined connection whose peer closed it (its rank is free again); how many.
+    fn drop_closed(&mut self) -> usize {
+        let mut dropped = 0;
+        for (rank, slot) in self.streams.iter_mut().enumerate() {
+            if slot.as_ref().is_some_and(peer_closed) {
+                let peer = self.addrs[rank];
+                tracing::warn!(?peer, "rendezvous: rank {rank}'s connection closed before the join completed");
+                *slot = None;
+                self.joined -= 1;
+                dropped += 1;
+            }
+        }
+        dropped
+    }
+
+    /// Takes `stream` from `peer` as rank `rank` (in `1..world`), in place of an earlier claimant whose connection
+    /// closed; gives it back with [`RendezvousError::DuplicateRank`] when the earlier one is still open.
+    fn claim(&mut self, rank: usize, stream: TcpStream, peer: SocketAddr) -> Result<(), (TcpStream, RendezvousError)> {
+        if let Some(first) = &self.streams[rank] {
+            if !peer_closed(first) {
+                let first = self.addrs[rank].map_or_else(String::new, |a| a.to_string());
+                return Err((stream, RendezvousError::DuplicateRank { rank, first, second: peer.to_string() }));
+            }
+            tracing::warn!(%peer, "rendezvous: rank {rank}'s first connection closed; this one takes its place");
+            self.joined -= 1;
+        }
+        self.streams[rank] = Some(stream);
+        self.addrs[rank] = Some(peer);
+        self.joined += 1;
+        Ok(())
+    }
 }
 
 /// A rank's join: connects to rank 0 at `addr` (retrying while it is not listening yet, until the timeout), sends
@@ -986,6 +1246,7 @@ async fn join_root(
     let mut hello = Vec::with_capacity(HELLO_LEN - HEADER);
     hello.extend_from_slice(&(world as u64).to_le_bytes());
     hello.extend_from_slice(&options.run.0.to_le_bytes());
+    hello.extend_from_slice(&options.fingerprint.0.to_le_bytes());
     tokio::time::timeout(options.timeout, write_frame(&mut s, HELLO, rank, 0, &hello))
         .await
         .unwrap_or_else(|_| Err(timed_out()))
@@ -996,7 +1257,11 @@ async fn join_root(
     match reply {
         Ok(f) if f.kind == WELCOME => Ok(s),
         Ok(f) if f.kind == REFUSE => {
-            Err(RendezvousError::Refused { reason: String::from_utf8_lossy(&f.payload).into_owned() })
+            let reason = String::from_utf8_lossy(&f.payload).into_owned();
+            Err(match f.flags {
+                HELLO_REFUSED => RendezvousError::HelloRefused { rank, reason },
+                _ => RendezvousError::Refused { reason },
+            })
         }
         Ok(f) => Err(RendezvousError::OutOfStep { seq: 0, op: "join", peer: 0, got: kind_name(f.kind).into() }),
         Err(FrameError::Io(e)) => Err(io(e)),

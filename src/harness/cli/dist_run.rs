@@ -7,6 +7,11 @@
 //! naming itself — or exits [`PEER_FAILED_EXIT`] (3) when it stopped only because another rank failed (a peer left, or
 //! rank 0 ended the rendezvous), so `weightferry launch` can name the rank that failed first.
 //!
+//! On `--platform cuda` (feature `nccl`) the rank opens GPU `LOCAL_RANK` and bootstraps NCCL over the rendezvous
+//! through the library (`weightferry::dist::nccl_bootstrap::bootstrap_nccl`: the AllGather engine
+//! every rank agrees on, rank 0's unique id); this file keeps the harness's part (the GPU engine, the resident run,
+//! the trace).
+//!
 //! Without `--config`, the DiT is gathered across a data-parallel group of `WORLD_SIZE` ranks; with `--config`,
 //! the config's offload group must have `WORLD_SIZE` ranks.
 //!
@@ -27,7 +32,7 @@ use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DE
 use crate::config::OffloadConfig;
 use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::launch::PEER_FAILED_EXIT;
-use crate::dist::{LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
+use crate::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use crate::distributed_run::{
     resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
 };
@@ -515,6 +520,11 @@ fn peer_failed(rank: usize, what: &str) -> CliError {
     e
 }
 
+/// This rank failed at `what` (exit 1).
+fn rank_failed(rank: usize, what: &str, e: &dyn fmt::Display) -> CliError {
+    CliError::failed(format!("rank {rank}: {what}: {e}"))
+}
+
 /// Parses `--inject-gather-failure RANK:N`.
 fn parse_fault(text: &str) -> Result<(usize, u64), CliError> {
     let bad = || CliError::invalid(format!("--inject-gather-failure {text:?}: expected RANK:N, e.g. 1:5"));
@@ -607,8 +617,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     }
     sim_config.copy_latency = Duration::from_micros(a.sim_copy_latency_us);
 
-    let failed = |what: &str, e: &dyn fmt::Display| CliError::failed(format!("rank {rank}: {what}: {e}"));
-    let rdv = Arc::new(Rendezvous::connect(env, RendezvousOptions::default()).map_err(|e| rendezvous_error(rank, e))?);
+    let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
     // Every rank must run the same thing, or the AllGathers would not match.
     let content = |what: &str, json: serde_json::Result<Vec<u8>>| {
         json.map(|b| format!("{:016x}", fnv1a(FNV_OFFSET, &b)))
@@ -631,6 +640,9 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     };
     let mine = serde_json::to_vec(&fingerprint)
         .map_err(|e| CliError::failed(format!("rank {rank}: cannot serialize the rank check: {e}")))?;
+    // Its digest goes in the hello: without a run id, rank 0 drops a hello of another fingerprint as a stranger's.
+    let options = RendezvousOptions { fingerprint: Fingerprint::of(&mine), ..RendezvousOptions::default() };
+    let rdv = Arc::new(Rendezvous::connect(env, options).map_err(|e| rendezvous_error(rank, e))?);
     let all = rdv.all_gather_bytes(&mine).map_err(|e| rendezvous_error(rank, e))?;
     if let Some(r) = all.iter().position(|f| f.as_slice() != all[0].as_slice()) {
         return Err(CliError::failed(format!(
@@ -654,17 +666,11 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             }
         }
         let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
-        let outcome = sim_rank(platform, compute, factory, (rank, world), &spec);
+        let outcome = rank_with_model(platform, compute, factory, (rank, world), &spec);
         let hazards = sim.violations().len();
         sim.shutdown();
-        let (run, resident) = outcome.map_err(|e| match e {
-            SimRankError::Resident(e) => failed("resident run", &e),
-            SimRankError::Weights(m) => CliError::failed(format!("rank {rank}: {m}")),
-            SimRankError::Run(e) if peer_flag.load(std::sync::atomic::Ordering::SeqCst) => {
-                peer_failed(rank, &format!("the distributed run failed: {e}"))
-            }
-            SimRankError::Run(e) => failed("the distributed run failed", &e),
-        })?;
+        let (run, resident) =
+            outcome.map_err(|e| e.into_cli(rank, peer_flag.load(std::sync::atomic::Ordering::SeqCst)))?;
         RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec, engine: None }
     };
     let RankOutcome { run, hazards, resident, h2d_bytes_per_s, engine } = outcome;
@@ -751,12 +757,24 @@ struct RankOutcome {
     engine: Option<crate::dist::allgather_engine::EngineChoice>,
 }
 
-/// Which part of a simulated rank failed.
-enum SimRankError {
+/// Which part of a rank's run failed.
+enum RankError {
     Resident(crate::engine::EngineError),
     Run(crate::distributed_run::DistributedRunError),
     /// The weights after the run are not the ones before ([`check_restored_weights`]'s message).
     Weights(String),
+}
+
+impl RankError {
+    /// The rank's error; `peer_failed`: its collective saw another rank fail first.
+    fn into_cli(self, rank: usize, peer_failed: bool) -> CliError {
+        match self {
+            RankError::Resident(e) => rank_failed(rank, "resident run", &e),
+            RankError::Weights(m) => CliError::failed(format!("rank {rank}: {m}")),
+            RankError::Run(e) if peer_failed => self::peer_failed(rank, &format!("the distributed run failed: {e}")),
+            RankError::Run(e) => rank_failed(rank, "the distributed run failed", &e),
+        }
+    }
 }
 
 /// The check after a distributed run that released its loaded weights: the model's checksum (`after`) must equal
@@ -772,59 +790,42 @@ pub fn check_restored_weights(before: u64, after: Result<u64, ModelError>) -> Re
     }
 }
 
-/// This rank on the simulated device: one synthetic model for the resident run and the distributed run (both
-/// timed with `spec.timed_steps`), which releases and restores the model's DiT weights; the model's checksum after
-/// the run must be the one before.
-fn sim_rank(
+/// This rank's runs on its device (simulated or GPU): one synthetic model serves the resident run (first: it also
+/// warms the engine up, and it needs every weight on host) and the distributed run (both timed with
+/// `spec.timed_steps`), which releases the model's DiT weights while it runs and restores them at its end; the
+/// model's checksum after the run must be the one before.
+fn rank_with_model(
     platform: PlatformRef,
     compute: Arc<dyn Compute>,
     factory: CollectiveFactory,
     (rank, world): (usize, usize),
     spec: &DistributedRunSpec,
-) -> Result<(RankRun, ResidentRun), SimRankError> {
+) -> Result<(RankRun, ResidentRun), RankError> {
     let mut model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)
-        .map_err(|e| SimRankError::Resident(e.into()))?;
-    let resident = resident_run_with_model(
-        compute.clone(),
-        &model,
-        &spec.pipeline,
-        spec.steps,
-        spec.seed,
-        spec.timed_steps,
-        spec.timed_rounds,
-    )
-    .map_err(SimRankError::Resident);
-    let run = match resident {
-        Ok(resident) => (|| {
-            let before = model.checksum().map_err(|e| SimRankError::Resident(e.into()))?;
-            let run = run_rank_with_model(platform, compute, factory, rank, world, spec, &mut model)
-                .map_err(SimRankError::Run)?;
-            check_restored_weights(before, model.checksum()).map_err(SimRankError::Weights)?;
-            Ok((run, resident))
-        })(),
-        Err(e) => Err(e),
-    };
+        .map_err(|e| RankError::Resident(e.into()))?;
+    let run = (|| {
+        let resident = resident_run_with_model(
+            compute.clone(),
+            &model,
+            &spec.pipeline,
+            spec.steps,
+            spec.seed,
+            spec.timed_steps,
+            spec.timed_rounds,
+        )
+        .map_err(RankError::Resident)?;
+        let before = model.checksum().map_err(|e| RankError::Resident(e.into()))?;
+        let run =
+            run_rank_with_model(platform, compute, factory, rank, world, spec, &mut model).map_err(RankError::Run)?;
+        check_restored_weights(before, model.checksum()).map_err(RankError::Weights)?;
+        Ok((run, resident))
+    })();
     model.release();
     run
 }
 
-/// The GPU a rank uses: `LOCAL_RANK` among the visible devices, or the only visible device when a launcher gave
-/// each process one GPU (SLURM's GPU binding, `CUDA_VISIBLE_DEVICES` per rank).
-pub fn gpu_ordinal(local_rank: usize, visible: usize) -> Result<usize, String> {
-    match visible {
-        0 => Err("--platform cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES)".to_string()),
-        1 => Ok(0),
-        n if local_rank < n => Ok(local_rank),
-        n => Err(format!(
-            "LOCAL_RANK={local_rank} but this process sees {n} GPUs (0..{}); start at most {n} ranks per node, or give \
-             each rank one GPU with CUDA_VISIBLE_DEVICES",
-            n - 1
-        )),
-    }
-}
-
-/// This rank on a GPU: device `LOCAL_RANK`, the GPU reference engine, an NCCL communicator whose unique id rank 0
-/// generates and broadcasts over the rendezvous; then the resident run on the same GPU for the comparison.
+/// This rank on a GPU: device `LOCAL_RANK`, the library's NCCL bootstrap over the rendezvous (the AllGather
+/// engine every rank agrees on, rank 0's unique id), the GPU reference engine, then [`rank_with_model`].
 #[cfg(feature = "nccl")]
 fn cuda_rank(
     a: &RunArgs,
@@ -834,53 +835,20 @@ fn cuda_rank(
     name: &str,
     spec: &DistributedRunSpec,
 ) -> Result<RankOutcome, CliError> {
-    use crate::dist::allgather_engine::{choose_engine, node_key, EngineOffer};
+    use crate::dist::nccl_bootstrap::{bootstrap_nccl, open_rank_gpu, NcclBootstrap};
     use crate::engine::cuda::{CudaCompute, GpuShape};
     use crate::engine::gpu::default_tokens;
-    use crate::platform::cuda::nccl::{factory_with_options, NcclOptions, NcclUniqueId};
-    use crate::platform::cuda::symmetric::SymmetricHeap;
-    use crate::platform::cuda::CudaPlatform;
     let rank = env.rank;
-    let failed = |what: &str, e: &dyn fmt::Display| CliError::failed(format!("rank {rank}: {what}: {e}"));
-    let visible = CudaPlatform::device_count()
-        .map_err(|e| CliError::invalid(format!("rank {rank}: --platform cuda: {e}; run with --platform sim")))?;
-    let ordinal = gpu_ordinal(env.local_rank, visible).map_err(|m| CliError::invalid(format!("rank {rank}: {m}")))?;
-    let cuda = Arc::new(CudaPlatform::new(ordinal).map_err(|e| {
-        CliError::invalid(format!("rank {rank}: --platform cuda: GPU {ordinal} (LOCAL_RANK {}): {e}", env.local_rank))
-    })?);
-    // The AllGather engine, agreed by every rank from every rank's offer; with the copy engines, the gather
-    // stacks' buffers come from NCCL's symmetric heap.
-    let (heap, unable) = match AllGatherEngine::from(a.allgather_engine) {
-        AllGatherEngine::Kernel => (None, Some("kernels were asked for".to_string())),
-        _ => match SymmetricHeap::for_copy_engine(&cuda) {
-            Ok(heap) => (Some(heap), None),
-            Err(why) => (None, Some(why)),
-        },
-    };
-    let offer = EngineOffer { node: node_key(), unable };
-    let offers = rdv.all_gather_bytes(&offer.to_bytes()).map_err(|e| rendezvous_error(rank, e))?;
-    let offers = offers
-        .iter()
-        .map(|b| EngineOffer::from_bytes(b))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| failed("AllGather engine offers", &e))?;
-    let engine = choose_engine(a.allgather_engine.into(), &offers).map_err(CliError::invalid)?;
-    let options = match heap {
-        Some(heap) if engine.copy_engine => {
-            if !cuda.set_shared_device_memory(heap.clone()) {
-                return Err(failed("copy-engine AllGather", &"the GPU's shared device memory was installed already"));
-            }
-            NcclOptions { copy_engine: Some(heap) }
-        }
-        _ => NcclOptions::default(),
-    };
+    let cuda = open_rank_gpu(env).map_err(|e| CliError::invalid(format!("rank {rank}: --platform cuda: {e}")))?;
+    let NcclBootstrap { factory, engine } =
+        bootstrap_nccl(&cuda, rank, env.world, a.allgather_engine.into(), rdv).map_err(|e| bootstrap_error(rank, e))?;
     let platform: PlatformRef = cuda.clone();
     // Timed: this rank's pinned H2D bandwidth, measured as the single-GPU bench does, by every rank at once (after
     // a barrier): the ranks copy their shards at the same time, and two GPUs copying at once share the host side.
     let h2d_bytes_per_s = match spec.timed_steps {
         Some(_) => {
-            rdv.all_gather_bytes(b"h2d").map_err(|e| rendezvous_error(rank, e))?;
-            Some(cuda.measure_h2d_bandwidth(256 << 20, 16).map_err(|e| failed("pinned H2D bandwidth", &e))?)
+            rdv.barrier().map_err(|e| rendezvous_error(rank, e))?;
+            Some(cuda.measure_h2d_bandwidth(256 << 20, 16).map_err(|e| rank_failed(rank, "pinned H2D bandwidth", &e))?)
         }
         None => None,
     };
@@ -890,50 +858,28 @@ fn cuda_rank(
     }
     let compute: Arc<dyn Compute> = Arc::new(
         CudaCompute::new(cuda.clone(), desc, GpuShape { tokens, context_tokens })
-            .map_err(|e| failed("GPU engine", &e))?,
+            .map_err(|e| rank_failed(rank, "GPU engine", &e))?,
     );
-    let id = if rank == 0 {
-        let id = NcclUniqueId::generate().map_err(|e| failed("NCCL unique id", &e))?;
-        rdv.broadcast(Some(id.as_bytes())).map_err(|e| rendezvous_error(rank, e))?
-    } else {
-        rdv.broadcast(None).map_err(|e| rendezvous_error(rank, e))?
-    };
-    let id = NcclUniqueId::from_bytes(&id).map_err(|e| failed("NCCL unique id", &e))?;
-    // One synthetic model serves the resident run (first: it also warms the GPU engine up, and it needs every weight
-    // on host) and the distributed run, which releases the DiT weights while it runs and restores them at its end.
-    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)
-        .map_err(|e| failed("synthetic weights", &e))?;
-    let outcome = (|| {
-        let resident = resident_run_with_model(
-            compute.clone(),
-            &model,
-            desc,
-            spec.steps,
-            spec.seed,
-            spec.timed_steps,
-            spec.timed_rounds,
-        )
-        .map_err(|e| failed("resident run", &e))?;
-        let before = model.checksum().map_err(|e| failed("weights checksum", &e))?;
-        let mut spec = spec.clone();
-        if a.trace.is_some() {
-            spec.trace = Some(crate::distributed_run::RunTracer(cuda.clone()));
-        }
-        let run = run_rank_with_model(
-            platform.clone(),
-            compute.clone(),
-            factory_with_options(cuda.clone(), id, rank, env.world, options),
-            rank,
-            env.world,
-            &spec,
-            &mut model,
-        )
-        .map_err(|e| failed("the distributed run failed", &e))?;
-        check_restored_weights(before, model.checksum()).map_err(|m| CliError::failed(format!("rank {rank}: {m}")))?;
-        Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s, engine: Some(engine) })
-    })();
-    model.release();
-    outcome
+    let mut spec = spec.clone();
+    if a.trace.is_some() {
+        spec.trace = Some(crate::distributed_run::RunTracer(cuda.clone()));
+    }
+    let (run, resident) =
+        rank_with_model(platform, compute, factory, (rank, env.world), &spec).map_err(|e| e.into_cli(rank, false))?;
+    Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s, engine: Some(engine) })
+}
+
+/// A failed NCCL bootstrap: an invalid request (exit 2) for a refused copy-engine AllGather, a peer's failure
+/// ([`PEER_FAILED_EXIT`]) when the exchange broke or rank 0 sent no unique id, else this rank's failure.
+#[cfg(feature = "nccl")]
+fn bootstrap_error(rank: usize, e: crate::dist::BootstrapError) -> CliError {
+    use crate::dist::{BootstrapError, ExchangeError};
+    match e {
+        BootstrapError::Exchange { source: ExchangeError::Rendezvous(e), .. } => rendezvous_error(rank, e),
+        e @ BootstrapError::NoUniqueId => peer_failed(rank, &e.to_string()),
+        e @ BootstrapError::CopyEngine(_) => CliError::invalid(e.to_string()),
+        e => rank_failed(rank, "NCCL bootstrap", &e),
+    }
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -951,23 +897,6 @@ fn cuda_rank(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_rank_takes_its_local_rank_or_the_only_visible_gpu() {
-        assert_eq!(gpu_ordinal(0, 2), Ok(0));
-        assert_eq!(gpu_ordinal(1, 2), Ok(1));
-        assert_eq!(gpu_ordinal(3, 1), Ok(0));
-        assert_eq!(
-            gpu_ordinal(0, 0),
-            Err("--platform cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES)".to_string())
-        );
-        assert_eq!(
-            gpu_ordinal(2, 2),
-            Err("LOCAL_RANK=2 but this process sees 2 GPUs (0..1); start at most 2 ranks per node, or give each rank \
-                 one GPU with CUDA_VISIBLE_DEVICES"
-                .to_string())
-        );
-    }
 
     #[test]
     fn each_rank_writes_its_own_trace_file() {

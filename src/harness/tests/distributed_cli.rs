@@ -12,8 +12,20 @@ use serde_json::Value;
 use std::process::{Command, Output};
 
 /// Variables of the launch environment; removed from every child so the test's own environment cannot leak in.
-const LAUNCH_VARS: [&str; 8] =
-    ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"];
+const LAUNCH_VARS: [&str; 12] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "WEIGHTFERRY_RUN_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+];
 
 fn wf(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
@@ -377,10 +389,9 @@ fn a_huge_world_size_or_a_master_addr_with_a_port_is_an_exact_error_at_once() {
     assert!(t.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t.elapsed());
 }
 
-/// A pipeline file named alike on both ranks (`pipe.json` in each rank's own directory) whose content differs
-/// fails the rank check at the rendezvous, naming the field, before any AllGather.
-#[test]
-fn pipeline_files_that_share_a_name_but_differ_fail_the_rank_check() {
+/// Two ranks started by hand (no launcher), each running `pipe.json` from its own directory, with widths 32 and 16
+/// (same name, other content); `run_id`: their `WEIGHTFERRY_RUN_ID`.
+fn ranks_with_differing_pipelines(tag: &str, run_id: Option<&str>) -> Vec<std::process::Child> {
     let pipeline = |width: u32| {
         format!(
             r#"{{"class": "P", "modules": {{"transformer": {{"class": "DiT", "children": {{
@@ -388,9 +399,9 @@ fn pipeline_files_that_share_a_name_but_differ_fail_the_rank_check() {
                     "tensors": {{"weight": {{"dtype": "bf16", "shape": [32, {width}]}}}}}}}}}}}}}}}}}}}}"#
         )
     };
-    let base = std::env::temp_dir().join(format!("weightferry-dist-cli-{}-fp", std::process::id()));
+    let base = std::env::temp_dir().join(format!("weightferry-dist-cli-{}-{tag}", std::process::id()));
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let children: Vec<_> = [32u32, 16]
+    [32u32, 16]
         .iter()
         .enumerate()
         .map(|(rank, &width)| {
@@ -404,10 +415,20 @@ fn pipeline_files_that_share_a_name_but_differ_fail_the_rank_check() {
             }
             let rank = rank.to_string();
             c.envs([("RANK", rank.as_str()), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")]);
+            if let Some(id) = run_id {
+                c.env("WEIGHTFERRY_RUN_ID", id);
+            }
             c.env("MASTER_PORT", &port).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
             c.spawn().unwrap()
         })
-        .collect();
+        .collect()
+}
+
+/// A pipeline file named alike on both ranks (`pipe.json` in each rank's own directory) whose content differs
+/// fails the rank check at the rendezvous, naming the field, before any AllGather (the ranks share a run id).
+#[test]
+fn pipeline_files_that_share_a_name_but_differ_fail_the_rank_check() {
+    let children = ranks_with_differing_pipelines("fp", Some("run-fp"));
     let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     for (rank, o) in outs.iter().enumerate() {
         let err = text(&o.stderr);
@@ -423,4 +444,33 @@ fn pipeline_files_that_share_a_name_but_differ_fail_the_rank_check() {
         );
         assert!(!line.contains("pipeline differs") && !line.contains("steps differs"), "{line}");
     }
+}
+
+/// Without a run id, rank 0 cannot tell a rank that runs something else from a stranger: rank 1's hello carries
+/// another rank-check fingerprint, so rank 0 refuses it at once (rank 1 exits 1 saying why) and keeps waiting for
+/// a rank 1 that runs its pipeline (the test stops it).
+#[test]
+fn without_a_run_id_a_rank_of_another_pipeline_is_refused_at_its_hello() {
+    let t = std::time::Instant::now();
+    let mut children = ranks_with_differing_pipelines("fp-none", None);
+    let rank1 = children.pop().unwrap().wait_with_output().unwrap();
+    assert!(t.elapsed() < std::time::Duration::from_secs(10), "rank 1 took {:?}", t.elapsed());
+    let err = text(&rank1.stderr);
+    assert_eq!(rank1.status.code(), Some(1), "{err}");
+    let line = err.lines().last().unwrap_or_default();
+    assert!(
+        line.starts_with("error: rank 1: rendezvous: rank 0 refused the hello of this rank 1: rank 1 has fingerprint "),
+        "{err}"
+    );
+    assert!(
+        line.ends_with(
+            " (they run different things), and without a run id rank 0 takes it for a stranger; launch every rank \
+             with the same arguments and files, and every rank of one run with the same WEIGHTFERRY_RUN_ID"
+        ),
+        "{err}"
+    );
+    let mut rank0 = children.pop().unwrap();
+    assert!(rank0.try_wait().unwrap().is_none(), "rank 0 failed because of a refused hello");
+    rank0.kill().unwrap();
+    rank0.wait().unwrap();
 }

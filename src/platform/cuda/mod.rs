@@ -118,6 +118,12 @@ impl CudaPlatform {
         self.shared_memory.set(memory).is_ok()
     }
 
+    /// Whether an allocator of [`Platform::alloc_device_shared`] is installed
+    /// ([`CudaPlatform::set_shared_device_memory`]).
+    pub fn has_shared_device_memory(&self) -> bool {
+        self.shared_memory.get().is_some()
+    }
+
     /// Number of CUDA devices visible to this process (honouring `CUDA_VISIBLE_DEVICES`).
     ///
     /// Returns [`PlatformError::Unavailable`] (never panics) when libcuda cannot be loaded or initialised; a
