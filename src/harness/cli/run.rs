@@ -74,6 +74,8 @@ fn run_cuda(
         tokens = t;
     }
     let fault = ordering_fault(a.inject_ordering_fault);
+    // The report is always JSON on stdout; bars go to a terminal stderr only.
+    let bars = RunBars::for_stderr(false, std::io::stderr().is_terminal());
     let r = gpu_run(
         desc,
         config,
@@ -83,8 +85,12 @@ fn run_cuda(
         a.skip_seed,
         fault,
         fault != OrderingFault::None,
-    )
-    .map_err(|e| match e {
+        bars.clone().map(|b| b as Arc<dyn RunObserver>),
+    );
+    if let Some(b) = &bars {
+        b.clear();
+    }
+    let r = r.map_err(|e| match e {
         EngineError::Platform(weightferry_actors::platform::PlatformError::Unavailable(m)) => {
             CliError::invalid(format!("--platform cuda: {m}; run with --platform sim"))
         }

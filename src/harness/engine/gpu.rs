@@ -16,9 +16,11 @@ use super::{Engine, EngineError, ExecOptions, ExecOutput};
 use crate::config::{CopySubmission, OffloadConfig};
 use crate::hooks::HookRegistry;
 use crate::model::HostModel;
+use crate::offload::backend::EnableProgress;
 use crate::offload::{get_offload_backend, StreamingBackend, WeightSource};
 use crate::plan::{resolve_offload_plan, PipelineDesc};
 use crate::platform::cuda::CudaPlatform;
+use crate::progress::StepWatch;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -539,6 +541,7 @@ pub struct GpuRunReport {
 
 /// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
 /// weights. With `slow_copies` every host → device copy waits behind a dummy one ([`super::slow::SlowCopies`]).
+/// `observer` sees `enable` build masters and the DiT steps complete on the device (progress bars).
 #[allow(clippy::too_many_arguments)]
 pub fn gpu_run(
     desc: &PipelineDesc,
@@ -549,6 +552,7 @@ pub fn gpu_run(
     skip_seed: Option<u64>,
     ordering_fault: weightferry_actors::OrderingFault,
     slow_copies: bool,
+    observer: Option<Arc<dyn crate::progress::RunObserver>>,
 ) -> Result<GpuRunReport, EngineError> {
     let plan = resolve_offload_plan(desc, config).map_err(crate::offload::OffloadError::from)?;
     let cuda = Arc::new(CudaPlatform::new(0)?);
@@ -558,8 +562,17 @@ pub fn gpu_run(
     let mut model = HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?;
     let engine = Engine::new(compute, desc)?;
     let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
-    let mut offload = |p: &PlatformRef| single_process_backend(config, p, ordering_fault);
-    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |_, _| {});
+    let enable_observer = observer.clone();
+    let mut offload = |p: &PlatformRef| {
+        let mut backend = single_process_backend(config, p, ordering_fault)?;
+        if let (Some(b), Some(o)) = (backend.as_mut(), enable_observer.clone()) {
+            b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
+        }
+        Ok(backend)
+    };
+    let mut watch = StepWatch::new(cuda.clone(), engine.stream(), observer);
+    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |stage, p| watch.observe(stage, p));
+    watch.finish();
     model.release();
     let cmp = cmp?;
     let backend = cmp.backend.as_ref();
