@@ -49,19 +49,26 @@ fn temp(name: &str, contents: &str) -> std::path::PathBuf {
 }
 
 #[test]
-fn launch_two_ranks_reports_every_rank_bit_exact() {
-    let o = wf(&["launch", "--nproc", "2", "--", "run", "--steps", "2"], &[]);
-    let (out, err) = (text(&o.stdout), text(&o.stderr));
-    assert_eq!(o.status.code(), Some(0), "stdout: {out}\nstderr: {err}");
-    assert!(err.is_empty(), "{err}");
-    let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines.len(), 4, "{out}");
-    assert!(lines.iter().all(|l| l.starts_with("[rank 0] ")), "only rank 0 reports: {out}");
-    assert!(lines[0].starts_with("[rank 0] weightferry distributed run: flux-tiny on 2 sim ranks"), "{out}");
-    assert!(lines[1].starts_with("[rank 0] rank 0: bit-exact with the resident run"), "{out}");
-    assert!(lines[1].contains(" of DiT weights on host while running), "), "{out}");
-    assert!(lines[2].starts_with("[rank 0] rank 1: bit-exact with the resident run"), "{out}");
-    assert!(lines[3].starts_with("[rank 0] all 2 ranks bit-exact with the resident run"), "{out}");
+fn launch_two_and_four_ranks_reports_every_rank_bit_exact() {
+    for world in [2usize, 4] {
+        let n = world.to_string();
+        let o = wf(&["launch", "--nproc", &n, "--", "run", "--steps", "2"], &[]);
+        let (out, err) = (text(&o.stdout), text(&o.stderr));
+        assert_eq!(o.status.code(), Some(0), "N={world} stdout: {out}\nstderr: {err}");
+        assert!(err.is_empty(), "{err}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), world + 2, "{out}");
+        assert!(lines.iter().all(|l| l.starts_with("[rank 0] ")), "only rank 0 reports: {out}");
+        let head = format!("[rank 0] weightferry distributed run: flux-tiny on {world} sim ranks");
+        assert!(lines[0].starts_with(&head), "{out}");
+        for r in 0..world {
+            let line = lines[1 + r];
+            assert!(line.starts_with(&format!("[rank 0] rank {r}: bit-exact with the resident run")), "{out}");
+            assert!(line.contains(" of DiT weights on host while running), "), "{out}");
+        }
+        let tail = format!("[rank 0] all {world} ranks bit-exact with the resident run");
+        assert!(lines[world + 1].starts_with(&tail), "{out}");
+    }
 }
 
 #[test]
