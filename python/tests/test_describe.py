@@ -123,3 +123,31 @@ def test_a_dict_entry_that_is_not_a_module_is_refused():
     with pytest.raises(wf.PipelineError) as e:
         wf.describe({"transformer": TinyDiT(2), "scheduler": object()})
     assert str(e.value) == "pipeline dict entry 'scheduler' is a object, not a torch.nn.Module; pass only modules"
+
+
+def test_a_diffusers_like_components_property_gives_the_components_in_order():
+    class DiffusersLike:
+        _dit_modules = ["transformer"]
+
+        def __init__(self):
+            self._parts = {"vae": TinyVAE(), "scheduler": object(), "transformer": TinyDiT(2), "tokenizer": None}
+
+        @property
+        def components(self):
+            return dict(self._parts)
+
+    desc = wf.describe(DiffusersLike())
+    assert desc["class"] == "DiffusersLike"
+    assert list(desc["modules"]) == ["vae", "transformer"]
+    assert desc["components"] == {"dit": ["transformer"]}
+
+
+def test_a_module_as_the_pipeline_has_its_own_tensors_at_the_root():
+    root = nn.Module()
+    root.scale = nn.Parameter(torch.ones(4, dtype=BF16))
+    root.transformer = TinyDiT(2)
+    desc = wf.describe(root)
+    assert desc["class"] == "Module"
+    assert desc["tensors"] == {"scale": {"dtype": "bf16", "shape": [4], "strides": [1], "kind": "parameter",
+                                         "storage_offset": 0}}
+    assert list(desc["modules"]) == ["transformer"]
