@@ -151,3 +151,36 @@ def test_a_module_as_the_pipeline_has_its_own_tensors_at_the_root():
     assert desc["tensors"] == {"scale": {"dtype": "bf16", "shape": [4], "strides": [1], "kind": "parameter",
                                          "storage_offset": 0}}
     assert list(desc["modules"]) == ["transformer"]
+
+
+def test_the_deprecated_singular_block_attribute_is_passed_on_and_warned_about():
+    class OldDiT(TinyDiT):
+        _layerwise_offload_blocks_attrs = None
+        _layerwise_offload_blocks_attr = "blocks"
+
+    desc = wf.describe({"transformer": OldDiT(3)})
+    assert desc["class_block_attr"] == {"OldDiT": "blocks"}
+    assert "class_block_attrs" not in desc
+    with pytest.warns(wf.WeightferryWarning) as record:
+        report = wf.plan({"transformer": OldDiT(3)}, {"diffusion_offload_config": {"mode": "layer",
+                                                                                    "components": ["dit"]}})
+    assert report["components"][0]["stacks"][0]["blocks"] == 3
+    assert [str(w.message) for w in record] == [
+        "pipeline dict declares no components; using the deprecated attribute scan (declare `components` in the "
+        "pipeline description)",
+        "DiT class OldDiT uses the deprecated singular block attribute declaration; declare a list in "
+        "class_block_attrs",
+    ]
+
+
+def test_two_classes_of_one_name_with_different_block_lists_are_refused():
+    def make(attrs):
+        return type("Twin", (TinyDiT,), {"_layerwise_offload_blocks_attrs": attrs})
+
+    a, b = make(["blocks"])(2), make(["other"])(2)
+    with pytest.raises(wf.PipelineError) as e:
+        wf.describe({"a": a, "b": b})
+    assert str(e.value) == (
+        "two module classes named Twin (test_describe and test_describe, the second at 'b') declare different "
+        "_layerwise_offload_blocks_attrs; the description keys block attributes by class name, so rename one class"
+    )

@@ -95,7 +95,7 @@ def _root_modules(pipeline):
 
     cls = type(pipeline).__name__
     if isinstance(pipeline, nn.Module):
-        return cls, pipeline, list(pipeline._modules.items())
+        return cls, pipeline, [(k, v) for k, v in pipeline._modules.items() if v is not None]
     if isinstance(pipeline, Mapping):
         items = list(pipeline.items())
         for name, m in items:
@@ -186,26 +186,30 @@ class _Describer:
         return out
 
     def _class_decls(self, m, path):
+        """Records the block-list declarations of ``m``'s class (keyed by class name, as the format keys them)."""
         cls = type(m)
-        for attr, table in (
-            ("_layerwise_offload_blocks_attrs", self.class_attrs),
-            ("_layerwise_offload_blocks_attr", self.class_attr),
-        ):
-            value = getattr(cls, attr, None)
-            if value is None:
-                continue
-            where = f"{cls.__qualname__}.{attr}"
-            value = _path_list(value, where) if table is self.class_attrs else value
-            if table is self.class_attr and not isinstance(value, str):
-                raise _error(f"{where} must be a str (a block-list attribute), got {value!r}")
-            owner = self.class_owner.setdefault((cls.__name__, attr), cls)
-            if owner is not cls and getattr(owner, attr) != getattr(cls, attr):
+        plural = getattr(cls, "_layerwise_offload_blocks_attrs", None)
+        if plural is not None:
+            where = f"{cls.__qualname__}._layerwise_offload_blocks_attrs"
+            self._record(self.class_attrs, cls, path, "_layerwise_offload_blocks_attrs", _path_list(plural, where))
+        singular = getattr(cls, "_layerwise_offload_blocks_attr", None)
+        if singular is not None:
+            if not isinstance(singular, str):
                 raise _error(
-                    f"two module classes named {cls.__name__} ({owner.__module__} and {cls.__module__}, the second at "
-                    f"'{path}') declare different {attr}; the description keys block attributes by class name, so "
-                    "rename one class"
+                    f"{cls.__qualname__}._layerwise_offload_blocks_attr must be a str (a block-list attribute), "
+                    f"got {singular!r}"
                 )
-            table[cls.__name__] = value
+            self._record(self.class_attr, cls, path, "_layerwise_offload_blocks_attr", singular)
+
+    def _record(self, table, cls, path, attr, value):
+        owner = self.class_owner.setdefault((cls.__name__, attr), cls)
+        if owner is not cls and getattr(owner, attr) != getattr(cls, attr):
+            raise _error(
+                f"two module classes named {cls.__name__} ({owner.__module__} and {cls.__module__}, the second at "
+                f"'{path}') declare different {attr}; the description keys block attributes by class name, so "
+                "rename one class"
+            )
+        table[cls.__name__] = value
 
     def storage_table(self):
         """Names the storages several tensors share (or that are larger than their one view) and points their
