@@ -115,7 +115,8 @@ impl CudaPlatform {
         }
     }
 
-    /// The label of an AllGather of `out_len` bytes tagged `tag`.
+    /// The label of an AllGather of `out_len` bytes tagged `tag` (used by the NCCL collective only).
+    #[cfg(feature = "nccl")]
     pub(crate) fn gather_label(&self, tag: u64, out_len: u64) -> String {
         let namer = self.timeline.lock().gather_namer.clone();
         match namer.and_then(|f| f(tag)) {
