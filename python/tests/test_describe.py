@@ -122,7 +122,7 @@ def test_the_description_is_valid_for_the_rust_loader():
 def test_a_dict_entry_that_is_not_a_module_is_refused():
     with pytest.raises(wf.PipelineError) as e:
         wf.describe({"transformer": TinyDiT(2), "scheduler": object()})
-    assert str(e.value) == "pipeline dict entry 'scheduler' is a object, not a torch.nn.Module; pass only modules"
+    assert str(e.value) == "pipeline dict entry 'scheduler' (object) is not a torch.nn.Module; pass only modules"
 
 
 def test_a_diffusers_like_components_property_gives_the_components_in_order():

@@ -206,8 +206,8 @@ def test_a_panic_is_a_weightferry_error_not_a_panic_exception():
 
 
 def snapshot(pipeline):
-    """Everything plan() must leave alone: every tensor's data pointer, device, dtype, version counter and
-    requires_grad, every module's attributes and hooks."""
+    """Everything plan() must leave alone: every tensor's data pointer, device, dtype, version counter,
+    requires_grad and bytes, every module's attributes and hooks."""
     out = {}
     for cname in ("transformer", "text_encoder", "vae"):
         for mname, m in getattr(pipeline, cname).named_modules(prefix=cname, remove_duplicate=False):
@@ -215,7 +215,8 @@ def snapshot(pipeline):
             out[mname] = (sorted(vars(m)), [len(h) for h in hooks], str(m.training))
             for tname, t in list(m._parameters.items()) + list(m._buffers.items()):
                 if t is not None:
-                    out[f"{mname}.{tname}"] = (t.data_ptr(), str(t.device), t.dtype, t._version, t.requires_grad)
+                    data = t.detach().contiguous().view(torch.uint8).flatten().tolist()
+                    out[f"{mname}.{tname}"] = (t.data_ptr(), str(t.device), t.dtype, t._version, t.requires_grad, data)
     return out
 
 

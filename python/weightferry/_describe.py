@@ -103,7 +103,7 @@ def _root_modules(pipeline):
                 raise _error(f"pipeline dict key {name!r} is not a str; name each component with a str")
             if not isinstance(m, nn.Module):
                 raise _error(
-                    f"pipeline dict entry '{name}' is a {type(m).__name__}, not a torch.nn.Module; pass only modules"
+                    f"pipeline dict entry '{name}' ({type(m).__name__}) is not a torch.nn.Module; pass only modules"
                 )
         return cls, None, items
     # A diffusers pipeline lists its registered components in `components` (schedulers, tokenizers and None
@@ -126,7 +126,7 @@ class _Describer:
 
     def __init__(self):
         self.dtypes = _dtype_names()
-        # storage key -> [(entry, dtype name, element size, first element needed past the view)]
+        # storage key -> [(entry, path, dtype name, element size, elements the view needs, storage bytes)]
         self.storages = {}
         self.class_attrs = {}
         self.class_attr = {}
