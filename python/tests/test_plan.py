@@ -86,7 +86,8 @@ def test_model_level_figures_match_the_cli(cli, tmp_path):
 
 def test_a_toml_config_file_gives_the_same_plan(cli, tmp_path):
     pipe = TinyPipeline(3)
-    cfile = write(tmp_path, "c.toml", '[diffusion_offload_config]\nmode = "layer"\ncomponents = ["dit", "text_encoder", "vae"]\n')
+    toml = '[diffusion_offload_config]\nmode = "layer"\ncomponents = ["dit", "text_encoder", "vae"]\n'
+    cfile = write(tmp_path, "c.toml", toml)
     pfile = write(tmp_path, "p.json", json.dumps(wf.describe(pipe)))
     assert wf.plan(pipe, cfile, name=pfile) == cli.plan(pfile, cfile)
     assert wf.plan(pipe, str(cfile)) == wf.plan(pipe, LAYER)
