@@ -6,6 +6,16 @@ cd "$(dirname "$0")/.."
 cargo test --workspace --all-targets
 # The CUDA / NCCL modules' unit tests that need no GPU (config structs, the symmetric heap's bookkeeping).
 cargo test -p weightferry --features nccl --lib platform::cuda::
+# The Python package (python/): build weightferry._core with maturin into .venv-py/ and run its tests against the
+# CLI. Their dependencies (torch, pytest, maturin) come from `sh python/install-test-deps.sh`, which .ci/run calls;
+# a missing one is an error here, never a skip.
+if ! .venv-py/bin/python -c "import torch, pytest, maturin" 2> /dev/null; then
+  echo "error: .venv-py/ lacks torch, pytest or maturin; run: sh python/install-test-deps.sh" >&2
+  exit 1
+fi
+# target/debug/weightferry is the CLI `cargo test --workspace --all-targets` built above.
+VIRTUAL_ENV="$PWD/.venv-py" .venv-py/bin/maturin develop --quiet -m python/Cargo.toml
+WEIGHTFERRY_BIN="$PWD/target/debug/weightferry" .venv-py/bin/python -m pytest -q python/tests
 # The peer benchmark's pure-Python parts (shape export, table merge); its torch tests skip without torch.
 if command -v python3 > /dev/null; then
   python3 benches/peers/test_peers.py

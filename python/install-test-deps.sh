@@ -1,0 +1,11 @@
+#!/usr/bin/env sh
+# Installs what python/tests need (python/requirements-test.txt: torch, numpy, pytest, maturin) into the
+# git-ignored virtualenv .venv-py/ at the repository root; a few seconds when they are already there.
+# torch has no CPU-only wheel on PyPI for Linux x86_64: the first install downloads about 2.6 GB.
+# Usage (from anywhere): sh python/install-test-deps.sh   (PYTHON=python3.X picks the interpreter, >= 3.9)
+set -eu
+cd "$(dirname "$0")/.."
+if [ ! -x .venv-py/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv-py
+fi
+.venv-py/bin/python -m pip install --quiet --disable-pip-version-check -r python/requirements-test.txt

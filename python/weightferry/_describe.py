@@ -1,0 +1,276 @@
+"""``describe()``: a torch pipeline as a pipeline description (the ``weightferry-pipeline/1`` JSON format of the
+README), reading metadata only.
+
+What it reads: the module tree in registration order (the execution order), every parameter and buffer's dtype,
+shape, strides, storage offset and kind, storage identity (``untyped_storage().data_ptr()``, so tied and shared
+weights become one storage), and the pipeline's declarations (``_dit_modules``, ``_encoder_modules``,
+``_vae_modules``, ``_resident_modules``, ``_auxiliary_modules``, ``_offload_plan``; ``_layerwise_offload_blocks_attrs``
+and the deprecated ``_layerwise_offload_blocks_attr`` on module classes). Without component declarations the
+description has no ``components``, so the resolver runs its deprecated fallback scan.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+from . import _core
+
+__all__ = ["describe"]
+
+FORMAT = "weightferry-pipeline/1"
+
+# Pipeline attribute -> key of the format's `components`.
+_COMPONENT_DECLS = (
+    ("_dit_modules", "dit"),
+    ("_encoder_modules", "encoders"),
+    ("_vae_modules", "vaes"),
+    ("_resident_modules", "resident"),
+    ("_auxiliary_modules", "auxiliary"),
+)
+
+_SUPPORTED = "float32, float16, bfloat16, float8_e4m3fn, int64, int32, uint8"
+
+
+def _dtype_names():
+    import torch
+
+    return {
+        torch.float32: "f32",
+        torch.float16: "f16",
+        torch.bfloat16: "bf16",
+        torch.float8_e4m3fn: "f8e4m3",
+        torch.int64: "i64",
+        torch.int32: "i32",
+        torch.uint8: "u8",
+    }
+
+
+def _error(message):
+    return _core.PipelineError(message)
+
+
+def _path_list(value, where):
+    """A declaration that must be a list (or tuple) of dotted-path strings."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise _error(f"{where} must be a list of dotted module paths (str), got {value!r}")
+
+
+def _plain(value, where):
+    """A declaration value as JSON data: mappings to dicts, tuples / lists / sets to lists, strings as they are."""
+    if isinstance(value, str) or value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise _error(f"{where} has a key {k!r} that is not a str; use dotted module paths as keys")
+            out[k] = _plain(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v, f"{where}[...]") for v in value)
+    raise _error(f"{where} holds {value!r} ({type(value).__name__}); use str, lists and dicts")
+
+
+def _offload_plan(decl, where):
+    """The pipeline's ``_offload_plan`` (a dataclass such as vLLM-Omni's ``OffloadPlan``, a mapping, or an object
+    with attributes) as the format's ``offload_plan`` object. Unknown fields pass through, so the Rust loader
+    rejects them with its message."""
+    if dataclasses.is_dataclass(decl) and not isinstance(decl, type):
+        fields = {f.name: getattr(decl, f.name) for f in dataclasses.fields(decl)}
+    elif isinstance(decl, Mapping):
+        fields = dict(decl)
+    elif hasattr(decl, "__dict__"):
+        fields = {k: v for k, v in vars(decl).items() if not k.startswith("_")}
+    else:
+        raise _error(f"{where} must be an OffloadPlan dataclass, a dict or an object with attributes, got {decl!r}")
+    # Empty fields carry nothing: leave them out so the description stays short.
+    return {k: _plain(v, f"{where}.{k}") for k, v in fields.items() if v not in (None, (), [], {})}
+
+
+def _root_modules(pipeline):
+    """``(class name, root nn.Module or None, [(name, nn.Module)])``: the components of ``pipeline``, in order."""
+    import torch.nn as nn
+
+    cls = type(pipeline).__name__
+    if isinstance(pipeline, nn.Module):
+        return cls, pipeline, [(k, v) for k, v in pipeline._modules.items() if v is not None]
+    if isinstance(pipeline, Mapping):
+        items = list(pipeline.items())
+        for name, m in items:
+            if not isinstance(name, str):
+                raise _error(f"pipeline dict key {name!r} is not a str; name each component with a str")
+            if not isinstance(m, nn.Module):
+                raise _error(
+                    f"pipeline dict entry '{name}' ({type(m).__name__}) is not a torch.nn.Module; pass only modules"
+                )
+        return cls, None, items
+    # A diffusers pipeline lists its registered components in `components` (schedulers, tokenizers and None
+    # entries included); any other object contributes its public module attributes.
+    comps = getattr(pipeline, "components", None)
+    if isinstance(comps, Mapping):
+        items = list(comps.items())
+    elif hasattr(pipeline, "__dict__"):
+        items = [(k, v) for k, v in vars(pipeline).items() if not k.startswith("_")]
+    else:
+        raise _error(
+            f"cannot find the components of a {cls}: pass a diffusers pipeline, an object whose attributes are the "
+            "components, or a dict of name -> torch.nn.Module"
+        )
+    return cls, None, [(k, v) for k, v in items if isinstance(k, str) and isinstance(v, nn.Module)]
+
+
+class _Describer:
+    """One walk over the module tree: tensor entries, storage identity, class block attributes."""
+
+    def __init__(self):
+        self.dtypes = _dtype_names()
+        # storage key -> [(entry, path, dtype name, element size, elements the view needs, storage bytes)]
+        self.storages = {}
+        self.class_attrs = {}
+        self.class_attr = {}
+        self.class_owner = {}
+
+    def tensor(self, t, path, kind):
+        dtype = self.dtypes.get(t.dtype)
+        if dtype is None:
+            raise _error(
+                f"tensor '{path}' has dtype {t.dtype}, which weightferry does not support; use one of {_SUPPORTED} "
+                "(e.g. cast the module with .to(torch.bfloat16))"
+            )
+        shape = list(t.shape)
+        strides = list(t.stride())
+        offset = t.storage_offset()
+        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+        entry = {"dtype": dtype, "shape": shape, "strides": strides, "kind": kind, "storage_offset": offset}
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        nbytes = storage.nbytes()
+        # Storages without memory (empty, meta) have no identity: each owns its own.
+        key = (str(t.device), ptr) if ptr != 0 and nbytes > 0 else ("unique", id(entry))
+        self.storages.setdefault(key, []).append((entry, path, dtype, t.element_size(), offset + span, nbytes))
+        return entry
+
+    def module(self, m, path, active):
+        if id(m) in active:
+            raise _error(f"module '{path}' contains itself; weightferry needs a module tree without cycles")
+        active.add(id(m))
+        self._class_decls(m, path)
+        node = {"class": type(m).__name__}
+        if callable(getattr(m, "load_to_device", None)) and callable(getattr(m, "offload_to_cpu", None)):
+            node["has_lifecycle"] = True
+        tensors = self.tensors(m, path)
+        if tensors:
+            node["tensors"] = tensors
+        children = {}
+        for name, child in m._modules.items():
+            if child is not None:
+                children[name] = self.module(child, f"{path}.{name}", active)
+        if children:
+            node["children"] = children
+        active.discard(id(m))
+        return node
+
+    def tensors(self, m, path):
+        prefix = f"{path}." if path else ""
+        out = {}
+        for name, p in m._parameters.items():
+            if p is not None:
+                out[name] = self.tensor(p, prefix + name, "parameter")
+        for name, b in m._buffers.items():
+            if b is not None:
+                persistent = name not in m._non_persistent_buffers_set
+                kind = "persistent_buffer" if persistent else "non_persistent_buffer"
+                out[name] = self.tensor(b, prefix + name, kind)
+        return out
+
+    def _class_decls(self, m, path):
+        """Records the block-list declarations of ``m``'s class (keyed by class name, as the format keys them)."""
+        cls = type(m)
+        plural = getattr(cls, "_layerwise_offload_blocks_attrs", None)
+        if plural is not None:
+            where = f"{cls.__qualname__}._layerwise_offload_blocks_attrs"
+            self._record(self.class_attrs, cls, path, "_layerwise_offload_blocks_attrs", _path_list(plural, where))
+        singular = getattr(cls, "_layerwise_offload_blocks_attr", None)
+        if singular is not None:
+            if not isinstance(singular, str):
+                raise _error(
+                    f"{cls.__qualname__}._layerwise_offload_blocks_attr must be a str (a block-list attribute), "
+                    f"got {singular!r}"
+                )
+            self._record(self.class_attr, cls, path, "_layerwise_offload_blocks_attr", singular)
+
+    def _record(self, table, cls, path, attr, value):
+        owner = self.class_owner.setdefault((cls.__name__, attr), cls)
+        if owner is not cls and getattr(owner, attr) != getattr(cls, attr):
+            raise _error(
+                f"two module classes named {cls.__name__} ({owner.__module__} and {cls.__module__}, the second at "
+                f"'{path}') declare different {attr}; the description keys block attributes by class name, so "
+                "rename one class"
+            )
+        table[cls.__name__] = value
+
+    def storage_table(self):
+        """Names the storages several tensors share (or that are larger than their one view) and points their
+        tensors at them; every other tensor owns a storage of exactly its view's size."""
+        table = {}
+        for views in self.storages.values():
+            entry, path, dtype, size, needed, nbytes = views[0]
+            if len(views) == 1 and needed * size == nbytes:
+                continue
+            for _, other_path, other_dtype, _, _, _ in views[1:]:
+                if other_dtype != dtype:
+                    raise _error(
+                        f"tensors '{path}' ({dtype}) and '{other_path}' ({other_dtype}) share one storage with "
+                        "different dtypes; weightferry needs every view of a storage to have the storage's dtype"
+                    )
+            if nbytes % size:
+                raise _error(f"the storage of tensor '{path}' holds {nbytes} bytes, not a whole number of {dtype}")
+            name = f"s{len(table)}"
+            table[name] = {"dtype": dtype, "numel": nbytes // size}
+            for view in views:
+                view[0]["storage"] = name
+        return table
+
+
+def describe(pipeline):
+    """Describes ``pipeline`` as a dict in the pipeline-description format (``json.dumps`` of it is a file
+    ``weightferry plan --pipeline`` reads).
+
+    ``pipeline`` is a diffusers pipeline (its ``components``), any object whose public attributes are the
+    components, a dict of name -> ``torch.nn.Module``, or one ``torch.nn.Module`` (its children are the
+    components). Reads metadata only: nothing is moved, copied or written. Raises
+    :class:`weightferry.PipelineError` for a tensor of an unsupported dtype, storages shared across dtypes, or
+    malformed declarations.
+    """
+    cls, root, items = _root_modules(pipeline)
+    d = _Describer()
+    desc = {"format": FORMAT, "class": cls}
+    if root is not None:
+        tensors = d.tensors(root, "")
+        if tensors:
+            desc["tensors"] = tensors
+        d._class_decls(root, "")
+    active = {id(root)} if root is not None else set()
+    desc["modules"] = {name: d.module(m, name, active) for name, m in items}
+    storages = d.storage_table()
+    if storages:
+        desc["storages"] = storages
+
+    if not isinstance(pipeline, Mapping):
+        declared = {}
+        for attr, key in _COMPONENT_DECLS:
+            value = getattr(pipeline, attr, None)
+            if value is not None:
+                declared[key] = _path_list(value, f"{cls}.{attr}")
+        if declared:
+            desc["components"] = declared
+        plan_decl = getattr(pipeline, "_offload_plan", None)
+        if plan_decl is not None:
+            desc["offload_plan"] = _offload_plan(plan_decl, f"{cls}._offload_plan")
+    if d.class_attrs:
+        desc["class_block_attrs"] = d.class_attrs
+    if d.class_attr:
+        desc["class_block_attr"] = d.class_attr
+    return desc
