@@ -14,3 +14,4 @@ pub mod model;
 pub mod offload;
 pub mod plan;
 pub mod platform;
+pub mod textfile;

@@ -983,11 +983,13 @@ fn json_syntax_errors_have_line_and_column() {
         e.to_string(),
         "<file>: invalid JSON at line 3, column 1: trailing comma; fix the JSON at that position"
     );
-    let e = err("   ");
-    assert_eq!(
-        e.to_string(),
-        "<file>: invalid JSON at line 1, column 1: the text is empty; a config is an object such as {}"
-    );
+    // Empty text is an empty config, in JSON as in TOML: offload disabled.
+    for empty in ["", "   \n"] {
+        let c = OffloadConfig::from_json_str(empty).unwrap();
+        assert_eq!(c, OffloadConfig::from_toml_str(empty).unwrap());
+        assert_eq!(c, OffloadConfig::from_json_str("{}").unwrap());
+        assert_eq!(c.strategy, Strategy::None);
+    }
     let e = err(r#"{"a": 1} x"#);
     assert_eq!(e.line_column(), Some((1, 10)));
     assert_eq!(
@@ -1141,6 +1143,32 @@ fn from_path_errors_name_the_file() {
     let invalid = temp_file("invalid.toml", "use_hsdp = 1\n");
     let e = OffloadConfig::from_path(&invalid).unwrap_err();
     assert_eq!(e.key(), "use_hsdp");
+
+    // A byte-order mark (as Windows editors write) is dropped; an empty file disables offload in either format.
+    let bom = temp_file(
+        "bom.json",
+        "\u{feff}{\"diffusion_offload_config\": {\"mode\": \"module\", \"components\": [\"dit\"]}}",
+    );
+    assert_eq!(OffloadConfig::from_path(&bom).unwrap().strategy, Strategy::ModelLevel);
+    for name in ["empty.json", "empty.toml"] {
+        assert_eq!(OffloadConfig::from_path(&temp_file(name, "")).unwrap().strategy, Strategy::None, "{name}");
+    }
+    // A path to an endless device is refused at the size cap, at once, not read until memory runs out.
+    let link = std::env::temp_dir().join(format!("weightferry-config-zero-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+    let t = std::time::Instant::now();
+    let e = OffloadConfig::from_path(&link).unwrap_err();
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: the file holds more than 1048576 bytes, the most a config file may have; check the path (it may \
+             name a device or a huge file)",
+            link.display()
+        )
+    );
+    std::fs::remove_file(&link).unwrap();
 }
 
 #[test]

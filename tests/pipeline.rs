@@ -775,6 +775,23 @@ fn load_pipeline_file_reads_and_reports_io_errors() {
         err_text(load_pipeline_file(&missing)),
         format!("cannot read pipeline file `{}`: No such file or directory (os error 2)", missing.display())
     );
+    // A byte-order mark is dropped.
+    let bom = dir.join("bom.json");
+    std::fs::write(&bom, format!("\u{feff}{EXAMPLE}")).expect("write");
+    assert_eq!(load_pipeline_file(&bom), small().build());
+    // A path to an endless device is refused at the size cap at once.
+    let zero = dir.join("zero.json");
+    std::os::unix::fs::symlink("/dev/zero", &zero).expect("symlink");
+    let t = std::time::Instant::now();
+    assert_eq!(
+        err_text(load_pipeline_file(&zero)),
+        format!(
+            "cannot read pipeline file `{}`: the file holds more than 67108864 bytes, the most a pipeline description \
+             may have; check the path (it may name a device or a huge file)",
+            zero.display()
+        )
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(10), "{:?}", t.elapsed());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

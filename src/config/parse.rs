@@ -4,6 +4,7 @@
 
 use super::walk::{join, quote};
 use super::{resolve, ConfigError, OffloadConfig};
+use crate::textfile::{read_text_capped, TextFileError, MAX_CONFIG_FILE_BYTES};
 use serde::de::{Deserialize, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 use std::fmt;
@@ -48,12 +49,15 @@ impl OffloadConfig {
                 ))
             }
         };
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
-            key: shown.clone(),
-            kind: e.kind(),
-            message: format!(
-                "cannot read the config file ({e}); check that the path exists and is a readable UTF-8 file"
-            ),
+        let text = read_text_capped(path, MAX_CONFIG_FILE_BYTES, "config file").map_err(|e| match e {
+            TextFileError::Io { kind, message: why } => ConfigError::Io {
+                key: shown.clone(),
+                kind,
+                message: format!(
+                    "cannot read the config file ({why}); check that the path exists and is a readable UTF-8 file"
+                ),
+            },
+            other => ConfigError::invalid(shown.clone(), other.to_string()),
         })?;
         let value = parse(&text).map_err(|e| match e {
             ConfigError::Syntax { .. } => e.with_key(shown),
@@ -131,14 +135,9 @@ impl<'de> Visitor<'de> for StrictVisitor {
 
 /// Parses JSON text into a tree, mapping syntax errors (and duplicate keys) to [`ConfigError::Syntax`].
 pub(crate) fn json_to_value(text: &str) -> Result<Value, ConfigError> {
+    // An empty file is an empty config (offload disabled), as an empty TOML file is.
     if text.trim().is_empty() {
-        return Err(ConfigError::Syntax {
-            key: FILE_KEY.to_string(),
-            line: 1,
-            column: 1,
-            message: "invalid JSON at line 1, column 1: the text is empty; a config is an object such as {}"
-                .to_string(),
-        });
+        return Ok(Value::Object(Map::new()));
     }
     let mut de = serde_json::Deserializer::from_str(text);
     let parsed = Strict::deserialize(&mut de).and_then(|v| de.end().map(|()| v));

@@ -105,6 +105,7 @@ use crate::plan::pipeline::{
     join, ComponentDecls, DType, ModuleNode, OffloadPlanDecl, PipelineDesc, StorageDesc, StorageId, TensorDesc,
     TensorKind,
 };
+use crate::textfile::{read_text_capped, MAX_PIPELINE_FILE_BYTES};
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -132,7 +133,7 @@ pub fn load_pipeline_json(text: &str) -> Result<PipelineDesc, PipelineError> {
 
 /// Reads a pipeline description from a JSON file (see [`load_pipeline_json`]).
 pub fn load_pipeline_file(path: &Path) -> Result<PipelineDesc, PipelineError> {
-    let text = std::fs::read_to_string(path)
+    let text = read_text_capped(path, MAX_PIPELINE_FILE_BYTES, "pipeline description")
         .map_err(|e| PipelineError::Io { path: path.display().to_string(), message: e.to_string() })?;
     load_pipeline_json(&text)
 }
