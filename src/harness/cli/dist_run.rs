@@ -43,7 +43,6 @@ use crate::report::human_bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 use weightferry_actors::collective::Collective;
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::PlatformRef;
@@ -608,14 +607,8 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     spec.timed_rounds = a.time_rounds;
     spec.seed = a.seed;
     // Measure the contract: only the shards stay on host while the run executes.
-    let mut sim_config = SimConfig { tracing: false, ..SimConfig::default() };
-    if let Some(g) = a.sim_h2d_gbps {
-        if !(g.is_finite() && g > 0.0) {
-            return Err(CliError::invalid(format!("--sim-h2d-gbps must be a positive number, got {g}")));
-        }
-        sim_config.h2d_bytes_per_sec = Some(g * 1e9);
-    }
-    sim_config.copy_latency = Duration::from_micros(a.sim_copy_latency_us);
+    let (h2d_bytes_per_sec, copy_latency) = super::sim_args::sim_throttles(a)?;
+    let sim_config = SimConfig { tracing: false, h2d_bytes_per_sec, copy_latency, ..SimConfig::default() };
 
     let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
     // Every rank must run the same thing, or the AllGathers would not match.

@@ -17,6 +17,7 @@ pub mod dist_run;
 pub mod launch;
 pub mod plan;
 pub mod run;
+pub mod sim_args;
 
 use crate::config::OffloadConfig;
 use crate::plan::json::load_pipeline_file;

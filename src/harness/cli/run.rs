@@ -13,7 +13,6 @@ use crate::offload::OffloadError;
 use crate::progress::{RunBars, RunObserver};
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::time::Duration;
 use weightferry_actors::OrderingFault;
 
 /// Maps an engine error to the CLI contract: input problems exit 2, everything else 1.
@@ -102,6 +101,23 @@ fn run_cuda(
     Ok(0)
 }
 
+/// Refuses a `--trace` path that names the `--config` or `--pipeline` file (the same file under any name).
+fn refuse_overwriting_inputs(trace: &std::path::Path, a: &RunArgs) -> Result<(), CliError> {
+    let Ok(target) = std::fs::canonicalize(trace) else { return Ok(()) };
+    let inputs = [("--config", a.config.clone()), ("--pipeline", a.pipeline.as_ref().map(std::path::PathBuf::from))];
+    for (flag, path) in inputs {
+        if let Some(p) = path {
+            if std::fs::canonicalize(&p).is_ok_and(|c| c == target) {
+                return Err(CliError::invalid(format!(
+                    "--trace {} is the {flag} file; writing the trace would destroy it: choose another trace path",
+                    trace.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs `weightferry run`; returns the exit code.
 pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     let env = LaunchEnv::from_env().map_err(|e| CliError::invalid(e.to_string()))?;
@@ -144,15 +160,14 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     spec.seed = a.seed;
     spec.skip_seed = a.skip_seed;
     spec.trace = a.trace.is_some();
-    if let Some(g) = a.sim_h2d_gbps {
-        if !(g.is_finite() && g > 0.0) {
-            return Err(CliError::invalid(format!("--sim-h2d-gbps must be a positive number, got {g}")));
-        }
-        spec.sim.h2d_bytes_per_sec = Some(g * 1e9);
-    }
-    spec.sim.copy_latency = Duration::from_micros(a.sim_copy_latency_us);
+    let (rate, latency) = super::sim_args::sim_throttles(a)?;
+    spec.sim.h2d_bytes_per_sec = rate;
+    spec.sim.copy_latency = latency;
     spec.ordering_fault = ordering_fault(a.inject_ordering_fault);
-    // Fail on an unwritable trace path before spending time on the run.
+    // Never write the trace over an input file; fail on an unwritable trace path before spending time on the run.
+    if let Some(t) = &a.trace {
+        refuse_overwriting_inputs(t, a)?;
+    }
     let trace_file = match &a.trace {
         Some(p) => Some(
             std::fs::File::create(p)

@@ -424,3 +424,56 @@ fn completions_cover_every_subcommand_and_refuse_an_unknown_shell() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).starts_with("error: invalid value 'cmd' for '<SHELL>'"));
 }
+
+#[test]
+fn run_refuses_a_trace_over_its_inputs_and_throttles_it_could_never_finish_with() {
+    let dir = std::env::temp_dir().join(format!("wf-cli-inputs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("c.json");
+    let text = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
+    std::fs::write(&config, text).unwrap();
+    let alias = dir.join("alias.json");
+    let _ = std::fs::remove_file(&alias);
+    std::os::unix::fs::symlink(&config, &alias).unwrap();
+    for trace in [&config, &alias] {
+        let o = wf(&["run", "--config", config.to_str().unwrap(), "--trace", trace.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(2));
+        assert_eq!(
+            String::from_utf8_lossy(&o.stderr).trim_end(),
+            format!(
+                "error: --trace {} is the --config file; writing the trace would destroy it: choose another trace path",
+                trace.display()
+            )
+        );
+        assert_eq!(std::fs::read_to_string(&config).unwrap(), text, "the config is untouched");
+    }
+    let cases = [
+        ["--sim-h2d-gbps", "1e-300"],
+        ["--sim-h2d-gbps", "1e308"],
+        ["--sim-h2d-gbps", "0"],
+        ["--sim-copy-latency-us", "18446744073709551615"],
+    ];
+    for args in &cases {
+        let mut all = vec!["run", "--steps", "1"];
+        all.extend(args.iter().copied());
+        let t = std::time::Instant::now();
+        let o = wf(&all);
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "{args:?}");
+        if args[0] == "--sim-copy-latency-us" {
+            assert_eq!(
+                err.trim_end(),
+                "error: --sim-copy-latency-us 18446744073709551615: choose at most 10000000 µs (10 s) per copy"
+            );
+        } else {
+            assert!(
+                err.trim_end().ends_with(
+                    ": choose a rate from 0.001 to 100000 GB/s, or leave the flag out for unthrottled copies"
+                ),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
