@@ -1,6 +1,7 @@
 //! Real checkpoints: safetensors files (one file, or a sharded folder with its index) mapped read-only and
 //! checked before any byte is used ([`reader`], [`index`]); a pipeline description derived from their tensor
-//! names ([`describe`]); a [`HostModel`](crate::model::HostModel) filled from the mapping ([`load`]).
+//! names ([`describe`]); a [`HostModel`](crate::model::HostModel) filled from the mapping ([`load`]); what
+//! `weightferry inspect` prints ([`summary`]).
 //!
 //! Every failure is a [`CheckpointError`] naming the file and the tensor; nothing panics on bad input and nothing
 //! is read outside a mapping.
@@ -10,6 +11,7 @@ pub mod error;
 pub mod index;
 pub mod load;
 pub mod reader;
+pub mod summary;
 
 pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
 pub use error::CheckpointError;

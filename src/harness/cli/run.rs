@@ -2,12 +2,16 @@
 //! platform (or, when the launch environment has `WORLD_SIZE > 1`, one rank of a distributed run: see
 //! [`super::dist_run`]), prints the report (text, or one JSON object with `--json`), writes the trace, and maps
 //! the outcome to an exit code (1 when outputs or weights differ or the hazard detector fired). On a terminal it
-//! draws progress bars on stderr ([`crate::progress`]).
+//! draws progress bars on stderr ([`crate::progress`]). With `--checkpoint`, the pipeline is derived from a safetensors
+//! checkpoint and both runs compute over its bytes (simulated platform, one process).
 
-use super::{emit, load_config, load_pipeline, CliError, FaultArg, PlatformArg, RunArgs, DEFAULT_PRESET};
+use super::{
+    emit, load_checkpoint, load_config, load_pipeline, CliError, FaultArg, LoadedPipeline, PlatformArg, RunArgs,
+    DEFAULT_PRESET,
+};
 use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::LaunchEnv;
-use crate::engine::driver::{run as drive, RunSpec};
+use crate::engine::driver::{run as drive, CheckpointWeights, RunSpec};
 use crate::engine::EngineError;
 use crate::offload::OffloadError;
 use crate::progress::{RunBars, RunObserver};
@@ -106,6 +110,11 @@ fn run_cuda(
 pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     let env = LaunchEnv::from_env().map_err(|e| CliError::invalid(e.to_string()))?;
     if env.is_distributed() {
+        if a.checkpoint.is_some() {
+            return Err(CliError::invalid(
+                "--checkpoint runs in one process only (WORLD_SIZE = 1); distributed runs use synthetic weights for now",
+            ));
+        }
         return super::dist_run::run_distributed(a, &env);
     }
     if a.inject_gather_failure.is_some() {
@@ -132,8 +141,20 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
         ));
     }
     check_platform(a.platform)?;
-    let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
-    let pipeline = load_pipeline(spec_name)?;
+    if a.checkpoint.is_some() && a.platform != PlatformArg::Sim {
+        return Err(CliError::invalid(
+            "--checkpoint runs on --platform sim; the CUDA engine uses synthetic weights for now",
+        ));
+    }
+    let (pipeline, weights) = match &a.checkpoint {
+        Some(path) => {
+            let l = load_checkpoint(path, &a.component)?;
+            let name = path.display().to_string();
+            let weights = CheckpointWeights { checkpoint: l.checkpoint, component: l.derived.component };
+            (LoadedPipeline { name, desc: l.derived.desc }, Some(weights))
+        }
+        None => (load_pipeline(a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET))?, None),
+    };
     let config = load_config(a.config.as_deref(), &pipeline.desc)?;
     #[cfg(feature = "cuda")]
     if a.platform == PlatformArg::Cuda {
@@ -144,6 +165,7 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     spec.seed = a.seed;
     spec.skip_seed = a.skip_seed;
     spec.trace = a.trace.is_some();
+    spec.checkpoint = weights;
     if let Some(g) = a.sim_h2d_gbps {
         if !(g.is_finite() && g > 0.0) {
             return Err(CliError::invalid(format!("--sim-h2d-gbps must be a positive number, got {g}")));
