@@ -409,6 +409,25 @@ fn whole_pipelines_are_refused() {
     let ck = Checkpoint::open(d.join("sd.safetensors")).unwrap();
     assert!(matches!(derive_pipeline(&ck, &DeriveOptions::default()).unwrap_err(),
         CheckpointError::WholePipeline { prefixes, .. } if prefixes == ["model.diffusion_model"]));
+    // Only the transformer, but under its component prefix.
+    let mut m = BTreeMap::new();
+    m.insert("transformer.blocks.0.w".to_string(), t(S::F16, &[2], 1));
+    m.insert("transformer.proj_out.w".to_string(), t(S::F16, &[2], 2));
+    write(&d.join("prefixed.safetensors"), &m);
+    let ck = Checkpoint::open(d.join("prefixed.safetensors")).unwrap();
+    let e = derive_pipeline(&ck, &DeriveOptions::default()).unwrap_err();
+    assert!(matches!(&e, CheckpointError::WholePipeline { prefixes, .. } if prefixes == &["transformer"]));
+    assert!(
+        e.to_string()
+            .ends_with("pass the transformer's own file or folder (diffusers layout: <pipeline>/transformer/)"),
+        "{e}"
+    );
+    // An attribute that happens to be called `transformer` beside others is an ordinary module.
+    m.insert("proj_in.w".to_string(), t(S::F16, &[2], 3));
+    write(&d.join("attr.safetensors"), &m);
+    let ck = Checkpoint::open(d.join("attr.safetensors")).unwrap();
+    let der = derive_pipeline(&ck, &DeriveOptions::default()).unwrap();
+    assert!(der.desc.module("transformer.transformer.blocks.0").is_some());
     // A diffusers pipeline folder.
     let p = dir("pipeline_folder");
     std::fs::write(p.join("model_index.json"), "{}").unwrap();

@@ -11,8 +11,10 @@
 //!   `block_attrs`, in child order. Deeper numbered lists (`to_out.0`, `ff.net.0`) stay inside their modules.
 //!   Numbered children with a gap are a plain `Module`, never streamed.
 //! - **Whole pipelines** are refused ([`CheckpointError::WholePipeline`]): keys under a pipeline component
-//!   (`text_encoder.`, `text_encoder_2.`, `text_encoder_3.`, `vae.`, `unet.`, `image_encoder.`) or the single-file
-//!   Stable Diffusion layout (`model.diffusion_model.`, `first_stage_model.`, `cond_stage_model.`, `conditioner.`).
+//!   (`text_encoder.`, `text_encoder_2.`, `text_encoder_3.`, `vae.`, `unet.`, `image_encoder.`), the single-file
+//!   Stable Diffusion layout (`model.diffusion_model.`, `first_stage_model.`, `cond_stage_model.`, `conditioner.`),
+//!   or every key under `transformer.` (a pipeline's transformer with its component prefix). Supported is one
+//!   transformer's checkpoint with its own parameter names, as diffusers saves `<pipeline>/transformer/`.
 
 use super::error::CheckpointError;
 use super::Checkpoint;
@@ -108,7 +110,8 @@ pub fn derive_pipeline(ckpt: &Checkpoint, opts: &DeriveOptions) -> Result<Derive
             prefixes.insert(top.to_string());
         }
     }
-    if prefixes.iter().any(|p| p != "transformer") {
+    let all_under_transformer = !ckpt.is_empty() && ckpt.tensors().all(|(_, t)| t.name.starts_with("transformer."));
+    if prefixes.iter().any(|p| p != "transformer") || all_under_transformer {
         return Err(CheckpointError::WholePipeline { file: file(), prefixes: prefixes.into_iter().collect() });
     }
     let mut root: BTreeMap<String, Node> = BTreeMap::new();

@@ -203,10 +203,12 @@ pub enum CheckpointError {
         /// What is wrong.
         reason: String,
     },
-    /// The checkpoint holds a whole pipeline (several components); one DiT's checkpoint is supported.
+    /// The checkpoint holds a whole pipeline (component prefixes such as `text_encoder.`, `vae.`, or every key under
+    /// `transformer.`); one transformer's checkpoint with its own parameter names is supported.
     #[error(
-        "{}: holds a whole pipeline (top-level prefixes {prefixes:?}); weightferry reads one transformer's \
-         checkpoint: pass the transformer's own file or folder (diffusers layout: <pipeline>/transformer/)",
+        "{}: holds pipeline components (top-level prefixes {prefixes:?}); weightferry reads one transformer's \
+         checkpoint with its own parameter names, no component prefix: pass the transformer's own file or folder \
+         (diffusers layout: <pipeline>/transformer/)",
         file.display()
     )]
     WholePipeline {
