@@ -165,6 +165,12 @@ fn one_file_with_every_dtype_reads_back_exactly() {
     let order: Vec<&str> = ck.files()[0].tensors().iter().map(|t| t.name.as_str()).collect();
     assert_eq!(order[0], "layer_4.weight"); // I64 first
     assert_model_bytes(&ck, "transformer");
+    // The folder holding only this file opens it.
+    let by_folder = Checkpoint::open(&d).unwrap();
+    assert_eq!((by_folder.files()[0].path(), by_folder.len()), (path.as_path(), 9));
+    // Anything else is not a checkpoint.
+    std::fs::write(d.join("notes.txt"), "x").unwrap();
+    assert!(matches!(Checkpoint::open(d.join("notes.txt")).unwrap_err(), CheckpointError::NotACheckpoint { .. }));
 }
 
 #[test]
@@ -488,6 +494,12 @@ fn sharded_inconsistencies_are_their_typed_errors() {
     assert!(matches!(err(&d), CheckpointError::InvalidIndex { reason, .. } if reason.contains("not a file name")));
     std::fs::write(index(&d), "{").unwrap();
     assert!(matches!(err(&d), CheckpointError::InvalidIndex { .. }));
+    // Two indexes.
+    std::fs::write(d.join("other.safetensors.index.json"), "{}").unwrap();
+    assert!(
+        matches!(err(&d), CheckpointError::NotACheckpoint { reason, .. } if reason.starts_with("2 *.safetensors.index.json files"))
+    );
+    std::fs::remove_file(d.join("other.safetensors.index.json")).unwrap();
     // A folder with two files and no index.
     std::fs::remove_file(index(&d)).unwrap();
     assert!(

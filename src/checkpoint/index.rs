@@ -96,17 +96,25 @@ pub fn open_shards(index: &Path) -> Result<Vec<SafetensorsFile>, CheckpointError
     Ok(files)
 }
 
-/// Resolves the path given by the user: `(index, single file)`, exactly one of them `Some`.
-pub(crate) fn locate(path: &Path) -> Result<(Option<PathBuf>, Option<PathBuf>), CheckpointError> {
+/// What a user's path points at.
+pub(crate) enum Located {
+    /// A sharded checkpoint's index.
+    Index(PathBuf),
+    /// One `.safetensors` file.
+    File(PathBuf),
+}
+
+/// Resolves the path given by the user (see [`super::Checkpoint::open`]).
+pub(crate) fn locate(path: &Path) -> Result<Located, CheckpointError> {
     let not = |reason: String| CheckpointError::NotACheckpoint { path: path.to_path_buf(), reason };
     let meta = std::fs::metadata(path).map_err(|source| CheckpointError::Io { file: path.to_path_buf(), source })?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     if meta.is_file() {
         if name.ends_with(INDEX_SUFFIX) {
-            return Ok((Some(path.to_path_buf()), None));
+            return Ok(Located::Index(path.to_path_buf()));
         }
         if name.ends_with(".safetensors") {
-            return Ok((None, Some(path.to_path_buf())));
+            return Ok(Located::File(path.to_path_buf()));
         }
         return Err(not(format!("not a .safetensors file or a *{INDEX_SUFFIX} index")));
     }
@@ -123,19 +131,20 @@ pub(crate) fn locate(path: &Path) -> Result<(Option<PathBuf>, Option<PathBuf>), 
     }
     indexes.sort();
     files.sort();
-    match (indexes.len(), files.len()) {
-        (1, _) => Ok((indexes.pop(), None)),
-        (0, 1) => Ok((None, files.pop())),
-        (0, 0) if path.join("model_index.json").is_file() => {
+    match (indexes.as_slice(), files.as_slice()) {
+        ([index], _) => Ok(Located::Index(index.clone())),
+        ([], [file]) => Ok(Located::File(file.clone())),
+        ([], []) if path.join("model_index.json").is_file() => {
             Err(not("a diffusers pipeline folder (model_index.json) holds several components; weightferry reads one \
              transformer's checkpoint: pass its transformer/ subfolder"
                 .into()))
         }
-        (0, 0) => Err(not("no .safetensors file or *.safetensors.index.json in this folder".into())),
-        (0, n) => Err(not(format!(
-            "{n} .safetensors files and no *{INDEX_SUFFIX}; pass one file, or the folder of a sharded checkpoint \
-             with its index"
+        ([], []) => Err(not("no .safetensors file or *.safetensors.index.json in this folder".into())),
+        ([], many) => Err(not(format!(
+            "{} .safetensors files and no *{INDEX_SUFFIX}; pass one file, or the folder of a sharded checkpoint \
+             with its index",
+            many.len()
         ))),
-        (n, _) => Err(not(format!("{n} *{INDEX_SUFFIX} files; pass the index to use"))),
+        (many, _) => Err(not(format!("{} *{INDEX_SUFFIX} files; pass the index to use", many.len()))),
     }
 }

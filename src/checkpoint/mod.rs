@@ -34,11 +34,12 @@ impl Checkpoint {
     /// (sharded) or, without an index, exactly one `.safetensors` file.
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint, CheckpointError> {
         let path = path.as_ref();
-        let (index_path, single) = index::locate(path)?;
-        let files = match (&index_path, single) {
-            (Some(ix), _) => index::open_shards(ix)?,
-            (None, Some(f)) => vec![SafetensorsFile::open(&f)?],
-            (None, None) => unreachable_locate(path)?,
+        let (index_path, files) = match index::locate(path)? {
+            index::Located::Index(ix) => {
+                let files = index::open_shards(&ix)?;
+                (Some(ix), files)
+            }
+            index::Located::File(f) => (None, vec![SafetensorsFile::open(&f)?]),
         };
         let mut by_name = BTreeMap::new();
         for (fi, f) in files.iter().enumerate() {
@@ -87,8 +88,4 @@ impl Checkpoint {
     pub fn tensor_bytes(&self) -> u64 {
         self.tensors().map(|(_, t)| t.len).sum()
     }
-}
-
-fn unreachable_locate<T>(path: &Path) -> Result<T, CheckpointError> {
-    Err(CheckpointError::NotACheckpoint { path: path.to_path_buf(), reason: "no checkpoint found".into() })
 }
