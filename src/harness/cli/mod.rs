@@ -363,6 +363,22 @@ pub fn load_checkpoint(path: &Path, component: &str) -> Result<LoadedCheckpoint,
     Ok(LoadedCheckpoint { checkpoint: std::sync::Arc::new(checkpoint), derived })
 }
 
+/// For a checkpoint without block lists, a config the derived pipeline cannot use is invalid input that says why
+/// (the resolver's own advice, to declare block lists, does not apply to a checkpoint).
+pub fn check_blockless(path: &Path, loaded: &LoadedCheckpoint, config: &OffloadConfig) -> Result<(), CliError> {
+    if !loaded.derived.block_lists.is_empty() {
+        return Ok(());
+    }
+    match resolve_offload_plan(&loaded.derived.desc, config) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(CliError::invalid(format!(
+            "checkpoint {}: no block list found (no top-level `name.N.` keys, e.g. `blocks.0.`), so the one-DiT \
+             pipeline derived from it has nothing to stream ({e})",
+            path.display()
+        ))),
+    }
+}
+
 /// A failure of the command line: an exit code and one line for stderr.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]

@@ -6,8 +6,8 @@
 //! checkpoint and both runs compute over its bytes (simulated platform, one process).
 
 use super::{
-    emit, load_checkpoint, load_config, load_pipeline, CliError, FaultArg, LoadedPipeline, PlatformArg, RunArgs,
-    DEFAULT_PRESET,
+    check_blockless, emit, load_checkpoint, load_config, load_pipeline, CliError, FaultArg, LoadedPipeline,
+    PlatformArg, RunArgs, DEFAULT_PRESET,
 };
 use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::LaunchEnv;
@@ -146,16 +146,20 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
             "--checkpoint runs on --platform sim; the CUDA engine uses synthetic weights for now",
         ));
     }
-    let (pipeline, weights) = match &a.checkpoint {
-        Some(path) => {
-            let l = load_checkpoint(path, &a.component)?;
+    let loaded = a.checkpoint.as_deref().map(|p| load_checkpoint(p, &a.component)).transpose()?;
+    let (pipeline, weights) = match (&a.checkpoint, &loaded) {
+        (Some(path), Some(l)) => {
             let name = path.display().to_string();
-            let weights = CheckpointWeights { checkpoint: l.checkpoint, component: l.derived.component };
-            (LoadedPipeline { name, desc: l.derived.desc }, Some(weights))
+            let weights =
+                CheckpointWeights { checkpoint: l.checkpoint.clone(), component: l.derived.component.clone() };
+            (LoadedPipeline { name, desc: l.derived.desc.clone() }, Some(weights))
         }
-        None => (load_pipeline(a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET))?, None),
+        _ => (load_pipeline(a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET))?, None),
     };
     let config = load_config(a.config.as_deref(), &pipeline.desc)?;
+    if let (Some(path), Some(l)) = (&a.checkpoint, &loaded) {
+        check_blockless(path, l, &config)?;
+    }
     #[cfg(feature = "cuda")]
     if a.platform == PlatformArg::Cuda {
         return run_cuda(a, &pipeline.name, &pipeline.desc, &config);

@@ -227,6 +227,16 @@ fn malformed_checkpoints_are_one_line_exit_2() {
         ),
         "{e}"
     );
+    // No block list: nothing to stream, and the error says so.
+    let one = tensor(S::F32, &[4, 4], 1);
+    let blockless = checkpoint("blockless", false).with_file_name("blockless.safetensors");
+    write(&blockless, &BTreeMap::from([("proj.weight".to_string(), &one)]));
+    for cmd in ["plan", "run"] {
+        let e = invalid(&[cmd, "--checkpoint", blockless.to_str().unwrap()]);
+        let want =
+            format!("error: checkpoint {}: no block list found (no top-level `name.N.` keys", blockless.display());
+        assert!(e.starts_with(&want), "{e}");
+    }
     let e = invalid(&["run", "--checkpoint", fs, "--preset", "flux-tiny"]);
     assert!(e.contains("cannot be used with"), "{e}");
 }
