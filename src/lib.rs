@@ -1,11 +1,13 @@
 //! weightferry: streams the weights of large diffusion models between host and GPU memory with an actor-based
 //! asynchronous transfer scheduler.
 //!
+//! - [`checkpoint`]: safetensors checkpoints, mapped and checked; descriptions and host models derived from them.
 //! - [`config`]: the offload config file (compact and legacy keys), validated into an [`config::OffloadConfig`].
 //! - [`plan`]: pipeline descriptions, presets, and the pure plan resolver.
 //! - [`hooks`]: the forward-hook registry the strategies install into.
 //! - [`dist`]: multi-process runs: the launch environment, the TCP rendezvous, the process launcher.
 
+pub mod checkpoint;
 pub mod config;
 pub mod diag;
 pub mod dist;

@@ -247,6 +247,17 @@ impl HostModel {
         Ok(HostModel { desc, platform, homes })
     }
 
+    /// A model whose every storage is loaded in its own host buffer of `platform` (`loaded` holds one buffer per
+    /// storage of `desc`, owned by the model from now on). Loaders that fill buffers themselves use this.
+    pub(crate) fn from_loaded(
+        platform: PlatformRef,
+        desc: Arc<PipelineDesc>,
+        loaded: BTreeMap<StorageId, HostBufferId>,
+    ) -> HostModel {
+        let homes = loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })).collect();
+        HostModel { desc, platform, homes }
+    }
+
     /// The pipeline description.
     pub fn desc(&self) -> &Arc<PipelineDesc> {
         &self.desc

@@ -13,7 +13,7 @@
 // The library's modules, under the paths the harness code uses (`crate::config`, `crate::offload`, ...).
 #[cfg(feature = "cuda")]
 use weightferry::platform;
-use weightferry::{config, dist, hooks, model, offload, plan};
+use weightferry::{checkpoint, config, dist, hooks, model, offload, plan};
 
 pub mod cli;
 pub mod distributed_run;

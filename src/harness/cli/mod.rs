@@ -1,6 +1,6 @@
 //! The `weightferry` command line: argument definitions (clap derive), input loading, and the exit-code contract.
 //!
-//! Commands: `run` ([`run`]) executes a pipeline resident and offloaded on the simulated platform and reports —
+//! Commands: `inspect` ([`inspect`]) prints what a safetensors checkpoint holds; `run` ([`run`]) executes a pipeline resident and offloaded on the simulated platform and reports —
 //! or, when the launch environment has `WORLD_SIZE > 1`, runs this process's rank of a distributed run
 //! ([`dist_run`]); `plan` ([`plan`]) prints the resolved offload plan without running anything; `launch`
 //! ([`launch`]) starts `N` local ranks of a command with the launch environment set; `bench` ([`mod@bench`],
@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod bench_gather;
 pub mod dist_run;
+pub mod inspect;
 pub mod launch;
 pub mod plan;
 pub mod run;
@@ -56,6 +57,8 @@ pub enum Command {
     Run(RunArgs),
     /// Print the resolved offload plan of a pipeline under a config.
     Plan(PlanArgs),
+    /// Print what a safetensors checkpoint holds: files, tensors, dtypes, bytes, block lists.
+    Inspect(InspectArgs),
     /// Measure step time against the physical bound on a GPU (needs the `cuda` feature).
     Bench(BenchArgs),
     /// Run N copies of a weightferry command on this machine as the ranks of one distributed run.
@@ -223,6 +226,13 @@ pub enum PlatformArg {
 /// Arguments of `run`.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
+    /// A safetensors checkpoint (a `.safetensors` file, a `*.safetensors.index.json`, or a folder with either): the
+    /// pipeline is derived from it and runs over its bytes.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["preset", "pipeline"])]
+    pub checkpoint: Option<PathBuf>,
+    /// Name of the DiT component a checkpoint becomes (with --checkpoint).
+    #[arg(long, value_name = "NAME", default_value = "transformer", requires = "checkpoint")]
+    pub component: String,
     /// Built-in pipeline (default flux-tiny): flux-tiny, wan-tiny, qwen-tiny (and their full-size twins).
     #[arg(long, value_name = "P", conflicts_with = "pipeline")]
     pub preset: Option<String>,
@@ -300,6 +310,13 @@ pub enum FaultArg {
 /// Arguments of `plan`.
 #[derive(Debug, clap::Args)]
 pub struct PlanArgs {
+    /// A safetensors checkpoint (a `.safetensors` file, a `*.safetensors.index.json`, or a folder with either) to
+    /// derive the pipeline from.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["preset", "pipeline"])]
+    pub checkpoint: Option<PathBuf>,
+    /// Name of the DiT component a checkpoint becomes (with --checkpoint).
+    #[arg(long, value_name = "NAME", default_value = "transformer", requires = "checkpoint")]
+    pub component: String,
     /// Preset name or pipeline description file (default flux-tiny).
     #[arg(long, value_name = "PRESET|FILE.json")]
     pub pipeline: Option<String>,
@@ -312,6 +329,55 @@ pub struct PlanArgs {
     /// Print the plan as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Arguments of `inspect`.
+#[derive(Debug, clap::Args)]
+pub struct InspectArgs {
+    /// A `.safetensors` file, a `*.safetensors.index.json`, or a folder holding one index or one file.
+    #[arg(value_name = "PATH")]
+    pub path: PathBuf,
+    /// Name of the DiT component the checkpoint becomes.
+    #[arg(long, value_name = "NAME", default_value = "transformer")]
+    pub component: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// An opened checkpoint and the pipeline derived from it.
+#[derive(Debug)]
+pub struct LoadedCheckpoint {
+    /// The checkpoint, mapped.
+    pub checkpoint: std::sync::Arc<crate::checkpoint::Checkpoint>,
+    /// The derived description and its block lists.
+    pub derived: crate::checkpoint::Derived,
+}
+
+/// Opens `path` and derives its one-DiT pipeline with the DiT named `component`; every checkpoint error is
+/// invalid input (exit 2), its message naming the file and the tensor.
+pub fn load_checkpoint(path: &Path, component: &str) -> Result<LoadedCheckpoint, CliError> {
+    use crate::checkpoint::{derive_pipeline, Checkpoint, DeriveOptions};
+    let checkpoint = Checkpoint::open(path).map_err(|e| CliError::invalid(format!("checkpoint {e}")))?;
+    let derived = derive_pipeline(&checkpoint, &DeriveOptions { component: component.to_string() })
+        .map_err(|e| CliError::invalid(format!("checkpoint {e}")))?;
+    Ok(LoadedCheckpoint { checkpoint: std::sync::Arc::new(checkpoint), derived })
+}
+
+/// For a checkpoint without block lists, a config the derived pipeline cannot use is invalid input that says why
+/// (the resolver's own advice, to declare block lists, does not apply to a checkpoint).
+pub fn check_blockless(path: &Path, loaded: &LoadedCheckpoint, config: &OffloadConfig) -> Result<(), CliError> {
+    if !loaded.derived.block_lists.is_empty() {
+        return Ok(());
+    }
+    match resolve_offload_plan(&loaded.derived.desc, config) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(CliError::invalid(format!(
+            "checkpoint {}: no block list found (no top-level `name.N.` keys, e.g. `blocks.0.`), so the one-DiT \
+             pipeline derived from it has nothing to stream ({e})",
+            path.display()
+        ))),
+    }
 }
 
 /// A failure of the command line: an exit code and one line for stderr.
@@ -435,6 +501,7 @@ where
     let result = match &cli.command {
         Command::Run(a) => run::run(a),
         Command::Plan(a) => plan::plan(a),
+        Command::Inspect(a) => inspect::inspect(a),
         Command::Bench(a) => bench::bench(a),
         Command::Launch(a) => launch::launch(a),
         Command::BenchGather(a) => bench_gather::bench_gather(a),

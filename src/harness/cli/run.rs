@@ -2,12 +2,16 @@
 //! platform (or, when the launch environment has `WORLD_SIZE > 1`, one rank of a distributed run: see
 //! [`super::dist_run`]), prints the report (text, or one JSON object with `--json`), writes the trace, and maps
 //! the outcome to an exit code (1 when outputs or weights differ or the hazard detector fired). On a terminal it
-//! draws progress bars on stderr ([`crate::progress`]).
+//! draws progress bars on stderr ([`crate::progress`]). With `--checkpoint`, the pipeline is derived from a safetensors
+//! checkpoint and both runs compute over its bytes (simulated platform, one process).
 
-use super::{emit, load_config, load_pipeline, CliError, FaultArg, PlatformArg, RunArgs, DEFAULT_PRESET};
+use super::{
+    check_blockless, emit, load_checkpoint, load_config, load_pipeline, CliError, FaultArg, LoadedPipeline,
+    PlatformArg, RunArgs, DEFAULT_PRESET,
+};
 use crate::dist::allgather_engine::AllGatherEngine;
 use crate::dist::LaunchEnv;
-use crate::engine::driver::{run as drive, RunSpec};
+use crate::engine::driver::{run as drive, CheckpointWeights, RunSpec};
 use crate::engine::EngineError;
 use crate::offload::OffloadError;
 use crate::progress::{RunBars, RunObserver};
@@ -101,10 +105,14 @@ fn run_cuda(
     Ok(0)
 }
 
-/// Refuses a `--trace` path that names the `--config` or `--pipeline` file (the same file under any name).
+/// Refuses a `--trace` path that names the `--config`, `--pipeline` or `--checkpoint` file (under any name).
 fn refuse_overwriting_inputs(trace: &std::path::Path, a: &RunArgs) -> Result<(), CliError> {
     let Ok(target) = std::fs::canonicalize(trace) else { return Ok(()) };
-    let inputs = [("--config", a.config.clone()), ("--pipeline", a.pipeline.as_ref().map(std::path::PathBuf::from))];
+    let inputs = [
+        ("--config", a.config.clone()),
+        ("--pipeline", a.pipeline.as_ref().map(std::path::PathBuf::from)),
+        ("--checkpoint", a.checkpoint.clone()),
+    ];
     for (flag, path) in inputs {
         if let Some(p) = path {
             if std::fs::canonicalize(&p).is_ok_and(|c| c == target) {
@@ -122,6 +130,11 @@ fn refuse_overwriting_inputs(trace: &std::path::Path, a: &RunArgs) -> Result<(),
 pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     let env = LaunchEnv::from_env().map_err(|e| CliError::invalid(e.to_string()))?;
     if env.is_distributed() {
+        if a.checkpoint.is_some() {
+            return Err(CliError::invalid(
+                "--checkpoint runs in one process only (WORLD_SIZE = 1); distributed runs use synthetic weights for now",
+            ));
+        }
         return super::dist_run::run_distributed(a, &env);
     }
     if a.inject_gather_failure.is_some() {
@@ -148,9 +161,25 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
         ));
     }
     check_platform(a.platform)?;
-    let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
-    let pipeline = load_pipeline(spec_name)?;
+    if a.checkpoint.is_some() && a.platform != PlatformArg::Sim {
+        return Err(CliError::invalid(
+            "--checkpoint runs on --platform sim; the CUDA engine uses synthetic weights for now",
+        ));
+    }
+    let loaded = a.checkpoint.as_deref().map(|p| load_checkpoint(p, &a.component)).transpose()?;
+    let (pipeline, weights) = match (&a.checkpoint, &loaded) {
+        (Some(path), Some(l)) => {
+            let name = path.display().to_string();
+            let weights =
+                CheckpointWeights { checkpoint: l.checkpoint.clone(), component: l.derived.component.clone() };
+            (LoadedPipeline { name, desc: l.derived.desc.clone() }, Some(weights))
+        }
+        _ => (load_pipeline(a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET))?, None),
+    };
     let config = load_config(a.config.as_deref(), &pipeline.desc)?;
+    if let (Some(path), Some(l)) = (&a.checkpoint, &loaded) {
+        check_blockless(path, l, &config)?;
+    }
     #[cfg(feature = "cuda")]
     if a.platform == PlatformArg::Cuda {
         return run_cuda(a, &pipeline.name, &pipeline.desc, &config);
@@ -160,6 +189,7 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     spec.seed = a.seed;
     spec.skip_seed = a.skip_seed;
     spec.trace = a.trace.is_some();
+    spec.checkpoint = weights;
     let (rate, latency) = super::sim_args::sim_throttles(a)?;
     spec.sim.h2d_bytes_per_sec = rate;
     spec.sim.copy_latency = latency;

@@ -10,6 +10,7 @@
 use super::compare::{compare, single_process_backend, Comparison, OffloadedSource};
 use super::timing::{hook_percentiles_us, ms};
 use super::{EngineError, ExecOptions, Progress};
+use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{OffloadConfig, Strategy};
 use crate::engine::compute::SimCompute;
 use crate::engine::Engine;
@@ -53,6 +54,9 @@ pub struct RunSpec {
     pub max_weight_bytes: u64,
     /// Test hook: run the backend's stacks with a deliberately broken ordering (proves the checks can fail).
     pub ordering_fault: OrderingFault,
+    /// Weights read from a checkpoint instead of synthetic ones (`pipeline` is then the description derived from
+    /// it).
+    pub checkpoint: Option<CheckpointWeights>,
     /// Told how `enable` builds masters and how each execution's DiT steps complete on the device (progress bars);
     /// `None`: nothing is observed.
     pub observer: Option<Arc<dyn RunObserver>>,
@@ -73,7 +77,25 @@ impl RunSpec {
             max_weight_bytes: DEFAULT_MAX_WEIGHT_BYTES,
             ordering_fault: OrderingFault::None,
             observer: None,
+            checkpoint: None,
         }
+    }
+}
+
+/// A checkpoint whose bytes a run computes over: the description's tensor `<component>.K` is its tensor `K`.
+#[derive(Debug, Clone)]
+pub struct CheckpointWeights {
+    /// The checkpoint, mapped.
+    pub checkpoint: Arc<Checkpoint>,
+    /// The DiT component its tensors belong to.
+    pub component: String,
+}
+
+/// A checkpoint that cannot be loaded is invalid input, unless the platform failed.
+fn checkpoint_error(e: CheckpointError) -> EngineError {
+    match e {
+        CheckpointError::Platform { source, .. } => EngineError::Platform(source),
+        e => EngineError::Invalid(format!("checkpoint {e}")),
     }
 }
 
@@ -142,7 +164,11 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
     sim.set_tracing(false);
     let platform: PlatformRef = sim.clone();
     let compute = Arc::new(SimCompute::new(sim.clone()));
-    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)?;
+    let mut model = match &spec.checkpoint {
+        None => HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)?,
+        Some(w) => HostModel::from_checkpoint(platform.clone(), Arc::new(desc.clone()), &w.checkpoint, &w.component)
+            .map_err(checkpoint_error)?,
+    };
     let result = compare_on(spec, &sim, compute, &mut model, epoch, progress);
     model.release();
     let Compared { cmp, stats: (stats0, stats1), trace, activation_bytes } = result?;

@@ -1,0 +1,91 @@
+//! Real checkpoints: safetensors files (one file, or a sharded folder with its index) mapped read-only and
+//! checked before any byte is used ([`reader`], [`index`]); a pipeline description derived from their tensor
+//! names ([`describe`]); a [`HostModel`](crate::model::HostModel) filled from the mapping ([`load`]); what
+//! `weightferry inspect` prints ([`summary`]).
+//!
+//! Every failure is a [`CheckpointError`] naming the file and the tensor; nothing panics on bad input and nothing
+//! is read outside a mapping.
+
+pub mod describe;
+pub mod error;
+pub mod index;
+pub mod load;
+pub mod reader;
+pub mod summary;
+
+pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
+pub use error::CheckpointError;
+pub use reader::{FileTensor, SafetensorsFile};
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// An opened checkpoint: its files, mapped and checked, and every tensor by name.
+#[derive(Debug)]
+pub struct Checkpoint {
+    path: PathBuf,
+    index: Option<PathBuf>,
+    files: Vec<SafetensorsFile>,
+    by_name: BTreeMap<String, (usize, usize)>,
+}
+
+impl Checkpoint {
+    /// Opens `path`: a `.safetensors` file, a `*.safetensors.index.json`, or a folder holding exactly one index
+    /// (sharded) or, without an index, exactly one `.safetensors` file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint, CheckpointError> {
+        let path = path.as_ref();
+        let (index_path, files) = match index::locate(path)? {
+            index::Located::Index(ix) => {
+                let files = index::open_shards(&ix)?;
+                (Some(ix), files)
+            }
+            index::Located::File(f) => (None, vec![SafetensorsFile::open(&f)?]),
+        };
+        let mut by_name = BTreeMap::new();
+        for (fi, f) in files.iter().enumerate() {
+            for (ti, t) in f.tensors().iter().enumerate() {
+                // Shards were checked against the index: a name is in one file only.
+                by_name.entry(t.name.clone()).or_insert((fi, ti));
+            }
+        }
+        Ok(Checkpoint { path: path.to_path_buf(), index: index_path, files, by_name })
+    }
+
+    /// The path it was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// The index file of a sharded checkpoint.
+    pub fn index(&self) -> Option<&Path> {
+        self.index.as_deref()
+    }
+    /// Its files (shards in file-name order).
+    pub fn files(&self) -> &[SafetensorsFile] {
+        &self.files
+    }
+    /// Every tensor by name (name order), with the file it is in.
+    pub fn tensors(&self) -> impl Iterator<Item = (&SafetensorsFile, &FileTensor)> {
+        self.by_name.values().map(|&(f, t)| (&self.files[f], &self.files[f].tensors()[t]))
+    }
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+    /// Whether it has no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+    /// A tensor by name, with its file.
+    pub fn tensor(&self, name: &str) -> Option<(&SafetensorsFile, &FileTensor)> {
+        self.by_name.get(name).map(|&(f, t)| (&self.files[f], &self.files[f].tensors()[t]))
+    }
+    /// A tensor's bytes, straight from its file's mapping.
+    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        let (f, t) = self.tensor(name)?;
+        f.bytes(t)
+    }
+    /// Bytes of all tensors.
+    pub fn tensor_bytes(&self) -> u64 {
+        self.tensors().map(|(_, t)| t.len).sum()
+    }
+}

@@ -1,0 +1,280 @@
+//! One `.safetensors` file: mapped read-only, its header parsed and checked before any tensor byte is used.
+//!
+//! Checks, in this order (the first failure is the error): the 8-byte header length and the header fit in the
+//! file ([`CheckpointError::Truncated`]); the header is UTF-8 JSON of the format with no name twice
+//! ([`CheckpointError::CorruptHeader`]); then for each tensor by start offset its dtype is supported
+//! ([`CheckpointError::UnsupportedDtype`]) and its offsets span exactly `numel × element size` bytes
+//! ([`CheckpointError::ShapeBytesMismatch`]); no tensor ends past the data region ([`CheckpointError::Truncated`]
+//! when the tensors tile the declared region, so the file was cut short, [`CheckpointError::OffsetsPastEnd`]
+//! otherwise); no two tensors overlap ([`CheckpointError::Overlap`]); every data byte belongs to a tensor
+//! ([`CheckpointError::Uncovered`]). Last, the `safetensors` crate's own reader must accept the file
+//! ([`CheckpointError::Rejected`]). Afterwards every tensor's range lies inside the mapping, so reads cannot fail.
+
+use super::error::CheckpointError;
+use crate::plan::DType;
+use memmap2::Mmap;
+use serde::de::{Deserializer, MapAccess, Visitor};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Largest header the safetensors format allows (the crate's limit).
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor of a file, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileTensor {
+    /// Its name in the header (dotted parameter name).
+    pub name: String,
+    /// Its dtype.
+    pub dtype: DType,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// Byte offset of its data from the start of the file.
+    pub offset: u64,
+    /// Its byte length.
+    pub len: u64,
+}
+
+/// Maps a safetensors dtype name onto the description's dtypes; `None` for every other dtype.
+pub fn dtype_from_safetensors(name: &str) -> Option<DType> {
+    Some(match name {
+        "F32" => DType::F32,
+        "F16" => DType::F16,
+        "BF16" => DType::Bf16,
+        "F8_E4M3" => DType::F8e4m3,
+        "I64" => DType::I64,
+        "I32" => DType::I32,
+        "U8" => DType::U8,
+        _ => return None,
+    })
+}
+
+/// The safetensors name of a description dtype (inverse of [`dtype_from_safetensors`]).
+pub fn dtype_to_safetensors(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::Bf16 => safetensors::Dtype::BF16,
+        DType::F8e4m3 => safetensors::Dtype::F8_E4M3,
+        DType::I64 => safetensors::Dtype::I64,
+        DType::I32 => safetensors::Dtype::I32,
+        DType::U8 => safetensors::Dtype::U8,
+    }
+}
+
+/// A checked header: the tensors by start offset, the `__metadata__` strings and where the data region starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// Tensors in file order (by offset).
+    pub tensors: Vec<FileTensor>,
+    /// The header's `__metadata__` map (empty if absent).
+    pub metadata: BTreeMap<String, String>,
+    /// File offset of the data region (`8 + header length`).
+    pub data_start: u64,
+}
+
+/// A mapped, checked `.safetensors` file.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    map: Mmap,
+    header: Header,
+}
+
+impl SafetensorsFile {
+    /// Maps `path` read-only and checks its header (see the module doc).
+    pub fn open(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
+        let io = |source| CheckpointError::Io { file: path.to_path_buf(), source };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len < 8 {
+            return Err(CheckpointError::Truncated {
+                file: path.to_path_buf(),
+                tensor: None,
+                expected: 8,
+                actual: len,
+            });
+        }
+        // SAFETY: the mapping is read-only and private to this process; it stays valid for as long as the file is
+        // neither truncated nor rewritten while mapped. We assume that (the checkpoint is not modified during a
+        // run): if another process shrinks the file, touching a page past the new end raises SIGBUS, and a rewrite
+        // changes the bytes under us. Every range we read was checked against the mapping's length first, so no
+        // read is outside the mapping; defending against concurrent truncation is a later item of issue 15.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let header = parse_header(path, &map)?;
+        Ok(SafetensorsFile { path: path.to_path_buf(), map, header })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// The file's length in bytes.
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+    /// Whether the file is empty (never, once opened: a file has at least its header length).
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    /// The checked header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+    /// The tensors in file order.
+    pub fn tensors(&self) -> &[FileTensor] {
+        &self.header.tensors
+    }
+    /// A tensor's bytes, straight from the mapping; `None` for a range outside it (never, for a tensor of this
+    /// file's header).
+    pub fn bytes(&self, t: &FileTensor) -> Option<&[u8]> {
+        let start = usize::try_from(t.offset).ok()?;
+        let end = start.checked_add(usize::try_from(t.len).ok()?)?;
+        self.map.get(start..end)
+    }
+}
+
+/// The header's top-level entries in file order, refusing a name given twice.
+struct Entries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for Entries {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object of tensor name → {dtype, shape, data_offsets}")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Entries, A::Error> {
+                let mut seen = BTreeSet::new();
+                let mut out = Vec::new();
+                while let Some((k, v)) = m.next_entry::<String, serde_json::Value>()? {
+                    if !seen.insert(k.clone()) {
+                        return Err(serde::de::Error::custom(format!("`{k}` appears twice")));
+                    }
+                    out.push((k, v));
+                }
+                Ok(Entries(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct RawInfo {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// Parses and checks the header of the file whose bytes are `bytes` (`path` names it in errors).
+pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError> {
+    let file = || path.to_path_buf();
+    let len = bytes.len() as u64;
+    let Some(n) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))) else {
+        return Err(CheckpointError::Truncated { file: file(), tensor: None, expected: 8, actual: len });
+    };
+    if n > MAX_HEADER_BYTES {
+        return Err(CheckpointError::CorruptHeader {
+            file: file(),
+            reason: format!("header length {n} exceeds the format's limit of {MAX_HEADER_BYTES} bytes"),
+        });
+    }
+    let data_start = 8 + n;
+    let Some(text) = bytes.get(8..data_start as usize) else {
+        return Err(CheckpointError::Truncated { file: file(), tensor: None, expected: data_start, actual: len });
+    };
+    let corrupt = |reason: String| CheckpointError::CorruptHeader { file: file(), reason };
+    let text = std::str::from_utf8(text).map_err(|e| corrupt(format!("not UTF-8: {e}")))?;
+    let Entries(entries) = serde_json::from_str(text).map_err(|e| corrupt(format!("invalid JSON: {e}")))?;
+    let mut metadata = BTreeMap::new();
+    let mut raw = Vec::with_capacity(entries.len());
+    for (name, value) in entries {
+        if name == "__metadata__" {
+            metadata = serde_json::from_value(value)
+                .map_err(|e| corrupt(format!("`__metadata__` is not an object of strings: {e}")))?;
+            continue;
+        }
+        let info: RawInfo = serde_json::from_value(value)
+            .map_err(|e| corrupt(format!("tensor `{name}`: expected {{dtype, shape, data_offsets}}: {e}")))?;
+        raw.push((name, info));
+    }
+    raw.sort_by(|(a, x), (b, y)| x.data_offsets.cmp(&y.data_offsets).then(a.cmp(b)));
+    let data_len = len - data_start;
+    let mut tensors = Vec::with_capacity(raw.len());
+    for (name, info) in &raw {
+        let Some(dtype) = dtype_from_safetensors(&info.dtype) else {
+            return Err(CheckpointError::UnsupportedDtype {
+                file: file(),
+                tensor: name.clone(),
+                dtype: info.dtype.clone(),
+            });
+        };
+        let (start, end) = info.data_offsets;
+        let expected = info.shape.iter().fold(dtype.size_bytes() as u128, |a, &s| a.saturating_mul(s as u128));
+        let actual = end.saturating_sub(start);
+        if end < start || expected != actual as u128 {
+            return Err(CheckpointError::ShapeBytesMismatch {
+                file: file(),
+                tensor: name.clone(),
+                dtype: info.dtype.clone(),
+                shape: info.shape.clone(),
+                expected,
+                actual,
+            });
+        }
+        tensors.push(FileTensor { name: name.clone(), dtype, shape: info.shape.clone(), offset: start, len: actual });
+    }
+    // Offsets are still relative to the data region here.
+    let tiles = tensors.iter().try_fold(0u64, |at, t| (t.offset == at).then_some(t.offset + t.len)).is_some();
+    if let Some(t) = tensors.iter().find(|t| t.offset + t.len > data_len) {
+        if tiles {
+            let declared = tensors.last().map_or(0, |l| l.offset + l.len);
+            return Err(CheckpointError::Truncated {
+                file: file(),
+                tensor: Some(t.name.clone()),
+                expected: data_start + declared,
+                actual: len,
+            });
+        }
+        return Err(CheckpointError::OffsetsPastEnd {
+            file: file(),
+            tensor: t.name.clone(),
+            start: t.offset,
+            end: t.offset + t.len,
+            data_len,
+        });
+    }
+    let mut at = 0u64;
+    let mut prev: Option<&FileTensor> = None;
+    for t in &tensors {
+        if let Some(p) = prev.filter(|p| t.offset < p.offset + p.len) {
+            return Err(CheckpointError::Overlap { file: file(), tensor: t.name.clone(), other: p.name.clone() });
+        }
+        if t.offset > at {
+            return Err(CheckpointError::Uncovered {
+                file: file(),
+                after: prev.map(|p| p.name.clone()),
+                start: at,
+                end: t.offset,
+            });
+        }
+        at = t.offset + t.len;
+        prev = Some(t);
+    }
+    if at < data_len {
+        return Err(CheckpointError::Uncovered {
+            file: file(),
+            after: prev.map(|p| p.name.clone()),
+            start: at,
+            end: data_len,
+        });
+    }
+    safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|source| CheckpointError::Rejected { file: file(), source })?;
+    for t in &mut tensors {
+        t.offset += data_start;
+    }
+    Ok(Header { tensors, metadata, data_start })
+}
