@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use weightferry::config::{Component, OffloadConfig, Strategy as OffloadStrategy};
 use weightferry::plan::builder::{ModuleBuilder, PipelineBuilder};
 use weightferry::plan::presets::{preset, PRESET_NAMES};
-use weightferry::plan::resolver::NO_DIT_SKIP_REASON;
+use weightferry::plan::resolver::{MODEL_SWAP_SKIP_REASON, NO_DIT_SKIP_REASON};
 use weightferry::plan::{
     resolve_offload_plan, ComponentDecls, ComponentKind, DType, ModuleNode, OffloadPlanDecl, PipelineDesc, PlanError,
     ResolvedComponent, ResolvedPlan,
@@ -622,12 +622,20 @@ fn check_plan(p: &PipelineDesc, c: &OffloadConfig, plan: &ResolvedPlan) {
         }
     }
 
-    // skip_reason only for layerwise under the compatibility topology with no DiT.
+    // skip_reason only for layerwise under the compatibility topology with no DiT, or for model-level offload
+    // without both a selected DiT and a selected encoder stage (then nothing can swap).
     if let Some(r) = &plan.skip_reason {
-        assert_eq!(r, NO_DIT_SKIP_REASON);
-        assert_eq!(c.strategy, OffloadStrategy::LayerWise);
-        assert!(c.components.is_none());
-        assert!(plan.dits.is_empty());
+        if c.strategy == OffloadStrategy::ModelLevel {
+            assert_eq!(r, MODEL_SWAP_SKIP_REASON);
+            assert!(!(selected(&plan.dits) && selected(&plan.encoders)));
+        } else {
+            assert_eq!(r, NO_DIT_SKIP_REASON);
+            assert_eq!(c.strategy, OffloadStrategy::LayerWise);
+            assert!(c.components.is_none());
+            assert!(plan.dits.is_empty());
+        }
+    } else if c.strategy == OffloadStrategy::ModelLevel && !plan.dits.is_empty() && !plan.encoders.is_empty() {
+        assert!(selected(&plan.dits) && selected(&plan.encoders), "model-level without a skip reason swaps");
     }
 
     // The budget adds up and respects the configured bound.

@@ -137,7 +137,9 @@ fn action(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent, keep_d
     match strategy {
         Strategy::None => "stays on the device (offload disabled)".to_string(),
         Strategy::ModelLevel => {
-            if c.kind == ComponentKind::Dit && keep_dit {
+            if plan.skip_reason.is_some() {
+                "untouched (offload skipped)".to_string()
+            } else if c.kind == ComponentKind::Dit && keep_dit {
                 "stays on the device (keep_dit_resident); other components swap around it".to_string()
             } else {
                 "swapped onto the device for its phase, then released (model-level)".to_string()

@@ -23,6 +23,12 @@ pub const DEFAULT_PREFETCH_DEPTH: u32 = 2;
 /// Message of the layerwise no-op when the compatibility topology finds no DiT.
 pub const NO_DIT_SKIP_REASON: &str = "No DiT/transformer modules found for selected DiT layerwise offload";
 
+/// Why model-level offload does nothing when a DiT or an encoder stage is not selected.
+pub const MODEL_SWAP_SKIP_REASON: &str =
+    "model-level offload swaps a selected DiT against a selected encoder stage (the \
+     VAE swaps with them); select both \"dit\" and \"text_encoder\" in diffusion_offload_config.components, or nothing \
+     is offloaded";
+
 /// A rejected pipeline/config combination, found before any mutation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -365,6 +371,13 @@ pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> 
             }
             for v in &mut vaes {
                 v.selected = vae_selected;
+            }
+            // The swap needs two stages: a selected DiT and a selected encoder (the VAE swaps with them). Without
+            // both, nothing moves; say so here, so the plan and the backend agree.
+            let stages = dits.iter().any(|d| d.selected) && encoders.iter().any(|e| e.selected);
+            if !stages && !dits.is_empty() && !encoders.is_empty() {
+                skip_reason = Some(MODEL_SWAP_SKIP_REASON.to_string());
+                cx.warn(MODEL_SWAP_SKIP_REASON.to_string());
             }
         } else if layer {
             resolve_layer(

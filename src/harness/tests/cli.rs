@@ -477,3 +477,35 @@ fn run_refuses_a_trace_over_its_inputs_and_throttles_it_could_never_finish_with(
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn plan_and_run_agree_on_what_model_level_offload_does() {
+    let dir = std::env::temp_dir().join(format!("wf-cli-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (components, swaps) in [
+        (r#"["vae"]"#, false),
+        (r#"["dit"]"#, false),
+        (r#"["text_encoder"]"#, false),
+        (r#"["dit", "vae"]"#, false),
+        (r#"["dit", "text_encoder"]"#, true),
+        (r#"["dit", "text_encoder", "vae"]"#, true),
+    ] {
+        let config = dir.join("c.json");
+        std::fs::write(
+            &config,
+            format!(r#"{{"diffusion_offload_config": {{"mode": "module", "components": {components}}}}}"#),
+        )
+        .unwrap();
+        let c = config.to_str().unwrap();
+        let plan = wf(&["plan", "--config", c, "--json"]);
+        assert_eq!(plan.status.code(), Some(0), "{components}: {}", String::from_utf8_lossy(&plan.stderr));
+        let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+        let run = wf(&["run", "--config", c, "--json", "--steps", "1"]);
+        assert_eq!(run.status.code(), Some(0), "{components}: {}", String::from_utf8_lossy(&run.stderr));
+        let run: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        assert_eq!(run["offload_enabled"], swaps, "{components}");
+        assert_eq!(plan["skip_reason"].is_null(), swaps, "{components}: {}", plan["skip_reason"]);
+        assert_eq!(run["skip_reason"], plan["skip_reason"], "{components}: plan and run give one reason");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
