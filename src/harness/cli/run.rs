@@ -213,19 +213,27 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
         b.clear();
     }
     let outcome = outcome.map_err(engine_error)?;
-    if let (Some(path), Some(trace)) = (&a.trace, &outcome.trace) {
-        drop(trace_file);
-        trace.write_chrome(path).map_err(|e| CliError::failed(e.to_string()))?;
-    }
+    // A trace that cannot be written (a full disk, `/dev/full`) must not cost the report: the report is printed,
+    // then the error.
+    let written = match (&a.trace, &outcome.trace) {
+        (Some(path), Some(trace)) => {
+            drop(trace_file);
+            Some(trace.write_chrome(path).map(|()| path))
+        }
+        _ => None,
+    };
     let r = &outcome.report;
     if a.json {
         let text = serde_json::to_string_pretty(r).map_err(|e| CliError::failed(format!("cannot encode: {e}")))?;
         emit(&format!("{text}\n"));
     } else {
         emit(&format!("{r}\n"));
-        if let Some(path) = &a.trace {
+        if let Some(Ok(path)) = &written {
             emit(&format!("trace written to {}\n", path.display()));
         }
+    }
+    if let Some(Err(e)) = written {
+        return Err(CliError::failed(e.to_string()));
     }
     check_outcome(r.outputs_match, r.weights_match, &r.offloaded_checksum, &r.resident_checksum)?;
     if r.hazard_violations > 0 {

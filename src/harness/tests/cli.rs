@@ -509,3 +509,15 @@ fn plan_and_run_agree_on_what_model_level_offload_does() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_trace_that_cannot_be_written_does_not_cost_the_report() {
+    let o = wf(&["run", "--steps", "1", "--json", "--trace", "/dev/full"]);
+    assert_eq!(o.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).expect("the report is still printed");
+    assert_eq!(report["outputs_match"], true);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr).trim_end(),
+        "error: cannot write trace file `/dev/full`: No space left on device (os error 28)"
+    );
+}
