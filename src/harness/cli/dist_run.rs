@@ -584,6 +584,15 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         return Err(unsupported("--inject-ordering-fault"));
     }
     let fault = a.inject_gather_failure.as_deref().map(parse_fault).transpose()?;
+    if let Some((r, _)) = fault {
+        if r >= world {
+            return Err(CliError::invalid(format!(
+                "--inject-gather-failure {r}:…: rank {r} is not in this run of {world} ranks (0..{}); name a rank below \
+                 {world}",
+                world - 1
+            )));
+        }
+    }
     let timed = a.time_steps.as_deref().map(parse_time_steps).transpose()?;
     let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
     let pipeline = load_pipeline(spec_name)?;

@@ -490,6 +490,25 @@ where
             let text = e.to_string();
             let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid arguments");
             let first = first.trim().strip_prefix("error: ").unwrap_or(first.trim());
+            if e.kind() == ErrorKind::MissingRequiredArgument {
+                // clap lists the missing arguments on the lines below its header: name them on the error line.
+                let missing: Vec<&str> = text
+                    .lines()
+                    .skip_while(|l| !l.contains("required arguments were not provided"))
+                    .skip(1)
+                    .map(str::trim)
+                    .take_while(|l| !l.is_empty())
+                    .collect();
+                if missing == ["<COMMAND>..."] {
+                    eprintln!(
+                        "error: launch needs the command every rank runs, after `--`: e.g. weightferry launch --nproc 2 \
+                         -- run --preset flux-tiny"
+                    );
+                } else {
+                    eprintln!("error: {first} {} (see weightferry --help)", missing.join(", "));
+                }
+                return 2;
+            }
             eprintln!("error: {first} (see weightferry --help)");
             // clap's own suggestions ("tip: a similar argument exists: '--steps'") stay with the error.
             for tip in text.lines().map(str::trim).filter(|l| l.starts_with("tip:")) {

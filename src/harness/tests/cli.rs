@@ -521,3 +521,13 @@ fn a_trace_that_cannot_be_written_does_not_cost_the_report() {
         "error: cannot write trace file `/dev/full`: No space left on device (os error 28)"
     );
 }
+
+#[test]
+fn a_missing_required_argument_is_named_on_the_error_line() {
+    let o = wf(&["completions"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr).trim_end(),
+        "error: the following required arguments were not provided: <SHELL> (see weightferry --help)"
+    );
+}

@@ -222,8 +222,21 @@ fn a_config_group_that_does_not_match_world_size_is_an_exact_error() {
 fn launch_needs_a_command() {
     let o = wf(&["launch", "--nproc", "2"], &[]);
     assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o.stderr).trim_end(),
+        "error: launch needs the command every rank runs, after `--`: e.g. weightferry launch --nproc 2 -- run \
+         --preset flux-tiny"
+    );
+    // A rank named by the failure injection must be in the run.
+    let o = wf(&["launch", "--nproc", "2", "--", "run", "--steps", "1", "--inject-gather-failure", "5:1"], &[]);
+    assert_ne!(o.status.code(), Some(0));
     let err = text(&o.stderr);
-    assert!(err.starts_with("error: ") && err.lines().count() == 1, "{err}");
+    assert!(
+        err.contains(
+            "error: --inject-gather-failure 5:…: rank 5 is not in this run of 2 ranks (0..1); name a rank below 2"
+        ),
+        "{err}"
+    );
     let o = wf(&["launch", "--nproc", "0", "--", "run"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
 }
