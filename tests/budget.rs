@@ -96,7 +96,8 @@ fn too_small(budget: u64, fixed: u64, ring: u64, name: &str, depth: u32, others:
     format!(
         "diffusion_offload_config.device_budget: {budget} bytes cannot hold the {fixed} bytes of weights that stay \
          on the device plus the smallest ring of {ring} bytes for '{name}' (prefetch depth {depth}){others}; raise \
-         device_budget to at least {need} bytes (0.00 GiB)"
+         device_budget to at least {need} bytes ({})",
+        weightferry::plan::report::short_bytes(need)
     )
 }
 

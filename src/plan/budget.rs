@@ -265,11 +265,11 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
                                 "diffusion_offload_config.device_budget: {} bytes cannot hold the {fixed} bytes of \
                                      weights that stay on the device plus the smallest ring of {own_min} bytes for \
                                      '{}' (prefetch depth {}){others}; raise device_budget to at least {need} bytes \
-                                     ({:.2} GiB)",
+                                     ({})",
                                 cfg.device_budget.unwrap_or(0),
                                 s.name,
                                 user_depth.unwrap_or(1),
-                                need as f64 / (1u64 << 30) as f64
+                                crate::plan::report::short_bytes(need)
                             )
                         })?;
                         let kept = choice.resident.iter().filter(|r| **r).count();

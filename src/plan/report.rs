@@ -10,8 +10,18 @@ use crate::plan::{resolve_offload_plan, PipelineDesc, PlanError, ResolvedCompone
 use serde::Serialize;
 use std::fmt;
 
-/// Formats a byte count with a binary unit.
+/// Formats a byte count with a binary unit, and the exact count beside it past 1 KiB: `6.75 KiB (6912 B)`.
 pub fn human_bytes(b: u64) -> String {
+    let short = short_bytes(b);
+    if b < 1024 {
+        short
+    } else {
+        format!("{short} ({b} B)")
+    }
+}
+
+/// A byte count in the largest binary unit below it, two decimals: `6.75 KiB`, `512 B`.
+pub fn short_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;
@@ -22,7 +32,7 @@ pub fn human_bytes(b: u64) -> String {
     if u == 0 {
         format!("{b} B")
     } else {
-        format!("{v:.2} {} ({b} B)", UNITS[u])
+        format!("{v:.2} {}", UNITS[u])
     }
 }
 

@@ -155,7 +155,7 @@ fn a_dit_attribute_tied_to_a_streamed_encoder_block_weight_is_counted_once_in_th
         err(&layer(true, Some(27 * U - 1))),
         "diffusion_offload_config.device_budget: 6911 bytes cannot hold the 4864 bytes of weights that stay on the \
          device plus the smallest ring of 2048 bytes for 'transformer[blocks]' (prefetch depth 1); raise \
-         device_budget to at least 6912 bytes (0.00 GiB)"
+         device_budget to at least 6912 bytes (6.75 KiB)"
     );
 }
 
@@ -178,7 +178,7 @@ fn a_dit_attribute_tied_to_a_weight_of_an_encoder_that_is_not_offloaded_is_count
         err(&layer(false, Some(33 * U - 1))),
         "diffusion_offload_config.device_budget: 8447 bytes cannot hold the 6400 bytes of weights that stay on the \
          device plus the smallest ring of 2048 bytes for 'transformer[blocks]' (prefetch depth 1); raise \
-         device_budget to at least 8448 bytes (0.00 GiB)"
+         device_budget to at least 8448 bytes (8.25 KiB)"
     );
 }
 
