@@ -35,12 +35,13 @@ class Cli:
         return json.loads(r.stdout)
 
     def plan_error(self, pipeline_file, config_file):
-        """The one error line of a failing ``weightferry plan``, without ``error: ``."""
+        """The error message of a failing ``weightferry plan --json`` (one JSON object on stderr, exit code 2)."""
         r = self.run("plan", "--pipeline", pipeline_file, "--config", config_file, "--json")
         assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
         (line,) = r.stderr.strip().splitlines()
-        assert line.startswith("error: "), line
-        return line[len("error: ") :]
+        err = json.loads(line)
+        assert err["exit_code"] == 2, err
+        return err["error"]
 
 
 @pytest.fixture(scope="session")

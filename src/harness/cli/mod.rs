@@ -531,8 +531,21 @@ where
             Ok(0)
         }
     };
+    // With --json an error is one JSON object on stderr too (`{"error": …, "exit_code": …}`), so a script reads
+    // every outcome the same way.
+    let json = match &cli.command {
+        Command::Run(a) => a.json,
+        Command::Plan(a) => a.json,
+        Command::Inspect(a) => a.json,
+        Command::Bench(a) => a.json,
+        _ => false,
+    };
     match result {
         Ok(code) => code,
+        Err(e) if json => {
+            eprintln!("{}", serde_json::json!({"error": e.message, "exit_code": e.code}));
+            e.code
+        }
         Err(e) => {
             eprintln!("error: {}", e.message);
             e.code

@@ -280,7 +280,7 @@ fn failed_checks_exit_1() {
 #[test]
 #[cfg(not(weightferry_broken))]
 fn an_ordering_fault_needs_the_broken_build() {
-    let o = wf(&["run", "--json", "--steps", "1", "--inject-ordering-fault", "skip-ready-wait"]);
+    let o = wf(&["run", "--steps", "1", "--inject-ordering-fault", "skip-ready-wait"]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
@@ -289,6 +289,12 @@ fn an_ordering_fault_needs_the_broken_build() {
         err.contains("ordering fault SkipReadyWait needs a build with RUSTFLAGS=\"--cfg weightferry_broken\""),
         "{err}"
     );
+    // With --json the same error is one JSON object.
+    let o = wf(&["run", "--json", "--steps", "1", "--inject-ordering-fault", "skip-ready-wait"]);
+    let v: serde_json::Value = serde_json::from_str(stderr(&o).trim_end()).expect("one JSON object");
+    assert_eq!(v["exit_code"], 1);
+    assert!(v["error"].as_str().unwrap().contains("needs a build with RUSTFLAGS"), "{v}");
+    assert!(o.stdout.is_empty());
 }
 
 #[test]
@@ -516,9 +522,11 @@ fn a_trace_that_cannot_be_written_does_not_cost_the_report() {
     assert_eq!(o.status.code(), Some(1));
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).expect("the report is still printed");
     assert_eq!(report["outputs_match"], true);
+    let err: serde_json::Value = serde_json::from_slice(&o.stderr).expect("with --json the error is JSON too");
     assert_eq!(
-        String::from_utf8_lossy(&o.stderr).trim_end(),
-        "error: cannot write trace file `/dev/full`: No space left on device (os error 28)"
+        err,
+        serde_json::json!({"error": "cannot write trace file `/dev/full`: No space left on device (os error 28)",
+                           "exit_code": 1})
     );
 }
 
