@@ -71,7 +71,7 @@ for v in ("kernel", "ce"):
     d = load(f"{out}/dist-{v}.json")
     if d and d.get("timing"):
         t = d["timing"]
-        print(f"dist {v}: step {t['step_s']:.4f} s bound {t['bound_s']:.4f} ratio {t['ratio']:.3f} bit-exact {d['all_bit_exact']}")
+        print(f"dist {v}: step {t['step_s']:.4f} s bound {t['bound_s']:.4f} ratio {t['ratio']:.3f} bit-exact {d['outputs_match']}")
         for r in d["ranks"]:
             tl = r.get("timeline") or {}
             print(f"  rank {r['rank']}: step {r['timing']['step_s']:.4f} window {tl.get('window_ms', 0):.1f} "

@@ -247,8 +247,8 @@ fn bw_text(b: Option<f64>) -> String {
 pub struct RankSummary {
     /// The rank.
     pub rank: usize,
-    /// Whether its output equals the fully resident run's, bit for bit.
-    pub bit_exact: bool,
+    /// Whether its output equals the fully resident run's, bit for bit (the name a single-process run uses).
+    pub outputs_match: bool,
     /// FNV-1a checksum of its output.
     pub checksum: String,
     /// AllGathers its collective actor started (warm-up included; the final restore's not).
@@ -335,8 +335,10 @@ pub struct DistributedReport {
     pub resident_checksum: String,
     /// Per rank, in rank order.
     pub ranks: Vec<RankSummary>,
-    /// Whether every rank was bit-exact without hazards.
-    pub all_bit_exact: bool,
+    /// Whether every rank's output equals the resident run's, bit for bit.
+    pub outputs_match: bool,
+    /// Ordering hazards the simulated devices recorded, all ranks together.
+    pub hazard_violations: usize,
     /// With `--time-steps`: the group's timing (each rank's is in `ranks`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timing: Option<GroupTiming>,
@@ -371,7 +373,7 @@ impl fmt::Display for DistributedReport {
                  windows), {} of shards on host ({} of DiT weights on host while running), {} copied host to device, \
                  {} hazards",
                 r.rank,
-                if r.bit_exact { "bit-exact with the resident run" } else { "DIFFERS from the resident run" },
+                if r.outputs_match { "bit-exact with the resident run" } else { "DIFFERS from the resident run" },
                 r.checksum,
                 r.all_gathers,
                 r.restore_all_gathers,
@@ -429,7 +431,7 @@ impl fmt::Display for DistributedReport {
                 t.trace_file
             )?;
         }
-        if self.all_bit_exact {
+        if self.outputs_match && self.hazard_violations == 0 {
             write!(
                 f,
                 "all {} ranks bit-exact with the resident run (checksum {})",
@@ -688,7 +690,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     };
     let summary = RankSummary {
         rank,
-        bit_exact: run.output == resident.output,
+        outputs_match: run.output == resident.output,
         checksum: format!("{:016x}", fnv1a(FNV_OFFSET, &run.output)),
         all_gathers: run.issued.len(),
         restore_all_gathers: run.restore_issued.len(),
@@ -710,7 +712,8 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         .map(|b| serde_json::from_slice(b))
         .collect::<Result<_, _>>()
         .map_err(|e| failed("decode the other ranks' results", &e))?;
-    let all_bit_exact = ranks.iter().all(|r| r.bit_exact && r.hazard_violations == 0);
+    let outputs_match = ranks.iter().all(|r| r.outputs_match);
+    let hazard_violations = ranks.iter().map(|r| r.hazard_violations).sum::<usize>();
     let group_timing = timed.and_then(|steps| {
         let cmd = single_gpu_command(&pipeline.name, steps, spec.depth, a.tokens);
         GroupTiming::new(steps, &ranks, cmd)
@@ -727,7 +730,8 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         resident_checksum: format!("{:016x}", fnv1a(FNV_OFFSET, &resident.output)),
         timing: group_timing,
         ranks,
-        all_bit_exact,
+        outputs_match,
+        hazard_violations,
     };
     if rank == 0 {
         if a.json {
@@ -738,9 +742,9 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             emit(&format!("{report}\n"));
         }
     }
-    if !all_bit_exact {
+    if !outputs_match || hazard_violations > 0 {
         let bad: Vec<usize> =
-            report.ranks.iter().filter(|r| !r.bit_exact || r.hazard_violations > 0).map(|r| r.rank).collect();
+            report.ranks.iter().filter(|r| !r.outputs_match || r.hazard_violations > 0).map(|r| r.rank).collect();
         return Err(CliError::failed(format!(
             "ranks {bad:?} differ from the resident output or recorded hazards; see rank 0's report"
         )));
@@ -963,7 +967,7 @@ mod tests {
     fn summary(rank: usize, t: Option<RankTimingReport>) -> RankSummary {
         RankSummary {
             rank,
-            bit_exact: true,
+            outputs_match: true,
             checksum: "0".into(),
             all_gathers: 1,
             restore_all_gathers: 1,
