@@ -144,6 +144,20 @@ impl OffloadedSource for SimOffload<'_> {
     }
 }
 
+/// Bytes every tensor's view shows (elements × element size, saturating), and the path of the largest view.
+fn viewed_bytes(desc: &PipelineDesc) -> (u64, String) {
+    let mut total = 0u64;
+    let mut widest = (0u64, String::new());
+    for (path, t) in desc.root.tensors_recursive() {
+        let b = t.numel().saturating_mul(t.dtype.size_bytes());
+        total = total.saturating_add(b);
+        if b > widest.0 {
+            widest = (b, path);
+        }
+    }
+    (total, widest.1)
+}
+
 /// Runs `spec`: resident, then offloaded, then compares. `progress` sees every component (and DiT step) start.
 pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> Result<RunOutcome, EngineError> {
     let t_all = Instant::now();
@@ -153,6 +167,16 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
         return Err(EngineError::Invalid(format!(
             "pipeline {} has {total} bytes of weights; the sim reference engine runs pipelines up to {} bytes \
              (use a -tiny preset)",
+            spec.pipeline_name, spec.max_weight_bytes
+        )));
+    }
+    // The engine reads every element a view shows: a stride-0 or overlapping view of a small storage can show far
+    // more bytes than it holds, so the limit applies to what the views show too, before anything is allocated.
+    let (viewed, widest) = viewed_bytes(desc);
+    if viewed > spec.max_weight_bytes {
+        return Err(EngineError::Invalid(format!(
+            "pipeline {} shows {viewed} bytes through its tensors' views (stride-0 and overlapping views count every \
+             element they show; the largest is `{widest}`); the sim reference engine runs pipelines up to {} bytes",
             spec.pipeline_name, spec.max_weight_bytes
         )));
     }

@@ -183,6 +183,25 @@ fn a_pipeline_over_the_engines_limit_is_refused() {
          (use a -tiny preset)"
     );
     assert_eq!(DEFAULT_MAX_WEIGHT_BYTES, 1 << 30);
+    // A stride-0 view shows more than its storage holds: the limit counts what the views show, before anything is
+    // allocated (an 8 TB expansion of a 2-byte storage is refused at once, not attempted).
+    let desc = weightferry::plan::json::load_pipeline_json(
+        r#"{"class": "P", "modules": {"transformer": {"class": "T", "children": {
+            "blocks": {"repeat": 2, "block": {"class": "B", "tensors": {
+                "w": {"dtype": "bf16", "shape": [1099511627776], "strides": [0]}}}}}}},
+            "components": {"dit": ["transformer"]}, "offload_plan": {"block_attrs": {"transformer": ["blocks"]}}}"#,
+    )
+    .unwrap();
+    let spec = RunSpec::new("s0.json", desc, layer(2, 0, false));
+    let t = std::time::Instant::now();
+    let e = run(&spec, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(
+        e,
+        "pipeline s0.json shows 4398046511104 bytes through its tensors' views (stride-0 and overlapping views count \
+         every element they show; the largest is `transformer.blocks.0.w`); the sim reference engine runs pipelines up \
+         to 1073741824 bytes"
+    );
 }
 
 /// Hook submission: the hooks enqueue the copies themselves and poll their completions; the runs stay bit-exact,
