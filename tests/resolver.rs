@@ -1089,3 +1089,38 @@ fn resolution_is_repeatable_and_leaves_its_inputs_untouched() {
         }
     }
 }
+
+/// The format's largest block lists plan in linear time: 65 536 repeated and 100 000 explicit blocks, with the
+/// budget planner choosing residency. (A guard against quadratic lookups, not a timing figure: the quadratic
+/// versions took 20 s and 67 s in a release build; these bounds are loose for a debug build on a busy machine.)
+#[test]
+fn the_largest_block_lists_plan_in_linear_time() {
+    use weightferry::plan::json::load_pipeline_json;
+    let config = OffloadConfig::from_json_str(
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": "300KiB"}}"#,
+    )
+    .unwrap();
+    let tail =
+        r#"}}}, "components": {"dit": ["transformer"]}, "offload_plan": {"block_attrs": {"transformer": ["blocks"]}}}"#;
+    let repeated = format!(
+        r#"{{"class": "P", "modules": {{"transformer": {{"class": "T", "children": {{"blocks": {{"repeat": 65536,
+            "block": {{"class": "B", "tensors": {{"w": {{"dtype": "bf16", "shape": [4]}}}}}}}}{tail}"#
+    );
+    let children: Vec<String> = (0..100_000)
+        .map(|i| format!(r#""{i}": {{"class": "B", "tensors": {{"w": {{"dtype": "bf16", "shape": [4]}}}}}}"#))
+        .collect();
+    let explicit = format!(
+        r#"{{"class": "P", "modules": {{"transformer": {{"class": "T", "children": {{"blocks": {{"class": "ModuleList",
+            "children": {{{}}}}}{tail}"#,
+        children.join(",")
+    );
+    for (text, blocks) in [(repeated, 65_536usize), (explicit, 100_000)] {
+        let t = std::time::Instant::now();
+        let desc = load_pipeline_json(&text).unwrap();
+        let plan = resolve_offload_plan(&desc, &config).unwrap();
+        let stack = &plan.dits[0].stacks[0];
+        assert_eq!(stack.blocks.len(), blocks);
+        assert_eq!(stack.resident().len(), 1198, "300 KiB holds 1198 resident 256-byte blocks beside 2 slots");
+        assert!(t.elapsed() < std::time::Duration::from_secs(30), "{blocks} blocks took {:?}", t.elapsed());
+    }
+}

@@ -316,21 +316,31 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
     Ok(b)
 }
 
-/// Device bytes of a stack with `r` leading blocks resident at prefetch depth `k`: the head plus `min(k + 1,
-/// streaming)` slots of the largest streamed block (saturating).
-fn stack_cost(blocks: &[u64], r: usize, k: u32) -> u64 {
+/// Device bytes of a stack with `r` leading blocks resident at prefetch depth `k`, for every `r` in `0..=n`: the
+/// head plus `min(k + 1, streaming)` slots of the largest streamed block (saturating). Linear in the blocks (a prefix
+/// sum and a suffix maximum), so stacks of the format's largest block lists plan at once.
+fn stack_costs(blocks: &[u64], k: u32) -> Vec<u64> {
     let n = blocks.len();
-    let head = blocks[..r].iter().fold(0u64, |a, &b| a.saturating_add(b));
-    let tail_max = blocks[r..].iter().max().copied().unwrap_or(0);
-    let slots = if r == n { 0 } else { (k as usize).saturating_add(1).min(n - r) as u64 };
-    head.saturating_add(slots.saturating_mul(tail_max))
+    let mut tail_max = vec![0u64; n + 1];
+    for i in (0..n).rev() {
+        tail_max[i] = tail_max[i + 1].max(blocks[i]);
+    }
+    let mut head = 0u64;
+    let mut out = Vec::with_capacity(n + 1);
+    for r in 0..=n {
+        let slots = if r == n { 0 } else { (k as usize).saturating_add(1).min(n - r) as u64 };
+        out.push(head.saturating_add(slots.saturating_mul(tail_max[r])));
+        if r < n {
+            head = head.saturating_add(blocks[r]);
+        }
+    }
+    out
 }
 
 /// Smallest footprint of a stack at the smallest depth the planner may use (the user's, else 1), over every
 /// resident split (a resident big block can shrink the slots below the nothing-resident cost).
 fn min_stack_bytes(blocks: &[u64], user_depth: Option<u32>) -> u64 {
-    let k = user_depth.unwrap_or(1);
-    (0..=blocks.len()).map(|r| stack_cost(blocks, r, k)).min().unwrap_or(0)
+    stack_costs(blocks, user_depth.unwrap_or(1)).into_iter().min().unwrap_or(0)
 }
 
 /// Compute time per byte of a block relative to copy time per byte, assumed by the planner's timing model when it
@@ -487,7 +497,41 @@ pub fn fit_stack(blocks: &[u64], user_depth: Option<u32>, avail: u64) -> Option<
         None => vec![super::resolver::DEFAULT_PREFETCH_DEPTH, 1],
     };
     // The cost is not monotone in r (the tail's largest block can shrink), so scan every split.
-    depths
-        .into_iter()
-        .find_map(|k| (0..=blocks.len()).filter(|&r| stack_cost(blocks, r, k) <= avail).max().map(|r| (r, k)))
+    depths.into_iter().find_map(|k| stack_costs(blocks, k).iter().rposition(|&c| c <= avail).map(|r| (r, k)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The cost by its definition: the head's bytes plus the slots of the largest streamed block.
+    fn naive(blocks: &[u64], r: usize, k: u32) -> u64 {
+        let head = blocks[..r].iter().fold(0u64, |a, &b| a.saturating_add(b));
+        let tail_max = blocks[r..].iter().max().copied().unwrap_or(0);
+        let slots = if r == blocks.len() { 0 } else { (k as usize + 1).min(blocks.len() - r) as u64 };
+        head.saturating_add(slots.saturating_mul(tail_max))
+    }
+
+    #[test]
+    fn the_linear_costs_equal_the_definition_for_every_split() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for n in 0..40usize {
+            let blocks: Vec<u64> = (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if x % 11 == 0 {
+                        u64::MAX / 3
+                    } else {
+                        x % 1000
+                    }
+                })
+                .collect();
+            for k in [1u32, 2, 4] {
+                let want: Vec<u64> = (0..=n).map(|r| naive(&blocks, r, k)).collect();
+                assert_eq!(stack_costs(&blocks, k), want, "n={n} k={k}");
+            }
+        }
+    }
 }
