@@ -8,8 +8,9 @@ use std::path::Path;
 /// Largest config file read (bytes). Real configs are a few hundred bytes.
 pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
 
-/// Largest pipeline description file read (bytes): 100 000 explicit blocks of a few modules each fit well within.
-pub const MAX_PIPELINE_FILE_BYTES: u64 = 64 << 20;
+/// Largest pipeline description file read (bytes): 100 000 explicit blocks of one tensor each take 8 MB; the JSON
+/// tree of a file costs about 16 times its size in memory, so this also bounds what parsing may take.
+pub const MAX_PIPELINE_FILE_BYTES: u64 = 16 << 20;
 
 /// Why a text file could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -786,7 +786,7 @@ fn load_pipeline_file_reads_and_reports_io_errors() {
     assert_eq!(
         err_text(load_pipeline_file(&zero)),
         format!(
-            "cannot read pipeline file `{}`: the file holds more than 67108864 bytes, the most a pipeline description \
+            "cannot read pipeline file `{}`: the file holds more than 16777216 bytes, the most a pipeline description \
              may have; check the path (it may name a device or a huge file)",
             zero.display()
         )
