@@ -130,11 +130,20 @@ def test_offloaded_forward_is_bit_identical_and_disable_restores_every_tensor(co
     p = pipe()
     expected = run(p)
     before = snapshot(p)
+    embed_ptr = p.text_encoder.embed.weight.untyped_storage().data_ptr()
     handle = wf.enable(p, config)
     assert handle.enabled
-    # Streamed tensors hold no host copy between forwards.
-    assert p.transformer.blocks[0].fc.weight.numel() == 0
+    # Streamed tensors hold no host copy between forwards; inside its block's forward a weight is bound.
+    fc = p.transformer.blocks[1].fc
+    assert fc.weight.numel() == 0
+    seen = []
+    user_hook = fc.register_forward_pre_hook(lambda m, a: seen.append(tuple(m.weight.shape)))
+    # Every tensor now holds device bytes (or nothing): torch's own host copy of the tied embedding is gone.
+    assert p.text_encoder.embed.weight.untyped_storage().data_ptr() != embed_ptr
+    assert p.text_encoder.head.weight is p.text_encoder.embed.weight
     assert_outputs_equal(run(p), expected)
+    assert seen == [(64, 64), (64, 64)]
+    user_hook.remove()
     assert_outputs_equal(run(p), expected)
     stats = handle.stats()
     assert stats["enabled"] is True
@@ -282,3 +291,19 @@ def test_a_config_that_disables_offload_touches_nothing():
     assert snapshot(p) == before
     h.disable()
     assert snapshot(p) == before
+
+
+@pytest.mark.parametrize("config", [layer(1), MODEL], ids=["layer", "model"])
+def test_views_of_one_storage_share_it_again_after_disable(config):
+    p = pipe(2)
+    flat = torch.randn(432 + 216 + 5).to(BF16)  # two views and an unused tail: one storage of 653 elements
+    p.vae.enc.weight = nn.Parameter(flat[:216].view(8, 3, 3, 3))
+    p.vae.dec.weight = nn.Parameter(flat[216:432].view(3, 8, 3, 3))
+    expected = run(p)
+    before = snapshot(p)
+    with wf.enable(p, config):
+        assert_outputs_equal(run(p), expected)
+    assert snapshot(p) == before
+    enc, dec = p.vae.enc.weight, p.vae.dec.weight
+    assert enc.untyped_storage().data_ptr() == dec.untyped_storage().data_ptr()
+    assert (enc.storage_offset(), dec.storage_offset(), enc.untyped_storage().nbytes()) == (0, 216, 653 * 2)
