@@ -1,7 +1,9 @@
 """``weightferry.enable`` on the simulated device: offloaded forwards bit-identical to the same modules before
-enable (layerwise at prefetch depths 1-3, resident layers, model-level), every tensor bit-identical after disable
-with tied weights sharing one storage again, typed errors before anything moves, a second enable refused, and a
-failure injected at every session call and at every tensor binding leaving the modules exactly as they were."""
+enable (layerwise at prefetch depths 1-3, resident layers, model-level; on-demand VAE), every tensor bit-identical
+after disable with tied weights and views of one storage sharing it again, typed errors before anything moves
+(bad config, a tensor off the CPU, CUDA not built yet), a second enable refused, a forward that raises still
+releasing its block, and a failure injected at every session call and at every tensor binding leaving the modules
+exactly as they were."""
 
 import pytest
 import torch
@@ -307,3 +309,32 @@ def test_views_of_one_storage_share_it_again_after_disable(config):
     enc, dec = p.vae.enc.weight, p.vae.dec.weight
     assert enc.untyped_storage().data_ptr() == dec.untyped_storage().data_ptr()
     assert (enc.storage_offset(), dec.storage_offset(), enc.untyped_storage().nbytes()) == (0, 216, 653 * 2)
+
+
+def test_a_tensor_off_the_cpu_is_a_pipeline_error_and_nothing_changed():
+    p = pipe(2)
+    p.vae.dec.bias = nn.Parameter(torch.zeros(3, dtype=BF16, device="meta"))
+    before = [(k, id(t), t.device) for k, t in tensors(p).items()]
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable(p, layer(2))
+    assert str(e.value) == (
+        "tensor 'vae.dec.bias' is on meta; weightferry offloads a pipeline whose weights are on the CPU (move it "
+        "there with .to('cpu') before enable)"
+    )
+    assert [(k, id(t), t.device) for k, t in tensors(p).items()] == before
+    assert all(len(m._forward_pre_hooks) == 0 for m in p.transformer.modules())
+
+
+def test_a_forward_that_raises_still_releases_its_block(monkeypatch):
+    p = pipe(3)
+    expected = run(p)
+    block = p.transformer.blocks[1]
+    with wf.enable(p, layer(2)) as h:
+        monkeypatch.setattr(block, "forward", lambda h_: (_ for _ in ()).throw(ValueError("boom")))
+        with pytest.raises(ValueError, match="boom"):
+            run(p)
+        assert block.fc.weight.numel() == 0  # the post-hook ran (always_call) and released it
+        monkeypatch.undo()
+        assert_outputs_equal(run(p), expected)
+        assert h.stats()["enabled"] is True
+    assert_outputs_equal(run(p), expected)
