@@ -338,3 +338,26 @@ def test_a_forward_that_raises_still_releases_its_block(monkeypatch):
         assert_outputs_equal(run(p), expected)
         assert h.stats()["enabled"] is True
     assert_outputs_equal(run(p), expected)
+
+
+def test_the_native_session_raises_typed_errors_never_a_panic():
+    import json
+
+    p = pipe(2)
+    s = wf._core.Session(json.dumps(wf.describe(p)), json.dumps(layer(1)), "json", "p", "sim")
+    storages = s.storages()
+    sid, size, unit = storages[0]
+    with pytest.raises(wf.OffloadError) as e:
+        s.write_storage(sid, b"\0" * (size + 1))
+    assert str(e.value) == f"storage {sid} holds {size} bytes, but {size + 1} bytes were given for it"
+    with pytest.raises(wf.OffloadError) as e:
+        s.enable()
+    assert str(e.value) == f"storage {sid} was never written; write every storage's bytes before enable"
+    with pytest.raises(wf.OffloadError) as e:
+        s.read_device(12345, 0, 1)
+    assert str(e.value) == "invalid device buffer handle 12345"
+    with pytest.raises(wf.OffloadError) as e:
+        s.locate(sid)
+    assert str(e.value) == f"storage {sid} is not on the device: offload is not enabled"
+    assert s.pre_forward("transformer.blocks.0") is None  # no hooks yet
+    assert issubclass(wf.OffloadError, wf.Error) and issubclass(wf.DeviceError, wf.Error)
