@@ -291,6 +291,13 @@ impl Session {
         self.model.read_storage(StorageId(storage)).map_err(offload_err)
     }
 
+    /// The ordering violations the simulated device's hazard detector recorded so far (each as its debug text):
+    /// a read of a slot before its copy landed, an overwrite before its last reader finished. Empty when the hooks
+    /// kept every order.
+    pub fn hazard_violations(&self) -> Vec<String> {
+        self.sim.violations().iter().map(|v| format!("{v:?}")).collect()
+    }
+
     /// The backend's report as JSON (`strategy` `"none"` and nothing else when the config disables offload).
     pub fn report_json(&self) -> Result<String, CoreError> {
         let report = match &self.backend {
@@ -396,6 +403,7 @@ mod tests {
             }
         }
         assert_eq!(s.pre_forward("transformer").unwrap(), None);
+        assert_eq!(s.hazard_violations(), Vec::<String>::new());
         let report: serde_json::Value = serde_json::from_str(&s.report_json().unwrap()).unwrap();
         assert_eq!((report["strategy"].as_str(), report["enabled"].as_bool()), (Some("layer"), Some(true)));
         let Err(CoreError::Offload(m)) = s.write_storage(0, &[0; 256]) else {

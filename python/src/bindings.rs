@@ -190,6 +190,11 @@ impl PySession {
         Ok(PyByteArray::new(py, &bytes))
     }
 
+    /// The simulated device's recorded ordering violations (debug text each); empty when every order held.
+    fn hazard_violations(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.run(py, "Session.hazard_violations", |s| Ok(s.hazard_violations()))
+    }
+
     /// The backend's report as JSON text.
     fn report(&self, py: Python<'_>) -> PyResult<String> {
         self.run(py, "Session.report", |s| s.report_json())

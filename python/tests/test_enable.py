@@ -147,6 +147,7 @@ def test_offloaded_forward_is_bit_identical_and_disable_restores_every_tensor(co
     assert seen == [(64, 64), (64, 64)]
     user_hook.remove()
     assert_outputs_equal(run(p), expected)
+    assert handle._session.hazard_violations() == []
     stats = handle.stats()
     assert stats["enabled"] is True
     assert stats["strategy"] == wf.plan(p, config)["strategy"]
