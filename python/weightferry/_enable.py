@@ -75,6 +75,7 @@ def _bind(view, tensor):
 
 
 def _placeholder(view):
+    """What a streamed tensor holds between its block's forwards: nothing (an empty tensor of its dtype)."""
     import torch
 
     return torch.empty(0, dtype=view.dtype)
@@ -195,6 +196,7 @@ class Handle:
 
 
 def _check_tensors(bound):
+    """Refuses (``PipelineError``) a tensor that is not on the CPU: the sim device reads host memory."""
     for path, (module, name) in bound.items():
         t = getattr(module, name)
         if t.device.type != "cpu":
