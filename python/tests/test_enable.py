@@ -362,3 +362,26 @@ def test_the_native_session_raises_typed_errors_never_a_panic():
     assert str(e.value) == f"storage {sid} is not on the device: offload is not enabled"
     assert s.pre_forward("transformer.blocks.0") is None  # no hooks yet
     assert issubclass(wf.OffloadError, wf.Error) and issubclass(wf.DeviceError, wf.Error)
+
+
+def test_a_dict_and_a_root_module_pipeline_bind_by_their_paths():
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 16).to(BF16)
+    dit_only = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+                                             "layer_options": {"dit": {"prefetch_depth": 1}}}}
+    root = nn.Module()
+    root.scale = nn.Parameter(torch.randn(4).to(BF16))
+    root.transformer = DiT(3)
+    for p in ({"transformer": DiT(3)}, root):
+        dit = p["transformer"] if isinstance(p, dict) else p.transformer
+        with torch.no_grad():
+            expected = dit(x)
+        before = {k: v.clone() for k, v in dit.state_dict(keep_vars=False).items()}
+        with pytest.warns(wf.WeightferryWarning, match="deprecated attribute scan"):
+            h = wf.enable(p, dit_only)
+        with h, torch.no_grad():
+            assert dit.blocks[2].fc.weight.numel() == 0
+            assert torch.equal(dit(x), expected)
+        after = dit.state_dict()
+        assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert root.scale.numel() == 4
