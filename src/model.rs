@@ -63,6 +63,16 @@ pub enum ModelError {
         /// The storage id.
         storage: u64,
     },
+    /// Bytes given for a storage are not exactly its size.
+    #[error("storage {storage} holds {expected} bytes, but {got} bytes were given for it")]
+    WrongLength {
+        /// The storage id.
+        storage: u64,
+        /// The storage's size in bytes.
+        expected: u64,
+        /// Bytes given.
+        got: u64,
+    },
     /// A storage was asked to move from a home it is not in.
     #[error("storage {storage} is {found}, not {expected}")]
     WrongHome {
@@ -256,6 +266,45 @@ impl HostModel {
     ) -> HostModel {
         let homes = loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })).collect();
         HostModel { desc, platform, homes }
+    }
+
+    /// A model whose every storage has its own zero-filled pageable host buffer of exactly its size (one byte for
+    /// an empty storage: platforms refuse empty allocations), for a host engine that fills the bytes itself with
+    /// [`write_storage`](Self::write_storage). If an allocation fails, every buffer allocated so far is freed and
+    /// the platform's error is returned.
+    pub fn zeroed(platform: PlatformRef, desc: Arc<PipelineDesc>) -> Result<HostModel, PlatformError> {
+        let mut loaded = BTreeMap::new();
+        for (&id, s) in &desc.storages {
+            match platform.alloc_host(s.byte_size().max(1), HostMemoryKind::Pageable) {
+                Ok(buf) => {
+                    loaded.insert(id, buf);
+                }
+                Err(e) => {
+                    for buf in loaded.into_values() {
+                        let _ = platform.free_host(buf);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(HostModel::from_loaded(platform, desc, loaded))
+    }
+
+    /// Overwrites a loaded storage's bytes: `bytes` must be exactly its [`storage_bytes`](Self::storage_bytes)
+    /// ([`ModelError::WrongLength`]), and the storage must be in its own loaded buffer ([`ModelError::WrongHome`]
+    /// while a backend holds it in a master or it is released to shards: the authoritative copy is not rewritten
+    /// behind the backend's back). An unknown storage is [`PlatformError::InvalidHandle`]. Nothing changes on an
+    /// error.
+    pub fn write_storage(&mut self, id: StorageId, bytes: &[u8]) -> Result<(), ModelError> {
+        let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        let Home::Loaded { buf } = home else {
+            return Err(ModelError::WrongHome { storage: id.0, expected: "loaded", found: home.name() });
+        };
+        let expected = self.storage_bytes(id);
+        if bytes.len() as u64 != expected {
+            return Err(ModelError::WrongLength { storage: id.0, expected, got: bytes.len() as u64 });
+        }
+        Ok(self.platform.write_host(buf, 0, bytes)?)
     }
 
     /// The pipeline description.

@@ -9,7 +9,9 @@
 //! builds masters with exactly that layout on a platform whose `alloc_host` returns garbage (so nothing relies on
 //! zeroed allocations), with a storage larger than the bounce buffer and more units than one batch, and `locate`
 //! finds every storage's exact bytes in every batch; `master_batches` groups units in order under the byte and unit
-//! caps, with exact ranges for tiny, huge and mixed units.
+//! caps, with exact ranges for tiny, huge and mixed units; `HostModel::zeroed` allocates each storage exactly (and
+//! frees everything when an allocation fails), and `write_storage` takes exactly a storage's bytes, only while it is
+//! loaded.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,7 +30,7 @@ use weightferry_actors::platform::{
     DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef,
     PlatformResult, StreamId,
 };
-use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
 
 const SEED: u64 = 11;
 const GARBAGE: u8 = 0xA5;
@@ -583,4 +585,61 @@ fn sharded_masters_read_only_their_slices_and_match_the_reference_shards_on_dirt
         }
     }
     model.release();
+}
+
+#[test]
+fn zeroed_models_take_exactly_each_storages_bytes_and_free_everything_on_failure() {
+    let desc = Arc::new(odd_pipeline());
+    let total: u64 = desc.storages.values().map(|s| s.byte_size().max(1)).sum();
+    let n = desc.storages.len() as u64;
+    let sim = sim();
+    let platform: PlatformRef = sim.clone();
+    let mut model = HostModel::zeroed(platform.clone(), desc.clone()).expect("zeroed");
+    assert_eq!((sim.host_memory().in_use, sim.host_memory().buffers), (total, n));
+    let reference = HostModel::synthetic(platform.clone(), desc.clone(), SEED).expect("synthetic");
+    for &id in desc.storages.keys() {
+        assert_eq!(model.read_storage(id).unwrap(), vec![0; model.storage_bytes(id) as usize]);
+        model.write_storage(id, &reference.read_storage(id).unwrap()).unwrap();
+    }
+    assert_eq!(model.checksum(), reference.checksum());
+    reference.release();
+
+    let id = StorageId(1);
+    let size = model.storage_bytes(id);
+    let before = model.read_storage(id).unwrap();
+    assert_eq!(
+        model.write_storage(id, &vec![1; size as usize + 1]),
+        Err(ModelError::WrongLength { storage: 1, expected: size, got: size + 1 })
+    );
+    assert_eq!(model.write_storage(id, &[]), Err(ModelError::WrongLength { storage: 1, expected: size, got: 0 }));
+    assert_eq!(
+        model.write_storage(StorageId(n), &[]),
+        Err(ModelError::Platform(PlatformError::InvalidHandle { what: "storage", id: n }))
+    );
+    assert_eq!(model.read_storage(id).unwrap(), before);
+
+    // While a backend holds a storage in a master, its bytes are not rewritten behind its back.
+    let hooks = HookRegistry::new();
+    let compute = platform.create_stream("compute").unwrap();
+    let mut backend = get_offload_backend(&layer_dit(), platform.clone(), None).unwrap().unwrap();
+    backend.enable(&mut model, &hooks, compute).unwrap();
+    let streamed = model.mastered()[0];
+    let bytes = model.read_storage(streamed).unwrap();
+    assert_eq!(
+        model.write_storage(streamed, &bytes),
+        Err(ModelError::WrongHome { storage: streamed.0, expected: "loaded", found: "master" })
+    );
+    backend.disable(&mut model, &hooks).unwrap();
+    model.write_storage(streamed, &bytes).unwrap();
+    model.release();
+    assert_eq!(sim.host_memory().in_use, 0);
+
+    // A failed allocation at every position frees the buffers allocated before it.
+    for at in 0..n {
+        let faults = FaultPlan { fail_host_alloc: Some(at), ..FaultPlan::none() };
+        let sim = Arc::new(SimPlatform::new(SimConfig { faults, tracing: false, ..SimConfig::default() }).unwrap());
+        let err = HostModel::zeroed(sim.clone(), desc.clone()).unwrap_err();
+        assert!(matches!(err, PlatformError::HostAllocFailed { .. }), "at {at}: {err}");
+        assert_eq!((sim.host_memory().in_use, sim.host_memory().buffers), (0, 0), "at {at}");
+    }
 }

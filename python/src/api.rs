@@ -1,14 +1,23 @@
 //! What `weightferry._core` does, without Python: loads a config (JSON or TOML text, or a file read exactly as the
 //! CLI's `--config`), loads a pipeline description (the JSON format), resolves the plan report, and maps every
 //! failure onto [`CoreError`] with the text the CLI prints after `error: `. [`guarded`] turns a panic into
-//! [`CoreError::Internal`].
+//! [`CoreError::Internal`]. [`Session`] is one offloaded pipeline on the simulated device: host model, backend,
+//! hook registry and compute stream, driven by the Python package's torch hooks.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use std::sync::Arc;
 use weightferry::config::OffloadConfig;
+use weightferry::hooks::HookRegistry;
+use weightferry::model::HostModel;
+use weightferry::offload::units::build_unit_plan;
+use weightferry::offload::{get_offload_backend, BackendReport, StreamingBackend, WeightSource};
 use weightferry::plan::json::load_pipeline_json;
 use weightferry::plan::report::PlanReport;
-use weightferry::plan::PipelineDesc;
+use weightferry::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformRef, StreamId};
+use weightferry_actors::sim::{SimConfig, SimPlatform};
 
 /// A failure of an entry point; each variant is raised as the Python exception of the same name (`Internal` as
 /// the base `weightferry.Error`). The message is the text the CLI prints after `error: `.
@@ -23,6 +32,12 @@ pub enum CoreError {
     /// A valid config the pipeline cannot serve: `the config cannot be applied to {name}: {message}`.
     #[error("{0}")]
     Plan(String),
+    /// The offload machinery failed, or was used out of order (enable, a hook, a device read, disable).
+    #[error("{0}")]
+    Offload(String),
+    /// A device this build cannot offload to (CUDA is not built into the Python package yet), or no device at all.
+    #[error("{0}")]
+    Device(String),
     /// A bug: a caught panic, or a report that cannot be encoded.
     #[error("{0}")]
     Internal(String),
@@ -83,6 +98,227 @@ pub fn config_strategy(config: &str, config_format: &str) -> Result<&'static str
     load_config(config, config_format).map(|c| c.strategy.report_name())
 }
 
+/// Checks the `device` argument: `"sim"` is the only device of this version; `"cuda"` / `"cuda:N"` are refused
+/// as not built yet, anything else as unknown.
+pub fn check_device(device: &str) -> Result<(), CoreError> {
+    let cuda = device == "cuda" || device.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok());
+    match device {
+        "sim" => Ok(()),
+        _ if cuda => Err(CoreError::Device(format!(
+            "device \"{device}\" is not built yet: this version of weightferry offloads on device=\"sim\" only \
+             (the simulated device); CUDA offload from Python comes in a later version"
+        ))),
+        _ => Err(CoreError::Device(format!(
+            "unknown device \"{device}\"; use \"sim\" (\"cuda\" and \"cuda:N\" are not built yet)"
+        ))),
+    }
+}
+
+fn offload_err(e: impl std::fmt::Display) -> CoreError {
+    CoreError::Offload(one_line(&e.to_string()))
+}
+
+/// Where a storage's device bytes are while a block runs: `(buffer, base, [(storage, offset in the block)])`.
+pub type ResidencyParts = (u64, u64, Vec<(u64, u64)>);
+
+/// One pipeline offloaded on the simulated device: its host model (filled by the caller storage by storage), the
+/// backend of its config, the hook registry, and the compute stream the hooks order. Created with the plan already
+/// resolved, so a bad pipeline or config fails before anything is allocated. Dropping it disables the backend and
+/// shuts the simulated device down.
+pub struct Session {
+    sim: Arc<SimPlatform>,
+    compute: StreamId,
+    model: HostModel,
+    backend: Option<StreamingBackend>,
+    hooks: HookRegistry,
+    /// Storage → the unit (module path) that streams it; fixed placement when absent.
+    streamed: BTreeMap<StorageId, String>,
+    written: BTreeSet<StorageId>,
+    plan: String,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("backend", &self.backend).field("written", &self.written.len()).finish()
+    }
+}
+
+impl Session {
+    /// Resolves the plan of `pipeline_json` under the config (errors as [`plan_json`]'s), checks `device`
+    /// ([`check_device`]), then builds the simulated device and a zero-filled host model; nothing is offloaded
+    /// until every storage was written and [`enable`](Self::enable) runs.
+    pub fn new(
+        pipeline_json: &str,
+        config: &str,
+        config_format: &str,
+        name: &str,
+        device: &str,
+    ) -> Result<Session, CoreError> {
+        let plan = plan_json(pipeline_json, config, config_format, name)?;
+        check_device(device)?;
+        let desc = Arc::new(load_pipeline(pipeline_json, name)?);
+        let config = load_config(config, config_format)?;
+        let resolved = resolve_offload_plan(&desc, &config)
+            .map_err(|e| CoreError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
+        let units = build_unit_plan(&desc, &config, &resolved);
+        let mut streamed = BTreeMap::new();
+        for unit in units.stacks.iter().flat_map(|s| &s.units) {
+            streamed.extend(unit.storages().map(|s| (s, unit.path.clone())));
+        }
+        let sim =
+            Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).map_err(offload_err)?);
+        let platform: PlatformRef = sim.clone();
+        let compute = platform.create_stream("compute").map_err(offload_err)?;
+        let model = HostModel::zeroed(platform.clone(), desc).map_err(offload_err)?;
+        let backend = get_offload_backend(&config, platform, None).map_err(offload_err)?;
+        Ok(Session {
+            sim,
+            compute,
+            model,
+            backend,
+            hooks: HookRegistry::new(),
+            streamed,
+            written: BTreeSet::new(),
+            plan,
+        })
+    }
+
+    /// The plan report as JSON (what [`plan_json`] returns for the same arguments).
+    pub fn plan_json(&self) -> &str {
+        &self.plan
+    }
+
+    /// `(tensor path, storage id)` of every tensor of the description, depth first (paths as `describe()` names
+    /// them: dotted from the pipeline root).
+    pub fn tensor_storages(&self) -> Vec<(String, u64)> {
+        self.model.desc().root.tensors_recursive().into_iter().map(|(p, t)| (p, t.storage.0)).collect()
+    }
+
+    /// `(storage id, bytes, the module path of the unit streaming it or None for the fixed placement)` of every
+    /// storage, in id order.
+    pub fn storages(&self) -> Vec<(u64, u64, Option<String>)> {
+        let desc = self.model.desc();
+        desc.storages.iter().map(|(&id, s)| (id.0, s.byte_size(), self.streamed.get(&id).cloned())).collect()
+    }
+
+    /// Fills a storage's host bytes (exactly its size; only before `enable` or after `disable`).
+    pub fn write_storage(&mut self, storage: u64, bytes: &[u8]) -> Result<(), CoreError> {
+        self.model.write_storage(StorageId(storage), bytes).map_err(offload_err)?;
+        self.written.insert(StorageId(storage));
+        Ok(())
+    }
+
+    /// Offloads: builds host masters, the fixed placement and the block stacks, and installs the hooks. Refuses
+    /// while a storage was never written. Returns whether anything is offloaded (`false` for a config that
+    /// disables offload, or a plan with nothing to stream: then nothing moved). Transactional, as the backend's.
+    pub fn enable(&mut self) -> Result<bool, CoreError> {
+        if let Some(missing) = self.model.desc().storages.keys().find(|s| !self.written.contains(s)) {
+            return Err(CoreError::Offload(format!(
+                "storage {} was never written; write every storage's bytes before enable",
+                missing.0
+            )));
+        }
+        let Some(backend) = self.backend.as_mut() else { return Ok(false) };
+        backend.enable(&mut self.model, &self.hooks, self.compute).map_err(offload_err)?;
+        Ok(backend.is_enabled())
+    }
+
+    /// Whether the backend is enabled.
+    pub fn is_enabled(&self) -> bool {
+        self.backend.as_ref().is_some_and(StreamingBackend::is_enabled)
+    }
+
+    /// The modules that have offload hooks (dotted paths), sorted.
+    pub fn hooked_modules(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.hooks.hook_names().into_iter().map(|(m, _, _)| m).collect();
+        v.dedup();
+        v
+    }
+
+    /// Runs `module`'s pre-forward hooks and, on the simulated device, waits on the host for the compute stream,
+    /// so the block's bytes are in device memory when this returns. `None` for a module whose weights no hook
+    /// places.
+    pub fn pre_forward(&self, module: &str) -> Result<Option<ResidencyParts>, CoreError> {
+        let residency = self.hooks.pre_forward(module).map_err(offload_err)?;
+        self.sim.stream_synchronize(self.compute).map_err(offload_err)?;
+        Ok(residency.map(|r| {
+            let mut offsets: Vec<(u64, u64)> = r.offsets.iter().map(|(s, &o)| (s.0, o)).collect();
+            offsets.sort_unstable();
+            (r.buffer.0, r.base, offsets)
+        }))
+    }
+
+    /// Runs `module`'s post-forward hooks.
+    pub fn post_forward(&self, module: &str) -> Result<(), CoreError> {
+        self.hooks.post_forward(module).map_err(offload_err)
+    }
+
+    /// Device buffer and byte offset of a storage: always answers for the fixed placement, and for a streamed
+    /// storage between its block's `pre_forward` and `post_forward`.
+    pub fn locate(&self, storage: u64) -> Result<(u64, u64), CoreError> {
+        let Some(backend) = self.backend.as_ref() else {
+            return Err(CoreError::Offload("offload is disabled by this config: nothing is on the device".into()));
+        };
+        let (buf, off) = backend.locate(StorageId(storage)).map_err(offload_err)?;
+        Ok((buf.0, off))
+    }
+
+    /// Copies `len` bytes of simulated device memory out (the range is checked before anything is allocated).
+    pub fn read_device(&self, buffer: u64, offset: u64, len: u64) -> Result<Vec<u8>, CoreError> {
+        let buf = DeviceBufferId(buffer);
+        let size = self.sim.device_buffer_len(buf).map_err(offload_err)?;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(CoreError::Offload(format!(
+                "device read {offset}+{len} exceeds device buffer {buffer} of {size} bytes"
+            )));
+        }
+        let mut out = vec![0; len as usize];
+        self.sim.read_device(buf, offset, &mut out).map_err(offload_err)?;
+        Ok(out)
+    }
+
+    /// Waits for the device, frees it, removes the hooks and gives every storage its own host buffer back
+    /// (bit-identical). A no-op when not enabled; an incomplete disable can be called again.
+    pub fn disable(&mut self) -> Result<(), CoreError> {
+        match self.backend.as_mut() {
+            Some(b) => b.disable(&mut self.model, &self.hooks).map_err(offload_err),
+            None => Ok(()),
+        }
+    }
+
+    /// A storage's host bytes, read through its current home.
+    pub fn read_storage(&self, storage: u64) -> Result<Vec<u8>, CoreError> {
+        self.model.read_storage(StorageId(storage)).map_err(offload_err)
+    }
+
+    /// The ordering violations the simulated device's hazard detector recorded so far (each as its debug text):
+    /// a read of a slot before its copy landed, an overwrite before its last reader finished. Empty when the hooks
+    /// kept every order.
+    pub fn hazard_violations(&self) -> Vec<String> {
+        self.sim.violations().iter().map(|v| format!("{v:?}")).collect()
+    }
+
+    /// The backend's report as JSON (`strategy` `"none"` and nothing else when the config disables offload).
+    pub fn report_json(&self) -> Result<String, CoreError> {
+        let report = match &self.backend {
+            Some(b) => b.report(),
+            None => BackendReport { strategy: "none".into(), ..Default::default() },
+        };
+        serde_json::to_string(&report).map_err(|e| CoreError::Internal(format!("cannot encode the report: {e}")))
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(b) = self.backend.as_mut() {
+            if let Err(e) = b.disable(&mut self.model, &self.hooks) {
+                eprintln!("weightferry: disabling a dropped session failed: {e}");
+            }
+        }
+        self.sim.shutdown();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +368,94 @@ mod tests {
         let toml = "[diffusion_offload_config]\nmode = \"module\"\ncomponents = [\"dit\"]\n";
         assert_eq!(config_strategy(toml, "toml"), Ok("model"));
         assert_eq!(config_strategy("{}", "json"), Ok("none"));
+    }
+
+    /// A session on [`PIPELINE`] whose every storage holds `fill(id)` bytes.
+    fn session(config: &str) -> Session {
+        let mut s = Session::new(PIPELINE, config, "json", "p", "sim").unwrap();
+        for (id, len, _) in s.storages() {
+            s.write_storage(id, &vec![id as u8 + 1; len as usize]).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn a_session_streams_each_block_and_restores_the_bytes() {
+        let config = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "layer_options": {"dit": {"prefetch_depth": 1}}}}"#;
+        let mut s = session(config);
+        assert_eq!(
+            s.tensor_storages(),
+            [("transformer.blocks.0.w".to_string(), 0), ("transformer.blocks.1.w".into(), 1)]
+        );
+        let blocks = ["transformer.blocks.0", "transformer.blocks.1"];
+        assert_eq!(s.storages(), [(0, 256, Some(blocks[0].to_string())), (1, 256, Some(blocks[1].to_string()))]);
+        assert_eq!(s.plan_json(), plan_json(PIPELINE, config, "json", "p").unwrap());
+        assert_eq!(s.enable(), Ok(true));
+        assert_eq!(s.hooked_modules(), blocks);
+        for _step in 0..2 {
+            for (i, block) in blocks.iter().enumerate() {
+                let (buf, base, offsets) = s.pre_forward(block).unwrap().unwrap();
+                assert_eq!(offsets, [(i as u64, 0)]);
+                assert_eq!(s.read_device(buf, base, 256).unwrap(), vec![i as u8 + 1; 256]);
+                assert_eq!(s.locate(i as u64), Ok((buf, base)));
+                s.post_forward(block).unwrap();
+            }
+        }
+        assert_eq!(s.pre_forward("transformer").unwrap(), None);
+        assert_eq!(s.hazard_violations(), Vec::<String>::new());
+        let report: serde_json::Value = serde_json::from_str(&s.report_json().unwrap()).unwrap();
+        assert_eq!((report["strategy"].as_str(), report["enabled"].as_bool()), (Some("layer"), Some(true)));
+        let Err(CoreError::Offload(m)) = s.write_storage(0, &[0; 256]) else {
+            panic!("a mastered storage was written")
+        };
+        assert_eq!(m, "storage 0 is master, not loaded");
+        s.disable().unwrap();
+        assert!(s.hooked_modules().is_empty());
+        assert_eq!(s.read_storage(1).unwrap(), vec![2; 256]);
+        let Err(CoreError::Offload(m)) = s.locate(0) else { panic!("located after disable") };
+        assert_eq!(m, "storage 0 is not on the device: offload is not enabled");
+    }
+
+    #[test]
+    fn a_session_refuses_bad_input_before_anything_moves() {
+        let layer = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
+        let mut s = Session::new(PIPELINE, layer, "json", "p", "sim").unwrap();
+        s.write_storage(0, &[1; 256]).unwrap();
+        assert_eq!(
+            s.enable(),
+            Err(CoreError::Offload("storage 1 was never written; write every storage's bytes before enable".into()))
+        );
+        assert_eq!(
+            s.write_storage(1, &[1; 3]),
+            Err(CoreError::Offload("storage 1 holds 256 bytes, but 3 bytes were given for it".into()))
+        );
+        assert!(!s.is_enabled());
+        let Err(CoreError::Config(_)) = Session::new(PIPELINE, r#"{"x": 1}"#, "json", "p", "sim") else {
+            panic!("a bad config was accepted")
+        };
+        let Err(CoreError::Device(m)) = Session::new(PIPELINE, layer, "json", "p", "cuda:0") else {
+            panic!("cuda was accepted")
+        };
+        assert_eq!(
+            m,
+            "device \"cuda:0\" is not built yet: this version of weightferry offloads on device=\"sim\" only (the \
+             simulated device); CUDA offload from Python comes in a later version"
+        );
+        assert_eq!(
+            check_device("tpu"),
+            Err(CoreError::Device(
+                "unknown device \"tpu\"; use \"sim\" (\"cuda\" and \"cuda:N\" are not built yet)".into()
+            ))
+        );
+        // A config that disables offload: nothing to enable, nothing on the device.
+        let mut s = session("{}");
+        assert_eq!(s.enable(), Ok(false));
+        assert!(s.hooked_modules().is_empty());
+        assert_eq!(
+            s.report_json().unwrap(),
+            serde_json::to_string(&BackendReport { strategy: "none".into(), ..Default::default() }).unwrap()
+        );
     }
 
     #[test]

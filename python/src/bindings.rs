@@ -1,23 +1,30 @@
 //! The pyo3 module `weightferry._core` (feature `python`): the exception classes (`weightferry.Error` and its
-//! subclasses) and thin functions over [`crate::api`]. Every function runs its Rust work under
+//! subclasses), thin functions over [`crate::api`], and the class `Session` over [`api::Session`] (calls that can
+//! block release the GIL). Every function runs its Rust work under
 //! [`crate::api::guarded`], so a panic reaches Python as `weightferry.Error`, never as pyo3's `PanicException` (a
 //! `BaseException` that `except Exception` does not catch).
 
-use crate::api::{self, guarded, CoreError};
+use crate::api::{self, guarded, CoreError, ResidencyParts};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
+use std::sync::{Mutex, MutexGuard};
 
 create_exception!(weightferry, Error, PyException, "Base class of every error weightferry raises.");
 create_exception!(weightferry, ConfigError, Error, "A config that could not be read, parsed or accepted.");
 create_exception!(weightferry, PipelineError, Error, "A pipeline that cannot be described, or an invalid description.");
 create_exception!(weightferry, PlanError, Error, "A valid config that cannot be applied to the pipeline.");
+create_exception!(weightferry, OffloadError, Error, "Offloading failed, or was used out of order.");
+create_exception!(weightferry, DeviceError, Error, "A device this build cannot offload to (CUDA is not built yet).");
 
 fn raise(e: CoreError) -> PyErr {
     match e {
         CoreError::Config(m) => ConfigError::new_err(m),
         CoreError::Pipeline(m) => PipelineError::new_err(m),
         CoreError::Plan(m) => PlanError::new_err(m),
+        CoreError::Offload(m) => OffloadError::new_err(m),
+        CoreError::Device(m) => DeviceError::new_err(m),
         CoreError::Internal(m) => Error::new_err(m),
     }
 }
@@ -63,6 +70,137 @@ fn _panic_for_test(message: &str) -> PyResult<()> {
     guarded("_panic_for_test", || -> Result<(), CoreError> { panic!("{message}") }).map_err(raise)
 }
 
+/// One pipeline offloaded on the simulated device (see `weightferry.enable`, which drives it). Every method raises
+/// a subclass of `weightferry.Error`.
+#[pyclass(frozen, module = "weightferry._core", name = "Session")]
+struct PySession {
+    inner: Mutex<api::Session>,
+}
+
+impl PySession {
+    fn lock(&self) -> Result<MutexGuard<'_, api::Session>, CoreError> {
+        self.inner.lock().map_err(|_| {
+            CoreError::Internal("this weightferry session failed inside an earlier call (a bug) and is unusable".into())
+        })
+    }
+
+    /// Runs `f` on the session without the GIL, under the panic guard.
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        entry: &str,
+        f: impl FnOnce(&mut api::Session) -> Result<T, CoreError> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| guarded(entry, || f(&mut *self.lock()?))).map_err(raise)
+    }
+}
+
+#[pymethods]
+impl PySession {
+    /// Resolves the plan (raising `ConfigError`, `PipelineError` or `PlanError` before anything is allocated),
+    /// checks `device` (`DeviceError`), and builds the simulated device with a zero-filled host model.
+    #[new]
+    #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim"))]
+    fn new(
+        py: Python<'_>,
+        pipeline_json: &str,
+        config: &str,
+        config_format: &str,
+        name: Option<&str>,
+        device: &str,
+    ) -> PyResult<PySession> {
+        let name = name.unwrap_or("<python>");
+        let session = py
+            .detach(|| guarded("Session", || api::Session::new(pipeline_json, config, config_format, name, device)))
+            .map_err(raise)?;
+        Ok(PySession { inner: Mutex::new(session) })
+    }
+
+    /// The plan report as JSON text (what `plan` returns).
+    fn plan_json(&self, py: Python<'_>) -> PyResult<String> {
+        self.run(py, "Session.plan_json", |s| Ok(s.plan_json().to_string()))
+    }
+
+    /// `[(tensor path, storage id)]` of every tensor, depth first.
+    fn tensor_storages(&self, py: Python<'_>) -> PyResult<Vec<(String, u64)>> {
+        self.run(py, "Session.tensor_storages", |s| Ok(s.tensor_storages()))
+    }
+
+    /// `[(storage id, bytes, unit module path or None for the fixed placement)]`, in id order.
+    fn storages(&self, py: Python<'_>) -> PyResult<Vec<(u64, u64, Option<String>)>> {
+        self.run(py, "Session.storages", |s| Ok(s.storages()))
+    }
+
+    /// Fills a storage's host bytes (`bytes` of exactly its size).
+    fn write_storage(&self, py: Python<'_>, storage: u64, data: &[u8]) -> PyResult<()> {
+        self.run(py, "Session.write_storage", |s| s.write_storage(storage, data))
+    }
+
+    /// Offloads (transactional); returns whether anything is offloaded.
+    fn enable(&self, py: Python<'_>) -> PyResult<bool> {
+        self.run(py, "Session.enable", api::Session::enable)
+    }
+
+    /// Whether the backend is enabled.
+    fn is_enabled(&self, py: Python<'_>) -> PyResult<bool> {
+        self.run(py, "Session.is_enabled", |s| Ok(s.is_enabled()))
+    }
+
+    /// The modules with offload hooks (dotted paths), sorted.
+    fn hooked_modules(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.run(py, "Session.hooked_modules", |s| Ok(s.hooked_modules()))
+    }
+
+    /// Runs the module's pre-forward hooks and waits until its bytes are on the device: `None`, or
+    /// `(buffer, base, [(storage id, offset in the block)])`.
+    fn pre_forward(&self, py: Python<'_>, module: &str) -> PyResult<Option<ResidencyParts>> {
+        self.run(py, "Session.pre_forward", |s| s.pre_forward(module))
+    }
+
+    /// Runs the module's post-forward hooks.
+    fn post_forward(&self, py: Python<'_>, module: &str) -> PyResult<()> {
+        self.run(py, "Session.post_forward", |s| s.post_forward(module))
+    }
+
+    /// `(buffer, offset)` of a storage on the device.
+    fn locate(&self, py: Python<'_>, storage: u64) -> PyResult<(u64, u64)> {
+        self.run(py, "Session.locate", |s| s.locate(storage))
+    }
+
+    /// A copy of `len` bytes of simulated device memory, as a `bytearray`.
+    fn read_device<'py>(
+        &self,
+        py: Python<'py>,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+    ) -> PyResult<Bound<'py, PyByteArray>> {
+        let bytes = self.run(py, "Session.read_device", |s| s.read_device(buffer, offset, len))?;
+        Ok(PyByteArray::new(py, &bytes))
+    }
+
+    /// Disables offload: every storage gets its own host buffer back, bit-identical.
+    fn disable(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, "Session.disable", api::Session::disable)
+    }
+
+    /// A storage's host bytes, as a `bytearray`.
+    fn read_storage<'py>(&self, py: Python<'py>, storage: u64) -> PyResult<Bound<'py, PyByteArray>> {
+        let bytes = self.run(py, "Session.read_storage", |s| s.read_storage(storage))?;
+        Ok(PyByteArray::new(py, &bytes))
+    }
+
+    /// The simulated device's recorded ordering violations (debug text each); empty when every order held.
+    fn hazard_violations(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.run(py, "Session.hazard_violations", |s| Ok(s.hazard_violations()))
+    }
+
+    /// The backend's report as JSON text.
+    fn report(&self, py: Python<'_>) -> PyResult<String> {
+        self.run(py, "Session.report", |s| s.report_json())
+    }
+}
+
 /// The module `weightferry._core`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -72,6 +210,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("PipelineError", py.get_type::<PipelineError>())?;
     m.add("PlanError", py.get_type::<PlanError>())?;
+    m.add("OffloadError", py.get_type::<OffloadError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add_class::<PySession>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(check_pipeline, m)?)?;

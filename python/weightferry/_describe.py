@@ -131,6 +131,9 @@ class _Describer:
         self.class_attrs = {}
         self.class_attr = {}
         self.class_owner = {}
+        # tensor path -> (module, attribute name); module path -> module (for enable's binding and hooks)
+        self.bound = {}
+        self.modules = {}
 
     def tensor(self, t, path, kind):
         dtype = self.dtypes.get(t.dtype)
@@ -156,6 +159,7 @@ class _Describer:
         if id(m) in active:
             raise _error(f"module '{path}' contains itself; weightferry needs a module tree without cycles")
         active.add(id(m))
+        self.modules[path] = m
         self._class_decls(m, path)
         node = {"class": type(m).__name__}
         if callable(getattr(m, "load_to_device", None)) and callable(getattr(m, "offload_to_cpu", None)):
@@ -178,11 +182,13 @@ class _Describer:
         for name, p in m._parameters.items():
             if p is not None:
                 out[name] = self.tensor(p, prefix + name, "parameter")
+                self.bound[prefix + name] = (m, name)
         for name, b in m._buffers.items():
             if b is not None:
                 persistent = name not in m._non_persistent_buffers_set
                 kind = "persistent_buffer" if persistent else "non_persistent_buffer"
                 out[name] = self.tensor(b, prefix + name, kind)
+                self.bound[prefix + name] = (m, name)
         return out
 
     def _class_decls(self, m, path):
@@ -244,10 +250,17 @@ def describe(pipeline):
     :class:`weightferry.PipelineError` for a tensor of an unsupported dtype, storages shared across dtypes, or
     malformed declarations.
     """
+    return _describe(pipeline)[0]
+
+
+def _describe(pipeline):
+    """``(description, {tensor path: (module, attribute)}, {module path: module})``: :func:`describe` with the
+    objects its paths name (the root module, if any, at path ``""``)."""
     cls, root, items = _root_modules(pipeline)
     d = _Describer()
     desc = {"format": FORMAT, "class": cls}
     if root is not None:
+        d.modules[""] = root
         tensors = d.tensors(root, "")
         if tensors:
             desc["tensors"] = tensors
@@ -273,4 +286,4 @@ def describe(pipeline):
         desc["class_block_attrs"] = d.class_attrs
     if d.class_attr:
         desc["class_block_attr"] = d.class_attr
-    return desc
+    return desc, d.bound, d.modules

@@ -1,0 +1,387 @@
+"""``weightferry.enable`` on the simulated device: offloaded forwards bit-identical to the same modules before
+enable (layerwise at prefetch depths 1-3, resident layers, model-level; on-demand VAE), every tensor bit-identical
+after disable with tied weights and views of one storage sharing it again, typed errors before anything moves
+(bad config, a tensor off the CPU, CUDA not built yet), a second enable refused, a forward that raises still
+releasing its block, and a failure injected at every session call and at every tensor binding leaving the modules
+exactly as they were."""
+
+import pytest
+import torch
+import torch.nn as nn
+from tiny import BF16, OffloadPlan, TinyBlock, TinyDiT, TinyPipeline, TinyTextEncoder, TinyVAE
+
+import weightferry as wf
+import weightferry._enable as wf_enable
+
+ALL = ["dit", "text_encoder", "vae"]
+
+
+def layer(depth, **dit):
+    return {"diffusion_offload_config": {"mode": "layer", "components": ALL, "layer_options": {
+        "dit": {"prefetch_depth": depth, **dit}, "text_encoder": {"prefetch_depth": depth}}}}
+
+
+MODEL = {"diffusion_offload_config": {"mode": "module", "components": ALL}}
+
+
+class Block(TinyBlock):
+    def forward(self, h):
+        return h + self.norm(self.fc(h))
+
+
+class DiT(TinyDiT):
+    def __init__(self, n):
+        super().__init__(n)
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.rope.normal_()
+
+    def forward(self, x):
+        h = self.x_embedder(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.proj_out(h) * self.rope[0, 0].to(BF16)
+
+
+class Encoder(TinyTextEncoder):
+    def __init__(self):
+        super().__init__(3, tied=True)
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer_ in self.layers:
+            h = layer_(h)
+        return self.head(h)
+
+
+class VAE(TinyVAE):
+    def forward(self, x):
+        return self.dec(self.enc(x))
+
+
+class Pipe(TinyPipeline):
+    _offload_plan = OffloadPlan(encoder_block_attrs={"text_encoder": ["layers"]}, on_demand_component_paths=("vae",),
+                                resident_dit_paths=("transformer",))
+
+    def __init__(self, n=4):
+        super().__init__(n)
+        self.transformer = DiT(n)
+        self.text_encoder = Encoder()
+        self.vae = VAE()
+
+
+def pipe(n=4):
+    torch.manual_seed(1)
+    return Pipe(n)
+
+
+def run(p, steps=2):
+    """Text encoder, ``steps`` DiT steps, VAE: every output."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (2, 5), generator=g)
+    x = torch.randn(2, 5, 16, generator=g).to(BF16)
+    img = torch.randn(1, 3, 6, 6, generator=g).to(BF16)
+    with torch.no_grad():
+        out = [p.text_encoder(ids)]
+        for _ in range(steps):
+            out.append(p.transformer(x))
+        out.append(p.vae(img))
+    return out
+
+
+def tensors(p):
+    """``{path: tensor}`` of every parameter and buffer (tied ones under each name)."""
+    out = {}
+    for cname in ("transformer", "text_encoder", "vae"):
+        for mname, m in getattr(p, cname).named_modules(prefix=cname, remove_duplicate=False):
+            for tname, t in list(m._parameters.items()) + list(m._buffers.items()):
+                if t is not None:
+                    out[f"{mname}.{tname}"] = t
+    return out
+
+
+def snapshot(p):
+    """Each tensor's object, bytes, dtype, shape, strides, storage offset and requires_grad; which tensors share a
+    storage; every module's torch hook counts."""
+    ts = tensors(p)
+    state = {k: (id(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad,
+                 t.detach().contiguous().view(torch.uint8).flatten().tolist()) for k, t in ts.items()}
+    groups = {}
+    for k, t in ts.items():
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append(k)
+    hooks = {}
+    for cname in ("transformer", "text_encoder", "vae"):
+        for mname, m in getattr(p, cname).named_modules(prefix=cname):
+            hooks[mname] = (len(m._forward_pre_hooks), len(m._forward_hooks))
+    return state, sorted(sorted(g) for g in groups.values()), hooks
+
+
+def assert_outputs_equal(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert torch.equal(g, e)
+
+
+CONFIGS = [layer(1), layer(2), layer(3), layer(2, resident_layers=1), MODEL]
+IDS = ["depth1", "depth2", "depth3", "resident1", "model"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_offloaded_forward_is_bit_identical_and_disable_restores_every_tensor(config):
+    p = pipe()
+    expected = run(p)
+    before = snapshot(p)
+    embed_ptr = p.text_encoder.embed.weight.untyped_storage().data_ptr()
+    handle = wf.enable(p, config)
+    assert handle.enabled
+    # Streamed tensors hold no host copy between forwards; inside its block's forward a weight is bound.
+    fc = p.transformer.blocks[1].fc
+    assert fc.weight.numel() == 0
+    seen = []
+    user_hook = fc.register_forward_pre_hook(lambda m, a: seen.append(tuple(m.weight.shape)))
+    # Every tensor now holds device bytes (or nothing): torch's own host copy of the tied embedding is gone.
+    assert p.text_encoder.embed.weight.untyped_storage().data_ptr() != embed_ptr
+    assert p.text_encoder.head.weight is p.text_encoder.embed.weight
+    assert_outputs_equal(run(p), expected)
+    assert seen == [(64, 64), (64, 64)]
+    user_hook.remove()
+    assert_outputs_equal(run(p), expected)
+    assert handle._session.hazard_violations() == []
+    stats = handle.stats()
+    assert stats["enabled"] is True
+    assert stats["strategy"] == wf.plan(p, config)["strategy"]
+    assert sum(s["loads"] for s in stats["stacks"]) > 0
+    handle.disable()
+    assert not handle.enabled
+    after = snapshot(p)
+    assert after[0] == before[0] and after[2] == before[2]
+    assert after[1] == before[1]
+    # The tied head shares the embedding's storage again.
+    assert p.text_encoder.head.weight.untyped_storage().data_ptr() == p.text_encoder.embed.weight.untyped_storage().data_ptr()
+    assert_outputs_equal(run(p), expected)
+    handle.disable()  # idempotent
+
+
+def test_the_handle_is_a_context_manager_and_a_pipeline_can_be_enabled_again():
+    p = pipe(3)
+    expected = run(p)
+    with wf.enable(p, layer(1)) as h:
+        assert_outputs_equal(run(p), expected)
+        with pytest.raises(wf.OffloadError) as e:
+            wf.enable(p, layer(2))
+        assert str(e.value) == (
+            "pipeline Pipe is already enabled by weightferry (one of its tensors is offloaded); call disable() on "
+            "its handle first"
+        )
+        assert_outputs_equal(run(p), expected)
+    assert not h.enabled
+    with wf.enable(p, MODEL):
+        assert_outputs_equal(run(p), expected)
+    assert_outputs_equal(run(p), expected)
+
+
+def test_a_bad_config_raises_config_error_and_nothing_changed():
+    p = pipe()
+    before = snapshot(p)
+    bad = {"diffusion_offload_config": {"mode": "layer", "mdoe": "layer"}}
+    with pytest.raises(wf.ConfigError) as e:
+        wf.enable(p, bad)
+    with pytest.raises(wf.ConfigError) as plan_error:
+        wf.plan(p, bad)
+    assert str(e.value) == str(plan_error.value)
+    assert snapshot(p) == before
+
+
+def test_cuda_is_refused_as_not_built_yet():
+    p = pipe()
+    before = snapshot(p)
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(wf.DeviceError) as e:
+            wf.enable(p, layer(2), device=device)
+        assert str(e.value) == (
+            f'device "{device}" is not built yet: this version of weightferry offloads on device="sim" only (the '
+            "simulated device); CUDA offload from Python comes in a later version"
+        )
+        assert isinstance(e.value, wf.Error)
+    assert snapshot(p) == before
+
+
+class FailingSession:
+    """Delegates to the real session and raises at its ``fail_at``-th method call."""
+
+    def __init__(self, fail_at, *args):
+        self._s = wf_enable._core.Session(*args)
+        self._left = fail_at
+        self.calls = 0
+
+    def __getattr__(self, name):
+        method = getattr(self._s, name)
+
+        def call(*a):
+            self.calls += 1
+            self._left -= 1
+            if self._left == 0:
+                raise wf.OffloadError(f"injected failure in {name}")
+            return method(*a)
+
+        return call
+
+
+@pytest.mark.parametrize("config", [layer(2), MODEL], ids=["layer", "model"])
+def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_were(monkeypatch, config):
+    p = pipe(3)
+    expected = run(p)
+    before = snapshot(p)
+    made = []
+
+    def factory(*args):
+        made.append(FailingSession(at, *args))
+        return made[-1]
+
+    monkeypatch.setattr(wf_enable, "_Session", factory)
+    at = 1
+    while True:
+        try:
+            h = wf.enable(p, config)
+        except wf.OffloadError as e:
+            assert str(e).startswith("injected failure in "), e
+            assert snapshot(p) == before, f"failure at call {at}"
+            at += 1
+            continue
+        break
+    # The enable that got through made `at - 1` calls, each of which failed once in an earlier attempt.
+    assert made[-1].calls == at - 1 > 10
+    made[-1]._left = 0  # disarmed
+    assert_outputs_equal(run(p), expected)
+    h.disable()
+    assert snapshot(p) == before
+
+
+def test_a_failure_at_every_binding_of_enable_leaves_the_modules_as_they_were(monkeypatch):
+    p = pipe(3)
+    expected = run(p)
+    before = snapshot(p)
+    real = wf_enable._bind
+    count = [0, 0]
+
+    def failing(view, tensor):
+        count[0] += 1
+        if count[0] == count[1]:
+            raise RuntimeError(f"injected binding failure at {view.path}")
+        real(view, tensor)
+
+    monkeypatch.setattr(wf_enable, "_bind", failing)
+    bindings = len(tensors(p))
+    for n in range(1, bindings):
+        count[:] = [0, n]
+        with pytest.raises(RuntimeError, match="injected binding failure"):
+            wf.enable(p, layer(2))
+        assert snapshot(p) == before, f"failure at binding {n}"
+    count[:] = [0, -1]
+    with wf.enable(p, layer(2)):
+        assert_outputs_equal(run(p), expected)
+    assert snapshot(p) == before
+
+
+def test_a_config_that_disables_offload_touches_nothing():
+    p = pipe()
+    before = snapshot(p)
+    with pytest.warns(wf.WeightferryWarning, match="weightferry offloads nothing: the config disables offload"):
+        h = wf.enable(p, {})
+    assert not h.enabled
+    assert h.stats()["strategy"] == "none"
+    assert snapshot(p) == before
+    h.disable()
+    assert snapshot(p) == before
+
+
+@pytest.mark.parametrize("config", [layer(1), MODEL], ids=["layer", "model"])
+def test_views_of_one_storage_share_it_again_after_disable(config):
+    p = pipe(2)
+    flat = torch.randn(432 + 216 + 5).to(BF16)  # two views and an unused tail: one storage of 653 elements
+    p.vae.enc.weight = nn.Parameter(flat[:216].view(8, 3, 3, 3))
+    p.vae.dec.weight = nn.Parameter(flat[216:432].view(3, 8, 3, 3))
+    expected = run(p)
+    before = snapshot(p)
+    with wf.enable(p, config):
+        assert_outputs_equal(run(p), expected)
+    assert snapshot(p) == before
+    enc, dec = p.vae.enc.weight, p.vae.dec.weight
+    assert enc.untyped_storage().data_ptr() == dec.untyped_storage().data_ptr()
+    assert (enc.storage_offset(), dec.storage_offset(), enc.untyped_storage().nbytes()) == (0, 216, 653 * 2)
+
+
+def test_a_tensor_off_the_cpu_is_a_pipeline_error_and_nothing_changed():
+    p = pipe(2)
+    p.vae.dec.bias = nn.Parameter(torch.zeros(3, dtype=BF16, device="meta"))
+    before = [(k, id(t), t.device) for k, t in tensors(p).items()]
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable(p, layer(2))
+    assert str(e.value) == (
+        "tensor 'vae.dec.bias' is on meta; weightferry offloads a pipeline whose weights are on the CPU (move it "
+        "there with .to('cpu') before enable)"
+    )
+    assert [(k, id(t), t.device) for k, t in tensors(p).items()] == before
+    assert all(len(m._forward_pre_hooks) == 0 for m in p.transformer.modules())
+
+
+def test_a_forward_that_raises_still_releases_its_block(monkeypatch):
+    p = pipe(3)
+    expected = run(p)
+    block = p.transformer.blocks[1]
+    with wf.enable(p, layer(2)) as h:
+        monkeypatch.setattr(block, "forward", lambda h_: (_ for _ in ()).throw(ValueError("boom")))
+        with pytest.raises(ValueError, match="boom"):
+            run(p)
+        assert block.fc.weight.numel() == 0  # the post-hook ran (always_call) and released it
+        monkeypatch.undo()
+        assert_outputs_equal(run(p), expected)
+        assert h.stats()["enabled"] is True
+    assert_outputs_equal(run(p), expected)
+
+
+def test_the_native_session_raises_typed_errors_never_a_panic():
+    import json
+
+    p = pipe(2)
+    s = wf._core.Session(json.dumps(wf.describe(p)), json.dumps(layer(1)), "json", "p", "sim")
+    storages = s.storages()
+    sid, size, unit = storages[0]
+    with pytest.raises(wf.OffloadError) as e:
+        s.write_storage(sid, b"\0" * (size + 1))
+    assert str(e.value) == f"storage {sid} holds {size} bytes, but {size + 1} bytes were given for it"
+    with pytest.raises(wf.OffloadError) as e:
+        s.enable()
+    assert str(e.value) == f"storage {sid} was never written; write every storage's bytes before enable"
+    with pytest.raises(wf.OffloadError) as e:
+        s.read_device(12345, 0, 1)
+    assert str(e.value) == "invalid device buffer handle 12345"
+    with pytest.raises(wf.OffloadError) as e:
+        s.locate(sid)
+    assert str(e.value) == f"storage {sid} is not on the device: offload is not enabled"
+    assert s.pre_forward("transformer.blocks.0") is None  # no hooks yet
+    assert issubclass(wf.OffloadError, wf.Error) and issubclass(wf.DeviceError, wf.Error)
+
+
+def test_a_dict_and_a_root_module_pipeline_bind_by_their_paths():
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 16).to(BF16)
+    dit_only = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+                                             "layer_options": {"dit": {"prefetch_depth": 1}}}}
+    root = nn.Module()
+    root.scale = nn.Parameter(torch.randn(4).to(BF16))
+    root.transformer = DiT(3)
+    for p in ({"transformer": DiT(3)}, root):
+        dit = p["transformer"] if isinstance(p, dict) else p.transformer
+        with torch.no_grad():
+            expected = dit(x)
+        before = {k: v.clone() for k, v in dit.state_dict(keep_vars=False).items()}
+        with pytest.warns(wf.WeightferryWarning, match="deprecated attribute scan"):
+            h = wf.enable(p, dit_only)
+        with h, torch.no_grad():
+            assert dit.blocks[2].fc.weight.numel() == 0
+            assert torch.equal(dit(x), expected)
+        after = dit.state_dict()
+        assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert root.scale.numel() == 4

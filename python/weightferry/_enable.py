@@ -1,0 +1,280 @@
+"""``enable()``: offloads a torch pipeline's weights through weightferry, and the :class:`Handle` that undoes it.
+
+What it owns: the map from each storage (as the Rust side numbers them) to the torch tensors viewing it, the torch
+forward hooks on the modules the backend hooks, and the rebinding of tensors — to the device bytes while offloaded,
+to ordinary CPU tensors rebuilt from the host model after :meth:`Handle.disable`. Either everything is offloaded
+or nothing is: a failure after the session exists removes every hook and gives every tensor its original data back.
+
+This version runs on ``device="sim"`` only (the simulated device: device buffers in host memory, compute on the
+CPU). There a tensor "on the device" is a CPU tensor holding a copy of the simulated device memory, rebuilt at each
+streamed block's ``pre_forward``: the sim is the test device, so the copy is acceptable there. CUDA (DLPack views
+of the slots, bound once) is not built yet.
+"""
+
+import ctypes
+import json
+import warnings
+import weakref
+
+from . import _core
+from ._describe import _describe
+from ._plan import WeightferryWarning, _config_arg
+
+__all__ = ["Handle", "enable"]
+
+# The session class; a seam for tests that inject failures after the session exists.
+_Session = _core.Session
+
+# Every tensor object an enabled handle manages (id -> weak reference; not a WeakSet, whose lookup compares
+# tensors with ``==``): a second enable over any of them is refused.
+_OFFLOADED = {}
+
+
+def _is_offloaded(t):
+    ref = _OFFLOADED.get(id(t))
+    return ref is not None and ref() is t
+
+
+class _View:
+    """One torch tensor object viewing a storage: where its elements are (offset, shape, strides, dtype)."""
+
+    __slots__ = ("tensor", "path", "dtype", "shape", "strides", "offset")
+
+    def __init__(self, tensor, path):
+        self.tensor = tensor
+        self.path = path
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.strides = tuple(tensor.stride())
+        self.offset = tensor.storage_offset()
+
+
+def _storage_bytes(tensor):
+    """The bytes of the whole (CPU) storage ``tensor`` views: one copy, no numpy needed."""
+    storage = tensor.untyped_storage()
+    n = storage.nbytes()
+    return ctypes.string_at(storage.data_ptr(), n) if n else b""
+
+
+def _tensors_over(data, views):
+    """One new CPU storage holding ``data`` (a ``bytearray``, shared, not copied) and a tensor per view over it, so
+    views of one storage share it again."""
+    import torch
+
+    if len(data):
+        storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    else:
+        storage = torch.empty(0, dtype=torch.uint8).untyped_storage()
+    return [torch.empty(0, dtype=v.dtype).set_(storage, v.offset, v.shape, v.strides) for v in views]
+
+
+def _bind(view, tensor):
+    """Makes ``view``'s tensor object hold ``tensor``'s data (the object, its ``requires_grad`` and every reference
+    to it stay). A seam for tests that inject a binding failure."""
+    view.tensor.data = tensor
+
+
+def _placeholder(view):
+    """What a streamed tensor holds between its block's forwards: nothing (an empty tensor of its dtype)."""
+    import torch
+
+    return torch.empty(0, dtype=view.dtype)
+
+
+class Handle:
+    """An offloaded pipeline. :meth:`disable` gives every tensor ordinary CPU storage back (bit-identical);
+    :meth:`stats` reports what the backend holds and did. A context manager: leaving the ``with`` block disables."""
+
+    def __init__(self, session, views, nbytes, streamed_by, modules):
+        self._session = session
+        self._views = views  # storage id -> [_View]
+        self._nbytes = nbytes  # storage id -> bytes
+        self._streamed_by = streamed_by  # unit module path -> [storage id]
+        self._modules = modules  # module path -> nn.Module
+        self._torch_hooks = []
+        self._entered = set()
+        self._offloaded = False
+        self._disabled = False
+
+    # --- binding -------------------------------------------------------------------------------------------
+
+    def _bind_from_device(self, sid, buffer, offset):
+        data = self._session.read_device(buffer, offset, self._nbytes[sid])
+        for view, tensor in zip(self._views[sid], _tensors_over(data, self._views[sid])):
+            _bind(view, tensor)
+
+    def _pre(self, path):
+        def hook(module, args):
+            residency = self._session.pre_forward(path)
+            self._entered.add(path)
+            if residency is not None:
+                buffer, base, offsets = residency
+                for sid, off in offsets:
+                    self._bind_from_device(sid, buffer, base + off)
+
+        return hook
+
+    def _post(self, path):
+        def hook(module, args, output):
+            if path not in self._entered:
+                return None  # its pre_forward failed: nothing to release
+            self._entered.discard(path)
+            for sid in self._streamed_by.get(path, ()):
+                for view in self._views[sid]:
+                    _bind(view, _placeholder(view))
+            self._session.post_forward(path)
+            return None
+
+        return hook
+
+    def _install(self):
+        """Binds the fixed placement once, releases the streamed tensors' host copies, installs the torch hooks."""
+        streamed = {sid for sids in self._streamed_by.values() for sid in sids}
+        for sid in self._views:
+            if sid not in streamed:
+                self._bind_from_device(sid, *self._session.locate(sid))
+        for sid in streamed:
+            for view in self._views[sid]:
+                _bind(view, _placeholder(view))
+        for path in self._session.hooked_modules():
+            module = self._modules.get(path)
+            if module is None:
+                raise _core.Error(f"internal error: the backend hooks module '{path}', which describe() did not name")
+            self._torch_hooks.append(module.register_forward_pre_hook(self._pre(path)))
+            self._torch_hooks.append(module.register_forward_hook(self._post(path), always_call=True))
+
+    def _remove_hooks(self):
+        while self._torch_hooks:
+            self._torch_hooks.pop().remove()
+        self._entered.clear()
+
+    def _mark(self, on):
+        for views in self._views.values():
+            for view in views:
+                if on:
+                    _OFFLOADED[id(view.tensor)] = weakref.ref(view.tensor)
+                elif _is_offloaded(view.tensor):
+                    del _OFFLOADED[id(view.tensor)]
+
+    # --- public --------------------------------------------------------------------------------------------
+
+    @property
+    def enabled(self):
+        """Whether the pipeline is offloaded now (``False`` after :meth:`disable`, and when the plan streamed
+        nothing)."""
+        return self._offloaded and not self._disabled
+
+    def disable(self):
+        """Removes the hooks, disables the backend and rebinds every tensor to an ordinary CPU tensor rebuilt from
+        the host model: bit-identical to before :func:`enable`, tensors that shared a storage sharing one again.
+        Idempotent. If the backend cannot finish, raises :class:`weightferry.OffloadError` and can be called
+        again."""
+        if self._disabled:
+            return
+        self._remove_hooks()
+        self._session.disable()
+        if self._offloaded:
+            for sid, views in self._views.items():
+                data = self._session.read_storage(sid)
+                for view, tensor in zip(views, _tensors_over(data, views)):
+                    _bind(view, tensor)
+            self._mark(False)
+        self._disabled = True
+
+    def stats(self):
+        """The backend's report as a dict: ``strategy``, ``enabled``, ``stacks`` (per stack: ``loads``,
+        ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches``, ``device_bytes``, ...),
+        ``fixed_device_bytes``, ``master_host_bytes``, ``pinned``."""
+        return json.loads(self._session.report())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.disable()
+        return False
+
+
+def _check_tensors(bound):
+    """Refuses (``PipelineError``) a tensor that is not on the CPU: the sim device reads host memory."""
+    for path, (module, name) in bound.items():
+        t = getattr(module, name)
+        if t.device.type != "cpu":
+            raise _core.PipelineError(
+                f"tensor '{path}' is on {t.device}; weightferry offloads a pipeline whose weights are on the CPU "
+                "(move it there with .to('cpu') before enable)"
+            )
+
+
+def enable(pipeline, config, device="sim", *, name=None):
+    """Offloads ``pipeline``'s weights under ``config`` and returns a :class:`Handle`.
+
+    ``pipeline`` and ``config`` are what :func:`weightferry.plan` takes; ``device`` is ``"sim"`` (the simulated
+    device). ``"cuda"`` / ``"cuda:N"`` raise :class:`weightferry.DeviceError`: not built yet.
+
+    The plan is resolved first, so a bad config or pipeline raises :class:`weightferry.ConfigError`,
+    :class:`weightferry.PipelineError` or :class:`weightferry.PlanError` with the CLI's message before anything
+    moves; a pipeline already enabled raises :class:`weightferry.OffloadError`. Then every storage's bytes go to
+    weightferry's host model, the backend builds host masters, the fixed placement and the block stacks, and torch
+    forward hooks on the modules it hooks bind each streamed block's tensors to its device bytes for the block's
+    forward (between forwards they are empty). The tensors' own host copies are released. Any failure from here on
+    removes every hook, gives every tensor its original data back, and re-raises.
+    """
+    text, fmt = _config_arg(config)
+    desc, bound, modules = _describe(pipeline)
+    objects = [getattr(m, n) for m, n in bound.values()]
+    if any(_is_offloaded(t) for t in objects):
+        raise _core.OffloadError(
+            f"pipeline {desc['class']} is already enabled by weightferry (one of its tensors is offloaded); call "
+            "disable() on its handle first"
+        )
+    session = _Session(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device)
+    _check_tensors(bound)
+    report = json.loads(session.plan_json())
+    for message in report.get("warnings", []):
+        warnings.warn(message, WeightferryWarning, stacklevel=2)
+
+    paths = dict(session.tensor_storages())
+    if set(paths) != set(bound):
+        raise _core.Error("internal error: the description's tensors and the pipeline's differ")
+    views, seen = {}, set()
+    for path, (module, attr) in bound.items():
+        t = getattr(module, attr)
+        key = (paths[path], id(t))
+        if key not in seen:  # a tensor object registered twice (a tied attribute) is bound once
+            seen.add(key)
+            views.setdefault(paths[path], []).append(_View(t, path))
+    nbytes, streamed_by = {}, {}
+    for sid, size, unit in session.storages():
+        nbytes[sid] = size
+        if unit is not None:
+            streamed_by.setdefault(unit, []).append(sid)
+    handle = Handle(session, views, nbytes, streamed_by, modules)
+
+    # Each tensor object's original data (an alias of torch's own storage) until enable succeeded: the undo.
+    originals = [(v.tensor, v.tensor.data) for vs in views.values() for v in vs]
+    try:
+        for sid, vs in views.items():
+            session.write_storage(sid, _storage_bytes(vs[0].tensor))
+        if not session.enable():
+            warnings.warn(
+                f"weightferry offloads nothing: {report.get('skip_reason') or 'the config disables offload'}",
+                WeightferryWarning,
+                stacklevel=2,
+            )
+            return handle
+        handle._offloaded = True
+        handle._install()
+        handle._mark(True)
+    except BaseException:
+        handle._remove_hooks()
+        for tensor, data in originals:
+            tensor.data = data
+        handle._mark(False)
+        try:
+            session.disable()
+        except _core.Error as e:  # the original failure is the one to raise
+            warnings.warn(f"weightferry: disabling after a failed enable also failed: {e}", WeightferryWarning)
+        handle._disabled = True
+        raise
+    return handle
