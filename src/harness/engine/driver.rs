@@ -28,6 +28,11 @@ use weightferry_actors::OrderingFault;
 
 pub use super::compare::RunStage;
 
+/// How many blocks the host may run ahead of the simulated device. The simulated streams queue without bound (a GPU's
+/// launch queue pushes back on its own), so without this a long run's memory grows with its steps; the bound changes
+/// no result, only where the host waits.
+pub const SIM_MAX_BLOCKS_AHEAD: u32 = 256;
+
 /// Largest pipeline (bytes of weights) the sim reference engine accepts by default.
 pub const DEFAULT_MAX_WEIGHT_BYTES: u64 = 1 << 30;
 
@@ -273,7 +278,13 @@ fn compare_on(
 ) -> Result<Compared, EngineError> {
     let mut engine = Engine::new(compute, &spec.pipeline)?;
     let opts =
-        ExecOptions { steps: spec.steps, input_seed: spec.seed, skip_seed: spec.skip_seed, ..ExecOptions::default() };
+        ExecOptions {
+            steps: spec.steps,
+            input_seed: spec.seed,
+            skip_seed: spec.skip_seed,
+            max_blocks_ahead: Some(SIM_MAX_BLOCKS_AHEAD),
+            ..ExecOptions::default()
+        };
     let mut offload = SimOffload { spec, sim, epoch, stats: Default::default() };
     let platform: PlatformRef = sim.clone();
     let mut watch = StepWatch::new(platform, engine.stream(), spec.observer.clone());
