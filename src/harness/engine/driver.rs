@@ -277,14 +277,13 @@ fn compare_on(
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
 ) -> Result<Compared, EngineError> {
     let mut engine = Engine::new(compute, &spec.pipeline)?;
-    let opts =
-        ExecOptions {
-            steps: spec.steps,
-            input_seed: spec.seed,
-            skip_seed: spec.skip_seed,
-            max_blocks_ahead: Some(SIM_MAX_BLOCKS_AHEAD),
-            ..ExecOptions::default()
-        };
+    let opts = ExecOptions {
+        steps: spec.steps,
+        input_seed: spec.seed,
+        skip_seed: spec.skip_seed,
+        max_blocks_ahead: Some(SIM_MAX_BLOCKS_AHEAD),
+        ..ExecOptions::default()
+    };
     let mut offload = SimOffload { spec, sim, epoch, stats: Default::default() };
     let platform: PlatformRef = sim.clone();
     let mut watch = StepWatch::new(platform, engine.stream(), spec.observer.clone());
