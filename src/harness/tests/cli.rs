@@ -273,7 +273,10 @@ fn failed_checks_exit_1() {
     let v = stdout_json(&o);
     assert!(v["hazard_violations"].as_u64().unwrap() > 0);
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.starts_with("error: "), "{err}");
+    // With --json the error is one JSON object too.
+    let e: serde_json::Value = serde_json::from_str(err.trim_end()).unwrap_or_else(|x| panic!("{x}: {err}"));
+    assert_eq!(e["exit_code"], 1, "{err}");
+    assert!(e["error"].as_str().is_some_and(|m| !m.is_empty()), "{err}");
 }
 
 /// A build without the broken orderings refuses to inject one: exit 1, one line naming the build it needs.
