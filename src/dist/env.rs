@@ -116,6 +116,22 @@ impl LaunchEnv {
         self.world > 1
     }
 
+    /// Every variable [`LaunchEnv::from_vars`] reads (to clear a child's launch environment, e.g. in tests).
+    pub const VARS: [&'static str; 12] = [
+        "WORLD_SIZE",
+        "SLURM_NTASKS",
+        "RANK",
+        "SLURM_PROCID",
+        "LOCAL_RANK",
+        "SLURM_LOCALID",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WEIGHTFERRY_RUN_ID",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_JOB_ID",
+        "SLURM_STEP_ID",
+    ];
+
     /// Reads the process environment.
     pub fn from_env() -> Result<LaunchEnv, LaunchEnvError> {
         Self::from_vars(|name| std::env::var(name).ok())
@@ -370,5 +386,30 @@ mod tests {
         assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("job-x"));
         vars.push(("WEIGHTFERRY_RUN_ID", "launch-1"));
         assert_eq!(env(&vars).unwrap().run_id.as_deref(), Some("launch-1"));
+    }
+
+    #[test]
+    fn every_variable_read_is_listed_in_vars() {
+        // A torchrun-style and a SLURM-style environment between them make the reader ask for every variable.
+        let torchrun = [("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+        let slurm = [
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_PROCID", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("SLURM_JOB_ID", "7"),
+        ];
+        let mut asked = std::collections::BTreeSet::new();
+        for set in [&torchrun[..], &slurm[..]] {
+            let seen = std::cell::RefCell::new(Vec::new());
+            let env = LaunchEnv::from_vars(|n| {
+                seen.borrow_mut().push(n.to_string());
+                set.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string())
+            });
+            assert_eq!(env.map(|e| (e.rank, e.world)), Ok((1, 2)));
+            asked.extend(seen.into_inner());
+        }
+        let listed: std::collections::BTreeSet<String> = LaunchEnv::VARS.iter().map(|v| v.to_string()).collect();
+        assert_eq!(asked, listed);
     }
 }

@@ -5,15 +5,12 @@
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod common;
 
 fn wf(args: &[&str]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
-    c.args(args).env_remove("RUST_LOG");
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"] {
-        c.env_remove(v);
-    }
-    c.output().expect("spawn")
+    common::weightferry(args, &[])
 }
 
 fn ok_json(args: &[&str]) -> Value {

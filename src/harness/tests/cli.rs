@@ -1,17 +1,13 @@
 //! The `weightferry` binary: exit codes, the JSON contract of `run --json` and `plan --json`, and one-line errors on
 //! invalid input.
 
+mod common;
+
 use serde_json::Value;
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn wf(args: &[&str]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
-    c.args(args).env_remove("RUST_LOG");
-    // A launch environment in the test's own environment would turn `run` into one rank of a distributed run.
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"] {
-        c.env_remove(v);
-    }
-    c.output().expect("spawn")
+    common::weightferry(args, &[])
 }
 
 fn stdout_json(o: &Output) -> Value {

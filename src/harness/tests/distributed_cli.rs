@@ -8,32 +8,13 @@
 //! the bytes per step (one pass of shards), the bounds and their ratios, in JSON and text, and stays bit-exact;
 //! bad `--time-steps` values are an exact exit-2 error naming the flag.
 
-use serde_json::Value;
-use std::process::{Command, Output};
+mod common;
 
-/// Variables of the launch environment; removed from every child so the test's own environment cannot leak in.
-const LAUNCH_VARS: [&str; 12] = [
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "WEIGHTFERRY_RUN_ID",
-    "TORCHELASTIC_RUN_ID",
-    "SLURM_JOB_ID",
-    "SLURM_STEP_ID",
-];
+use serde_json::Value;
+use std::process::Output;
 
 fn wf(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
-    c.args(args).env_remove("RUST_LOG");
-    for v in LAUNCH_VARS {
-        c.env_remove(v);
-    }
-    c.envs(env.iter().copied()).output().expect("spawn")
+    common::weightferry(args, env)
 }
 
 fn text(b: &[u8]) -> String {
@@ -429,9 +410,9 @@ fn ranks_with_differing_pipelines(tag: &str, run_id: Option<&str>) -> Vec<std::p
             let dir = base.join(format!("rank{rank}"));
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("pipe.json"), pipeline(width)).unwrap();
-            let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_weightferry"));
             c.args(["run", "--pipeline", "pipe.json", "--steps", "1"]).current_dir(&dir).env_remove("RUST_LOG");
-            for v in LAUNCH_VARS {
+            for v in weightferry::dist::LaunchEnv::VARS {
                 c.env_remove(v);
             }
             let rank = rank.to_string();

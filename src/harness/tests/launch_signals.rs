@@ -11,17 +11,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// Variables of the launch environment; removed so the test's own environment cannot leak in.
-const LAUNCH_VARS: [&str; 8] =
-    ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"];
-
 /// Starts `launch --nproc 2` of a run that lasts minutes; returns it and its two rank pids (found through
 /// `/proc/*/stat`, once both ranks have been running for a moment).
 fn start_long_launch() -> (Child, Vec<u32>) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
     c.args(["launch", "--nproc", "2", "--", "run", "--steps", "100000", "--sim-h2d-gbps", "0.01"]);
     c.env_remove("RUST_LOG").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    for v in LAUNCH_VARS {
+    for v in weightferry::dist::LaunchEnv::VARS {
         c.env_remove(v);
     }
     let mut launch = c.spawn().expect("spawn launch");
