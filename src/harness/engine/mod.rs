@@ -306,7 +306,7 @@ struct Run<'a> {
     out: ExecOutput,
     ahead: AheadRing,
     /// Residencies of the modules whose forward is open (innermost last), as their `pre_forward` returned them.
-    placed: Vec<(String, Residency)>,
+    placed: Vec<Option<Residency>>,
 }
 
 impl Run<'_> {
@@ -334,22 +334,14 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Runs one hook and returns its wall time; a `pre_forward` that placed the module's weights pushes their
-    /// residency (popped by the matching `post_forward`), so kernels find them without asking the source.
+    /// Runs one hook and returns its wall time. Every `pre_forward` pushes the residency it returned (if any) and
+    /// the matching `post_forward` pops it (the program's pre/post calls nest), so kernels find their block's weights
+    /// without asking the source.
     fn hook(&mut self, module: &str, kind: HookKind) -> Result<Duration, EngineError> {
         let t0 = Instant::now();
         let r = match kind {
-            HookKind::Pre => self.hooks.pre_forward(module).map(|r| {
-                if let Some(r) = r {
-                    self.placed.push((module.to_string(), r));
-                }
-            }),
-            HookKind::Post => {
-                if self.placed.last().is_some_and(|(m, _)| m == module) {
-                    self.placed.pop();
-                }
-                self.hooks.post_forward(module)
-            }
+            HookKind::Pre => self.hooks.pre_forward(module),
+            HookKind::Post => self.hooks.post_forward(module).map(|()| None),
         };
         let d = t0.elapsed();
         if let Some(epoch) = self.opts.span_epoch {
@@ -360,7 +352,13 @@ impl Run<'_> {
                 duration: d,
             });
         }
-        r?;
+        let placed = r?;
+        match kind {
+            HookKind::Pre => self.placed.push(placed),
+            HookKind::Post => {
+                self.placed.pop();
+            }
+        }
         Ok(d)
     }
 
@@ -432,7 +430,7 @@ impl Run<'_> {
                 weights.push(WeightRange { storage: s, buffer: self.acts.latent, offset: 0, len: 0 });
                 continue;
             }
-            let placed = self.placed.iter().rev().find_map(|(_, r)| r.locate(s));
+            let placed = self.placed.iter().rev().flatten().find_map(|r| r.locate(s));
             let (buffer, offset) = match placed {
                 Some(p) => p,
                 None => self.source.locate(s)?,
