@@ -10,6 +10,12 @@ use std::ffi::OsString;
 
 /// Runs `weightferry launch`; returns the exit code.
 pub fn launch(a: &LaunchArgs) -> Result<i32, CliError> {
+    if a.command.is_empty() {
+        return Err(CliError::invalid(
+            "launch needs the command every rank runs, after `--`: e.g. weightferry launch --nproc 2 -- run --preset \
+             flux-tiny",
+        ));
+    }
     let program = std::env::current_exe()
         .map_err(|e| CliError::failed(format!("cannot find the weightferry executable to launch: {e}")))?;
     let spec = LaunchSpec {

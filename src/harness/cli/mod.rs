@@ -147,7 +147,7 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "P", value_parser = clap::value_parser!(u16).range(1..))]
     pub master_port: Option<u16>,
     /// The weightferry command every rank runs, after `--` (e.g. `-- run --preset flux-tiny`).
-    #[arg(last = true, required = true, value_name = "COMMAND")]
+    #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,
 }
 
@@ -499,14 +499,7 @@ where
                     .map(str::trim)
                     .take_while(|l| !l.is_empty())
                     .collect();
-                if missing == ["<COMMAND>..."] {
-                    eprintln!(
-                        "error: launch needs the command every rank runs, after `--`: e.g. weightferry launch --nproc 2 \
-                         -- run --preset flux-tiny"
-                    );
-                } else {
-                    eprintln!("error: {first} {} (see weightferry --help)", missing.join(", "));
-                }
+                eprintln!("error: {first} {} (see weightferry --help)", missing.join(", "));
                 return 2;
             }
             eprintln!("error: {first} (see weightferry --help)");
