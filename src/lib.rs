@@ -5,7 +5,10 @@
 //! - [`config`]: the offload config file (compact and legacy keys), validated into an [`config::OffloadConfig`].
 //! - [`plan`]: pipeline descriptions, presets, and the pure plan resolver.
 //! - [`hooks`]: the forward-hook registry the strategies install into.
-//! - [`dist`]: multi-process runs: the launch environment, the TCP rendezvous, the process launcher.
+//! - [`dist`]: multi-process runs: the launch environment, the TCP rendezvous, the process launcher, the NCCL
+//!   bootstrap.
+//! - [`model`], [`offload`], [`platform`]: the host model, the backends every strategy runs on, the hardware.
+//! - [`textfile`]: reading user-given text files with a size cap.
 
 pub mod checkpoint;
 pub mod config;
