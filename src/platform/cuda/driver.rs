@@ -49,6 +49,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    "cuPointerGetAttribute",
 ];
 
 /// Facts about the opened device.
@@ -182,4 +183,19 @@ pub(crate) fn bind(ctx: sys::CUcontext) -> Result<(), DriverError> {
 /// [`bind`] with the failure turned into a platform error.
 pub(crate) fn bind_or_err(ctx: sys::CUcontext) -> PlatformResult<()> {
     bind(ctx).map_err(|e| PlatformError::Driver(format!("cannot make the CUDA context current: {}", describe(e))))
+}
+
+/// The context device memory at `ptr` was allocated in, or `None` when the driver does not know the address as
+/// device memory of any context. The caller made a context current (the query needs an initialised driver).
+pub(crate) fn pointer_context(ptr: sys::CUdeviceptr) -> Result<Option<sys::CUcontext>, DriverError> {
+    let mut ctx: sys::CUcontext = ptr::null_mut();
+    let attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT;
+    // SAFETY: `ctx` is a valid out-pointer for one context handle, the size the CONTEXT attribute writes; the
+    // driver only reads its own allocation tables for `ptr`, which may be any value.
+    let status = unsafe { sys::cuPointerGetAttribute((&mut ctx as *mut sys::CUcontext).cast(), attribute, ptr) };
+    match status {
+        sys::CUresult::CUDA_SUCCESS => Ok((!ctx.is_null()).then_some(ctx)),
+        sys::CUresult::CUDA_ERROR_INVALID_VALUE => Ok(None),
+        other => Err(DriverError(other)),
+    }
 }

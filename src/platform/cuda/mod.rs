@@ -191,6 +191,29 @@ impl CudaPlatform {
         self.streams.get(u64::from(stream.0)).map(|s| s.raw())
     }
 
+    /// Gives a stream that other code owns (torch's current stream; null is the legacy default stream) a
+    /// platform handle, so hooks can order it behind copies (`stream_wait_event`) and record its reads
+    /// (`record_event`). The platform never destroys it; dropping the platform synchronises it like its own.
+    ///
+    /// # Safety
+    /// `raw` must be null or a live stream of this platform's context (the device's primary context) and must
+    /// stay alive until the platform drops or no caller uses the returned handle any more.
+    pub unsafe fn adopt_stream(&self, raw: sys::CUstream, name: &str) -> PlatformResult<StreamId> {
+        let id = small_handle(self.streams.next_handle(), "stream")?;
+        self.streams.insert(u64::from(id), StreamEntry::borrowed(&self.ctx, raw, name));
+        Ok(StreamId(id))
+    }
+
+    /// Whether `ptr` (a device address from another library, e.g. a torch tensor's `data_ptr()`) lies in memory of
+    /// this platform's context: the check that torch and weightferry share the device's primary context.
+    /// `Ok(false)` for an address the driver does not know as device memory.
+    pub fn shares_context_with(&self, ptr: u64) -> PlatformResult<bool> {
+        self.bind_to_thread()?;
+        driver::pointer_context(ptr).map(|ctx| ctx == Some(self.ctx.cu_ctx())).map_err(|e| {
+            PlatformError::Driver(format!("cannot query the context of address {ptr:#x}: {}", describe(e)))
+        })
+    }
+
     /// The driver handle of an event, or `None` for an unknown handle. It stays valid until the event is
     /// destroyed.
     pub fn raw_event(&self, event: EventId) -> Option<sys::CUevent> {

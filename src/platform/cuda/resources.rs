@@ -281,6 +281,8 @@ pub(crate) struct StreamEntry {
     ctx: Arc<CudaContext>,
     raw: sys::CUstream,
     name: String,
+    /// Created by other code (torch's stream, adopted): never destroyed here.
+    borrowed: bool,
 }
 
 // SAFETY: CUDA streams may be used and destroyed from any thread that has their context current; the handle is
@@ -296,7 +298,13 @@ impl StreamEntry {
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: `raw` is a valid out-pointer for one stream handle.
         unsafe { sys::cuStreamCreate(&mut raw, flags) }.result()?;
-        Ok(StreamEntry { ctx: Arc::clone(ctx), raw, name: name.to_string() })
+        Ok(StreamEntry { ctx: Arc::clone(ctx), raw, name: name.to_string(), borrowed: false })
+    }
+
+    /// Names a stream that other code created on `ctx` and destroys (null is the legacy default stream); dropping
+    /// the entry leaves the stream alone.
+    pub(crate) fn borrowed(ctx: &Arc<CudaContext>, raw: sys::CUstream, name: &str) -> Self {
+        StreamEntry { ctx: Arc::clone(ctx), raw, name: name.to_string(), borrowed: true }
     }
 
     /// The driver handle.
@@ -319,7 +327,7 @@ impl StreamEntry {
 impl Drop for StreamEntry {
     fn drop(&mut self) {
         let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
-        if raw.is_null() {
+        if raw.is_null() || self.borrowed {
             return;
         }
         let outcome = bind(self.ctx.cu_ctx()).and_then(|()| {
