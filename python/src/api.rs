@@ -98,19 +98,105 @@ pub fn config_strategy(config: &str, config_format: &str) -> Result<&'static str
     load_config(config, config_format).map(|c| c.strategy.report_name())
 }
 
-/// Checks the `device` argument: `"sim"` is the only device of this version; `"cuda"` / `"cuda:N"` are refused
-/// as not built yet, anything else as unknown.
-pub fn check_device(device: &str) -> Result<(), CoreError> {
-    let cuda = device == "cuda" || device.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok());
-    match device {
-        "sim" => Ok(()),
-        _ if cuda => Err(CoreError::Device(format!(
-            "device \"{device}\" is not built yet: this version of weightferry offloads on device=\"sim\" only \
-             (the simulated device); CUDA offload from Python comes in a later version"
-        ))),
-        _ => Err(CoreError::Device(format!(
-            "unknown device \"{device}\"; use \"sim\" (\"cuda\" and \"cuda:N\" are not built yet)"
-        ))),
+/// A device a session can offload to, parsed from the `device` argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// `"sim"`: the simulated device (device buffers in host memory).
+    Sim,
+    /// `"cuda"` (ordinal 0 unless the caller resolved torch's current device) or `"cuda:N"`.
+    Cuda(usize),
+}
+
+/// Parses the `device` argument: `"sim"`, `"cuda"` or `"cuda:N"`. `"cuda"` means `default_cuda` (the caller passes
+/// torch's current device). A CUDA device in a build without the `cuda` feature is refused here, naming the fix.
+pub fn parse_device(device: &str, default_cuda: usize) -> Result<DeviceSpec, CoreError> {
+    let spec = match device {
+        "sim" => DeviceSpec::Sim,
+        "cuda" => DeviceSpec::Cuda(default_cuda),
+        _ => match device.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+            Some(n) => DeviceSpec::Cuda(n),
+            None => {
+                return Err(CoreError::Device(format!(
+                    "unknown device \"{device}\"; use \"cuda\", \"cuda:N\" or \"sim\" (the simulated device)"
+                )))
+            }
+        },
+    };
+    if matches!(spec, DeviceSpec::Cuda(_)) && !cfg!(feature = "cuda") {
+        return Err(CoreError::Device(format!(
+            "device \"{device}\": this build of weightferry has no CUDA support (built without the `cuda` feature); \
+             install it with `pip install ./python`, which enables it, or use device=\"sim\""
+        )));
+    }
+    Ok(spec)
+}
+
+/// torch's side of a CUDA session: the stream the pipeline runs on and one device address torch allocated, for
+/// the shared-context check. Ignored on the simulated device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TorchCuda {
+    /// torch's current stream on the device (`torch.cuda.current_stream().cuda_stream`; 0 is the legacy default
+    /// stream). The hooks order it behind the copies and record its reads on it.
+    pub stream: u64,
+    /// A device address of a live torch tensor on the device.
+    pub probe_ptr: u64,
+}
+
+/// The platform a session drives.
+enum Device {
+    Sim(Arc<SimPlatform>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<weightferry::platform::cuda::CudaPlatform>),
+}
+
+impl Device {
+    /// Opens the device and names the compute stream: the simulated device's own, or torch's stream adopted.
+    fn open(spec: DeviceSpec, torch: TorchCuda) -> Result<(Device, PlatformRef, StreamId), CoreError> {
+        match spec {
+            DeviceSpec::Sim => {
+                let sim = Arc::new(
+                    SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).map_err(offload_err)?,
+                );
+                let platform: PlatformRef = sim.clone();
+                let compute = platform.create_stream("compute").map_err(offload_err)?;
+                Ok((Device::Sim(sim), platform, compute))
+            }
+            #[cfg(feature = "cuda")]
+            DeviceSpec::Cuda(ordinal) => {
+                use weightferry::platform::cuda::CudaPlatform;
+                let unavailable = |e: weightferry_actors::platform::PlatformError| {
+                    CoreError::Device(one_line(&e.to_string().replace("--platform sim", "device=\"sim\"")))
+                };
+                let cuda = Arc::new(CudaPlatform::new(ordinal).map_err(unavailable)?);
+                if !cuda.shares_context_with(torch.probe_ptr).map_err(unavailable)? {
+                    return Err(CoreError::Device(format!(
+                        "torch's memory on cuda:{ordinal} is not in the device's primary context; weightferry shares \
+                         torch's primary CUDA context and cannot offload next to another context (one made with \
+                         cuCtxCreate)"
+                    )));
+                }
+                // SAFETY: `stream` is torch's current stream on this device (the Python package passes
+                // `torch.cuda.current_stream(device).cuda_stream`), a stream of the primary context just checked;
+                // torch keeps its pool streams alive for the life of the process, and the package documents that
+                // an external stream must outlive the handle.
+                let compute = unsafe { cuda.adopt_stream(torch.stream as usize as _, "torch") }.map_err(offload_err)?;
+                let platform: PlatformRef = cuda.clone();
+                Ok((Device::Cuda(cuda), platform, compute))
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceSpec::Cuda(_) => {
+                let _ = torch;
+                Err(CoreError::Device("this build of weightferry has no CUDA support".into()))
+            }
+        }
+    }
+
+    fn sim(&self) -> Option<&Arc<SimPlatform>> {
+        match self {
+            Device::Sim(sim) => Some(sim),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => None,
+        }
     }
 }
 
@@ -126,7 +212,7 @@ pub type ResidencyParts = (u64, u64, Vec<(u64, u64)>);
 /// resolved, so a bad pipeline or config fails before anything is allocated. Dropping it disables the backend and
 /// shuts the simulated device down.
 pub struct Session {
-    sim: Arc<SimPlatform>,
+    device: Device,
     compute: StreamId,
     model: HostModel,
     backend: Option<StreamingBackend>,
@@ -144,18 +230,18 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    /// Resolves the plan of `pipeline_json` under the config (errors as [`plan_json`]'s), checks `device`
-    /// ([`check_device`]), then builds the simulated device and a zero-filled host model; nothing is offloaded
-    /// until every storage was written and [`enable`](Self::enable) runs.
+    /// Resolves the plan of `pipeline_json` under the config (errors as [`plan_json`]'s), then opens the device
+    /// (`torch` names torch's stream and memory on a CUDA device) and builds a zero-filled host model; nothing is
+    /// offloaded until every storage was written and [`enable`](Self::enable) runs.
     pub fn new(
         pipeline_json: &str,
         config: &str,
         config_format: &str,
         name: &str,
-        device: &str,
+        device: DeviceSpec,
+        torch: TorchCuda,
     ) -> Result<Session, CoreError> {
         let plan = plan_json(pipeline_json, config, config_format, name)?;
-        check_device(device)?;
         let desc = Arc::new(load_pipeline(pipeline_json, name)?);
         let config = load_config(config, config_format)?;
         let resolved = resolve_offload_plan(&desc, &config)
@@ -165,14 +251,11 @@ impl Session {
         for unit in units.stacks.iter().flat_map(|s| &s.units) {
             streamed.extend(unit.storages().map(|s| (s, unit.path.clone())));
         }
-        let sim =
-            Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).map_err(offload_err)?);
-        let platform: PlatformRef = sim.clone();
-        let compute = platform.create_stream("compute").map_err(offload_err)?;
+        let (device, platform, compute) = Device::open(device, torch)?;
         let model = HostModel::zeroed(platform.clone(), desc).map_err(offload_err)?;
         let backend = get_offload_backend(&config, platform, None).map_err(offload_err)?;
         Ok(Session {
-            sim,
+            device,
             compute,
             model,
             backend,
@@ -208,6 +291,23 @@ impl Session {
         Ok(())
     }
 
+    /// [`write_storage`](Self::write_storage) from `len` bytes at host address `address` (a CPU tensor's storage,
+    /// read in place: the Python package makes no copy of its own).
+    ///
+    /// # Safety
+    /// Unless `len` is 0, `address..address + len` must be readable host memory that stays alive and is not
+    /// written during the call.
+    pub unsafe fn write_storage_from(&mut self, storage: u64, address: u64, len: u64) -> Result<(), CoreError> {
+        let len = usize::try_from(len).map_err(|_| CoreError::Offload(format!("storage {storage}: {len} bytes")))?;
+        let bytes: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller guarantees `len` readable bytes at `address` that live, unchanged, for this call.
+            unsafe { std::slice::from_raw_parts(address as usize as *const u8, len) }
+        };
+        self.write_storage(storage, bytes)
+    }
+
     /// Offloads: builds host masters, the fixed placement and the block stacks, and installs the hooks. Refuses
     /// while a storage was never written. Returns whether anything is offloaded (`false` for a config that
     /// disables offload, or a plan with nothing to stream: then nothing moved). Transactional, as the backend's.
@@ -235,12 +335,15 @@ impl Session {
         v
     }
 
-    /// Runs `module`'s pre-forward hooks and, on the simulated device, waits on the host for the compute stream,
-    /// so the block's bytes are in device memory when this returns. `None` for a module whose weights no hook
-    /// places.
+    /// Runs `module`'s pre-forward hooks. On the simulated device it then waits on the host for the compute
+    /// stream, so the block's bytes are in device memory when this returns; on CUDA nothing waits on the host:
+    /// torch's stream was ordered behind the copies, so kernels torch launches next read landed bytes. `None` for
+    /// a module whose weights no hook places.
     pub fn pre_forward(&self, module: &str) -> Result<Option<ResidencyParts>, CoreError> {
         let residency = self.hooks.pre_forward(module).map_err(offload_err)?;
-        self.sim.stream_synchronize(self.compute).map_err(offload_err)?;
+        if let Some(sim) = self.device.sim() {
+            sim.stream_synchronize(self.compute).map_err(offload_err)?;
+        }
         Ok(residency.map(|r| {
             let mut offsets: Vec<(u64, u64)> = r.offsets.iter().map(|(s, &o)| (s.0, o)).collect();
             offsets.sort_unstable();
@@ -265,16 +368,43 @@ impl Session {
 
     /// Copies `len` bytes of simulated device memory out (the range is checked before anything is allocated).
     pub fn read_device(&self, buffer: u64, offset: u64, len: u64) -> Result<Vec<u8>, CoreError> {
+        let Some(sim) = self.device.sim() else {
+            return Err(CoreError::Offload(
+                "read_device reads the simulated device only; on CUDA use device_ptr".into(),
+            ));
+        };
         let buf = DeviceBufferId(buffer);
-        let size = self.sim.device_buffer_len(buf).map_err(offload_err)?;
+        let size = sim.device_buffer_len(buf).map_err(offload_err)?;
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(CoreError::Offload(format!(
                 "device read {offset}+{len} exceeds device buffer {buffer} of {size} bytes"
             )));
         }
         let mut out = vec![0; len as usize];
-        self.sim.read_device(buf, offset, &mut out).map_err(offload_err)?;
+        sim.read_device(buf, offset, &mut out).map_err(offload_err)?;
         Ok(out)
+    }
+
+    /// The device address and size of a CUDA device buffer (torch views it without a copy). Addresses stay valid
+    /// until the buffer is freed: by `disable`, or by the backend when it drops a slot.
+    pub fn device_ptr(&self, buffer: u64) -> Result<(u64, u64), CoreError> {
+        match &self.device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cuda) => cuda
+                .device_ptr(DeviceBufferId(buffer))
+                .ok_or_else(|| CoreError::Offload(format!("device buffer {buffer} does not exist (it was freed)"))),
+            Device::Sim(_) => {
+                let _ = buffer;
+                Err(CoreError::Offload(
+                    "device_ptr is for CUDA devices; on the simulated device use read_device".into(),
+                ))
+            }
+        }
+    }
+
+    /// Whether the session drives a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        self.device.sim().is_none()
     }
 
     /// Waits for the device, frees it, removes the hooks and gives every storage its own host buffer back
@@ -293,9 +423,10 @@ impl Session {
 
     /// The ordering violations the simulated device's hazard detector recorded so far (each as its debug text):
     /// a read of a slot before its copy landed, an overwrite before its last reader finished. Empty when the hooks
-    /// kept every order.
+    /// kept every order, and on CUDA (which has no detector).
     pub fn hazard_violations(&self) -> Vec<String> {
-        self.sim.violations().iter().map(|v| format!("{v:?}")).collect()
+        let Some(sim) = self.device.sim() else { return Vec::new() };
+        sim.violations().iter().map(|v| format!("{v:?}")).collect()
     }
 
     /// The backend's report as JSON (`strategy` `"none"` and nothing else when the config disables offload).
@@ -315,7 +446,9 @@ impl Drop for Session {
                 eprintln!("weightferry: disabling a dropped session failed: {e}");
             }
         }
-        self.sim.shutdown();
+        if let Some(sim) = self.device.sim() {
+            sim.shutdown();
+        }
     }
 }
 
@@ -372,7 +505,7 @@ mod tests {
 
     /// A session on [`PIPELINE`] whose every storage holds `fill(id)` bytes.
     fn session(config: &str) -> Session {
-        let mut s = Session::new(PIPELINE, config, "json", "p", "sim").unwrap();
+        let mut s = Session::new(PIPELINE, config, "json", "p", DeviceSpec::Sim, TorchCuda::default()).unwrap();
         for (id, len, _) in s.storages() {
             s.write_storage(id, &vec![id as u8 + 1; len as usize]).unwrap();
         }
@@ -420,7 +553,7 @@ mod tests {
     #[test]
     fn a_session_refuses_bad_input_before_anything_moves() {
         let layer = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
-        let mut s = Session::new(PIPELINE, layer, "json", "p", "sim").unwrap();
+        let mut s = Session::new(PIPELINE, layer, "json", "p", DeviceSpec::Sim, TorchCuda::default()).unwrap();
         s.write_storage(0, &[1; 256]).unwrap();
         assert_eq!(
             s.enable(),
@@ -431,21 +564,31 @@ mod tests {
             Err(CoreError::Offload("storage 1 holds 256 bytes, but 3 bytes were given for it".into()))
         );
         assert!(!s.is_enabled());
-        let Err(CoreError::Config(_)) = Session::new(PIPELINE, r#"{"x": 1}"#, "json", "p", "sim") else {
+        let Err(CoreError::Config(_)) =
+            Session::new(PIPELINE, r#"{"x": 1}"#, "json", "p", DeviceSpec::Sim, TorchCuda::default())
+        else {
             panic!("a bad config was accepted")
         };
-        let Err(CoreError::Device(m)) = Session::new(PIPELINE, layer, "json", "p", "cuda:0") else {
-            panic!("cuda was accepted")
-        };
         assert_eq!(
-            m,
-            "device \"cuda:0\" is not built yet: this version of weightferry offloads on device=\"sim\" only (the \
-             simulated device); CUDA offload from Python comes in a later version"
+            parse_device("cuda:3", 0).map_err(|_| ()),
+            if cfg!(feature = "cuda") { Ok(DeviceSpec::Cuda(3)) } else { Err(()) }
         );
+        assert_eq!(parse_device("sim", 5), Ok(DeviceSpec::Sim));
+        for bad in ["tpu", "cuda:", "cuda:-1", "cuda:x", "Sim"] {
+            assert_eq!(
+                parse_device(bad, 0),
+                Err(CoreError::Device(format!(
+                    "unknown device \"{bad}\"; use \"cuda\", \"cuda:N\" or \"sim\" (the simulated device)"
+                )))
+            );
+        }
+        #[cfg(not(feature = "cuda"))]
         assert_eq!(
-            check_device("tpu"),
+            parse_device("cuda", 0),
             Err(CoreError::Device(
-                "unknown device \"tpu\"; use \"sim\" (\"cuda\" and \"cuda:N\" are not built yet)".into()
+                "device \"cuda\": this build of weightferry has no CUDA support (built without the `cuda` feature); \
+                 install it with `pip install ./python`, which enables it, or use device=\"sim\""
+                    .into()
             ))
         );
         // A config that disables offload: nothing to enable, nothing on the device.

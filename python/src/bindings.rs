@@ -16,7 +16,12 @@ create_exception!(weightferry, ConfigError, Error, "A config that could not be r
 create_exception!(weightferry, PipelineError, Error, "A pipeline that cannot be described, or an invalid description.");
 create_exception!(weightferry, PlanError, Error, "A valid config that cannot be applied to the pipeline.");
 create_exception!(weightferry, OffloadError, Error, "Offloading failed, or was used out of order.");
-create_exception!(weightferry, DeviceError, Error, "A device this build cannot offload to (CUDA is not built yet).");
+create_exception!(
+    weightferry,
+    DeviceError,
+    Error,
+    "A device that cannot be used: unknown, absent, or not in torch's CUDA context."
+);
 
 fn raise(e: CoreError) -> PyErr {
     match e {
@@ -98,9 +103,13 @@ impl PySession {
 #[pymethods]
 impl PySession {
     /// Resolves the plan (raising `ConfigError`, `PipelineError` or `PlanError` before anything is allocated),
-    /// checks `device` (`DeviceError`), and builds the simulated device with a zero-filled host model.
+    /// opens `device` (`"sim"`, `"cuda"` meaning `cuda:{default_cuda}`, or `"cuda:N"`; `DeviceError`) and builds a
+    /// zero-filled host model. On CUDA, `torch_stream` is torch's current stream on the device (its
+    /// `cuda_stream`) and `probe_ptr` the `data_ptr()` of a live torch tensor there (the shared-context check).
     #[new]
-    #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim"))]
+    #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim", default_cuda = 0,
+        torch_stream = 0, probe_ptr = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         pipeline_json: &str,
@@ -108,10 +117,19 @@ impl PySession {
         config_format: &str,
         name: Option<&str>,
         device: &str,
+        default_cuda: usize,
+        torch_stream: u64,
+        probe_ptr: u64,
     ) -> PyResult<PySession> {
         let name = name.unwrap_or("<python>");
+        let torch = api::TorchCuda { stream: torch_stream, probe_ptr };
         let session = py
-            .detach(|| guarded("Session", || api::Session::new(pipeline_json, config, config_format, name, device)))
+            .detach(|| {
+                guarded("Session", || {
+                    let spec = api::parse_device(device, default_cuda)?;
+                    api::Session::new(pipeline_json, config, config_format, name, spec, torch)
+                })
+            })
             .map_err(raise)?;
         Ok(PySession { inner: Mutex::new(session) })
     }
@@ -134,6 +152,18 @@ impl PySession {
     /// Fills a storage's host bytes (`bytes` of exactly its size).
     fn write_storage(&self, py: Python<'_>, storage: u64, data: &[u8]) -> PyResult<()> {
         self.run(py, "Session.write_storage", |s| s.write_storage(storage, data))
+    }
+
+    /// Fills a storage's host bytes from `len` bytes at host address `address`, read in place. Private to the
+    /// package: `address` must be the `data_ptr()` of a live CPU tensor storage of at least `len` bytes, which the
+    /// caller keeps referenced and does not write during the call.
+    fn _write_storage_at(&self, py: Python<'_>, storage: u64, address: u64, len: u64) -> PyResult<()> {
+        if address == 0 && len > 0 {
+            return Err(raise(CoreError::Offload(format!("storage {storage}: null address for {len} bytes"))));
+        }
+        // SAFETY: the package's contract above: enable passes the `data_ptr()` and exact `nbytes()` of a CPU tensor
+        // storage it holds a reference to for the call, and no code of the package writes it meanwhile.
+        self.run(py, "Session._write_storage_at", |s| unsafe { s.write_storage_from(storage, address, len) })
     }
 
     /// Offloads (transactional); returns whether anything is offloaded.
@@ -177,6 +207,16 @@ impl PySession {
     ) -> PyResult<Bound<'py, PyByteArray>> {
         let bytes = self.run(py, "Session.read_device", |s| s.read_device(buffer, offset, len))?;
         Ok(PyByteArray::new(py, &bytes))
+    }
+
+    /// `(device address, bytes)` of a CUDA device buffer.
+    fn device_ptr(&self, py: Python<'_>, buffer: u64) -> PyResult<(u64, u64)> {
+        self.run(py, "Session.device_ptr", |s| s.device_ptr(buffer))
+    }
+
+    /// Whether the session drives a CUDA device.
+    fn is_cuda(&self, py: Python<'_>) -> PyResult<bool> {
+        self.run(py, "Session.is_cuda", |s| Ok(s.is_cuda()))
     }
 
     /// Disables offload: every storage gets its own host buffer back, bit-identical.

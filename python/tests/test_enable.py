@@ -193,17 +193,28 @@ def test_a_bad_config_raises_config_error_and_nothing_changed():
     assert snapshot(p) == before
 
 
-def test_cuda_is_refused_as_not_built_yet():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: test_cuda.py covers it")
+def test_cuda_without_a_gpu_is_refused():
     p = pipe()
     before = snapshot(p)
     for device in ("cuda", "cuda:1"):
         with pytest.raises(wf.DeviceError) as e:
             wf.enable(p, layer(2), device=device)
         assert str(e.value) == (
-            f'device "{device}" is not built yet: this version of weightferry offloads on device="sim" only (the '
-            "simulated device); CUDA offload from Python comes in a later version"
+            f'device "{device}": torch sees no CUDA device (torch.cuda.is_available() is False); use device="sim" '
+            "(the simulated device) on a machine without a GPU"
         )
         assert isinstance(e.value, wf.Error)
+    assert snapshot(p) == before
+
+
+def test_unknown_devices_are_refused():
+    p = pipe()
+    before = snapshot(p)
+    for device in ("tpu", "cuda:", "cuda:x", "CUDA", "cuda:-1"):
+        with pytest.raises(wf.DeviceError) as e:
+            wf.enable(p, layer(2), device=device)
+        assert str(e.value) == f'unknown device "{device}"; use "cuda", "cuda:N" or "sim" (the simulated device)'
     assert snapshot(p) == before
 
 

@@ -1,0 +1,144 @@
+"""``weightferry.enable`` on ``device="cuda"`` (skipped without a GPU; CI has none, the lent H200 runs them): the
+offloaded forwards equal the same pipeline resident on the GPU bit for bit (layerwise at depths 1-3, resident
+layers, a device budget, model-level), every tensor is bit-identical on the CPU after disable, weights are bound in
+place (a steady pipeline rebinds nothing), a forward on another stream is refused, the shared-context check, and a
+tiny diffusers Flux transformer through the fallback scan."""
+
+import pytest
+import torch
+from test_enable import MODEL, assert_outputs_equal, layer, pipe, snapshot
+from tiny import BF16
+
+import weightferry as wf
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda", 0)
+
+
+def run_on(p, dev, steps=2):
+    """Text encoder, ``steps`` DiT steps, VAE on ``dev``: every output, on the CPU."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (2, 5), generator=g).to(dev)
+    x = torch.randn(2, 5, 16, generator=g).to(BF16).to(dev)
+    img = torch.randn(1, 3, 6, 6, generator=g).to(BF16).to(dev)
+    with torch.no_grad():
+        out = [p.text_encoder(ids)]
+        for _ in range(steps):
+            out.append(p.transformer(x))
+        out.append(p.vae(img))
+    torch.cuda.synchronize(dev)
+    return [o.cpu() for o in out]
+
+
+def resident(n=4):
+    """The same pipeline (same seed), every module on the GPU: the reference."""
+    r = pipe(n)
+    for m in (r.transformer, r.text_encoder, r.vae):
+        m.to(CUDA)
+    return run_on(r, CUDA)
+
+
+BUDGET = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": 80000}}
+CONFIGS = [layer(1), layer(2), layer(3), layer(2, resident_layers=1), BUDGET, MODEL]
+IDS = ["depth1", "depth2", "depth3", "resident1", "budget", "model"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_cuda_offload_is_bit_identical_to_resident_and_disable_restores(config):
+    expected = resident()
+    p = pipe()
+    before = snapshot(p)
+    with wf.enable(p, config, device="cuda") as h:
+        assert h.enabled
+        # Fixed-placement tensors live on the GPU after enable; streamed ones are bound at their forward.
+        assert p.transformer.x_embedder.weight.device == CUDA
+        assert_outputs_equal(run_on(p, CUDA), expected)
+        assert_outputs_equal(run_on(p, CUDA, steps=3)[:3], expected[:3])
+        stats = h.stats()
+        assert stats["enabled"] is True and sum(s["loads"] for s in stats["stacks"]) > 0
+    after = snapshot(p)
+    assert after == before
+    assert all(t.device.type == "cpu" for t in p.transformer.parameters())
+
+
+def test_a_steady_pipeline_binds_each_block_once_and_tensors_view_the_slots():
+    p = pipe(6)
+    with wf.enable(p, layer(2), device="cuda") as h:
+        binds = []
+        original = h._bind_from_device
+
+        def counting(sid, buffer, offset):
+            binds.append(sid)
+            original(sid, buffer, offset)
+
+        h._bind_from_device = counting
+        run_on(p, CUDA)
+        first = len(binds)
+        run_on(p, CUDA, steps=4)
+        # The slots a block lands in repeat from step to step, so nothing is rebound after the first pass over a
+        # ring of slots (blocks may still move on the second pass while the ring fills).
+        third = len(binds)
+        run_on(p, CUDA, steps=4)
+        assert len(binds) == third, (first, third, len(binds))
+        w = p.transformer.blocks[0].fc.weight
+        assert w.device == CUDA and w.untyped_storage().nbytes() > w.numel() * w.element_size()
+
+
+def test_a_forward_on_another_stream_is_refused():
+    p = pipe()
+    with wf.enable(p, layer(1), device="cuda"):
+        side = torch.cuda.Stream()
+        x = torch.zeros(2, 5, 16, dtype=BF16, device=CUDA)
+        with torch.cuda.stream(side), torch.no_grad():
+            with pytest.raises(wf.OffloadError) as e:
+                p.transformer(x)
+        assert "weightferry was enabled on stream" in str(e.value)
+        assert "run the pipeline on that stream" in str(e.value)
+        # The failed forward released its block: the pipeline still runs on the enabling stream.
+        assert_outputs_equal(run_on(p, CUDA), resident())
+
+
+def test_tensors_already_on_the_gpu_are_refused_before_anything_moves():
+    p = pipe()
+    p.vae.to(CUDA)
+    before = snapshot(p)
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable(p, layer(1), device="cuda")
+    assert "is on cuda:0; weightferry offloads a pipeline whose weights are on the CPU" in str(e.value)
+    assert snapshot(p) == before
+
+
+def test_a_tiny_diffusers_flux_transformer_is_bit_identical():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=3, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6),
+    ).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(3)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 8, generator=g).to(torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, 7, 32, generator=g).to(torch.bfloat16),
+        pooled_projections=torch.randn(1, 16, generator=g).to(torch.bfloat16),
+        timestep=torch.tensor([0.5]).to(torch.bfloat16),
+        img_ids=torch.randn(16, 3, generator=g),
+        txt_ids=torch.randn(7, 3, generator=g),
+    )
+    on_gpu = {k: v.to(CUDA) for k, v in inputs.items()}
+    import copy
+
+    ref = copy.deepcopy(model).to(CUDA)
+    with torch.no_grad():
+        expected = ref(**on_gpu, return_dict=False)[0].cpu()
+    del ref
+    cfg = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+                                        "layer_options": {"dit": {"prefetch_depth": 2}}}}
+    with pytest.warns(wf.WeightferryWarning):
+        report = wf.plan({"transformer": model}, cfg)
+    assert [s["blocks"] for c in report["components"] for s in c.get("stacks", [])] == [5]
+    with wf.enable({"transformer": model}, cfg, device="cuda"):
+        for _ in range(2):
+            with torch.no_grad():
+                got = model(**on_gpu, return_dict=False)[0].cpu()
+            assert torch.equal(got, expected)
