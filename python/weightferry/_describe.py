@@ -6,7 +6,10 @@ shape, strides, storage offset and kind, storage identity (``untyped_storage().d
 weights become one storage), and the pipeline's declarations (``_dit_modules``, ``_encoder_modules``,
 ``_vae_modules``, ``_resident_modules``, ``_auxiliary_modules``, ``_offload_plan``; ``_layerwise_offload_blocks_attrs``
 and the deprecated ``_layerwise_offload_blocks_attr`` on module classes). Without component declarations the
-description has no ``components``, so the resolver runs its deprecated fallback scan.
+description has no ``components``, so the resolver runs its deprecated fallback scan of component names; a component
+whose class declares no block lists gets diffusers' conventional ones (``transformer_blocks``,
+``single_transformer_blocks``, ``blocks``, ``layers``; a text encoder's ``encoder.block`` and the like), with a
+warning once per pipeline class.
 """
 
 import dataclasses
@@ -26,6 +29,14 @@ _COMPONENT_DECLS = (
     ("_resident_modules", "resident"),
     ("_auxiliary_modules", "auxiliary"),
 )
+
+# The deprecated fallback scan of diffusers' conventions, for components whose class declares no block lists:
+# block-list attributes of a DiT (in the module's registration order), and the block list of a text encoder.
+_FALLBACK_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
+_FALLBACK_ENCODER_BLOCKS = ("encoder.block", "text_model.encoder.layers", "encoder.layers", "model.layers", "layers")
+_FALLBACK_ENCODER_PREFIX = "text_encoder"
+# Pipeline classes the fallback scan already warned about (once per class).
+_WARNED = set()
 
 _SUPPORTED = "float32, float16, bfloat16, float8_e4m3fn, int64, int32, uint8"
 
@@ -253,6 +264,58 @@ def describe(pipeline):
     return _describe(pipeline)[0]
 
 
+def _module_list_at(m, dotted):
+    """The ``nn.ModuleList`` at dotted path ``dotted`` under ``m`` (with at least one block), or ``None``."""
+    import torch.nn as nn
+
+    for part in dotted.split("."):
+        m = m._modules.get(part) if isinstance(m, nn.Module) else None
+        if m is None:
+            return None
+    return m if isinstance(m, nn.ModuleList) and len(m) > 0 else None
+
+
+def _fallback_scan(cls, items, desc):
+    """Block lists of components that declare none, for a pipeline that declares neither components nor an offload
+    plan, from diffusers' conventions (the deprecated fallback scan): DiT block-list attributes into
+    ``class_block_attrs``, text-encoder block lists into ``offload_plan.encoder_block_attrs``. Warns once per
+    pipeline class, naming what it found."""
+    declared = desc.get("class_block_attrs", {})
+    singular = desc.get("class_block_attr", {})
+    found, dit_attrs, encoder_attrs = [], {}, {}
+    for name, m in items:
+        mcls = type(m).__name__
+        if name.startswith(_FALLBACK_ENCODER_PREFIX):
+            attr = next((a for a in _FALLBACK_ENCODER_BLOCKS if _module_list_at(m, a) is not None), None)
+            if attr is not None:
+                encoder_attrs[name] = [attr]
+                found.append(f"{name}.{attr}")
+            continue
+        if mcls in declared or mcls in singular or mcls in dit_attrs:
+            continue
+        attrs = [a for a in m._modules if a in _FALLBACK_BLOCK_LISTS and _module_list_at(m, a) is not None]
+        if attrs:
+            dit_attrs[mcls] = attrs
+            found.extend(f"{name}.{a}" for a in attrs)
+    if dit_attrs:
+        desc["class_block_attrs"] = {**declared, **dit_attrs}
+    if encoder_attrs:
+        desc["offload_plan"] = {"encoder_block_attrs": encoder_attrs}
+    if found and cls not in _WARNED:
+        import warnings
+
+        from ._plan import WeightferryWarning
+
+        _WARNED.add(cls)
+        warnings.warn(
+            f"pipeline {cls} declares no block lists for some components; using the deprecated scan of diffusers' "
+            f"conventions, which found {', '.join(found)} (declare _layerwise_offload_blocks_attrs on the module "
+            "classes, or an _offload_plan with block_attrs / encoder_block_attrs)",
+            WeightferryWarning,
+            stacklevel=4,
+        )
+
+
 def _describe(pipeline):
     """``(description, {tensor path: (module, attribute)}, {module path: module})``: :func:`describe` with the
     objects its paths name (the root module, if any, at path ``""``)."""
@@ -286,4 +349,6 @@ def _describe(pipeline):
         desc["class_block_attrs"] = d.class_attrs
     if d.class_attr:
         desc["class_block_attr"] = d.class_attr
+    if "components" not in desc and "offload_plan" not in desc:
+        _fallback_scan(cls, items, desc)
     return desc, d.bound, d.modules
