@@ -281,14 +281,15 @@ fn layer_options_for_unselected_component_are_rejected() {
 }
 
 #[test]
-fn resident_layers_only_for_dit() {
-    assert_err(
+fn text_encoder_resident_layers_are_encoder_resident_layers() {
+    // vLLM-Omni parity (issue 18): the text encoder's resident layers keep leading blocks of the encoder stacks the
+    // pipeline declares eligible; like the DiT's, they select the distributed strategy.
+    let c = OffloadConfig::from_json_str(
         r#"{"diffusion_offload_config": {"mode": "layer", "components": ["text_encoder"],
             "layer_options": {"text_encoder": {"resident_layers": 1}}}}"#,
-        "diffusion_offload_config.layer_options.text_encoder.resident_layers",
-        "diffusion_offload_config.layer_options.text_encoder.resident_layers: resident layers are supported only \
-         for dit; remove resident_layers from layer_options.text_encoder",
-    );
+    )
+    .unwrap();
+    assert_eq!((c.strategy, c.resident_layers, c.encoder_resident_layers), (Strategy::DistributedLayerWise, 0, 1));
 }
 
 #[test]

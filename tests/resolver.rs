@@ -426,7 +426,9 @@ fn on_demand_encoder_with_declared_stacks_streams_them() {
     let e = &plan.encoders[0];
     assert_eq!(e.stacks.len(), 2);
     assert!(e.selected);
-    assert!(!e.on_demand, "a component with streamable stacks is streamed, not staged whole");
+    // vLLM-Omni parity (issue 18): a pipeline-managed encoder stays on demand while its blocks stream; only its
+    // non-block weights are staged.
+    assert!(e.on_demand, "a pipeline-managed encoder with stacks stays on demand");
 }
 
 #[test]
@@ -531,6 +533,27 @@ fn explicit_vae_selection_requires_its_lifecycle() {
             .dit("transformer")
             .vae("vae")
             .class_block_attrs("ToyDiT", &["blocks"]),
+    );
+    // Not listed among the pipeline's on-demand components (vLLM-Omni parity, issue 18): the lifecycle is not
+    // declared.
+    assert_eq!(
+        err(&p, &layer(&["dit", "vae"], "{}")),
+        "Selected VAE 'vae' requires a pipeline-managed lifecycle: the pipeline's offload plan must list it in \
+         offload_plan.on_demand_component_paths (and the module must implement load_to_device / offload_to_cpu); \
+         declare it there or remove \"vae\" from diffusion_offload_config.components"
+    );
+    // Listed, but the module has no lifecycle.
+    let p = build(
+        PipelineBuilder::new("PlainVaePipeline")
+            .module("transformer", "ToyDiT", |m| toy_dit(m, 3))
+            .module("vae", "PlainVae", leaf)
+            .dit("transformer")
+            .vae("vae")
+            .offload_plan(OffloadPlanDecl {
+                block_attrs: attrs_map(&[("transformer", &["blocks"])]),
+                on_demand_component_paths: strings(&["vae"]),
+                ..OffloadPlanDecl::default()
+            }),
     );
     assert_eq!(
         err(&p, &layer(&["dit", "vae"], "{}")),

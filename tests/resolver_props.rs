@@ -340,6 +340,7 @@ fn build_pipeline(spec: &PipelineSpec) -> Option<PipelineDesc> {
                 .iter()
                 .map(|(p, t)| (path(p), ENCODER_TYPES[t % ENCODER_TYPES.len()].to_string()))
                 .collect(),
+            ..OffloadPlanDecl::default()
         });
     }
     for (c, attrs) in &d.class_attrs {

@@ -6,6 +6,7 @@
 
 mod budget;
 mod error;
+mod migrate;
 mod parse;
 mod resolve;
 mod walk;
@@ -188,6 +189,10 @@ pub struct OffloadConfig {
     pub layer_options: BTreeMap<Component, LayerOptions>,
     /// Leading DiT blocks kept resident (`resident_layers` / `dlo_resident_layers`).
     pub resident_layers: u32,
+    /// Leading blocks kept resident in every encoder stack the pipeline declares eligible
+    /// (`offload_plan.resident_encoder_block_paths`): `layer_options.text_encoder.resident_layers` /
+    /// `dlo_encoder_resident_layers`.
+    pub encoder_resident_layers: u32,
     /// Pin host masters.
     pub pin_memory: bool,
     /// Device memory the weights may use, if bounded.
@@ -200,6 +205,9 @@ pub struct OffloadConfig {
     pub group: OffloadGroup,
     /// Whether the config came from the compact `diffusion_offload_config` object (vs legacy flags only).
     pub compact: bool,
+    /// Deprecation warnings raised while reading the config (each names the compact key to use instead); the
+    /// resolver repeats them in the plan's warnings.
+    pub warnings: Vec<String>,
 }
 
 impl OffloadConfig {
@@ -216,12 +224,14 @@ impl OffloadConfig {
             components: None,
             layer_options: Component::ALL.iter().map(|&c| (c, opts)).collect(),
             resident_layers: 0,
+            encoder_resident_layers: 0,
             pin_memory: true,
             device_budget: None,
             keep_dit_resident: false,
             parallel: ParallelConfig::default(),
             group: OffloadGroup { size: 1, axis: GroupAxis::Single },
             compact: false,
+            warnings: Vec::new(),
         }
     }
     /// Distributed layerwise offload of the DiT alone, sharded by AllGather over a data-parallel group of `world`

@@ -3,6 +3,7 @@
 //! group derivation, and the cross-feature guards (step cache, prompt-embedding cache, HSDP).
 
 use super::budget::{parse_budget_value, parse_chunk_value};
+use super::migrate::{HostWeightRuntime, Migrated, MIGRATED_KEYS};
 use super::walk::{describe, quote, suggest, type_error, Table};
 use super::{
     Component, ConfigError, CopySubmission, GroupAxis, LayerOptions, OffloadConfig, OffloadGroup, ParallelConfig,
@@ -265,7 +266,11 @@ impl Compact {
     }
 
     fn dit_resident_layers(&self) -> u32 {
-        self.layers.get(&Component::Dit).and_then(|l| l.resident_layers).unwrap_or(0)
+        self.resident_layers(Component::Dit)
+    }
+
+    fn resident_layers(&self, c: Component) -> u32 {
+        self.layers.get(&c).and_then(|l| l.resident_layers).unwrap_or(0)
     }
 
     fn strategy(&self) -> Strategy {
@@ -273,7 +278,8 @@ impl Compact {
             Mode::Module => Strategy::ModelLevel,
             Mode::Layer => {
                 let any_allgather = self.components.iter().any(|&c| self.transfer(c) == WeightTransfer::Allgather);
-                if any_allgather || self.dit_resident_layers() > 0 {
+                let any_resident = self.components.iter().any(|&c| self.resident_layers(c) > 0);
+                if any_allgather || any_resident {
                     Strategy::DistributedLayerWise
                 } else {
                     Strategy::LayerWise
@@ -414,13 +420,13 @@ fn read_layer_options(
         }
         let layer = Table::new(&path, entry)?;
         layer.reject_unknown("layer option", LAYER_KEYS)?;
-        let raw = read_layer(&layer, component)?;
+        let raw = read_layer(&layer)?;
         out.insert(component, raw);
     }
     Ok(out)
 }
 
-fn read_layer(layer: &Table<'_>, component: Component) -> Result<RawLayer, ConfigError> {
+fn read_layer(layer: &Table<'_>) -> Result<RawLayer, ConfigError> {
     let transfer_path = layer.key_path("weight_transfer");
     let weight_transfer = match layer.get("weight_transfer") {
         None => None,
@@ -439,15 +445,6 @@ fn read_layer(layer: &Table<'_>, component: Component) -> Result<RawLayer, Confi
         Some(other) => return Err(type_error(&transfer_path, "\"allgather\" or \"rank-local\"", other)),
     };
     let resident_path = layer.key_path("resident_layers");
-    if component != Component::Dit && layer.get("resident_layers").is_some() {
-        return Err(ConfigError::invalid(
-            resident_path,
-            format!(
-                "resident layers are supported only for dit; remove resident_layers from layer_options.{}",
-                component.name()
-            ),
-        ));
-    }
     let resident_layers = layer.opt_u32("resident_layers", 0, u32::MAX)?;
     if resident_layers.unwrap_or(0) > 0 && weight_transfer == Some(WeightTransfer::Allgather) {
         return Err(ConfigError::invalid(
@@ -506,7 +503,7 @@ fn read_layer(layer: &Table<'_>, component: Component) -> Result<RawLayer, Confi
 }
 
 /// Rejects legacy settings that contradict (or duplicate with other values) the compact config.
-fn check_compact_against_legacy(legacy: &Legacy, strategy: Strategy) -> Result<(), ConfigError> {
+fn check_compact_against_legacy(legacy: &Legacy, migrated: &Migrated, strategy: Strategy) -> Result<(), ConfigError> {
     for (flag, flag_strategy) in legacy.flags() {
         if flag_strategy != strategy {
             return Err(ConfigError::invalid(
@@ -534,7 +531,7 @@ fn check_compact_against_legacy(legacy: &Legacy, strategy: Strategy) -> Result<(
              dlo_resident_layers and set diffusion_offload_config.layer_options.dit.resident_layers instead",
         ));
     }
-    Ok(())
+    migrated.check_against_compact()
 }
 
 fn default_layer_options() -> BTreeMap<Component, LayerOptions> {
@@ -547,9 +544,9 @@ fn default_layer_options() -> BTreeMap<Component, LayerOptions> {
     Component::ALL.iter().map(|&c| (c, opts)).collect()
 }
 
-fn resolve_compact(compact: &Compact, legacy: &Legacy) -> Result<OffloadConfig, ConfigError> {
+fn resolve_compact(compact: &Compact, legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig, ConfigError> {
     let strategy = compact.strategy();
-    check_compact_against_legacy(legacy, strategy)?;
+    check_compact_against_legacy(legacy, migrated, strategy)?;
     let pin_memory = compact.pin_memory.unwrap_or(legacy.pin_cpu_memory);
     if !pin_memory {
         // A copy from pageable memory synchronises its stream before it starts, so the hook would wait on the host
@@ -574,16 +571,18 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy) -> Result<OffloadConfig, 
         components: Some(compact.components.clone()),
         layer_options,
         resident_layers: compact.dit_resident_layers(),
+        encoder_resident_layers: compact.resident_layers(Component::TextEncoder),
         pin_memory,
         device_budget: compact.device_budget,
         keep_dit_resident: compact.keep_dit_resident,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },
         compact: true,
+        warnings: Vec::new(),
     })
 }
 
-fn resolve_legacy(legacy: &Legacy) -> Result<OffloadConfig, ConfigError> {
+fn resolve_legacy(legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig, ConfigError> {
     let flags = legacy.flags();
     let strategy = flags.first().map_or(Strategy::None, |&(_, s)| s);
     if let Some(&(winner, _)) = flags.first() {
@@ -602,23 +601,97 @@ fn resolve_legacy(legacy: &Legacy) -> Result<OffloadConfig, ConfigError> {
     if !dlo && (legacy.dlo_resident_layers != 0 || !legacy.dlo_use_allgather) {
         tracing::info!("dlo_use_allgather / dlo_resident_layers ignored: distributed layerwise offload is not enabled");
     }
+    let mut warnings = Vec::new();
     let mut layer_options = default_layer_options();
     if dlo && legacy.dlo_use_allgather {
         if let Some(o) = layer_options.get_mut(&Component::Dit) {
             o.weight_transfer = WeightTransfer::Allgather;
         }
     }
+    let components = match &migrated.layerwise_components {
+        None => None,
+        Some(set) => {
+            if !matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise) {
+                return Err(ConfigError::invalid(
+                    "layerwise_offload_components",
+                    format!(
+                        "selects components for layerwise offload, but {}; set enable_layerwise_offload = true, or \
+                         use diffusion_offload_config with mode = \"layer\" and components",
+                        match strategy {
+                            Strategy::ModelLevel => "enable_cpu_offload selects model-level offload",
+                            _ => "no layerwise offload flag is set",
+                        }
+                    ),
+                ));
+            }
+            let names: Vec<String> = set.iter().map(|c| format!("\"{}\"", c.name())).collect();
+            warnings.push(format!(
+                "layerwise_offload_components is deprecated: it maps to diffusion_offload_config.components = [{}] \
+                 (with mode = \"layer\")",
+                names.join(", ")
+            ));
+            Some(set.clone())
+        }
+    };
+    if migrated.encoder_resident_layers > 0 {
+        if !dlo {
+            return Err(ConfigError::invalid(
+                "dlo_encoder_resident_layers",
+                "resident encoder layers require distributed layerwise offload; set \
+                 enable_distributed_layerwise_offload = true, or use \
+                 diffusion_offload_config.layer_options.text_encoder.resident_layers",
+            ));
+        }
+        if legacy.dlo_use_allgather {
+            return Err(ConfigError::invalid(
+                "dlo_encoder_resident_layers",
+                "resident encoder layers keep the rank-local weights the loader produced; set dlo_use_allgather = \
+                 false, or set dlo_encoder_resident_layers = 0",
+            ));
+        }
+    }
+    if migrated.host_weight_runtime == HostWeightRuntime::Preferred {
+        warnings.push(
+            "host_weight_runtime_mode = \"preferred\": weightferry has no Host Weight Runtime, so host masters are \
+             built from the loaded weights (vLLM-Omni's fallback when the runtime is unavailable); set \
+             host_weight_runtime_mode = \"disabled\" to silence this"
+                .to_string(),
+        );
+    }
+    if migrated.registration_limit {
+        warnings.push(
+            "dlo_host_registration_limit_gib has no effect: it limits Host Weight Runtime registrations, which \
+             weightferry never makes; remove it"
+                .to_string(),
+        );
+    }
+    if let Some(mb) = migrated.chunk_size_mb {
+        let target = format!("diffusion_offload_config.layer_options.dit.allgather_chunk_size = \"{mb}MiB\"");
+        match layer_options.get_mut(&Component::Dit) {
+            Some(o) if o.weight_transfer == WeightTransfer::Allgather => {
+                o.allgather_chunk_bytes = Some(u64::from(mb) * 1024 * 1024);
+                warnings.push(format!("dlo_chunk_size_mb is deprecated: it maps to {target}"));
+            }
+            _ => warnings
+                .push(format!("dlo_chunk_size_mb has no effect without DiT AllGather transfer (it maps to {target})")),
+        }
+    }
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
     Ok(OffloadConfig {
         strategy,
-        components: None,
+        components,
         layer_options,
         resident_layers: if dlo { legacy.dlo_resident_layers } else { 0 },
+        encoder_resident_layers: if dlo { migrated.encoder_resident_layers } else { 0 },
         pin_memory: legacy.pin_cpu_memory,
         device_budget: None,
         keep_dit_resident: false,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },
         compact: false,
+        warnings,
     })
 }
 
@@ -653,8 +726,9 @@ pub(crate) fn resolve(root: &Value) -> Result<OffloadConfig, ConfigError> {
             ))
         }
     };
-    top.reject_unknown("top-level key", TOP_KEYS)?;
+    top.reject_unknown_listing("top-level key", TOP_KEYS, MIGRATED_KEYS)?;
     let legacy = Legacy::read(&top)?;
+    let migrated = Migrated::read(&top)?;
     let parallel = read_parallel(&top)?;
     let engine = Engine::read(&top)?;
     let compact = match top.get(COMPACT) {
@@ -662,8 +736,8 @@ pub(crate) fn resolve(root: &Value) -> Result<OffloadConfig, ConfigError> {
         Some(v) => Some(Compact::read(&Table::new(COMPACT, v)?)?),
     };
     let mut cfg = match &compact {
-        Some(c) => resolve_compact(c, &legacy)?,
-        None => resolve_legacy(&legacy)?,
+        Some(c) => resolve_compact(c, &legacy, &migrated)?,
+        None => resolve_legacy(&legacy, &migrated)?,
     };
     cfg.parallel = parallel;
 

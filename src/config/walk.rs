@@ -124,7 +124,18 @@ impl<'a> Table<'a> {
 
     /// Rejects the first key (in sorted order) that is not in `valid`, listing the valid keys.
     pub(crate) fn reject_unknown(&self, what: &str, valid: &[&str]) -> Result<(), ConfigError> {
-        match self.map.keys().find(|k| !valid.contains(&k.as_str())) {
+        self.reject_unknown_listing(what, valid, &[])
+    }
+
+    /// Like [`Table::reject_unknown`], also accepting the keys in `unlisted` (read elsewhere, left out of the
+    /// message's list of valid keys).
+    pub(crate) fn reject_unknown_listing(
+        &self,
+        what: &str,
+        valid: &[&str],
+        unlisted: &[&str],
+    ) -> Result<(), ConfigError> {
+        match self.map.keys().find(|k| !valid.contains(&k.as_str()) && !unlisted.contains(&k.as_str())) {
             None => Ok(()),
             Some(unknown) => {
                 let hint = match suggest(unknown, valid) {

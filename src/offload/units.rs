@@ -138,7 +138,10 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                         return;
                     }
                     if c.on_demand {
-                        staged.push((c.path.clone(), storages_of(p, &c.path)));
+                        // Staged whole, less what its own stacks stream (a pipeline-managed encoder may do both).
+                        let own = crate::plan::budget::non_block_storages(p, c);
+                        let st = storages_of(p, &c.path).into_iter().filter(|s| own.contains(s)).collect();
+                        staged.push((c.path.clone(), st));
                     }
                     for s in &c.stacks {
                         let units = s.blocks.iter().map(|b| (b.clone(), storages_of(p, b))).collect();

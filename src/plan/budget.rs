@@ -113,7 +113,8 @@ fn unit_storage_sets(p: &PipelineDesc, plan: &ResolvedPlan) -> Vec<BTreeSet<Stor
                     return;
                 }
                 if c.on_demand {
-                    units.push(storages_under(p, &c.path));
+                    // Staged whole, less what its own stacks stream (a pipeline-managed encoder may do both).
+                    units.push(non_block_storages(p, c));
                 }
                 units.extend(c.block_paths().map(|b| storages_under(p, b)));
             };
@@ -195,7 +196,7 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
                 refine_block_bytes(p, &place, c);
             }
             let always = place.fixed_bytes(p);
-            let staged = |c: &ResolvedComponent| place.unit_bytes(p, &storages_under(p, &c.path));
+            let staged = |c: &ResolvedComponent| place.unit_bytes(p, &non_block_storages(p, c));
             let mut on_demand = 0u64;
             let mut fixed_slots = 0u64;
             let mut fixed_heads = 0u64;
@@ -205,7 +206,6 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
                 }
                 if c.on_demand {
                     on_demand = on_demand.max(staged(c));
-                    continue;
                 }
                 for ch in &c.children {
                     if ch.on_demand {

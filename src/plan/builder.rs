@@ -65,6 +65,14 @@ pub const BLOCK_LIST_CLASS: &str = "ModuleList";
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PipelineError {
+    /// A declaration this version does not support; the message names the replacement.
+    #[error("{at}: {message}")]
+    Unsupported {
+        /// Where.
+        at: String,
+        /// Why, and what to declare instead.
+        message: &'static str,
+    },
     /// The text is not JSON.
     #[error("invalid JSON at line {line}, column {column}: {message}")]
     Syntax {
@@ -399,6 +407,10 @@ pub(crate) fn check_declarations(
         }
         for key in p.encoder_component_types.keys() {
             check_path_at("offload_plan.encoder_component_types".to_string(), key)?;
+        }
+        check_path_list("offload_plan.resident_encoder_block_paths", &p.resident_encoder_block_paths)?;
+        for key in p.layerwise_resident_layers.keys() {
+            check_path_at("offload_plan.layerwise_resident_layers".to_string(), key)?;
         }
     }
     for (class, attrs) in class_block_attrs {

@@ -62,7 +62,7 @@
 //! | `root_class`, `root_has_lifecycle`, `root_is_loaded` | no | the root module's class (default: `class`) and flags |
 //! | `storages` | no | storage name → `{"dtype": …, "numel": …}`, for storages several views share |
 //! | `components` | no | `dit`, `encoders`, `vaes`, `resident`, `auxiliary`: arrays of dotted paths. Absent (or `null`) means the pipeline declares none (the deprecated attribute scan) |
-//! | `offload_plan` | no | `block_attrs` and `encoder_block_attrs` (path → array of relative paths), `on_demand_component_paths`, `resident_dit_paths`, `encoder_dlo_weight_replication` (arrays of paths), `offload_submodules` (DiT path → {child name → block attribute}), `encoder_component_types` (encoder path → type). Absent (or `null`) means no plan |
+//! | `offload_plan` | no | `block_attrs` and `encoder_block_attrs` (path → array of relative paths), `on_demand_component_paths`, `resident_dit_paths`, `encoder_dlo_weight_replication` (arrays of paths), `offload_submodules` (DiT path → {child name → block attribute}), `encoder_component_types` (encoder path → type), `resident_encoder_block_paths` (array of full block-list paths), the deprecated `layerwise_resident_layers` (DiT path → count); `encoder_host_resident_table_attrs` is refused with its replacement. Absent (or `null`) means no plan |
 //! | `class_block_attrs` | no | DiT class → array of block-list attributes (`_layerwise_offload_blocks_attrs`) |
 //! | `class_block_attr` | no | DiT class → one block-list attribute (the deprecated singular form) |
 //!
@@ -402,9 +402,13 @@ const PLAN_KEYS: &[&str] = &[
     "encoder_dlo_weight_replication",
     "offload_submodules",
     "encoder_component_types",
+    "resident_encoder_block_paths",
+    "layerwise_resident_layers",
+    "encoder_host_resident_table_attrs",
 ];
 const PLAN_KEYS_TEXT: &str = "block_attrs, encoder_block_attrs, on_demand_component_paths, resident_dit_paths, \
-                              encoder_dlo_weight_replication, offload_submodules, encoder_component_types";
+                              encoder_dlo_weight_replication, offload_submodules, encoder_component_types, \
+                              resident_encoder_block_paths, layerwise_resident_layers";
 
 #[derive(Debug, Clone)]
 enum Src {
@@ -580,7 +584,28 @@ fn parse_plan(v: &Json) -> Result<OffloadPlanDecl, PipelineError> {
             offload_submodules.insert(dit.clone(), string_map(subs, &join(&base, dit))?);
         }
     }
+    if get(e, "encoder_host_resident_table_attrs").is_some() {
+        return Err(PipelineError::Unsupported {
+            at: at("encoder_host_resident_table_attrs"),
+            message: "host-resident encoder tables are not supported (every weight the engine reads is on the device \
+                      when it runs); remove the declaration: the table then stays on the device with the encoder's \
+                      non-block weights, or streams with its block if it lies inside one",
+        });
+    }
+    let mut layerwise_resident_layers = BTreeMap::new();
+    if let Some(x) = get(e, "layerwise_resident_layers") {
+        let base = at("layerwise_resident_layers");
+        for (dit, n) in unique_object(x, &base)? {
+            let here = join(&base, dit);
+            let n = as_u64(n, &here)?;
+            let n = u32::try_from(n)
+                .map_err(|_| PipelineError::WrongType { at: here, expected: "a block count below 2^32" })?;
+            layerwise_resident_layers.insert(dit.clone(), n);
+        }
+    }
     Ok(OffloadPlanDecl {
+        resident_encoder_block_paths: list("resident_encoder_block_paths")?,
+        layerwise_resident_layers,
         block_attrs: list_map("block_attrs")?,
         encoder_block_attrs: list_map("encoder_block_attrs")?,
         on_demand_component_paths: list("on_demand_component_paths")?,
@@ -1010,6 +1035,7 @@ fn render_document(p: &PipelineDesc) -> Json {
             ("on_demand_component_paths", &o.on_demand_component_paths),
             ("resident_dit_paths", &o.resident_dit_paths),
             ("encoder_dlo_weight_replication", &o.encoder_dlo_weight_replication),
+            ("resident_encoder_block_paths", &o.resident_encoder_block_paths),
         ] {
             if !v.is_empty() {
                 e.push((k.to_string(), str_list(v)));
@@ -1021,6 +1047,10 @@ fn render_document(p: &PipelineDesc) -> Json {
         }
         if !o.encoder_component_types.is_empty() {
             e.push(("encoder_component_types".to_string(), str_map(&o.encoder_component_types)));
+        }
+        if !o.layerwise_resident_layers.is_empty() {
+            let m = o.layerwise_resident_layers.iter().map(|(k, n)| (k.clone(), Json::U(u64::from(*n)))).collect();
+            e.push(("layerwise_resident_layers".to_string(), Json::Obj(m)));
         }
         put("offload_plan", Json::Obj(e));
     }

@@ -273,6 +273,14 @@ pub struct OffloadPlanDecl {
     /// Encoder path → declared component type (only `text_encoder` is valid).
     #[serde(default)]
     pub encoder_component_types: BTreeMap<String, String>,
+    /// Encoder block lists (full dotted paths, each also declared in `encoder_block_attrs`) whose leading blocks
+    /// stay on the device under `layer_options.text_encoder.resident_layers`.
+    #[serde(default)]
+    pub resident_encoder_block_paths: Vec<String>,
+    /// Deprecated (vLLM-Omni's ordinary-layerwise resident head): DiT path → leading blocks kept on the device.
+    /// Used only when the config sets no resident layers and no device budget; `resident_layers` replaces it.
+    #[serde(default)]
+    pub layerwise_resident_layers: BTreeMap<String, u32>,
 }
 
 /// A whole pipeline.

@@ -289,7 +289,8 @@ fn encoder_kind(p: &PipelineDesc, path: &str) -> Result<ComponentKind, PlanError
 
 /// Resolves the offload plan for `pipeline` under `config`. Pure: reads its arguments only.
 pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> Result<ResolvedPlan, PlanError> {
-    let mut cx = Ctx { p: pipeline, cfg: config, explicit: config.components.is_some(), warnings: Vec::new() };
+    let mut cx =
+        Ctx { p: pipeline, cfg: config, explicit: config.components.is_some(), warnings: config.warnings.clone() };
     let found = discover_components(pipeline, &mut cx.warnings);
     let strategy = config.strategy;
     let layer = matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise);
@@ -394,7 +395,7 @@ pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> 
                 skip_reason = Some(NO_DIT_SKIP_REASON.to_string());
                 cx.warn(NO_DIT_SKIP_REASON.to_string());
             }
-            check_unique_block_owners(dits.iter().chain(&encoders))?;
+            check_unique_block_owners(pipeline, dits.iter().chain(&encoders))?;
             // The distributed strategy warns and keeps preparing the rest; nothing else to do here.
         }
     }
@@ -450,6 +451,17 @@ fn resolve_layer(
 
     // --- DiTs ---------------------------------------------------------------------------------------------------
     if dit_selected {
+        for key in plan_decl.layerwise_resident_layers.keys() {
+            if !dits.iter().any(|d| &d.path == key) {
+                cx.strict(
+                    explicit,
+                    format!(
+                        "offload_plan.layerwise_resident_layers names '{key}', which is not a discovered DiT; fix the \
+                         path or remove the entry"
+                    ),
+                )?;
+            }
+        }
         for d in dits.iter_mut() {
             let dit_mod = module(p, &d.path);
             let (attrs, source) = dit_block_attrs(p, &d.path, dit_mod, &mut cx.warnings);
@@ -501,31 +513,18 @@ fn resolve_layer(
                 continue;
             }
             let mut stack = cx.stack(&d.path, attrs.clone(), blocks, cx.depth_for(Component::Dit));
+            let declared_head = plan_decl.layerwise_resident_layers.get(&d.path).copied().filter(|&k| k > 0);
             // Resident leading layers (distributed strategy with rank-local transfer).
             if cfg.resident_layers > 0 {
+                if let Some(k) = declared_head {
+                    cx.warn(format!(
+                        "offload_plan.layerwise_resident_layers['{}'] = {k} is ignored: the config's resident layers \
+                         ({}) decide",
+                        d.path, cfg.resident_layers
+                    ));
+                }
                 if plan_decl.resident_dit_paths.iter().any(|r| r == &d.path) {
-                    let n = stack.blocks.len();
-                    let head = (cfg.resident_layers as usize).min(n);
-                    if n - head == 1 {
-                        if explicit {
-                            return Err(PlanError(format!(
-                                "DiT '{}' has {n} blocks: resident_layers={} leaves only one streaming block; choose a \
-                                 resident count that leaves zero or at least two (e.g. {} or {})",
-                                d.path,
-                                cfg.resident_layers,
-                                n,
-                                n.saturating_sub(2)
-                            )));
-                        }
-                        cx.warn(format!(
-                            "#Streaming target layers (blocks) of '{}' <= 1 after resident_layers={}. Keeping the final \
-                             block resident",
-                            d.path, cfg.resident_layers
-                        ));
-                        stack.resident_head = n;
-                    } else {
-                        stack.resident_head = head;
-                    }
+                    keep_resident_head(cx, &mut stack, &d.path, cfg.resident_layers, "resident_layers")?;
                 } else if explicit {
                     return Err(PlanError(format!(
                         "diffusion_offload_config.layer_options.dit.resident_layers: DiT '{}' is not listed in the \
@@ -539,6 +538,22 @@ fn resolve_layer(
                          blocks will be streamed",
                         cfg.resident_layers, d.path
                     ));
+                }
+            } else if let Some(k) = declared_head {
+                if cfg.device_budget.is_some() {
+                    cx.warn(format!(
+                        "offload_plan.layerwise_resident_layers['{}'] = {k} is ignored: with device_budget the planner \
+                         chooses the resident blocks",
+                        d.path
+                    ));
+                } else {
+                    cx.warn(format!(
+                        "offload_plan.layerwise_resident_layers is deprecated: it maps to \
+                         diffusion_offload_config.layer_options.dit.resident_layers = {k} (with '{}' in \
+                         offload_plan.resident_dit_paths)",
+                        d.path
+                    ));
+                    keep_resident_head(cx, &mut stack, &d.path, k, "layerwise_resident_layers")?;
                 }
             }
             if stack.streaming().len() == 1 {
@@ -615,8 +630,13 @@ fn resolve_layer(
                 e.path
             )));
         }
-        e.on_demand = on_demand && e.stacks.is_empty();
+        // A pipeline-managed encoder stays on demand even when it streams blocks: its non-block weights are
+        // parked between its phases, its blocks stream while it runs.
+        e.on_demand = on_demand;
         e.selected = !e.stacks.is_empty() || e.on_demand;
+    }
+    if cfg.encoder_resident_layers > 0 {
+        keep_encoder_resident_layers(cx, encoders, &plan_decl)?;
     }
 
     // --- VAEs: whole-component staging through the pipeline lifecycle --------------------------------------------
@@ -624,6 +644,14 @@ fn resolve_layer(
         let m = module(p, &v.path);
         if explicit {
             if vae_selected {
+                if !is_on_demand(&v.path) {
+                    return Err(PlanError(format!(
+                        "Selected VAE '{}' requires a pipeline-managed lifecycle: the pipeline's offload plan must list \
+                         it in offload_plan.on_demand_component_paths (and the module must implement load_to_device / \
+                         offload_to_cpu); declare it there or remove \"vae\" from diffusion_offload_config.components",
+                        v.path
+                    )));
+                }
                 if !m.has_lifecycle {
                     return Err(PlanError(format!(
                         "Selected VAE '{}' requires a pipeline-managed lifecycle (load_to_device / offload_to_cpu); \
@@ -645,6 +673,105 @@ fn resolve_layer(
             v.selected = true;
             v.on_demand = true;
         }
+    }
+    Ok(())
+}
+
+/// Keeps the first `encoder_resident_layers` blocks of every encoder stack the pipeline declares eligible
+/// (`offload_plan.resident_encoder_block_paths`) resident. Every eligible path must be a declared encoder block list
+/// of a discovered, pipeline-managed (on-demand) encoder and hold at least that many blocks.
+fn keep_encoder_resident_layers(
+    cx: &mut Ctx<'_>,
+    encoders: &mut [ResolvedComponent],
+    plan_decl: &super::pipeline::OffloadPlanDecl,
+) -> Result<(), PlanError> {
+    let p = cx.p;
+    let n = cx.cfg.encoder_resident_layers;
+    let key = if cx.cfg.compact {
+        "diffusion_offload_config.layer_options.text_encoder.resident_layers"
+    } else {
+        "dlo_encoder_resident_layers"
+    };
+    if plan_decl.resident_encoder_block_paths.is_empty() {
+        return Err(PlanError(format!(
+            "{key} = {n}: pipeline {} declares no offload_plan.resident_encoder_block_paths, so no encoder stack may \
+             keep resident layers; declare the eligible encoder block lists there or set {key} = 0",
+            p.class
+        )));
+    }
+    for path in &plan_decl.resident_encoder_block_paths {
+        let owner = plan_decl
+            .encoder_block_attrs
+            .iter()
+            .find(|(enc, attrs)| attrs.iter().any(|a| join(enc, a) == *path))
+            .map(|(enc, _)| enc.clone());
+        let Some(owner) = owner else {
+            return Err(PlanError(format!(
+                "offload_plan.resident_encoder_block_paths names '{path}', which must also be declared as an encoder \
+                 block list in offload_plan.encoder_block_attrs; declare it there or remove it"
+            )));
+        };
+        let Some(e) = encoders.iter_mut().find(|e| e.path == owner) else {
+            return Err(PlanError(format!(
+                "offload_plan.resident_encoder_block_paths names '{path}', but its encoder '{owner}' was not \
+                 discovered; declare '{owner}' in components.encoders or remove the path"
+            )));
+        };
+        if !module(p, &e.path).is_loaded || !e.selected {
+            // An unloaded stub (a rank without this encoder) or an encoder that is not offloaded keeps nothing.
+            continue;
+        }
+        if !e.on_demand {
+            return Err(PlanError(format!(
+                "Encoder '{}' keeps resident layers ({key} = {n}) only under pipeline-managed stage ownership: list it \
+                 in offload_plan.on_demand_component_paths (with load_to_device / offload_to_cpu), or remove '{path}' \
+                 from offload_plan.resident_encoder_block_paths",
+                e.path
+            )));
+        }
+        let enc_path = e.path.clone();
+        let Some(stack) = e.stacks.iter_mut().find(|s| s.attrs.iter().any(|a| join(&enc_path, a) == *path)) else {
+            return Err(PlanError(format!(
+                "offload_plan.resident_encoder_block_paths names '{path}', which is not a streamed block list of \
+                 encoder '{enc_path}'; fix offload_plan.encoder_block_attrs or remove the path"
+            )));
+        };
+        let len = stack.blocks.len();
+        if n as usize > len {
+            return Err(PlanError(format!(
+                "{key} = {n} exceeds the {len} blocks of encoder stack '{path}'; choose at most {len}"
+            )));
+        }
+        stack.resident_head = n as usize;
+    }
+    Ok(())
+}
+
+/// Keeps the first `count` blocks of a DiT stack resident. A split that leaves exactly one streaming block is an
+/// error under an explicit selection; the compatibility topology keeps that block resident too, with a warning.
+fn keep_resident_head(
+    cx: &mut Ctx<'_>,
+    stack: &mut BlockStack,
+    dit: &str,
+    count: u32,
+    label: &str,
+) -> Result<(), PlanError> {
+    let n = stack.blocks.len();
+    let head = (count as usize).min(n);
+    if n - head == 1 {
+        if cx.explicit {
+            return Err(PlanError(format!(
+                "DiT '{dit}' has {n} blocks: {label}={count} leaves only one streaming block; choose a resident count \
+                 that leaves zero or at least two (e.g. {n} or {})",
+                n.saturating_sub(2)
+            )));
+        }
+        cx.warn(format!(
+            "#Streaming target layers (blocks) of '{dit}' <= 1 after {label}={count}. Keeping the final block resident"
+        ));
+        stack.resident_head = n;
+    } else {
+        stack.resident_head = head;
     }
     Ok(())
 }
@@ -717,7 +844,10 @@ fn resolve_dit_children(
     Ok(out)
 }
 
-fn check_unique_block_owners<'a>(comps: impl Iterator<Item = &'a ResolvedComponent>) -> Result<(), PlanError> {
+fn check_unique_block_owners<'a>(
+    p: &PipelineDesc,
+    comps: impl Iterator<Item = &'a ResolvedComponent> + Clone,
+) -> Result<(), PlanError> {
     let mut owner: BTreeMap<&str, &str> = BTreeMap::new();
     fn visit<'a>(c: &'a ResolvedComponent, owner: &mut BTreeMap<&'a str, &'a str>) -> Result<(), PlanError> {
         for b in c.block_paths() {
@@ -739,7 +869,7 @@ fn check_unique_block_owners<'a>(comps: impl Iterator<Item = &'a ResolvedCompone
         }
         Ok(())
     }
-    for c in comps {
+    for c in comps.clone() {
         visit(c, &mut owner)?;
     }
     // A block nested inside another claimed block is also a double claim.
@@ -752,6 +882,55 @@ fn check_unique_block_owners<'a>(comps: impl Iterator<Item = &'a ResolvedCompone
                 w[1], w[0], owner[w[0]], owner[w[1]]
             )));
         }
+    }
+    // The same block reached a second time through tied weights.
+    check_tied_blocks(p, comps)
+}
+
+/// The weights a block views: every tensor's storage, offset, shape and strides, as a set (names do not matter).
+type BlockViews = std::collections::BTreeSet<(super::pipeline::StorageId, u64, Vec<u64>, Vec<u64>)>;
+
+/// Rejects a block reached twice through tied weights: two blocks (of any stacks, in any components) that view
+/// exactly the same weights are one block claimed twice, however they are reached.
+fn check_tied_blocks<'a>(
+    p: &PipelineDesc,
+    comps: impl Iterator<Item = &'a ResolvedComponent>,
+) -> Result<(), PlanError> {
+    let mut seen: BTreeMap<BlockViews, (&str, &str)> = BTreeMap::new();
+    fn visit<'a>(
+        p: &PipelineDesc,
+        c: &'a ResolvedComponent,
+        seen: &mut BTreeMap<BlockViews, (&'a str, &'a str)>,
+    ) -> Result<(), PlanError> {
+        for b in c.block_paths() {
+            let views: BlockViews = p
+                .module(b)
+                .map(|m| {
+                    m.tensors_recursive()
+                        .into_iter()
+                        .map(|(_, t)| (t.storage, t.storage_offset, t.shape.clone(), t.strides.clone()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if views.is_empty() {
+                continue;
+            }
+            if let Some((prev, prev_owner)) = seen.get(&views) {
+                return Err(PlanError(format!(
+                    "Offload block '{b}' (of '{}') views exactly the weights of block '{prev}' (of '{prev_owner}'): \
+                     the same block is claimed twice through tied weights; declare one owner for each block list",
+                    c.path
+                )));
+            }
+            seen.insert(views, (b.as_str(), c.path.as_str()));
+        }
+        for ch in &c.children {
+            visit(p, ch, seen)?;
+        }
+        Ok(())
+    }
+    for c in comps {
+        visit(p, c, &mut seen)?;
     }
     Ok(())
 }
