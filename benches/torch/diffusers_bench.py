@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""A full-size diffusers transformer (random bf16 weights) stepped resident, offloaded by weightferry and offloaded
+by diffusers' group offloading, on one GPU, each variant in its own process (so its peak host RSS is its own).
+
+    python3 benches/torch/diffusers_bench.py [--model flux-dev] [--variants resident,wf_d1,...] [--steps 5]
+
+Variants: ``resident`` (the model on the GPU: the compute term of the bound, and the reference output);
+``wf_dK`` (weightferry, every block streamed at prefetch depth K); ``wf_bP`` (weightferry under a device budget of
+P% of the weight bytes, the planner keeping blocks resident); ``group`` / ``group_record`` (diffusers
+``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
+``record_stream``). Each prints one JSON line; the parent prints a table last: step time, the ratio to the bound
+``max(resident step, streamed bytes per step / pinned H2D)`` (both measured in this call), host RSS after enable
+and its peak, device memory in use (``total - free`` from the driver: torch's pool and weightferry's buffers), and
+whether the output equals the resident output bit for bit.
+
+Weights: one seeded random bf16 pattern of 64 Mi values, tiled over every tensor (deterministic, cheap to build,
+finite). Inputs: the model's real shapes at the chosen resolution. Needs torch, diffusers and weightferry.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODELS = {
+    # FLUX.1-dev's transformer: 19 double-stream + 38 single-stream blocks, 1024x1024 (4096 image tokens), 512 text.
+    "flux-dev": dict(
+        cls="FluxTransformer2DModel",
+        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                    axes_dims_rope=(16, 56, 56)),
+        image_tokens=4096, text_tokens=512,
+    ),
+}
+
+
+def rss(field="VmRSS"):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def build(torch, name, layers=None):
+    import diffusers
+
+    spec = MODELS[name]
+    config = dict(spec["config"])
+    if layers is not None:
+        config["num_layers"], config["num_single_layers"] = layers
+    with torch.device("meta"):
+        model = getattr(diffusers, spec["cls"])(**config).to(torch.bfloat16)
+    model = model.to_empty(device="cpu").eval()
+    g = torch.Generator().manual_seed(0)
+    pattern = (torch.rand(64 << 20, generator=g) * 0.04 - 0.02).to(torch.bfloat16)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            flat = t.view(-1)
+            n = flat.numel()
+            for start in range(0, n, pattern.numel()):
+                end = min(n, start + pattern.numel())
+                flat[start:end].copy_(pattern[: end - start])
+    return model, spec
+
+
+def inputs(torch, spec, dev):
+    g = torch.Generator().manual_seed(1)
+    c = spec["config"]
+    n, t = spec["image_tokens"], spec["text_tokens"]
+    bf = torch.bfloat16
+    x = dict(
+        hidden_states=torch.randn(1, n, c["in_channels"], generator=g).to(bf),
+        encoder_hidden_states=torch.randn(1, t, c["joint_attention_dim"], generator=g).to(bf),
+        pooled_projections=torch.randn(1, c["pooled_projection_dim"], generator=g).to(bf),
+        timestep=torch.tensor([0.5]).to(bf),
+        img_ids=torch.randn(n, 3, generator=g),
+        txt_ids=torch.randn(t, 3, generator=g),
+    )
+    if c.get("guidance_embeds"):
+        x["guidance"] = torch.tensor([3.5]).to(bf)
+    return {k: v.to(dev) for k, v in x.items()}
+
+
+def h2d_bandwidth(torch, size=256 << 20, copies=16):
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(copies):
+        dev.copy_(host, non_blocking=True)
+    e.record()
+    torch.cuda.synchronize()
+    return size * copies / (s.elapsed_time(e) / 1e3)
+
+
+def variant(args):
+    import torch
+
+    res = {"variant": args.variant, "model": args.model}
+    base = rss()
+    model, spec = build(torch, args.model, args.layers)
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    res["weight_bytes"] = weight_bytes
+    res["rss_built"] = rss() - base
+    dev = torch.device("cuda", 0)
+    x = inputs(torch, spec, dev)
+    handle = None
+    t0 = time.perf_counter()
+    v = args.variant
+    if v == "resident":
+        model.to(dev)
+    elif v.startswith("wf_"):
+        import weightferry as wf
+
+        dcfg = {"mode": "layer", "components": ["dit"]}
+        if v.startswith("wf_d"):
+            dcfg["layer_options"] = {"dit": {"prefetch_depth": int(v[4:])}}
+        elif v.startswith("wf_b"):
+            dcfg["device_budget"] = weight_bytes * int(v[4:]) // 100
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = wf.enable({"transformer": model}, {"diffusion_offload_config": dcfg}, device="cuda")
+    elif v.startswith("group"):
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(model, onload_device=dev, offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=True,
+                               record_stream=(v == "group_record"))
+    else:
+        raise SystemExit(f"unknown variant {v}")
+    torch.cuda.synchronize()
+    res["enable_s"] = time.perf_counter() - t0
+    res["rss_after_enable"] = rss() - base
+    before = handle.stats() if handle else None
+    with torch.no_grad():
+        for _ in range(args.warmup):
+            out = model(**x, return_dict=False)[0]
+        torch.cuda.synchronize()
+        if handle:
+            before = handle.stats()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(args.steps):
+            out = model(**x, return_dict=False)[0]
+        e.record()
+        torch.cuda.synchronize()
+    res["step_s"] = s.elapsed_time(e) / 1e3 / args.steps
+    free, total = torch.cuda.mem_get_info()
+    res["device_used"] = total - free
+    res["peak_rss"] = rss("VmHWM") - base
+    out_path = os.path.join(args.out, "resident.pt")
+    if v == "resident":
+        torch.save(out.cpu(), out_path)
+        res["bit_exact"] = True
+    elif os.path.exists(out_path):
+        res["bit_exact"] = bool(torch.equal(out.cpu(), torch.load(out_path)))
+    if handle:
+        after = handle.stats()
+        streamed = sum(a["h2d_bytes"] for a in after["stacks"]) - sum(b["h2d_bytes"] for b in before["stacks"])
+        res["streamed_per_step"] = streamed / args.steps
+        res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
+        res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "pinned") if k in after}
+    elif v.startswith("group"):
+        res["streamed_per_step"] = sum(
+            t.numel() * t.element_size() for n, t in model.named_parameters() if "blocks." in n
+        )
+    else:
+        res["streamed_per_step"] = 0
+    res["h2d_Bps"] = h2d_bandwidth(torch)
+    print("RESULT " + json.dumps(res), flush=True)
+    os._exit(0)  # the process ends here: no teardown of 24 GB of tensors and masters to wait for
+
+
+def table(results):
+    res = {r["variant"]: r for r in results}
+    resident = res.get("resident", {}).get("step_s")
+    print(f"\n{'variant':<14}{'step s':>9}{'bound s':>9}{'ratio':>8}{'GB/step':>9}{'H2D GB/s':>10}"
+          f"{'RSS GB':>8}{'peakRSS':>9}{'dev GB':>8}{'enable s':>9}  bit-exact")
+    for r in results:
+        h2d = r["h2d_Bps"]
+        bound = max(resident or 0, r["streamed_per_step"] / h2d)
+        ratio = r["step_s"] / bound if bound else float("nan")
+        print(f"{r['variant']:<14}{r['step_s']:>9.4f}{bound:>9.4f}{ratio:>8.3f}{r['streamed_per_step'] / 1e9:>9.2f}"
+              f"{h2d / 1e9:>10.1f}{r['rss_after_enable'] / 1e9:>8.1f}{r['peak_rss'] / 1e9:>9.1f}"
+              f"{r['device_used'] / 1e9:>8.1f}{r['enable_s']:>9.1f}  {r.get('bit_exact')}")
+    if results:
+        print(f"weights: {results[0]['weight_bytes'] / 1e9:.2f} GB ({results[0]['model']})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="flux-dev", choices=sorted(MODELS))
+    ap.add_argument("--variants", default="resident,wf_d1,wf_d2,wf_d4,wf_b50,wf_b75,group,group_record")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=lambda s: tuple(int(v) for v in s.split(",")), default=None,
+                    help="num_layers,num_single_layers override (a smaller model for a quick check)")
+    ap.add_argument("--out", default="/tmp/wf-diffusers-bench")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.variant:
+        return variant(args)
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for v in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--out", args.out]
+        if args.layers:
+            cmd += ["--layers", ",".join(map(str, args.layers))]
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode or not lines:
+            print(f"{v}: failed (exit {p.returncode}) after {time.time() - t0:.0f} s\n{p.stderr[-3000:]}", flush=True)
+            continue
+        r = json.loads(lines[-1][7:])
+        print(f"{v}: {time.time() - t0:.0f} s  " + json.dumps(r), flush=True)
+        results.append(r)
+    table(results)
+
+
+if __name__ == "__main__":
+    main()
