@@ -313,6 +313,27 @@ class Handle:
             self._mark(False)
         self._disabled = True
 
+    def _restore(self, sids):
+        """Gives the tensors of ``sids`` ordinary CPU tensors rebuilt from the session's bytes (the undo of a failed
+        or empty enable; plain assignments, so it cannot fail half-way on a binding). A storage the session cannot
+        read back is reported after every other one was restored."""
+        lost = []
+        for sid in sids:
+            views = self._views[sid]
+            try:
+                data = self._session.read_storage(sid)
+            except _core.Error as e:
+                lost.append(f"{views[0].path}: {e}")
+                continue
+            for view, tensor in zip(views, _tensors_over(data, views)):
+                view.tensor.data = tensor
+        if lost:
+            raise _core.OffloadError(
+                "weightferry could not give back the weights of "
+                + "; ".join(lost)
+                + " after a failed enable; keep the pipeline's handle and report this"
+            )
+
     def stats(self):
         """The backend's report as a dict: ``strategy``, ``enabled``, ``stacks`` (per stack: ``loads``,
         ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches``, ``device_bytes``, ...),
@@ -427,12 +448,18 @@ def enable(pipeline, config, device="sim", *, name=None):
             streamed_by.setdefault(unit, []).append(sid)
     handle = Handle(session, views, nbytes, streamed_by, modules, binder, stream)
 
-    # Each tensor object's original data (an alias of torch's own storage) until enable succeeded: the undo.
-    originals = [(v.tensor, v.tensor.data) for vs in views.values() for v in vs]
+    # Storage by storage, the bytes go to the session and torch's own host copy is given up at once, so host memory
+    # holds about one copy of the weights throughout (plus the masters of one batch while the backend builds them).
+    # From its write on, the session holds a storage's only copy: any failure rebuilds the tensors from it.
+    released = []
     try:
         for sid, vs in views.items():
             _write_storage(session, sid, vs[0].tensor, nbytes[sid])
+            released.append(sid)
+            for view in vs:
+                _bind(view, _placeholder(view))
         if not session.enable():
+            handle._restore(released)
             warnings.warn(
                 f"weightferry offloads nothing: {report.get('skip_reason') or 'the config disables offload'}",
                 WeightferryWarning,
@@ -444,13 +471,12 @@ def enable(pipeline, config, device="sim", *, name=None):
         handle._mark(True)
     except BaseException:
         handle._remove_hooks()
-        for tensor, data in originals:
-            tensor.data = data
         handle._mark(False)
         try:
             session.disable()
         except _core.Error as e:  # the original failure is the one to raise
             warnings.warn(f"weightferry: disabling after a failed enable also failed: {e}", WeightferryWarning)
+        handle._restore(released)
         handle._disabled = True
         raise
     return handle

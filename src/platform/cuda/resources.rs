@@ -20,6 +20,10 @@ use super::driver::{bind, describe};
 /// Alignment of pageable host buffers: a page, so the driver's staging copies start aligned.
 const PAGEABLE_ALIGN: usize = 4096;
 
+/// Pageable buffers from this size up are anonymous mappings of their own (zero-filled by the kernel, page
+/// aligned); smaller ones come from the global allocator.
+const MAPPED_PAGEABLE_BYTES: usize = 1 << 20;
+
 /// A table of live objects named by increasing integers (never reused).
 pub(crate) struct HandleTable<T> {
     next: AtomicU64,
@@ -164,8 +168,12 @@ impl Drop for DeviceAlloc {
 enum HostBacking {
     /// `cuMemHostAlloc` with flags 0 (page-locked, cached; not write-combined).
     Pinned,
-    /// The Rust global allocator with this layout.
+    /// The Rust global allocator with this layout (buffers below [`MAPPED_PAGEABLE_BYTES`]).
     Heap(Layout),
+    /// An anonymous private mapping (large pageable buffers): unmapped on release, so its pages go back to the
+    /// system at once, whatever the allocator's heap looks like (a host model freed batch by batch while its
+    /// masters are built would otherwise stay resident inside the heap).
+    Mapped(memmap2::MmapMut),
     /// Zero bytes: nothing to free.
     Empty,
 }
@@ -214,6 +222,11 @@ impl HostAlloc {
                 unsafe { ptr::write_bytes(ptr, 0, size) };
                 Ok(HostAlloc { ctx: Arc::clone(ctx), ptr, len: size, kind, backing: HostBacking::Pinned })
             }
+            HostMemoryKind::Pageable if size >= MAPPED_PAGEABLE_BYTES => {
+                let mut map = memmap2::MmapMut::map_anon(size).map_err(|e| fail(format!("mmap: {e}")))?;
+                let ptr = map.as_mut_ptr();
+                Ok(HostAlloc { ctx: Arc::clone(ctx), ptr, len: size, kind, backing: HostBacking::Mapped(map) })
+            }
             HostMemoryKind::Pageable => {
                 let layout = Layout::from_size_align(size, PAGEABLE_ALIGN).map_err(|e| fail(e.to_string()))?;
                 // SAFETY: `layout` has a non-zero size (checked above).
@@ -261,6 +274,10 @@ impl HostAlloc {
             HostBacking::Heap(layout) => {
                 // SAFETY: `ptr` came from `alloc_zeroed(layout)` and is freed exactly once (swapped out above).
                 unsafe { alloc::dealloc(ptr, layout) };
+                Ok(())
+            }
+            HostBacking::Mapped(map) => {
+                drop(map);
                 Ok(())
             }
             HostBacking::Empty => Ok(()),
