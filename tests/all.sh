@@ -6,12 +6,13 @@ cd "$(dirname "$0")/.."
 cargo test --workspace --all-targets
 # The CUDA / NCCL modules' unit tests that need no GPU (config structs, the symmetric heap's bookkeeping).
 cargo test -p weightferry --features nccl --lib platform::cuda::
-# The Python package (python/): install its test dependencies (torch, pytest, maturin) into .venv-py/ (a few seconds
-# once they are there), build weightferry._core with maturin and run its tests against the CLI. A dependency that
-# cannot be installed is an error here, never a skip.
+# The Python package (python/): install its test dependencies (torch, diffusers, transformers, pytest, maturin) into
+# .venv-py/ (a few seconds once they are there), build weightferry._core with maturin and run its tests against the
+# CLI. A dependency that cannot be installed is an error here, never a skip.
 sh python/install-test-deps.sh
-if ! .venv-py/bin/python -c "import torch, pytest, maturin" 2> /dev/null; then
-  echo "error: .venv-py/ lacks torch, pytest or maturin after installing them; see python/install-test-deps.sh" >&2
+if ! .venv-py/bin/python -c "import torch, diffusers, transformers, pytest, maturin" 2> /dev/null; then
+  echo "error: .venv-py/ lacks torch, diffusers, transformers, pytest or maturin after installing them;" \
+    "see python/install-test-deps.sh" >&2
   exit 1
 fi
 # target/debug/weightferry is the CLI `cargo test --workspace --all-targets` built above.

@@ -278,11 +278,12 @@ def _module_list_at(m, dotted):
 def _fallback_scan(cls, items, desc):
     """Block lists of components that declare none, for a pipeline that declares neither components nor an offload
     plan, from diffusers' conventions (the deprecated fallback scan): DiT block-list attributes into
-    ``class_block_attrs``, text-encoder block lists into ``offload_plan.encoder_block_attrs``. Warns once per
-    pipeline class, naming what it found."""
+    ``class_block_attrs`` (and those DiTs into ``offload_plan.resident_dit_paths``, so they may keep resident
+    layers), text-encoder block lists into ``offload_plan.encoder_block_attrs``. Warns once per pipeline class,
+    naming what it found."""
     declared = desc.get("class_block_attrs", {})
     singular = desc.get("class_block_attr", {})
-    found, dit_attrs, encoder_attrs = [], {}, {}
+    found, dit_attrs, encoder_attrs, dit_paths = [], {}, {}, []
     for name, m in items:
         mcls = type(m).__name__
         if name.startswith(_FALLBACK_ENCODER_PREFIX):
@@ -296,11 +297,17 @@ def _fallback_scan(cls, items, desc):
         attrs = [a for a in m._modules if a in _FALLBACK_BLOCK_LISTS and _module_list_at(m, a) is not None]
         if attrs:
             dit_attrs[mcls] = attrs
+            dit_paths.append(name)
             found.extend(f"{name}.{a}" for a in attrs)
     if dit_attrs:
         desc["class_block_attrs"] = {**declared, **dit_attrs}
+    plan = {}
     if encoder_attrs:
-        desc["offload_plan"] = {"encoder_block_attrs": encoder_attrs}
+        plan["encoder_block_attrs"] = encoder_attrs
+    if dit_paths:
+        plan["resident_dit_paths"] = dit_paths  # the scanned DiTs may keep resident layers, as declared ones can
+    if plan:
+        desc["offload_plan"] = plan
     if found and cls not in _WARNED:
         import warnings
 
