@@ -407,3 +407,31 @@ def test_a_dict_and_a_root_module_pipeline_bind_by_their_paths():
         after = dit.state_dict()
         assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert root.scale.numel() == 4
+
+
+def test_stats_total_the_stacks_and_time_the_hooks():
+    p = pipe()
+    with wf.enable(p, layer(2)) as h:
+        assert h.stats()["hooks"] == {"calls": 0, "p50_us": None, "p99_us": None, "max_us": None}
+        run(p, steps=3)
+        s = h.stats()
+        assert s["bytes_streamed"] == sum(st["h2d_bytes"] for st in s["stacks"]) > 0
+        assert s["device_bytes"] == s["fixed_device_bytes"] + sum(st["device_bytes"] for st in s["stacks"])
+        assert s["host_bytes"] == s["master_host_bytes"] > 0
+        assert s["stalls"] == sum(st["sync_fetches"] for st in s["stacks"])
+        # One pre and one post sample per hooked module call: the encoder's 3 layers once, the DiT's 4 blocks 3
+        # times (the VAE is on demand: its hook runs once per call too).
+        hooked = len(h._session.hooked_modules())
+        hooks = s["hooks"]
+        assert hooks["calls"] == 2 * (3 + 3 * 4 + (hooked - 7))
+        assert 0 < hooks["p50_us"] <= hooks["p99_us"] <= hooks["max_us"]
+
+
+def test_the_hook_clock_keeps_a_fixed_ring():
+    clock = wf_enable._HookClock()
+    for ns in range(10_000):
+        clock.record(ns)
+    assert clock.calls == 10_000 and len(clock.ring) == clock.SAMPLES == 4096
+    s = clock.summary()
+    # The ring holds the last 4096 samples (5904..9999): their median and 99th percentile.
+    assert (s["p50_us"], s["p99_us"], s["max_us"]) == (7952 / 1e3, 9959 / 1e3, 9999 / 1e3)

@@ -20,8 +20,10 @@ Two devices, one binder each:
 
 import ctypes
 import json
+import time
 import warnings
 import weakref
+from array import array
 
 from . import _core
 from ._describe import _describe
@@ -192,6 +194,34 @@ def _raw_stream_reader(index):
     return lambda: torch.cuda.current_stream(index).cuda_stream
 
 
+class _HookClock:
+    """Latency of the torch hooks (pre and post, each as one sample, nanoseconds): the last :data:`SAMPLES` calls in a
+    fixed ring, so memory stays flat over any number of steps, plus an exact call count and maximum."""
+
+    SAMPLES = 4096
+
+    def __init__(self):
+        self.ring = array("q", bytes(8 * self.SAMPLES))
+        self.calls = 0
+        self.max_ns = 0
+
+    def record(self, ns):
+        self.ring[self.calls % self.SAMPLES] = ns
+        self.calls += 1
+        if ns > self.max_ns:
+            self.max_ns = ns
+
+    def summary(self):
+        kept = sorted(self.ring[: min(self.calls, self.SAMPLES)])
+        if not kept:
+            return {"calls": 0, "p50_us": None, "p99_us": None, "max_us": None}
+
+        def pct(q):
+            return kept[min(len(kept) - 1, int(q * len(kept)))] / 1e3
+
+        return {"calls": self.calls, "p50_us": pct(0.5), "p99_us": pct(0.99), "max_us": self.max_ns / 1e3}
+
+
 class Handle:
     """An offloaded pipeline. :meth:`disable` gives every tensor ordinary CPU storage back (bit-identical);
     :meth:`stats` reports what the backend holds and did. A context manager: leaving the ``with`` block disables."""
@@ -202,6 +232,7 @@ class Handle:
         # On CUDA: (torch's raw stream at enable, a reader of the current one); the hooks refuse another stream.
         self._stream = stream
         self._slot_of = {}  # unit module path -> (buffer, base) its tensors view now
+        self._clock = _HookClock()
         self._views = views  # storage id -> [_View]
         self._nbytes = nbytes  # storage id -> bytes
         self._streamed_by = streamed_by  # unit module path -> [storage id]
@@ -227,33 +258,45 @@ class Handle:
             )
 
     def _pre(self, path):
+        clock = self._clock
+
         def hook(module, args):
-            if self._stream is not None:
-                self._check_stream()
-            residency = self._session.pre_forward(path)
-            self._entered.add(path)
-            if residency is not None:
-                buffer, base, offsets = residency
-                if not self._binder.unbinds_after_forward and self._slot_of.get(path) == (buffer, base):
-                    return None  # its tensors still view this slot: nothing to rebind
-                for sid, off in offsets:
-                    self._bind_from_device(sid, buffer, base + off)
-                self._slot_of[path] = (buffer, base)
-            return None
+            start = time.perf_counter_ns()
+            try:
+                if self._stream is not None:
+                    self._check_stream()
+                residency = self._session.pre_forward(path)
+                self._entered.add(path)
+                if residency is not None:
+                    buffer, base, offsets = residency
+                    if not self._binder.unbinds_after_forward and self._slot_of.get(path) == (buffer, base):
+                        return None  # its tensors still view this slot: nothing to rebind
+                    for sid, off in offsets:
+                        self._bind_from_device(sid, buffer, base + off)
+                    self._slot_of[path] = (buffer, base)
+                return None
+            finally:
+                clock.record(time.perf_counter_ns() - start)
 
         return hook
 
     def _post(self, path):
+        clock = self._clock
+
         def hook(module, args, output):
             if path not in self._entered:
                 return None  # its pre_forward failed: nothing to release
-            self._entered.discard(path)
-            if self._binder.unbinds_after_forward:
-                self._slot_of.pop(path, None)
-                for sid in self._streamed_by.get(path, ()):
-                    self._binder.unbind(self._views[sid])
-            self._session.post_forward(path)
-            return None
+            start = time.perf_counter_ns()
+            try:
+                self._entered.discard(path)
+                if self._binder.unbinds_after_forward:
+                    self._slot_of.pop(path, None)
+                    for sid in self._streamed_by.get(path, ()):
+                        self._binder.unbind(self._views[sid])
+                self._session.post_forward(path)
+                return None
+            finally:
+                clock.record(time.perf_counter_ns() - start)
 
         return hook
 
@@ -336,9 +379,20 @@ class Handle:
 
     def stats(self):
         """The backend's report as a dict: ``strategy``, ``enabled``, ``stacks`` (per stack: ``loads``,
-        ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches``, ``device_bytes``, ...),
-        ``fixed_device_bytes``, ``master_host_bytes``, ``pinned``."""
-        return json.loads(self._session.report())
+        ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches`` (blocks not prefetched in time: the
+        forward waited for their copy), ``device_bytes``, ...), ``fixed_device_bytes``, ``master_host_bytes``,
+        ``pinned``; and the totals ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes``
+        (fixed placement and every stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
+        ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
+        4096 calls, ``max_us``)."""
+        report = json.loads(self._session.report())
+        stacks = report.get("stacks", [])
+        report["bytes_streamed"] = sum(s.get("h2d_bytes", 0) for s in stacks)
+        report["device_bytes"] = report.get("fixed_device_bytes", 0) + sum(s.get("device_bytes", 0) for s in stacks)
+        report["host_bytes"] = report.get("master_host_bytes", 0)
+        report["stalls"] = sum(s.get("sync_fetches", 0) for s in stacks)
+        report["hooks"] = self._clock.summary()
+        return report
 
     def __enter__(self):
         return self
