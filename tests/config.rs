@@ -970,6 +970,27 @@ fn device_budget_value_errors() {
     );
     assert_err(&with(r#""-24GiB""#), key, &format!("{key}: \"-24GiB\" is negative; expected {FORMS}"));
     assert_eq!(ok(&with(r#""8000000000""#)).device_budget, Some(8_000_000_000));
+    // "auto" is exact: another spelling is a size string that does not parse.
+    let e = err(&with(r#""Auto""#));
+    assert_eq!(e.key(), key);
+}
+
+#[test]
+fn device_budget_auto_is_resolved_from_the_free_memory() {
+    let mut c = ok(&compact(r#""mode": "layer", "components": ["dit"], "device_budget": "auto""#));
+    assert_eq!((c.device_budget, c.device_budget_auto), (None, true));
+    // The headroom is the larger of 2 GiB and a tenth of the free memory.
+    assert_eq!(OffloadConfig::auto_budget_headroom(10 << 30), 2 << 30);
+    assert_eq!(OffloadConfig::auto_budget_headroom(100 << 30), 10 << 30);
+    let mut small = c.clone();
+    assert_eq!(c.resolve_auto_budget(100 << 30), Some((90 << 30, 10 << 30)));
+    assert_eq!((c.device_budget, c.device_budget_auto), (Some(90 << 30), false));
+    assert_eq!(c.resolve_auto_budget(100 << 30), None, "resolved once");
+    // A device with less free memory than the headroom gets a 1-byte budget: the planner then says what it needs.
+    assert_eq!(small.resolve_auto_budget(1 << 30), Some((1, 2 << 30)));
+    let mut sized = ok(&compact(r#""mode": "layer", "components": ["dit"], "device_budget": "24GiB""#));
+    assert_eq!(sized.resolve_auto_budget(100 << 30), None);
+    assert_eq!(sized.device_budget, Some(24 << 30));
 }
 
 // ---------------------------------------------------------------------------------------------------------------

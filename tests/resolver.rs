@@ -1147,3 +1147,18 @@ fn the_largest_block_lists_plan_in_linear_time() {
         assert!(t.elapsed() < std::time::Duration::from_secs(30), "{blocks} blocks took {:?}", t.elapsed());
     }
 }
+
+#[test]
+fn an_auto_budget_is_refused_until_a_device_resolved_it() {
+    let p = preset("flux-tiny").unwrap();
+    let mut c =
+        cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": "auto"}}"#);
+    let e = resolve_offload_plan(&p, &c).unwrap_err();
+    assert_eq!(e.to_string(), weightferry::plan::resolver::AUTO_BUDGET_UNRESOLVED);
+    assert!(e
+        .to_string()
+        .starts_with("diffusion_offload_config.device_budget = \"auto\" is resolved from the device's"));
+    c.resolve_auto_budget(64 << 30);
+    let plan = resolve_offload_plan(&p, &c).unwrap();
+    assert_eq!(plan.strategy, Strategy::LayerWise);
+}

@@ -140,6 +140,9 @@ pub struct TorchCuda {
     pub stream: u64,
     /// A device address of a live torch tensor on the device.
     pub probe_ptr: u64,
+    /// The device's free memory in bytes as torch sees it after emptying its cache (`torch.cuda.mem_get_info`),
+    /// for `device_budget = "auto"`; the simulated device uses its capacity instead.
+    pub free_bytes: u64,
 }
 
 /// The platform a session drives.
@@ -241,11 +244,20 @@ impl Session {
         device: DeviceSpec,
         torch: TorchCuda,
     ) -> Result<Session, CoreError> {
-        let plan = plan_json(pipeline_json, config, config_format, name)?;
         let desc = Arc::new(load_pipeline(pipeline_json, name)?);
-        let config = load_config(config, config_format)?;
-        let resolved = resolve_offload_plan(&desc, &config)
-            .map_err(|e| CoreError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
+        let mut config = load_config(config, config_format)?;
+        let free = match device {
+            DeviceSpec::Sim => SimConfig::default().device_capacity,
+            DeviceSpec::Cuda(_) => torch.free_bytes,
+        };
+        config.resolve_auto_budget(free);
+        let plan_error = |e: weightferry::plan::PlanError| {
+            CoreError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}")))
+        };
+        let report = PlanReport::resolve(name, &desc, &config).map_err(plan_error)?;
+        let plan = serde_json::to_string(&report)
+            .map_err(|e| CoreError::Internal(format!("cannot encode the plan report: {e}")))?;
+        let resolved = resolve_offload_plan(&desc, &config).map_err(plan_error)?;
         let units = build_unit_plan(&desc, &config, &resolved);
         let mut streamed = BTreeMap::new();
         for unit in units.stacks.iter().flat_map(|s| &s.units) {

@@ -105,10 +105,11 @@ impl PySession {
     /// Resolves the plan (raising `ConfigError`, `PipelineError` or `PlanError` before anything is allocated),
     /// opens `device` (`"sim"`, `"cuda"` meaning `cuda:{default_cuda}`, or `"cuda:N"`; `DeviceError`) and builds a
     /// zero-filled host model. On CUDA, `torch_stream` is torch's current stream on the device (its
-    /// `cuda_stream`) and `probe_ptr` the `data_ptr()` of a live torch tensor there (the shared-context check).
+    /// `cuda_stream`), `probe_ptr` the `data_ptr()` of a live torch tensor there (the shared-context check) and
+    /// `free_bytes` the device's free memory (for `device_budget = "auto"`).
     #[new]
     #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim", default_cuda = 0,
-        torch_stream = 0, probe_ptr = 0))]
+        torch_stream = 0, probe_ptr = 0, free_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -120,9 +121,10 @@ impl PySession {
         default_cuda: usize,
         torch_stream: u64,
         probe_ptr: u64,
+        free_bytes: u64,
     ) -> PyResult<PySession> {
         let name = name.unwrap_or("<python>");
-        let torch = api::TorchCuda { stream: torch_stream, probe_ptr };
+        let torch = api::TorchCuda { stream: torch_stream, probe_ptr, free_bytes };
         let session = py
             .detach(|| {
                 guarded("Session", || {

@@ -5,6 +5,8 @@ after disable with tied weights and views of one storage sharing it again, typed
 releasing its block, and a failure injected at every session call and at every tensor binding leaving the modules
 exactly as they were."""
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -435,3 +437,24 @@ def test_the_hook_clock_keeps_a_fixed_ring():
     s = clock.summary()
     # The ring holds the last 4096 samples (5904..9999): their median and 99th percentile.
     assert (s["p50_us"], s["p99_us"], s["max_us"]) == (7952 / 1e3, 9959 / 1e3, 9999 / 1e3)
+
+
+def test_an_auto_budget_is_planned_from_the_device_at_enable():
+    p = pipe()
+    expected = run(p)
+    before = snapshot(p)
+    auto = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": "auto"}}
+    with pytest.raises(wf.PlanError) as e:
+        wf.plan(p, auto)
+    assert str(e.value) == (
+        'the config cannot be applied to Pipe: diffusion_offload_config.device_budget = "auto" is resolved from the '
+        "device's free memory when offload is enabled on a device (weightferry.enable in Python); to plan or run it "
+        'here, give a size such as "24GiB"'
+    )
+    assert snapshot(p) == before
+    # The simulated device's capacity is 64 GiB: the budget is that less a tenth (the headroom, at least 2 GiB).
+    with wf.enable(p, auto) as h:
+        report = json.loads(h._session.plan_json())
+        assert report["budget"]["budget"] == (64 << 30) - (64 << 30) // 10
+        assert_outputs_equal(run(p), expected)
+    assert snapshot(p) == before

@@ -447,7 +447,9 @@ def _open_session(desc_json, text, fmt, name, device):
     current = _raw_stream_reader(index)
     stream = current()
     probe = torch.empty(1, dtype=torch.uint8, device=dev)  # a torch allocation, for the shared-context check
-    session = _Session(desc_json, text, fmt, name, device, index, stream, probe.data_ptr())
+    torch.cuda.empty_cache()  # device_budget = "auto" plans from the free memory, with torch's cache given back
+    free, _total = torch.cuda.mem_get_info(index)
+    session = _Session(desc_json, text, fmt, name, device, index, stream, probe.data_ptr(), free)
     del probe
     return session, _CudaBinder(session, dev), (stream, current)
 

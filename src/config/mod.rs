@@ -197,6 +197,9 @@ pub struct OffloadConfig {
     pub pin_memory: bool,
     /// Device memory the weights may use, if bounded.
     pub device_budget: Option<Bytes>,
+    /// `device_budget = "auto"`: the budget comes from the device's free memory when offload is enabled
+    /// ([`OffloadConfig::resolve_auto_budget`]); until then `device_budget` is `None` and planning refuses.
+    pub device_budget_auto: bool,
     /// Model-level only: keep the DiT resident (no swapping) when everything fits in the budget/device.
     pub keep_dit_resident: bool,
     /// Parallel layout as configured.
@@ -211,6 +214,26 @@ pub struct OffloadConfig {
 }
 
 impl OffloadConfig {
+    /// Headroom `device_budget = "auto"` leaves beside the weights for activations and the framework's workspace:
+    /// the larger of 2 GiB and a tenth of the free memory.
+    pub fn auto_budget_headroom(free: u64) -> u64 {
+        (2u64 << 30).max(free / 10)
+    }
+
+    /// Resolves `device_budget = "auto"` from the device's free memory: the budget becomes `free` minus
+    /// [`OffloadConfig::auto_budget_headroom`] (at least 1 byte, so a tiny device fails in the planner with its
+    /// usual message). Returns `(budget, headroom)` when the config asked for "auto", `None` otherwise.
+    pub fn resolve_auto_budget(&mut self, free: u64) -> Option<(u64, u64)> {
+        if !self.device_budget_auto {
+            return None;
+        }
+        let headroom = Self::auto_budget_headroom(free);
+        let budget = free.saturating_sub(headroom).max(1);
+        self.device_budget = Some(budget);
+        self.device_budget_auto = false;
+        Some((budget, headroom))
+    }
+
     /// Offload disabled.
     pub fn disabled() -> Self {
         let opts = LayerOptions {
@@ -227,6 +250,7 @@ impl OffloadConfig {
             encoder_resident_layers: 0,
             pin_memory: true,
             device_budget: None,
+            device_budget_auto: false,
             keep_dit_resident: false,
             parallel: ParallelConfig::default(),
             group: OffloadGroup { size: 1, axis: GroupAxis::Single },

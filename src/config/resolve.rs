@@ -206,6 +206,7 @@ struct Compact {
     layers: BTreeMap<Component, RawLayer>,
     pin_memory: Option<bool>,
     device_budget: Option<u64>,
+    device_budget_auto: bool,
     keep_dit_resident: bool,
 }
 
@@ -235,9 +236,10 @@ impl Compact {
                 ))
             }
         };
-        let device_budget = match t.get("device_budget") {
-            None => None,
-            Some(v) => Some(parse_budget_value(&t.key_path("device_budget"), v)?),
+        let (device_budget, device_budget_auto) = match t.get("device_budget") {
+            None => (None, false),
+            Some(Value::String(s)) if s == "auto" => (None, true),
+            Some(v) => (Some(parse_budget_value(&t.key_path("device_budget"), v)?), false),
         };
         let keep_dit_resident = match t.opt_bool("keep_dit_resident")? {
             None => false,
@@ -258,7 +260,7 @@ impl Compact {
             Some(b) => b,
         };
         let layers = read_layer_options(t, mode, &components)?;
-        Ok(Compact { mode, components, layers, pin_memory, device_budget, keep_dit_resident })
+        Ok(Compact { mode, components, layers, pin_memory, device_budget, device_budget_auto, keep_dit_resident })
     }
 
     fn transfer(&self, c: Component) -> WeightTransfer {
@@ -574,6 +576,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy, migrated: &Migrated) -> R
         encoder_resident_layers: compact.resident_layers(Component::TextEncoder),
         pin_memory,
         device_budget: compact.device_budget,
+        device_budget_auto: compact.device_budget_auto,
         keep_dit_resident: compact.keep_dit_resident,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },
@@ -687,6 +690,7 @@ fn resolve_legacy(legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig,
         encoder_resident_layers: if dlo { migrated.encoder_resident_layers } else { 0 },
         pin_memory: legacy.pin_cpu_memory,
         device_budget: None,
+        device_budget_auto: false,
         keep_dit_resident: false,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },

@@ -287,8 +287,17 @@ fn encoder_kind(p: &PipelineDesc, path: &str) -> Result<ComponentKind, PlanError
     })
 }
 
-/// Resolves the offload plan for `pipeline` under `config`. Pure: reads its arguments only.
+/// Why a config with `device_budget = "auto"` cannot be planned before a device is known.
+pub const AUTO_BUDGET_UNRESOLVED: &str = "diffusion_offload_config.device_budget = \"auto\" is resolved from the \
+     device's free memory when offload is enabled on a device (weightferry.enable in Python); to plan or run it \
+     here, give a size such as \"24GiB\"";
+
+/// Resolves the offload plan for `pipeline` under `config`. Pure: reads its arguments only. A config whose
+/// `device_budget` is still `"auto"` is refused ([`AUTO_BUDGET_UNRESOLVED`]).
 pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> Result<ResolvedPlan, PlanError> {
+    if config.device_budget_auto {
+        return Err(PlanError(AUTO_BUDGET_UNRESOLVED.to_string()));
+    }
     let mut cx =
         Ctx { p: pipeline, cfg: config, explicit: config.components.is_some(), warnings: config.warnings.clone() };
     let found = discover_components(pipeline, &mut cx.warnings);
