@@ -214,3 +214,23 @@ def test_declared_block_lists_win_over_the_scan():
     expected = forward(copy.deepcopy(m), bf16_inputs(x))
     with wf.enable(Declared(), layer(1)):
         assert torch.equal(forward(m, bf16_inputs(x)), expected)
+
+
+def test_torch_compile_runs_the_offloaded_transformer_with_one_break_per_block():
+    import torch._dynamo as dynamo
+
+    m, x, blocks = flux()
+    m = m.to(BF16).eval()
+    x = bf16_inputs(x)
+    expected = forward(m, x)
+    with wf.enable({"transformer": m}, layer(2)):
+        dynamo.reset()
+        explained = dynamo.explain(m)(**x, return_dict=False)
+        # The hooks are never traced (torch.compiler.disable): the graph breaks where a block's hooks run, and
+        # nowhere else; no recompilation when a block's tensors are rebound.
+        assert explained.graph_break_count == blocks, [str(r.reason) for r in explained.break_reasons]
+        compiled = torch.compile(m, backend="eager")
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(compiled(**x, return_dict=False)[0], expected)
+    dynamo.reset()

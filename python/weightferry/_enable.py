@@ -184,6 +184,14 @@ class _CudaBinder:
         self._storages.clear()
 
 
+def _compiler_disabled(fn):
+    """``fn`` marked for torch.compile to run as is, never traced (``torch.compiler.disable``, torch >= 2.1)."""
+    import torch
+
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 def _raw_stream_reader(index):
     """A cheap reader of torch's current raw stream on device ``index`` (0.15 us instead of 8 us)."""
     import torch
@@ -313,8 +321,11 @@ class Handle:
             module = self._modules.get(path)
             if module is None:
                 raise _core.Error(f"internal error: the backend hooks module '{path}', which describe() did not name")
-            self._torch_hooks.append(module.register_forward_pre_hook(self._pre(path)))
-            self._torch_hooks.append(module.register_forward_hook(self._post(path), always_call=True))
+            # torch.compile must not trace into the hooks (they call into Rust and rebind tensors): each hook is one
+            # graph break, and the compiled regions between them stay valid across rebinding.
+            pre, post = _compiler_disabled(self._pre(path)), _compiler_disabled(self._post(path))
+            self._torch_hooks.append(module.register_forward_pre_hook(pre))
+            self._torch_hooks.append(module.register_forward_hook(post, always_call=True))
 
     def _remove_hooks(self):
         while self._torch_hooks:
