@@ -35,9 +35,12 @@ pub enum CoreError {
     /// The offload machinery failed, or was used out of order (enable, a hook, a device read, disable).
     #[error("{0}")]
     Offload(String),
-    /// A device this build cannot offload to (CUDA is not built into the Python package yet), or no device at all.
+    /// A device that cannot be used: unknown, absent, without CUDA support in this build, or not in torch's context.
     #[error("{0}")]
     Device(String),
+    /// A checkpoint that cannot be read, or does not match the pipeline (the CLI's `--checkpoint` messages).
+    #[error("{0}")]
+    Checkpoint(String),
     /// A bug: a caught panic, or a report that cannot be encoded.
     #[error("{0}")]
     Internal(String),
@@ -234,8 +237,10 @@ impl std::fmt::Debug for Session {
 
 impl Session {
     /// Resolves the plan of `pipeline_json` under the config (errors as [`plan_json`]'s), then opens the device
-    /// (`torch` names torch's stream and memory on a CUDA device) and builds a zero-filled host model; nothing is
-    /// offloaded until every storage was written and [`enable`](Self::enable) runs.
+    /// (`torch` names torch's stream and memory on a CUDA device) and builds the host model: zero-filled, or read
+    /// from `checkpoint` (`(path, component)`: the description's tensor `<component>.K` is the file's tensor `K`,
+    /// every one checked before a byte is read, see [`HostModel::from_checkpoint`]). Nothing is offloaded until
+    /// every storage was written (all of them at once from a checkpoint) and [`enable`](Self::enable) runs.
     pub fn new(
         pipeline_json: &str,
         config: &str,
@@ -243,6 +248,7 @@ impl Session {
         name: &str,
         device: DeviceSpec,
         torch: TorchCuda,
+        checkpoint: Option<(&str, &str)>,
     ) -> Result<Session, CoreError> {
         let desc = Arc::new(load_pipeline(pipeline_json, name)?);
         let mut config = load_config(config, config_format)?;
@@ -263,19 +269,24 @@ impl Session {
         for unit in units.stacks.iter().flat_map(|s| &s.units) {
             streamed.extend(unit.storages().map(|s| (s, unit.path.clone())));
         }
+        let opened = match checkpoint {
+            Some((path, _)) => Some(
+                weightferry::checkpoint::Checkpoint::open(path)
+                    .map_err(|e| CoreError::Checkpoint(one_line(&e.to_string())))?,
+            ),
+            None => None,
+        };
         let (device, platform, compute) = Device::open(device, torch)?;
-        let model = HostModel::zeroed(platform.clone(), desc).map_err(offload_err)?;
+        let (model, written) = match (&opened, checkpoint) {
+            (Some(ckpt), Some((_, component))) => {
+                let model = HostModel::from_checkpoint(platform.clone(), desc.clone(), ckpt, component)
+                    .map_err(|e| CoreError::Checkpoint(one_line(&e.to_string())))?;
+                (model, desc.storages.keys().copied().collect())
+            }
+            _ => (HostModel::zeroed(platform.clone(), desc).map_err(offload_err)?, BTreeSet::new()),
+        };
         let backend = get_offload_backend(&config, platform, None).map_err(offload_err)?;
-        Ok(Session {
-            device,
-            compute,
-            model,
-            backend,
-            hooks: HookRegistry::new(),
-            streamed,
-            written: BTreeSet::new(),
-            plan,
-        })
+        Ok(Session { device, compute, model, backend, hooks: HookRegistry::new(), streamed, written, plan })
     }
 
     /// The plan report as JSON (what [`plan_json`] returns for the same arguments).
@@ -517,7 +528,7 @@ mod tests {
 
     /// A session on [`PIPELINE`] whose every storage holds `fill(id)` bytes.
     fn session(config: &str) -> Session {
-        let mut s = Session::new(PIPELINE, config, "json", "p", DeviceSpec::Sim, TorchCuda::default()).unwrap();
+        let mut s = Session::new(PIPELINE, config, "json", "p", DeviceSpec::Sim, TorchCuda::default(), None).unwrap();
         for (id, len, _) in s.storages() {
             s.write_storage(id, &vec![id as u8 + 1; len as usize]).unwrap();
         }
@@ -565,7 +576,7 @@ mod tests {
     #[test]
     fn a_session_refuses_bad_input_before_anything_moves() {
         let layer = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
-        let mut s = Session::new(PIPELINE, layer, "json", "p", DeviceSpec::Sim, TorchCuda::default()).unwrap();
+        let mut s = Session::new(PIPELINE, layer, "json", "p", DeviceSpec::Sim, TorchCuda::default(), None).unwrap();
         s.write_storage(0, &[1; 256]).unwrap();
         assert_eq!(
             s.enable(),
@@ -577,7 +588,7 @@ mod tests {
         );
         assert!(!s.is_enabled());
         let Err(CoreError::Config(_)) =
-            Session::new(PIPELINE, r#"{"x": 1}"#, "json", "p", DeviceSpec::Sim, TorchCuda::default())
+            Session::new(PIPELINE, r#"{"x": 1}"#, "json", "p", DeviceSpec::Sim, TorchCuda::default(), None)
         else {
             panic!("a bad config was accepted")
         };

@@ -22,6 +22,12 @@ create_exception!(
     Error,
     "A device that cannot be used: unknown, absent, or not in torch's CUDA context."
 );
+create_exception!(
+    weightferry,
+    CheckpointError,
+    Error,
+    "A checkpoint that cannot be read or does not match the pipeline."
+);
 
 fn raise(e: CoreError) -> PyErr {
     match e {
@@ -30,6 +36,7 @@ fn raise(e: CoreError) -> PyErr {
         CoreError::Plan(m) => PlanError::new_err(m),
         CoreError::Offload(m) => OffloadError::new_err(m),
         CoreError::Device(m) => DeviceError::new_err(m),
+        CoreError::Checkpoint(m) => CheckpointError::new_err(m),
         CoreError::Internal(m) => Error::new_err(m),
     }
 }
@@ -106,10 +113,11 @@ impl PySession {
     /// opens `device` (`"sim"`, `"cuda"` meaning `cuda:{default_cuda}`, or `"cuda:N"`; `DeviceError`) and builds a
     /// zero-filled host model. On CUDA, `torch_stream` is torch's current stream on the device (its
     /// `cuda_stream`), `probe_ptr` the `data_ptr()` of a live torch tensor there (the shared-context check) and
-    /// `free_bytes` the device's free memory (for `device_budget = "auto"`).
+    /// `free_bytes` the device's free memory (for `device_budget = "auto"`). With `checkpoint` (a safetensors file or
+    /// sharded folder) and `component`, every storage is read from the file (`CheckpointError` on a mismatch).
     #[new]
     #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim", default_cuda = 0,
-        torch_stream = 0, probe_ptr = 0, free_bytes = 0))]
+        torch_stream = 0, probe_ptr = 0, free_bytes = 0, checkpoint = None, component = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -122,6 +130,8 @@ impl PySession {
         torch_stream: u64,
         probe_ptr: u64,
         free_bytes: u64,
+        checkpoint: Option<&str>,
+        component: Option<&str>,
     ) -> PyResult<PySession> {
         let name = name.unwrap_or("<python>");
         let torch = api::TorchCuda { stream: torch_stream, probe_ptr, free_bytes };
@@ -129,7 +139,16 @@ impl PySession {
             .detach(|| {
                 guarded("Session", || {
                     let spec = api::parse_device(device, default_cuda)?;
-                    api::Session::new(pipeline_json, config, config_format, name, spec, torch)
+                    let checkpoint = match (checkpoint, component) {
+                        (Some(path), Some(component)) => Some((path, component)),
+                        (None, None) => None,
+                        _ => {
+                            return Err(CoreError::Checkpoint(
+                                "a checkpoint needs both its path and the component it fills".into(),
+                            ))
+                        }
+                    };
+                    api::Session::new(pipeline_json, config, config_format, name, spec, torch, checkpoint)
                 })
             })
             .map_err(raise)?;
@@ -254,6 +273,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PlanError", py.get_type::<PlanError>())?;
     m.add("OffloadError", py.get_type::<OffloadError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add_class::<PySession>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;

@@ -6,19 +6,31 @@ Public API:
 - :func:`plan` — the resolved offload plan of a pipeline under a config (the JSON of
   ``weightferry plan --json``), touching nothing.
 - :func:`describe` — a torch pipeline as a pipeline description (the JSON format of the README).
-- :func:`enable` — offloads a pipeline on the simulated device (``device="sim"``; CUDA is not built yet) and
-  returns a :class:`Handle` (``disable()``, ``stats()``, a context manager).
+- :func:`enable` — offloads a pipeline on a CUDA GPU (``device="cuda"``) or the simulated device (``"sim"``),
+  optionally reading its weights from a safetensors checkpoint, and returns a :class:`Handle` (``disable()``,
+  ``stats()``, a context manager).
 - :func:`check_config` — validates a config and names the strategy it selects.
 - :class:`Error` and its subclasses :class:`ConfigError`, :class:`PipelineError`, :class:`PlanError`,
-  :class:`OffloadError`, :class:`DeviceError`; :class:`WeightferryWarning` for the resolver's warnings.
+  :class:`OffloadError`, :class:`DeviceError`, :class:`CheckpointError`; :class:`WeightferryWarning` for the
+  resolver's warnings.
 """
 
-from ._core import ConfigError, DeviceError, Error, OffloadError, PipelineError, PlanError, __version__
+from ._core import (
+    CheckpointError,
+    ConfigError,
+    DeviceError,
+    Error,
+    OffloadError,
+    PipelineError,
+    PlanError,
+    __version__,
+)
 from ._describe import describe
 from ._enable import Handle, enable
 from ._plan import WeightferryWarning, check_config, plan
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DeviceError",
     "Error",

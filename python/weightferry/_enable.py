@@ -49,13 +49,15 @@ class _View:
 
     __slots__ = ("tensor", "path", "dtype", "shape", "strides", "offset")
 
-    def __init__(self, tensor, path):
+    def __init__(self, tensor, path, like=None):
+        """``like``: the tensor whose geometry this object takes (a meta tensor it replaced), else its own."""
+        like = tensor if like is None else like
         self.tensor = tensor
         self.path = path
-        self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
-        self.strides = tuple(tensor.stride())
-        self.offset = tensor.storage_offset()
+        self.dtype = like.dtype
+        self.shape = tuple(like.shape)
+        self.strides = tuple(like.stride())
+        self.offset = like.storage_offset()
 
 
 def _storage_bytes(tensor):
@@ -413,11 +415,12 @@ class Handle:
         return False
 
 
-def _check_tensors(bound):
-    """Refuses (``PipelineError``) a tensor that is not on the CPU: the host masters are made from CPU tensors."""
+def _check_tensors(bound, allowed=("cpu",)):
+    """Refuses (``PipelineError``) a tensor that is not on the CPU: the host masters are made from CPU tensors (with a
+    checkpoint, ``meta`` tensors are fine too: their bytes come from the file)."""
     for path, (module, name) in bound.items():
         t = getattr(module, name)
-        if t.device.type != "cpu":
+        if t.device.type not in allowed:
             raise _core.PipelineError(
                 f"tensor '{path}' is on {t.device}; weightferry offloads a pipeline whose weights are on the CPU "
                 "(move it there with .to('cpu') before enable)"
@@ -443,14 +446,15 @@ def _cuda_index(device):
     return index
 
 
-def _open_session(desc_json, text, fmt, name, device):
+def _open_session(desc_json, text, fmt, name, device, checkpoint=None):
     """The Rust session on ``device`` and its binder; on CUDA also (torch's raw stream, a reader of the current
-    one)."""
+    one). ``checkpoint`` is ``(path, component)`` or ``None``."""
     if not isinstance(device, str):
         device = str(device)  # a torch.device
     index = _cuda_index(device)
+    ckpt = tuple(checkpoint) if checkpoint is not None else ()
     if index is None:
-        session = _Session(desc_json, text, fmt, name, device)
+        session = _Session(desc_json, text, fmt, name, device, *((0, 0, 0, 0) + ckpt if ckpt else ()))
         return session, _SimBinder(session), None
     import torch
 
@@ -460,12 +464,56 @@ def _open_session(desc_json, text, fmt, name, device):
     probe = torch.empty(1, dtype=torch.uint8, device=dev)  # a torch allocation, for the shared-context check
     torch.cuda.empty_cache()  # device_budget = "auto" plans from the free memory, with torch's cache given back
     free, _total = torch.cuda.mem_get_info(index)
-    session = _Session(desc_json, text, fmt, name, device, index, stream, probe.data_ptr(), free)
+    session = _Session(desc_json, text, fmt, name, device, index, stream, probe.data_ptr(), free, *ckpt)
     del probe
     return session, _CudaBinder(session, dev), (stream, current)
 
 
-def enable(pipeline, config, device="sim", *, name=None):
+def _materialize_meta(bound):
+    """Replaces every ``meta`` tensor of the pipeline by an empty CPU tensor of its dtype (a ``Parameter`` with its
+    ``requires_grad`` for a parameter; one new object per old one, so tied attributes stay tied): a meta tensor
+    cannot take CPU data (``.data`` refuses the type change). Returns the undo list ``[(module, attr, old)]``."""
+    import torch
+    import torch.nn as nn
+
+    new_of, undo = {}, []
+    for module, attr in bound.values():
+        old = getattr(module, attr)
+        if old.device.type != "meta":
+            continue
+        new = new_of.get(id(old))
+        if new is None:
+            empty = torch.empty(0, dtype=old.dtype)
+            new = nn.Parameter(empty, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else empty
+            new_of[id(old)] = new
+        table = module._parameters if attr in module._parameters else module._buffers
+        undo.append((table, attr, old))
+        table[attr] = new
+    return undo
+
+
+def _checkpoint_component(desc, checkpoint):
+    """``(path, component)`` for ``checkpoint=``: the one component the file fills."""
+    import os
+
+    try:
+        path = os.fspath(checkpoint)
+    except TypeError:
+        raise _core.CheckpointError(
+            f"checkpoint must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got "
+            f"{type(checkpoint).__name__}"
+        ) from None
+    modules = list(desc.get("modules", {}))
+    if len(modules) != 1 or desc.get("tensors"):
+        raise _core.PipelineError(
+            f"checkpoint= fills one component, but pipeline {desc['class']} has "
+            f"{', '.join(modules) or 'no components'}{' and tensors of its own' if desc.get('tensors') else ''}; "
+            "pass the module the file holds alone, e.g. {'transformer': model}"
+        )
+    return str(path), modules[0]
+
+
+def enable(pipeline, config, device="sim", *, name=None, checkpoint=None):
     """Offloads ``pipeline``'s weights under ``config`` and returns a :class:`Handle`.
 
     ``pipeline`` and ``config`` are what :func:`weightferry.plan` takes. ``device`` is ``"cuda"`` (torch's current
@@ -473,6 +521,12 @@ def enable(pipeline, config, device="sim", *, name=None):
     pipeline's tensors must be on the CPU. On CUDA the pipeline runs on torch's current stream at enable (a forward
     on another stream raises :class:`weightferry.OffloadError`); the caller moves the inputs to the device, and
     every tensor the plan keeps on the device (the fixed placement) is there after enable.
+
+    ``checkpoint`` (a ``.safetensors`` file, or a folder with a ``*.safetensors.index.json``) fills a pipeline of one
+    component (e.g. ``{"transformer": model}`` with the model built on the ``meta`` device) from the file: the
+    component's tensor ``K`` is the file's tensor ``K``, every one checked by name, dtype and shape before a byte is
+    read (:class:`weightferry.CheckpointError` naming the file and the tensor otherwise), and the weights never pass
+    through torch. After :meth:`Handle.disable` the module holds them as ordinary CPU tensors.
 
     The plan is resolved first, so a bad config or pipeline raises :class:`weightferry.ConfigError`,
     :class:`weightferry.PipelineError` or :class:`weightferry.PlanError` with the CLI's message before anything
@@ -490,14 +544,18 @@ def enable(pipeline, config, device="sim", *, name=None):
             f"pipeline {desc['class']} is already enabled by weightferry (one of its tensors is offloaded); call "
             "disable() on its handle first"
         )
+    ckpt = _checkpoint_component(desc, checkpoint) if checkpoint is not None else None
     session, binder, stream = _open_session(
-        json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device
+        json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt
     )
-    _check_tensors(bound)
+    _check_tensors(bound, ("cpu", "meta") if ckpt else ("cpu",))
     report = json.loads(session.plan_json())
     for message in report.get("warnings", []):
         warnings.warn(message, WeightferryWarning, stacklevel=2)
 
+    # With a checkpoint, meta tensors become empty CPU tensors first (undone on failure); their bytes come from the file.
+    meta_undo = _materialize_meta(bound) if ckpt else []
+    replaced = {id(table[attr]): old for table, attr, old in meta_undo}
     paths = dict(session.tensor_storages())
     if set(paths) != set(bound):
         raise _core.Error("internal error: the description's tensors and the pipeline's differ")
@@ -507,7 +565,7 @@ def enable(pipeline, config, device="sim", *, name=None):
         key = (paths[path], id(t))
         if key not in seen:  # a tensor object registered twice (a tied attribute) is bound once
             seen.add(key)
-            views.setdefault(paths[path], []).append(_View(t, path))
+            views.setdefault(paths[path], []).append(_View(t, path, replaced.get(id(t))))
     nbytes, streamed_by = {}, {}
     for sid, size, unit in session.storages():
         nbytes[sid] = size
@@ -519,14 +577,23 @@ def enable(pipeline, config, device="sim", *, name=None):
     # holds about one copy of the weights throughout (plus the masters of one batch while the backend builds them).
     # From its write on, the session holds a storage's only copy: any failure rebuilds the tensors from it.
     released = []
+    # With a checkpoint the session read every storage from the file: the tensors keep their (empty) data until
+    # enable succeeded, and a failure gives back the module's own meta tensors.
+    originals = [(v.tensor, v.tensor.data) for vs in views.values() for v in vs] if ckpt else []
     try:
         for sid, vs in views.items():
+            if ckpt:
+                break
             _write_storage(session, sid, vs[0].tensor, nbytes[sid])
             released.append(sid)
             for view in vs:
                 _bind(view, _placeholder(view))
         if not session.enable():
             handle._restore(released)
+            for tensor, data in originals:
+                tensor.data = data
+            for table, attr, old in meta_undo:
+                table[attr] = old
             warnings.warn(
                 f"weightferry offloads nothing: {report.get('skip_reason') or 'the config disables offload'}",
                 WeightferryWarning,
@@ -543,6 +610,10 @@ def enable(pipeline, config, device="sim", *, name=None):
             session.disable()
         except _core.Error as e:  # the original failure is the one to raise
             warnings.warn(f"weightferry: disabling after a failed enable also failed: {e}", WeightferryWarning)
+        for tensor, data in originals:
+            tensor.data = data
+        for table, attr, old in meta_undo:
+            table[attr] = old
         handle._restore(released)
         handle._disabled = True
         raise

@@ -1,0 +1,128 @@
+"""``weightferry.enable(..., checkpoint=PATH)`` on ``device="sim"``: a diffusers transformer built on the ``meta``
+device is filled from a safetensors file (one file, and a sharded folder with its index) without the weights
+passing through torch, bit-identical to the module the file was saved from; a file that does not match (a missing
+tensor, another shape) raises ``CheckpointError`` naming the file and the tensor, with the module left as it was;
+a pipeline of several components is refused."""
+
+import json
+
+import diffusers
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import weightferry as wf
+
+BF16 = torch.bfloat16
+CONFIG = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=3, attention_head_dim=16,
+              num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+LAYER = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+                                      "layer_options": {"dit": {"prefetch_depth": 2}}}}
+pytestmark = pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+
+
+def reference():
+    torch.manual_seed(0)
+    return diffusers.FluxTransformer2DModel(**CONFIG).to(BF16).eval()
+
+
+def on_meta():
+    with torch.device("meta"):
+        return diffusers.FluxTransformer2DModel(**CONFIG).to(BF16).eval()
+
+
+def inputs():
+    g = torch.Generator().manual_seed(3)
+    x = dict(hidden_states=torch.randn(1, 16, 8, generator=g), encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
+             pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
+             img_ids=torch.randn(16, 3, generator=g), txt_ids=torch.randn(7, 3, generator=g))
+    return {k: v.to(BF16) if k not in ("img_ids", "txt_ids") else v for k, v in x.items()}
+
+
+def forward(m, x):
+    with torch.no_grad():
+        return m(**x, return_dict=False)[0]
+
+
+def weights(m):
+    return {k: t.detach().clone() for k, t in m.state_dict().items()}
+
+
+def save_sharded(state, folder, cut):
+    """Two shards: the first ``cut`` names (sorted) in one file, the rest in the other, and the index."""
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[:cut], "model-00002-of-00002.safetensors": names[cut:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(folder / file))
+        weight_map.update({k: file for k in keys})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_a_meta_transformer_is_filled_from_the_checkpoint(tmp_path, layout):
+    ref = reference()
+    x = inputs()
+    expected = forward(ref, x)
+    state = weights(ref)
+    if layout == "file":
+        path = tmp_path / "transformer.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    else:
+        path = tmp_path
+        save_sharded(state, tmp_path, len(state) // 2)
+    m = on_meta()
+    assert all(p.device.type == "meta" for p in m.parameters())
+    with wf.enable({"transformer": m}, LAYER, checkpoint=path) as h:
+        assert h.enabled
+        for _ in range(2):
+            assert torch.equal(forward(m, x), expected)
+    # Disabled: the module holds the checkpoint's weights as ordinary CPU tensors.
+    got = m.state_dict()
+    assert set(got) == set(state)
+    for k, v in state.items():
+        assert got[k].device.type == "cpu" and torch.equal(got[k], v), k
+    assert torch.equal(forward(m, x), expected)
+
+
+def test_a_checkpoint_that_does_not_match_raises_and_leaves_the_module(tmp_path):
+    state = weights(reference())
+    missing = dict(state)
+    gone = "single_transformer_blocks.1.proj_out.weight"
+    del missing[gone]
+    path = tmp_path / "missing.safetensors"
+    save_file({k: v.contiguous() for k, v in missing.items()}, str(path))
+    m = on_meta()
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.enable({"transformer": m}, LAYER, checkpoint=path)
+    assert str(path) in str(e.value) and gone in str(e.value)
+    assert all(p.device.type == "meta" for p in m.parameters())
+    assert not any(mod._forward_pre_hooks for mod in m.modules())
+
+    reshaped = dict(state)
+    reshaped["proj_out.weight"] = torch.zeros(3, 3, dtype=BF16)
+    path = tmp_path / "reshaped.safetensors"
+    save_file({k: v.contiguous() for k, v in reshaped.items()}, str(path))
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.enable({"transformer": m}, LAYER, checkpoint=path)
+    assert "proj_out.weight" in str(e.value) and "[3, 3]" in str(e.value)
+    assert all(p.device.type == "meta" for p in m.parameters())
+
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.enable({"transformer": m}, LAYER, checkpoint=tmp_path / "absent.safetensors")
+    assert "absent.safetensors" in str(e.value)
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.enable({"transformer": m}, LAYER, checkpoint=42)
+    assert str(e.value) == (
+        "checkpoint must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got int"
+    )
+
+
+def test_a_checkpoint_fills_one_component():
+    m = on_meta()
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable({"transformer": m, "transformer_2": on_meta()}, LAYER, checkpoint="x.safetensors")
+    assert str(e.value) == (
+        "checkpoint= fills one component, but pipeline dict has transformer, transformer_2; pass the module the "
+        "file holds alone, e.g. {'transformer': model}"
+    )
