@@ -227,6 +227,8 @@ pub struct Session {
     streamed: BTreeMap<StorageId, String>,
     written: BTreeSet<StorageId>,
     plan: String,
+    /// How errors name the pipeline.
+    name: String,
 }
 
 impl std::fmt::Debug for Session {
@@ -286,7 +288,17 @@ impl Session {
             _ => (HostModel::zeroed(platform.clone(), desc).map_err(offload_err)?, BTreeSet::new()),
         };
         let backend = get_offload_backend(&config, platform, None).map_err(offload_err)?;
-        Ok(Session { device, compute, model, backend, hooks: HookRegistry::new(), streamed, written, plan })
+        Ok(Session {
+            device,
+            compute,
+            model,
+            backend,
+            hooks: HookRegistry::new(),
+            streamed,
+            written,
+            plan,
+            name: name.to_string(),
+        })
     }
 
     /// The plan report as JSON (what [`plan_json`] returns for the same arguments).
@@ -344,6 +356,27 @@ impl Session {
         let Some(backend) = self.backend.as_mut() else { return Ok(false) };
         backend.enable(&mut self.model, &self.hooks, self.compute).map_err(offload_err)?;
         Ok(backend.is_enabled())
+    }
+
+    /// Retunes the enabled backend to `config` (read as in [`load_config`]; `device_budget = "auto"` resolved from
+    /// `free_bytes`, or the sim's capacity): prefetch depths, resident layers and the device budget change without
+    /// rebuilding host masters or the fixed placement; a config that would offload other components or blocks is
+    /// refused before anything changes (see `StreamingBackend::retune`). Returns the new plan report as JSON.
+    pub fn retune(&mut self, config: &str, config_format: &str, free_bytes: u64) -> Result<String, CoreError> {
+        let mut config = load_config(config, config_format)?;
+        let free = if self.device.sim().is_some() { SimConfig::default().device_capacity } else { free_bytes };
+        config.resolve_auto_budget(free);
+        let name = self.name.clone();
+        let report = PlanReport::resolve(&name, self.model.desc(), &config)
+            .map_err(|e| CoreError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
+        let plan = serde_json::to_string(&report)
+            .map_err(|e| CoreError::Internal(format!("cannot encode the plan report: {e}")))?;
+        let Some(backend) = self.backend.as_mut().filter(|b| b.is_enabled()) else {
+            return Err(CoreError::Offload("retune needs an enabled offload; nothing is offloaded now".into()));
+        };
+        backend.retune(config, &self.model, &self.hooks, self.compute).map_err(offload_err)?;
+        self.plan = plan.clone();
+        Ok(plan)
     }
 
     /// Whether the backend is enabled.

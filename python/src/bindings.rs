@@ -192,6 +192,13 @@ impl PySession {
         self.run(py, "Session.enable", api::Session::enable)
     }
 
+    /// Retunes the enabled backend to a new config (`config_format` as for `plan`; `free_bytes` for an auto budget
+    /// on CUDA): depths, resident layers, budget, masters kept. Returns the new plan report as JSON text.
+    #[pyo3(signature = (config, config_format = "json", free_bytes = 0))]
+    fn retune(&self, py: Python<'_>, config: &str, config_format: &str, free_bytes: u64) -> PyResult<String> {
+        self.run(py, "Session.retune", |s| s.retune(config, config_format, free_bytes))
+    }
+
     /// Whether the backend is enabled.
     fn is_enabled(&self, py: Python<'_>) -> PyResult<bool> {
         self.run(py, "Session.is_enabled", |s| Ok(s.is_enabled()))

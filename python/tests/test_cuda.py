@@ -142,3 +142,14 @@ def test_a_tiny_diffusers_flux_transformer_is_bit_identical():
             with torch.no_grad():
                 got = model(**on_gpu, return_dict=False)[0].cpu()
             assert torch.equal(got, expected)
+
+
+def test_retune_on_cuda_rebinds_to_the_new_slots():
+    expected = resident()
+    p = pipe()
+    with wf.enable(p, layer(1), device="cuda") as h:
+        assert_outputs_equal(run_on(p, CUDA), expected)
+        h.retune(prefetch_depth=3)
+        assert_outputs_equal(run_on(p, CUDA), expected)
+        h.retune(device_budget="auto")  # the GPU's free memory: every block fits, so all are resident
+        assert_outputs_equal(run_on(p, CUDA), expected)

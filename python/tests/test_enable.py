@@ -458,3 +458,54 @@ def test_an_auto_budget_is_planned_from_the_device_at_enable():
         assert report["budget"]["budget"] == (64 << 30) - (64 << 30) // 10
         assert_outputs_equal(run(p), expected)
     assert snapshot(p) == before
+
+
+def dit_stack(plan):
+    (c,) = [c for c in plan["components"] if c["kind"] == "dit"]
+    (s,) = c["stacks"]
+    return s
+
+
+def test_retune_changes_depth_and_budget_keeping_the_masters():
+    p = pipe(6)
+    expected = run(p)
+    before = snapshot(p)
+    with wf.enable(p, layer(1)) as h:
+        assert_outputs_equal(run(p), expected)
+        masters = h.stats()["master_host_bytes"]
+        deeper = h.retune(prefetch_depth=3)
+        assert dit_stack(deeper)["prefetch_depth"] == 3
+        assert_outputs_equal(run(p), expected)
+        # A budget with room for what depth 3 needs and one more block: the planner keeps one of the six resident.
+        block = dit_stack(deeper)["max_streaming_block_bytes"]
+        stack = dit_stack(h.retune(device_budget=deeper["device_weight_bytes"] + block))
+        assert (stack["resident"], stack["streaming"]) == (1, 5)
+        assert_outputs_equal(run(p), expected)
+        h.retune(layer(2))
+        assert_outputs_equal(run(p), expected)
+        assert h.stats()["master_host_bytes"] == masters
+        assert h._session.hazard_violations() == []
+        # What is offloaded cannot change: refused, and the pipeline still runs as it was.
+        with pytest.raises(wf.OffloadError) as e:
+            h.retune({"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}})
+        assert "retune can change prefetch depths, resident layers and the device budget, not which components" in (
+            str(e.value))
+        with pytest.raises(wf.ConfigError):
+            h.retune(prefetch_depth=0)
+        assert_outputs_equal(run(p), expected)
+    assert snapshot(p) == before
+    with pytest.raises(wf.OffloadError) as e:
+        h.retune(prefetch_depth=2)
+    assert str(e.value) == "retune needs an enabled handle; this one is disabled or offloads nothing"
+
+
+def test_retune_changes_resident_layers():
+    p = pipe(6)
+    expected = run(p)
+    with wf.enable(p, layer(1, resident_layers=1)) as h:
+        assert dit_stack(h.retune(resident_layers=3))["resident"] == 3
+        assert_outputs_equal(run(p), expected)
+        # Without resident layers the strategy itself would change (distributed_layer -> layer): refused.
+        with pytest.raises(wf.OffloadError):
+            h.retune(resident_layers=0)
+        assert_outputs_equal(run(p), expected)

@@ -243,6 +243,8 @@ class Handle:
         self._stream = stream
         self._slot_of = {}  # unit module path -> (buffer, base) its tensors view now
         self._clock = _HookClock()
+        self._config = None  # the config dict given to enable (or the last retune), for retune's keyword edits
+        self._broken = None  # why the hooks refuse to run (a retune that failed half-way), else None
         self._views = views  # storage id -> [_View]
         self._nbytes = nbytes  # storage id -> bytes
         self._streamed_by = streamed_by  # unit module path -> [storage id]
@@ -273,6 +275,8 @@ class Handle:
         def hook(module, args):
             start = time.perf_counter_ns()
             try:
+                if self._broken is not None:
+                    raise _core.OffloadError(self._broken)
                 if self._stream is not None:
                     self._check_stream()
                 residency = self._session.pre_forward(path)
@@ -406,6 +410,58 @@ class Handle:
         report["stalls"] = sum(s.get("sync_fetches", 0) for s in stacks)
         report["hooks"] = self._clock.summary()
         return report
+
+    def retune(self, config=None, *, prefetch_depth=None, resident_layers=None, device_budget=None):
+        """Changes the DiT's prefetch depth, its resident layers and the device budget without rebuilding host
+        masters or the fixed placement, and returns the new plan (the dict :func:`weightferry.plan` gives).
+
+        ``config`` is a whole new config (dict or path, same vocabulary); without it the keywords edit the config
+        dict given to :func:`enable` (``layer_options.dit.prefetch_depth``, ``layer_options.dit.resident_layers``,
+        ``device_budget``; ``device_budget="auto"`` is planned from the device's free memory now). A config that
+        would offload other components or blocks raises :class:`weightferry.OffloadError` and changes nothing
+        (disable and enable instead); a bad config raises :class:`weightferry.ConfigError` /
+        :class:`weightferry.PlanError`. Each streamed block is rebound to its new slot at its next forward."""
+        if not self.enabled:
+            raise _core.OffloadError("retune needs an enabled handle; this one is disabled or offloads nothing")
+        edits = {"prefetch_depth": prefetch_depth, "resident_layers": resident_layers}
+        if config is None:
+            if self._config is None:
+                raise _core.ConfigError(
+                    "invalid config: <root>: retune(prefetch_depth=..., resident_layers=..., device_budget=...) "
+                    "edits the config dict given to enable, but this handle was enabled from a file; pass the new "
+                    "config to retune instead"
+                )
+            config = json.loads(json.dumps(self._config))
+        if any(v is not None for v in edits.values()) or device_budget is not None:
+            if not isinstance(config, dict):
+                raise _core.ConfigError("invalid config: <root>: retune's keywords edit a config dict, not a path")
+            config = json.loads(json.dumps(config))
+            dcfg = config.setdefault("diffusion_offload_config", {})
+            for key, value in edits.items():
+                if value is not None:
+                    dcfg.setdefault("layer_options", {}).setdefault("dit", {})[key] = value
+            if device_budget is not None:
+                dcfg["device_budget"] = device_budget
+        text, fmt = _config_arg(config)
+        free = 0
+        if self._stream is not None:
+            import torch
+
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(self._binder.device)[0]
+        try:
+            plan = self._session.retune(text, fmt, free)
+        except _core.Error:
+            if not self._session.hooked_modules():
+                self._broken = (
+                    "a retune failed after the old block stacks were taken down, so this pipeline has no offload "
+                    "hooks; call disable() (which restores every weight) and enable again"
+                )
+            raise
+        self._slot_of.clear()  # the slots are new: every streamed block is bound again at its next forward
+        self._binder.clear()
+        self._config = config if isinstance(config, dict) else None
+        return json.loads(plan)
 
     def __enter__(self):
         return self
@@ -572,6 +628,7 @@ def enable(pipeline, config, device="sim", *, name=None, checkpoint=None):
         if unit is not None:
             streamed_by.setdefault(unit, []).append(sid)
     handle = Handle(session, views, nbytes, streamed_by, modules, binder, stream)
+    handle._config = json.loads(text) if fmt == "json" else None
 
     # Storage by storage, the bytes go to the session and torch's own host copy is given up at once, so host memory
     # holds about one copy of the weights throughout (plus the masters of one batch while the backend builds them).
