@@ -167,6 +167,9 @@ def variant(args):
         res["streamed_per_step"] = streamed / args.steps
         res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
         res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "pinned") if k in after}
+        hook_ms = after["hooks"]["total_ms"] - before["hooks"]["total_ms"]
+        res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / args.steps)
+        res["hook_share"] = hook_ms / 1e3 / args.steps / res["step_s"]
     elif v.startswith("group"):
         res["streamed_per_step"] = sum(
             t.numel() * t.element_size() for n, t in model.named_parameters() if "blocks." in n
@@ -190,6 +193,11 @@ def table(results):
         print(f"{r['variant']:<14}{r['step_s']:>9.4f}{bound:>9.4f}{ratio:>8.3f}{r['streamed_per_step'] / 1e9:>9.2f}"
               f"{h2d / 1e9:>10.1f}{r['rss_after_enable'] / 1e9:>8.1f}{r['peak_rss'] / 1e9:>9.1f}"
               f"{r['device_used'] / 1e9:>8.1f}{r['enable_s']:>9.1f}  {r.get('bit_exact')}")
+    for r in results:
+        if "hook_share" in r:
+            h = r["hooks"]
+            print(f"{r['variant']}: hooks {h['per_step_ms']:.3f} ms per step = {100 * r['hook_share']:.3f}% of the step "
+                  f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls)")
     if results:
         print(f"weights: {results[0]['weight_bytes'] / 1e9:.2f} GB ({results[0]['model']})")
 

@@ -153,3 +153,18 @@ def test_retune_on_cuda_rebinds_to_the_new_slots():
         assert_outputs_equal(run_on(p, CUDA), expected)
         h.retune(device_budget="auto")  # the GPU's free memory: every block fits, so all are resident
         assert_outputs_equal(run_on(p, CUDA), expected)
+
+
+def test_a_meta_transformer_from_a_checkpoint_runs_on_cuda(tmp_path):
+    pytest.importorskip("diffusers")
+    from safetensors.torch import save_file
+    from test_checkpoint import LAYER, forward, inputs, on_meta, reference
+
+    ref = reference()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "t.safetensors"))
+    x = {k: v.to(CUDA) for k, v in inputs().items()}
+    expected = forward(ref.to(CUDA), x).cpu()
+    m = on_meta()
+    with wf.enable({"transformer": m}, LAYER, device="cuda", checkpoint=tmp_path / "t.safetensors"):
+        for _ in range(2):
+            assert torch.equal(forward(m, x).cpu(), expected)

@@ -414,7 +414,7 @@ def test_a_dict_and_a_root_module_pipeline_bind_by_their_paths():
 def test_stats_total_the_stacks_and_time_the_hooks():
     p = pipe()
     with wf.enable(p, layer(2)) as h:
-        assert h.stats()["hooks"] == {"calls": 0, "p50_us": None, "p99_us": None, "max_us": None}
+        assert h.stats()["hooks"] == {"calls": 0, "p50_us": None, "p99_us": None, "max_us": None, "total_ms": 0.0}
         run(p, steps=3)
         s = h.stats()
         assert s["bytes_streamed"] == sum(st["h2d_bytes"] for st in s["stacks"]) > 0
@@ -426,7 +426,7 @@ def test_stats_total_the_stacks_and_time_the_hooks():
         hooked = len(h._session.hooked_modules())
         hooks = s["hooks"]
         assert hooks["calls"] == 2 * (3 + 3 * 4 + (hooked - 7))
-        assert 0 < hooks["p50_us"] <= hooks["p99_us"] <= hooks["max_us"]
+        assert 0 < hooks["p50_us"] <= hooks["p99_us"] <= hooks["max_us"] <= hooks["total_ms"] * 1e3
 
 
 def test_the_hook_clock_keeps_a_fixed_ring():
@@ -437,6 +437,7 @@ def test_the_hook_clock_keeps_a_fixed_ring():
     s = clock.summary()
     # The ring holds the last 4096 samples (5904..9999): their median and 99th percentile.
     assert (s["p50_us"], s["p99_us"], s["max_us"]) == (7952 / 1e3, 9959 / 1e3, 9999 / 1e3)
+    assert s["total_ms"] == sum(range(10_000)) / 1e6
 
 
 def test_an_auto_budget_is_planned_from_the_device_at_enable():

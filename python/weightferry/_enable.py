@@ -214,22 +214,25 @@ class _HookClock:
         self.ring = array("q", bytes(8 * self.SAMPLES))
         self.calls = 0
         self.max_ns = 0
+        self.total_ns = 0
 
     def record(self, ns):
         self.ring[self.calls % self.SAMPLES] = ns
         self.calls += 1
+        self.total_ns += ns
         if ns > self.max_ns:
             self.max_ns = ns
 
     def summary(self):
         kept = sorted(self.ring[: min(self.calls, self.SAMPLES)])
         if not kept:
-            return {"calls": 0, "p50_us": None, "p99_us": None, "max_us": None}
+            return {"calls": 0, "p50_us": None, "p99_us": None, "max_us": None, "total_ms": 0.0}
 
         def pct(q):
             return kept[min(len(kept) - 1, int(q * len(kept)))] / 1e3
 
-        return {"calls": self.calls, "p50_us": pct(0.5), "p99_us": pct(0.99), "max_us": self.max_ns / 1e3}
+        return {"calls": self.calls, "p50_us": pct(0.5), "p99_us": pct(0.99), "max_us": self.max_ns / 1e3,
+                "total_ms": self.total_ns / 1e6}
 
 
 class Handle:
@@ -401,7 +404,7 @@ class Handle:
         ``pinned``; and the totals ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes``
         (fixed placement and every stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
         ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
-        4096 calls, ``max_us``)."""
+        4096 calls, ``max_us``, ``total_ms``)."""
         report = json.loads(self._session.report())
         stacks = report.get("stacks", [])
         report["bytes_streamed"] = sum(s.get("h2d_bytes", 0) for s in stacks)
