@@ -350,6 +350,33 @@ def test_a_tensor_off_the_cpu_is_a_pipeline_error_and_nothing_changed():
     assert all(len(m._forward_pre_hooks) == 0 for m in p.transformer.modules())
 
 
+class Wrapped(torch.Tensor):
+    """A tensor subclass, as quantization libraries make them."""
+
+
+def test_unsupported_layouts_and_tensor_subclasses_are_pipeline_errors_and_nothing_changed():
+    p = pipe(2)
+    before = snapshot(p)
+    p.vae.register_buffer("table", torch.eye(3).to_sparse())
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable(p, layer(2))
+    assert str(e.value) == (
+        "tensor 'vae.table' has layout torch.sparse_coo; weightferry offloads dense (strided) tensors only: make it "
+        "dense (.to_dense()) or leave its module out of the offloaded components"
+    )
+    del p.vae.table
+    assert snapshot(p) == before
+    p.transformer.blocks[0].fc.weight = nn.Parameter(torch.zeros(64, 64, dtype=BF16).as_subclass(Wrapped))
+    with pytest.raises(wf.PipelineError) as e:
+        wf.plan(p, layer(2))
+    assert str(e.value) == (
+        "tensor 'transformer.blocks.0.fc.weight' is a test_enable.Wrapped (a torch.Tensor subclass); weightferry "
+        "binds plain tensors only (quantized or distributed tensor subclasses are not supported): leave its module "
+        "out of the offloaded components"
+    )
+    assert all(len(m._forward_pre_hooks) == 0 for m in p.transformer.modules())
+
+
 def test_a_forward_that_raises_still_releases_its_block(monkeypatch):
     p = pipe(3)
     expected = run(p)

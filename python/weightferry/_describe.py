@@ -147,6 +147,20 @@ class _Describer:
         self.modules = {}
 
     def tensor(self, t, path, kind):
+        import torch
+
+        if t.layout != torch.strided:
+            raise _error(
+                f"tensor '{path}' has layout {t.layout}; weightferry offloads dense (strided) tensors only: make it "
+                "dense (.to_dense()) or leave its module out of the offloaded components"
+            )
+        data = t.data if isinstance(t, torch.nn.Parameter) else t
+        if type(data) is not torch.Tensor:
+            raise _error(
+                f"tensor '{path}' is a {type(data).__module__}.{type(data).__qualname__} (a torch.Tensor subclass); "
+                "weightferry binds plain tensors only (quantized or distributed tensor subclasses are not "
+                "supported): leave its module out of the offloaded components"
+            )
         dtype = self.dtypes.get(t.dtype)
         if dtype is None:
             raise _error(
