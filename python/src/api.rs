@@ -148,6 +148,40 @@ pub struct TorchCuda {
     pub free_bytes: u64,
 }
 
+/// What else a session is built with: a checkpoint to read the weights from, and (tests) faults to inject on the
+/// simulated device.
+#[derive(Debug, Clone, Default)]
+pub struct SessionOptions<'a> {
+    /// `(path, component)`: the description's tensor `<component>.K` is the file's tensor `K`.
+    pub checkpoint: Option<(&'a str, &'a str)>,
+    /// Faults the simulated device injects (ignored on CUDA): each fires once, at a counted call.
+    pub sim_faults: weightferry_actors::sim::FaultPlan,
+}
+
+/// Parses a fault plan for the simulated device from JSON: an object with any of `oom_at_alloc`,
+/// `fail_host_alloc`, `fail_h2d_copy`, `fail_h2d_copy_async`, `fail_event_sync`, `fail_d2h_copy` (each the 0-based
+/// count of the call that fails).
+pub fn parse_sim_faults(json: &str) -> Result<weightferry_actors::sim::FaultPlan, CoreError> {
+    let bad = |m: String| CoreError::Offload(format!("sim faults: {m}"));
+    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| bad(e.to_string()))?;
+    let obj = v.as_object().ok_or_else(|| bad("expected a JSON object".into()))?;
+    let mut plan = weightferry_actors::sim::FaultPlan::none();
+    for (k, v) in obj {
+        let n = v.as_u64().ok_or_else(|| bad(format!("{k}: expected a count")))?;
+        let slot = match k.as_str() {
+            "oom_at_alloc" => &mut plan.oom_at_alloc,
+            "fail_host_alloc" => &mut plan.fail_host_alloc,
+            "fail_h2d_copy" => &mut plan.fail_h2d_copy,
+            "fail_h2d_copy_async" => &mut plan.fail_h2d_copy_async,
+            "fail_event_sync" => &mut plan.fail_event_sync,
+            "fail_d2h_copy" => &mut plan.fail_d2h_copy,
+            other => return Err(bad(format!("unknown fault '{other}'"))),
+        };
+        *slot = Some(n);
+    }
+    Ok(plan)
+}
+
 /// The platform a session drives.
 enum Device {
     Sim(Arc<SimPlatform>),
@@ -157,11 +191,16 @@ enum Device {
 
 impl Device {
     /// Opens the device and names the compute stream: the simulated device's own, or torch's stream adopted.
-    fn open(spec: DeviceSpec, torch: TorchCuda) -> Result<(Device, PlatformRef, StreamId), CoreError> {
+    fn open(
+        spec: DeviceSpec,
+        torch: TorchCuda,
+        faults: weightferry_actors::sim::FaultPlan,
+    ) -> Result<(Device, PlatformRef, StreamId), CoreError> {
         match spec {
             DeviceSpec::Sim => {
                 let sim = Arc::new(
-                    SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).map_err(offload_err)?,
+                    SimPlatform::new(SimConfig { tracing: false, faults, ..SimConfig::default() })
+                        .map_err(offload_err)?,
                 );
                 let platform: PlatformRef = sim.clone();
                 let compute = platform.create_stream("compute").map_err(offload_err)?;
@@ -191,7 +230,7 @@ impl Device {
             }
             #[cfg(not(feature = "cuda"))]
             DeviceSpec::Cuda(_) => {
-                let _ = torch;
+                let _ = (torch, faults);
                 Err(CoreError::Device("this build of weightferry has no CUDA support".into()))
             }
         }
@@ -250,8 +289,9 @@ impl Session {
         name: &str,
         device: DeviceSpec,
         torch: TorchCuda,
-        checkpoint: Option<(&str, &str)>,
+        options: SessionOptions<'_>,
     ) -> Result<Session, CoreError> {
+        let checkpoint = options.checkpoint;
         let desc = Arc::new(load_pipeline(pipeline_json, name)?);
         let mut config = load_config(config, config_format)?;
         let free = match device {
@@ -278,7 +318,7 @@ impl Session {
             ),
             None => None,
         };
-        let (device, platform, compute) = Device::open(device, torch)?;
+        let (device, platform, compute) = Device::open(device, torch, options.sim_faults)?;
         let (model, written) = match (&opened, checkpoint) {
             (Some(ckpt), Some((_, component))) => {
                 let model = HostModel::from_checkpoint(platform.clone(), desc.clone(), ckpt, component)
@@ -561,7 +601,16 @@ mod tests {
 
     /// A session on [`PIPELINE`] whose every storage holds `fill(id)` bytes.
     fn session(config: &str) -> Session {
-        let mut s = Session::new(PIPELINE, config, "json", "p", DeviceSpec::Sim, TorchCuda::default(), None).unwrap();
+        let mut s = Session::new(
+            PIPELINE,
+            config,
+            "json",
+            "p",
+            DeviceSpec::Sim,
+            TorchCuda::default(),
+            SessionOptions::default(),
+        )
+        .unwrap();
         for (id, len, _) in s.storages() {
             s.write_storage(id, &vec![id as u8 + 1; len as usize]).unwrap();
         }
@@ -609,7 +658,16 @@ mod tests {
     #[test]
     fn a_session_refuses_bad_input_before_anything_moves() {
         let layer = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
-        let mut s = Session::new(PIPELINE, layer, "json", "p", DeviceSpec::Sim, TorchCuda::default(), None).unwrap();
+        let mut s = Session::new(
+            PIPELINE,
+            layer,
+            "json",
+            "p",
+            DeviceSpec::Sim,
+            TorchCuda::default(),
+            SessionOptions::default(),
+        )
+        .unwrap();
         s.write_storage(0, &[1; 256]).unwrap();
         assert_eq!(
             s.enable(),
@@ -620,9 +678,15 @@ mod tests {
             Err(CoreError::Offload("storage 1 holds 256 bytes, but 3 bytes were given for it".into()))
         );
         assert!(!s.is_enabled());
-        let Err(CoreError::Config(_)) =
-            Session::new(PIPELINE, r#"{"x": 1}"#, "json", "p", DeviceSpec::Sim, TorchCuda::default(), None)
-        else {
+        let Err(CoreError::Config(_)) = Session::new(
+            PIPELINE,
+            r#"{"x": 1}"#,
+            "json",
+            "p",
+            DeviceSpec::Sim,
+            TorchCuda::default(),
+            SessionOptions::default(),
+        ) else {
             panic!("a bad config was accepted")
         };
         assert_eq!(

@@ -115,9 +115,10 @@ impl PySession {
     /// `cuda_stream`), `probe_ptr` the `data_ptr()` of a live torch tensor there (the shared-context check) and
     /// `free_bytes` the device's free memory (for `device_budget = "auto"`). With `checkpoint` (a safetensors file or
     /// sharded folder) and `component`, every storage is read from the file (`CheckpointError` on a mismatch).
+    /// `sim_faults` (tests): a JSON fault plan for the simulated device (see `parse_sim_faults`).
     #[new]
     #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim", default_cuda = 0,
-        torch_stream = 0, probe_ptr = 0, free_bytes = 0, checkpoint = None, component = None))]
+        torch_stream = 0, probe_ptr = 0, free_bytes = 0, checkpoint = None, component = None, sim_faults = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -132,6 +133,7 @@ impl PySession {
         free_bytes: u64,
         checkpoint: Option<&str>,
         component: Option<&str>,
+        sim_faults: Option<&str>,
     ) -> PyResult<PySession> {
         let name = name.unwrap_or("<python>");
         let torch = api::TorchCuda { stream: torch_stream, probe_ptr, free_bytes };
@@ -148,7 +150,9 @@ impl PySession {
                             ))
                         }
                     };
-                    api::Session::new(pipeline_json, config, config_format, name, spec, torch, checkpoint)
+                    let sim_faults = sim_faults.map(api::parse_sim_faults).transpose()?.unwrap_or_default();
+                    let options = api::SessionOptions { checkpoint, sim_faults };
+                    api::Session::new(pipeline_json, config, config_format, name, spec, torch, options)
                 })
             })
             .map_err(raise)?;

@@ -537,3 +537,36 @@ def test_retune_changes_resident_layers():
         with pytest.raises(wf.OffloadError):
             h.retune(resident_layers=0)
         assert_outputs_equal(run(p), expected)
+
+
+@pytest.mark.parametrize("fault", ["oom_at_alloc", "fail_host_alloc", "fail_h2d_copy"])
+@pytest.mark.parametrize("config", [layer(2), MODEL], ids=["layer", "model"])
+def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_they_were(monkeypatch, fault, config):
+    p = pipe(3)
+    expected = run(p)
+    before = snapshot(p)
+    n = 0
+    while True:
+        monkeypatch.setattr(wf_enable, "_SIM_FAULTS", {fault: n})
+        try:
+            h = wf.enable(p, config)
+        except wf.OffloadError:
+            assert snapshot(p) == before, f"{fault} at call {n}"
+            n += 1
+            continue
+        # The first count past every such call of enable: enable succeeds (a later copy may still fail in a
+        # forward, which is not enable's business). A host allocation of disable itself may now fail: disable
+        # says so, keeps every weight, and a second call finishes.
+        try:
+            h.disable()
+        except wf.OffloadError as e:
+            assert fault == "fail_host_alloc" and "call disable again" in str(e), e
+            h.disable()
+        assert snapshot(p) == before
+        break
+    # Model-level enable copies nothing (components move at their phases): no copy of enable to fail there.
+    assert n > 0 or (fault == "fail_h2d_copy" and config is MODEL), "the fault never fired during enable"
+    monkeypatch.setattr(wf_enable, "_SIM_FAULTS", None)
+    with wf.enable(p, config):
+        assert_outputs_equal(run(p), expected)
+    assert snapshot(p) == before

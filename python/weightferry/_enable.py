@@ -34,6 +34,10 @@ __all__ = ["Handle", "enable"]
 # The session class; a seam for tests that inject failures after the session exists.
 _Session = _core.Session
 
+# Faults the simulated device injects (a dict such as {"oom_at_alloc": 3}, JSON-encoded for the session); a seam for
+# tests of enable's undo at every allocation. None in normal use.
+_SIM_FAULTS = None
+
 # Every tensor object an enabled handle manages (id -> weak reference; not a WeakSet, whose lookup compares
 # tensors with ``==``): a second enable over any of them is refused.
 _OFFLOADED = {}
@@ -513,7 +517,11 @@ def _open_session(desc_json, text, fmt, name, device, checkpoint=None):
     index = _cuda_index(device)
     ckpt = tuple(checkpoint) if checkpoint is not None else ()
     if index is None:
-        session = _Session(desc_json, text, fmt, name, device, *((0, 0, 0, 0) + ckpt if ckpt else ()))
+        if _SIM_FAULTS is not None:
+            faults = ckpt if ckpt else (None, None)
+            session = _Session(desc_json, text, fmt, name, device, 0, 0, 0, 0, *faults, json.dumps(_SIM_FAULTS))
+        else:
+            session = _Session(desc_json, text, fmt, name, device, *((0, 0, 0, 0) + ckpt if ckpt else ()))
         return session, _SimBinder(session), None
     import torch
 
