@@ -6,7 +6,9 @@
 //!
 //! Invariants: ops complete in enqueue order; an op's hazard entry is removed, and an event record's generation
 //! completed, before the op is counted complete, so anything ordered after it (by stream order, event, or
-//! synchronisation) never sees it pending; at shutdown the worker stops after its current op and discards the rest.
+//! synchronisation) never sees it pending; an op is registered with the hazard detector under the queue's lock, so
+//! the detector's stream order is the queue's order; at shutdown the worker stops after its current op and discards
+//! the rest; a closed queue (`destroy_stream`) takes no new op, and its worker exits once it ran every op it holds.
 
 use super::config::Direction;
 use super::event::GenStatus;
@@ -17,7 +19,7 @@ use super::memory::{BytesError, DeviceBuffer, HostBuffer};
 use super::stats::StatCounters;
 use super::trace::{TraceEvent, TraceKind};
 use super::Shared;
-use crate::platform::{EventId, HostBufferId, HostMemoryKind, PlatformError, PlatformResult};
+use crate::platform::{EventId, HostBufferId, HostMemoryKind, PlatformError, PlatformResult, StreamId};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{lock, thread, Arc, Condvar, Mutex};
 use std::collections::VecDeque;
@@ -55,10 +57,14 @@ struct QueueState {
     enqueued: u64,
     completed: u64,
     error: Option<PlatformError>,
+    /// Destroyed: no new op; the worker exits when `ops` is empty.
+    closed: bool,
 }
 
 /// A stream's queue, shared by the enqueuing threads and its worker.
 pub(crate) struct StreamQueue {
+    /// Its handle.
+    pub(crate) id: StreamId,
     /// Its name.
     pub(crate) name: String,
     /// Extra time per copy and kernel (the `slow_stream` fault).
@@ -74,23 +80,36 @@ struct Stopped;
 
 impl StreamQueue {
     /// An empty queue.
-    pub(crate) fn new(name: String, extra: Duration) -> Self {
+    pub(crate) fn new(id: StreamId, name: String, extra: Duration) -> Self {
         StreamQueue {
+            id,
             name,
             extra,
-            state: Mutex::new(QueueState { ops: VecDeque::new(), enqueued: 0, completed: 0, error: None }),
+            state: Mutex::new(QueueState {
+                ops: VecDeque::new(),
+                enqueued: 0,
+                completed: 0,
+                error: None,
+                closed: false,
+            }),
             cond: Condvar::new(),
             wait_nanos: AtomicU64::new(0),
             worker: Mutex::new(None),
         }
     }
 
-    /// Appends `op`. Fails once the platform is shutting down.
-    pub(crate) fn push(&self, shared: &Shared, op: Op) -> PlatformResult<()> {
+    /// Appends the op `make` builds. Fails (without calling `make`) once the platform is shutting down or the stream
+    /// was destroyed. `make` runs under the queue's lock (it registers the op with the hazard detector, whose stream
+    /// order must be this queue's order); it must not lock a queue.
+    pub(crate) fn push_with(&self, shared: &Shared, make: impl FnOnce() -> Op) -> PlatformResult<()> {
         let mut st = lock(&self.state);
         if shared.life.is_down() {
             return Err(shut_down_error());
         }
+        if st.closed {
+            return Err(PlatformError::InvalidHandle { what: "stream", id: u64::from(self.id.0) });
+        }
+        let op = make();
         st.ops.push_back(op);
         st.enqueued += 1;
         drop(st);
@@ -116,6 +135,21 @@ impl StreamQueue {
         }
     }
 
+    /// Closes the queue (`destroy_stream`): no new op is taken, and the worker exits once it ran the ops it holds.
+    pub(crate) fn close(&self) {
+        lock(&self.state).closed = true;
+        self.cond.notify_all();
+    }
+
+    /// After the worker exited: the stream's sticky error, or the shutdown error if it exited with ops not run.
+    pub(crate) fn final_status(&self) -> PlatformResult<()> {
+        let st = lock(&self.state);
+        if st.completed < st.enqueued {
+            return Err(shut_down_error());
+        }
+        st.error.clone().map_or(Ok(()), Err)
+    }
+
     /// Wakes the worker and every synchroniser (used at shutdown).
     pub(crate) fn wake_all(&self) {
         drop(lock(&self.state));
@@ -134,7 +168,8 @@ impl StreamQueue {
     }
 }
 
-/// The worker loop of `queue`: runs until the platform shuts down.
+/// The worker loop of `queue`: runs until the platform shuts down, or until the stream is destroyed and its queue
+/// is empty.
 pub(crate) fn run_worker(shared: Arc<Shared>, queue: Arc<StreamQueue>) {
     *lock(&queue.worker) = Some(thread::current());
     loop {
@@ -146,6 +181,9 @@ pub(crate) fn run_worker(shared: Arc<Shared>, queue: Arc<StreamQueue>) {
                 }
                 if let Some(op) = st.ops.pop_front() {
                     break (op, st.error.clone());
+                }
+                if st.closed {
+                    return;
                 }
                 st = wait(&queue.cond, st);
             }
@@ -208,7 +246,6 @@ fn copy(
         shared.hazards.complete(c.seq);
         return Ok(None);
     }
-    shared.hazards.start(c.seq);
     let t0 = Instant::now();
     let outcome = if c.inject_failure {
         Err("injected asynchronous copy failure".to_string())
@@ -267,7 +304,6 @@ fn kernel(
         shared.hazards.complete(seq);
         return Ok(None);
     }
-    shared.hazards.start(seq);
     let t0 = Instant::now();
     if !shared.life.sleep(q.extra) {
         shared.hazards.complete(seq);
