@@ -1096,3 +1096,49 @@ fn a_read_without_its_wait_is_reported_even_when_the_copy_finished_first() {
     p.copy_h2d(copy, h, 0, d, 0, 32).unwrap();
     assert_eq!(p.take_violations(), vec![]);
 }
+
+/// Host calls go by order too: reading device bytes, or freeing a buffer, after its copy finished but without
+/// synchronising with it is reported (the copy's completion was only seen through a poll); after an
+/// `event_synchronize` on this thread, or a `stream_synchronize`, it is not.
+#[test]
+fn host_reads_and_frees_without_synchronising_are_reported_even_when_the_copy_finished() {
+    let p = sim(quiet());
+    let copy = p.create_stream("copy").unwrap();
+    let h = host_with(&p, &[5; 16]);
+    let d = p.alloc_device(16).unwrap();
+    let ready = p.create_event().unwrap();
+    p.copy_h2d(copy, h, 0, d, 0, 16).unwrap();
+    p.record_event(ready, copy).unwrap();
+    while !p.event_query(ready).unwrap() {
+        std::thread::yield_now();
+    }
+    let mut out = vec![0; 16];
+    p.read_device(d, 0, &mut out).unwrap();
+    let v = p.take_violations();
+    assert_eq!(
+        v.iter().map(|v| (v.kind, v.later.label.as_str())).collect::<Vec<_>>(),
+        vec![(HazardKind::ReadBeforeReady, "read_device")]
+    );
+    p.event_synchronize(ready).unwrap();
+    p.read_device(d, 0, &mut out).unwrap();
+    assert_eq!(out, vec![5; 16]);
+    assert_eq!(p.take_violations(), vec![]);
+    // A second buffer, freed after a poll: reported; a third, freed after synchronising the stream: not.
+    let d2 = p.alloc_device(16).unwrap();
+    p.copy_h2d(copy, h, 0, d2, 0, 16).unwrap();
+    p.record_event(ready, copy).unwrap();
+    while !p.event_query(ready).unwrap() {
+        std::thread::yield_now();
+    }
+    p.free_device(d2).unwrap();
+    let v = p.take_violations();
+    assert_eq!(
+        v.iter().map(|v| (v.kind, v.range.clone())).collect::<Vec<_>>(),
+        vec![(HazardKind::FreeBeforeLastUse, 0..16)]
+    );
+    let d3 = p.alloc_device(16).unwrap();
+    p.copy_h2d(copy, h, 0, d3, 0, 16).unwrap();
+    p.stream_synchronize(copy).unwrap();
+    p.free_device(d3).unwrap();
+    assert_eq!(p.take_violations(), vec![]);
+}

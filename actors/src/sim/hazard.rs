@@ -24,14 +24,15 @@
 //! ops enqueued before it), so whenever two conflicting ops are unordered a violation is reported, on every run,
 //! however fast or slow either one runs.
 //!
-//! **Host-side accesses and frees: pending work.** `read_host`, `write_host`, `read_device`, `write_device` and
-//! the frees are checked against the ops still in flight (enqueued, not completed) that conflict with them: the
-//! host call itself is the moment that matters there. Every op is in the in-flight list from enqueue until it
-//! completes (or is skipped).
+//! **Host-side accesses and frees, the same way.** `read_host`, `write_host`, `read_device`, `write_device` and the
+//! frees are checked against the shadow with what the calling thread is ordered after (the host clock joined with
+//! its own): a host read of bytes whose last write the host never synchronised with is
+//! [`HazardKind::ReadBeforeReady`], even if that copy happened to finish; a free of a buffer with any such op is
+//! [`HazardKind::FreeBeforeLastUse`]. A host call completes before it returns, so everything enqueued after it is
+//! ordered after it: a host write clears its range, a host read leaves nothing to check later ops against.
 //!
-//! Invariants: an op's in-flight entry is removed before its stream reports the op complete (to event records
-//! behind it and to `stream_synchronize`), so correctly synchronised host calls never report a violation; the
-//! detector's memory is bounded by the live streams, events, threads and buffers: a destroyed stream's counter
+//! Invariants: the detector never looks at whether an op has run, only at the order the program established, so a
+//! run reports the same violations however fast or slow its streams are; the detector's memory is bounded by the live streams, events, threads and buffers: a destroyed stream's counter
 //! leaves every clock (it was joined into the host clock, so everything enqueued later is ordered after its ops)
 //! and its epochs leave the shadow; a freed buffer's shadow goes with it.
 
@@ -78,15 +79,15 @@ pub enum BufferRef {
 /// What went wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HazardKind {
-    /// The later op reads what an earlier op writes without being ordered after it (use before the copy landed);
-    /// for a host read: while that op is pending.
+    /// The later op (or host call) reads what an earlier op writes without being ordered after it (use before the
+    /// copy landed).
     ReadBeforeReady,
-    /// The later op writes what an earlier op reads without being ordered after it (overwrite before the last use
-    /// finished); for a host write: while that op is pending.
+    /// The later op (or host call) writes what an earlier op reads without being ordered after it (overwrite before
+    /// the last use finished).
     OverwriteBeforeLastUse,
     /// Both write the same bytes without ordering.
     WriteWriteRace,
-    /// A buffer was freed while an op touching it was still pending.
+    /// A buffer was freed without the host being ordered after an op touching it.
     FreeBeforeLastUse,
 }
 
@@ -108,14 +109,13 @@ pub struct OpInfo {
 pub struct HazardViolation {
     /// What went wrong.
     pub kind: HazardKind,
-    /// The op enqueued first: for device ops, the one `later` is not ordered after; for host calls and frees, the
-    /// op still pending at the call.
+    /// The op enqueued first, the one `later` is not ordered after.
     pub earlier: OpInfo,
     /// The op enqueued (or the host call made) without being ordered after `earlier`.
     pub later: OpInfo,
     /// The buffer involved.
     pub buffer: BufferRef,
-    /// The conflicting bytes (for a free: the bytes the pending op touches).
+    /// The conflicting bytes (for a free: the bytes of the buffer the unordered op touched).
     pub range: Range<u64>,
 }
 
@@ -131,17 +131,6 @@ pub(crate) struct Touch {
 impl Touch {
     fn range(&self) -> Range<u64> {
         self.offset..self.offset.saturating_add(self.len)
-    }
-
-    /// The overlapping bytes of two touches of the same buffer, if any.
-    fn overlap(&self, other: &Touch) -> Option<Range<u64>> {
-        if self.buffer != other.buffer {
-            return None;
-        }
-        let (a, b) = (self.range(), other.range());
-        let start = a.start.max(b.start);
-        let end = a.end.min(b.end);
-        (start < end).then_some(start..end)
     }
 }
 
@@ -313,14 +302,8 @@ struct Order {
     shadow: BTreeMap<BufferRef, Vec<Seg>>,
 }
 
-struct InFlight {
-    info: std::sync::Arc<OpInfo>,
-    touches: Vec<Touch>,
-}
-
 struct HazardState {
     next_seq: u64,
-    in_flight: BTreeMap<u64, InFlight>,
     violations: Vec<HazardViolation>,
     order: Order,
 }
@@ -337,33 +320,6 @@ thread_local! {
     /// enqueues are ordered after it. Freed with the thread; entries of dropped trackers are pruned on use. (Under
     /// loom the model threads share it, which can only add ordering; the loom models run their own platform.)
     static THREAD_CLOCKS: RefCell<Vec<(std::sync::Weak<()>, Clock)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Which conflict two touches form, the earlier one first; `None` when neither writes.
-fn classify(earlier: &Touch, later: &Touch) -> Option<HazardKind> {
-    match (earlier.write, later.write) {
-        (true, true) => Some(HazardKind::WriteWriteRace),
-        (true, false) => Some(HazardKind::ReadBeforeReady),
-        (false, true) => Some(HazardKind::OverwriteBeforeLastUse),
-        (false, false) => None,
-    }
-}
-
-/// Appends a violation for every conflicting pair between the pending `earlier` and a host call.
-fn pending_conflicts(out: &mut Vec<HazardViolation>, earlier: &InFlight, later_info: &OpInfo, later: &[Touch]) {
-    for e in &earlier.touches {
-        for l in later {
-            if let (Some(kind), Some(range)) = (classify(e, l), e.overlap(l)) {
-                out.push(HazardViolation {
-                    kind,
-                    earlier: (*earlier.info).clone(),
-                    later: later_info.clone(),
-                    buffer: e.buffer,
-                    range,
-                });
-            }
-        }
-    }
 }
 
 /// Records `kind` between `earlier` and `later` over `range`, extending the previous violation when it is the same
@@ -398,12 +354,7 @@ impl HazardTracker {
     /// Nothing in flight, nothing recorded, no stream.
     pub(crate) fn new() -> Self {
         HazardTracker {
-            state: Mutex::new(HazardState {
-                next_seq: 0,
-                in_flight: BTreeMap::new(),
-                violations: Vec::new(),
-                order: Order::default(),
-            }),
+            state: Mutex::new(HazardState { next_seq: 0, violations: Vec::new(), order: Order::default() }),
             token: std::sync::Arc::new(()),
         }
     }
@@ -508,7 +459,6 @@ impl HazardTracker {
             });
         }
         st.order.streams.insert(stream.0, clock);
-        st.in_flight.insert(seq, InFlight { info, touches });
         seq
     }
 
@@ -565,43 +515,61 @@ impl HazardTracker {
         self.with_thread_clock(true, |t| t.join(clock));
     }
 
-    /// Op `seq` completed (or was skipped or abandoned): it leaves the in-flight list.
-    pub(crate) fn complete(&self, seq: u64) {
-        lock(&self.state).in_flight.remove(&seq);
+    /// What a host call on this thread now is ordered after: the host's clock joined with the thread's.
+    fn host_clock_now(&self, o: &Order) -> Clock {
+        let mut c = o.host.clone();
+        let live = &o.streams;
+        self.with_thread_clock(false, |t| c.join_if(t, |s| live.contains_key(&s)));
+        c
     }
 
-    /// A synchronous host-side access (`label` names the call): checked against everything in flight.
+    /// A synchronous host-side access (`label` names the call): every op on its bytes that the host is not ordered
+    /// after is a violation (a read against the last write, a write against the last write and the reads since).
+    /// The call completes before it returns, so every op enqueued later is ordered after it: a write leaves its
+    /// range with nothing to order against, a read leaves no trace.
     pub(crate) fn host_access(&self, label: &str, touch: Touch) {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        if st.in_flight.is_empty() {
+        if touch.len == 0 || !st.order.shadow.contains_key(&touch.buffer) {
             return;
         }
         let seq = st.next_seq;
         st.next_seq += 1;
         let info = host_info(seq, label);
-        for earlier in st.in_flight.values() {
-            pending_conflicts(&mut st.violations, earlier, &info, std::slice::from_ref(&touch));
+        let clock = self.host_clock_now(&st.order);
+        let Some(segs) = st.order.shadow.get_mut(&touch.buffer) else { return };
+        let out = &mut st.violations;
+        apply(segs, touch.range(), |seg| {
+            if let Some(w) = seg.write.as_ref().filter(|w| !w.before(&clock)) {
+                let kind = if touch.write { HazardKind::WriteWriteRace } else { HazardKind::ReadBeforeReady };
+                report(out, kind, w, &info, touch.buffer, seg.range.clone());
+            }
+            if touch.write {
+                for r in seg.reads.iter().filter(|r| !r.before(&clock)) {
+                    report(out, HazardKind::OverwriteBeforeLastUse, r, &info, touch.buffer, seg.range.clone());
+                }
+                seg.write = None;
+                seg.reads.clear();
+            }
+        });
+        if segs.is_empty() {
+            st.order.shadow.remove(&touch.buffer);
         }
     }
 
-    /// `buffer` is being freed by `label`: every pending op touching it is a violation; its shadow goes.
+    /// `buffer` is being freed by `label`: every op on it that the host is not ordered after is a violation; its
+    /// shadow goes.
     pub(crate) fn free(&self, label: &str, buffer: BufferRef) {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        st.order.shadow.remove(&buffer);
+        let Some(segs) = st.order.shadow.remove(&buffer) else { return };
         let seq = st.next_seq;
         st.next_seq += 1;
         let info = host_info(seq, label);
-        for earlier in st.in_flight.values() {
-            for t in earlier.touches.iter().filter(|t| t.buffer == buffer && t.len > 0) {
-                st.violations.push(HazardViolation {
-                    kind: HazardKind::FreeBeforeLastUse,
-                    earlier: (*earlier.info).clone(),
-                    later: info.clone(),
-                    buffer,
-                    range: t.range(),
-                });
+        let clock = self.host_clock_now(&st.order);
+        for seg in &segs {
+            for e in seg.write.iter().chain(&seg.reads).filter(|e| !e.before(&clock)) {
+                report(&mut st.violations, HazardKind::FreeBeforeLastUse, e, &info, buffer, seg.range.clone());
             }
         }
     }
@@ -673,8 +641,7 @@ mod tests {
         }
         let w = t.register(copy, "copy", "fill".into(), dev(1, true));
         t.record(copy, EventId(1));
-        // The copy completes before anything reads: timing would say the read is safe; order says it is not.
-        t.complete(w);
+        // Nothing here knows whether the copy ran: only the order counts.
         let r = t.register(compute, "compute", "read".into(), dev(1, false));
         assert_eq!(kinds(&t), vec![(HazardKind::ReadBeforeReady, w, r)]);
         // Waiting on the event recorded after the copy orders the next read.

@@ -6,7 +6,7 @@
 //! touches, and an op that is not ordered after an earlier conflicting op — by stream order, event record and wait,
 //! or a host synchronisation, whatever the timing — is recorded as a [`HazardViolation`]; tests use it to prove that
 //! the scheduler never reads a slot before its copy landed and never overwrites it before its last reader finished
-//! (and never frees memory, or touches it from the host, while an op on it is pending).
+//! (and never frees memory, or touches it from the host, before it synchronised with the ops on it).
 //!
 //! Files: [`config`] (settings), `memory` (buffers), `stream` (workers), `event` (generations), [`hazard`]
 //! (detector), [`fault`] (injection), [`kernel`] (compute), [`trace`] and [`stats`] (observability),
@@ -163,8 +163,8 @@ impl SimPlatform {
             .collect();
         let shared = &self.shared;
         queue.push_with(shared, || {
-            let seq = shared.hazards.register(stream, &queue.name, label.to_string(), touches);
-            Op::Kernel { seq, label: label.to_string(), accesses: resolved, f }
+            shared.hazards.register(stream, &queue.name, label.to_string(), touches);
+            Op::Kernel { label: label.to_string(), accesses: resolved, f }
         })
     }
 

@@ -1,7 +1,8 @@
 //! The [`Platform`] methods of [`SimPlatform`]: argument validation, fault matching and enqueueing.
 //!
 //! Invariant: every enqueue validates handles and ranges, and registers its op with the hazard detector, before the
-//! op becomes visible to a worker; an op that cannot be enqueued leaves no hazard entry or pending event behind.
+//! op becomes visible to a worker (under the queue's lock); an op that cannot be enqueued leaves no hazard entry or
+//! pending event behind.
 
 use super::hazard::{BufferRef, Touch};
 use super::lifecycle::shut_down_error;
@@ -237,17 +238,8 @@ impl Platform for SimPlatform {
         ];
         let inject_failure = shared.config.faults.fail_h2d_copy_async == Some(n);
         queue.push_with(shared, || {
-            let seq = shared.hazards.register(stream, &queue.name, label.clone(), touches);
-            Op::H2d(CopyOp {
-                seq,
-                label,
-                host,
-                host_offset: src_offset,
-                dev,
-                dev_offset: dst_offset,
-                len,
-                inject_failure,
-            })
+            shared.hazards.register(stream, &queue.name, label.clone(), touches);
+            Op::H2d(CopyOp { label, host, host_offset: src_offset, dev, dev_offset: dst_offset, len, inject_failure })
         })
     }
 
@@ -281,9 +273,8 @@ impl Platform for SimPlatform {
             Touch { buffer: BufferRef::Host(dst), offset: dst_offset, len, write: true },
         ];
         queue.push_with(shared, || {
-            let seq = shared.hazards.register(stream, &queue.name, label.clone(), touches);
+            shared.hazards.register(stream, &queue.name, label.clone(), touches);
             Op::D2h(CopyOp {
-                seq,
                 label,
                 host,
                 host_offset: dst_offset,

@@ -4,9 +4,9 @@
 //! or a wait on a failed event record) keeps it (sticky, like a CUDA error): its later copies, kernels and waits
 //! are skipped, its later event records complete as failed, and `stream_synchronize` returns the error.
 //!
-//! Invariants: ops complete in enqueue order; an op's hazard entry is removed, and an event record's generation
-//! completed, before the op is counted complete, so anything ordered after it (by stream order, event, or
-//! synchronisation) never sees it pending; an op is registered with the hazard detector under the queue's lock, so
+//! Invariants: ops complete in enqueue order; an event record's generation is completed before the op is counted
+//! complete, so anything ordered after it (by stream order, event, or synchronisation) never sees it pending; an op
+//! is registered with the hazard detector under the queue's lock, so
 //! the detector's stream order is the queue's order; at shutdown the worker stops after its current op and discards
 //! the rest; a closed queue (`destroy_stream`) takes no new op, and its worker exits once it ran every op it holds.
 
@@ -27,7 +27,6 @@ use std::time::{Duration, Instant};
 
 /// A copy between a host and a device buffer (direction given by the [`Op`] variant).
 pub(crate) struct CopyOp {
-    pub(crate) seq: u64,
     pub(crate) label: String,
     pub(crate) host: Arc<HostBuffer>,
     pub(crate) host_offset: u64,
@@ -45,7 +44,7 @@ pub(crate) enum Op {
     /// Device → host.
     D2h(CopyOp),
     /// A compute kernel.
-    Kernel { seq: u64, label: String, accesses: Vec<(Access, Arc<DeviceBuffer>)>, f: KernelFn },
+    Kernel { label: String, accesses: Vec<(Access, Arc<DeviceBuffer>)>, f: KernelFn },
     /// Completes generation `gen` of `event`.
     Record { event: EventId, gen: u64 },
     /// Blocks the stream until generation `gen` of `event` completed.
@@ -209,7 +208,7 @@ fn execute(
     match op {
         Op::H2d(c) => copy(shared, q, c, Direction::H2d, prior),
         Op::D2h(c) => copy(shared, q, c, Direction::D2h, prior),
-        Op::Kernel { seq, label, accesses, f } => kernel(shared, q, seq, label, accesses, f, prior),
+        Op::Kernel { label, accesses, f } => kernel(shared, q, label, accesses, f, prior),
         Op::Record { event, gen } => {
             let failure = prior.map(|e| format!("stream '{}' failed before this record: {e}", q.name));
             shared.events.complete(event, gen, failure);
@@ -243,7 +242,6 @@ fn copy(
     prior: Option<&PlatformError>,
 ) -> Result<Option<PlatformError>, Stopped> {
     if prior.is_some() {
-        shared.hazards.complete(c.seq);
         return Ok(None);
     }
     let t0 = Instant::now();
@@ -253,12 +251,10 @@ fn copy(
         let pageable = c.host.kind == HostMemoryKind::Pageable;
         let dur = shared.config.copy_time(dir, c.len, pageable).saturating_add(q.extra);
         if !shared.life.sleep(dur) {
-            shared.hazards.complete(c.seq);
             return Err(Stopped);
         }
         move_bytes(&c, dir)
     };
-    shared.hazards.complete(c.seq);
     let (kind, direction, copies, bytes) = match dir {
         Direction::H2d => (TraceKind::H2d, "host-to-device", &shared.stats.h2d_copies, &shared.stats.h2d_bytes),
         Direction::D2h => (TraceKind::D2h, "device-to-host", &shared.stats.d2h_copies, &shared.stats.d2h_bytes),
@@ -294,19 +290,16 @@ fn move_bytes(c: &CopyOp, dir: Direction) -> Result<(), String> {
 fn kernel(
     shared: &Shared,
     q: &StreamQueue,
-    seq: u64,
     label: String,
     accesses: Vec<(Access, Arc<DeviceBuffer>)>,
     f: KernelFn,
     prior: Option<&PlatformError>,
 ) -> Result<Option<PlatformError>, Stopped> {
     if prior.is_some() {
-        shared.hazards.complete(seq);
         return Ok(None);
     }
     let t0 = Instant::now();
     if !shared.life.sleep(q.extra) {
-        shared.hazards.complete(seq);
         return Err(Stopped);
     }
     let ctx = SimKernelCtx::new(label, accesses);
@@ -315,7 +308,6 @@ fn kernel(
         Ok(Err(msg)) => Err(msg),
         Err(_) => Err("kernel panicked".to_string()),
     };
-    shared.hazards.complete(seq);
     trace(shared, q, TraceKind::Kernel, ctx.label(), t0, (0, None));
     match outcome {
         Ok(()) => {
