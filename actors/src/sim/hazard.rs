@@ -31,10 +31,17 @@
 //! [`HazardKind::FreeBeforeLastUse`]. A host call completes before it returns, so everything enqueued after it is
 //! ordered after it: a host write clears its range, a host read leaves nothing to check later ops against.
 //!
-//! Invariants: the detector never looks at whether an op has run, only at the order the program established, so a
-//! run reports the same violations however fast or slow its streams are; the detector's memory is bounded by the live streams, events, threads and buffers: a destroyed stream's counter
-//! leaves every clock (it was joined into the host clock, so everything enqueued later is ordered after its ops)
-//! and its epochs leave the shadow; a freed buffer's shadow goes with it.
+//! Limits: the detector cannot see how host threads hand work to each other (mailboxes, ticket boards), which is
+//! why a `stream_synchronize` counts for every thread; a thread enqueuing, at the same time and without any relation
+//! to it, work that conflicts with what another thread just drained is taken as ordered (a missed report, never a
+//! false one). The scheduler's own choices (whether a block was prefetched or fetched on demand) may depend on
+//! timing; for a given sequence of calls the reports do not.
+//!
+//! Invariants: the detector never looks at whether an op has run, only at the order the program established, so
+//! the same calls report the same violations however fast or slow the streams are; its memory is bounded by the
+//! live streams, events, threads and buffers: a destroyed stream's counter leaves every clock (it was joined into
+//! the host clock, so everything enqueued later is ordered after its ops) and its epochs leave the shadow; a freed
+//! buffer's shadow goes with it.
 
 use crate::platform::{DeviceBufferId, EventId, HostBufferId, StreamId};
 use crate::sync::{lock, Mutex};
