@@ -33,8 +33,11 @@
 //!
 //! Limits: the detector cannot see how host threads hand work to each other (mailboxes, ticket boards), which is
 //! why a `stream_synchronize` counts for every thread; a thread enqueuing, at the same time and without any relation
-//! to it, work that conflicts with what another thread just drained is taken as ordered (a missed report, never a
-//! false one). The scheduler's own choices (whether a block was prefetched or fetched on demand) may depend on
+//! to it, work that conflicts with what another thread just drained is taken as ordered (a missed report).
+//! Conversely an `event_synchronize` orders its own thread only, so work another thread enqueued on the strength of
+//! it, told through a message, would be reported (the scheduler and the engines here never do that: their
+//! hand-offs go through fences, that is `stream_synchronize`, or through events the device waits on). The
+//! scheduler's own choices (whether a block was prefetched or fetched on demand) may depend on
 //! timing; for a given sequence of calls the reports do not.
 //!
 //! Invariants: the detector never looks at whether an op has run, only at the order the program established, so
