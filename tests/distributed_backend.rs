@@ -203,3 +203,52 @@ fn the_failing_hook_carries_the_scheduler_error_typed() {
     assert!(matches!(e, OffloadError::Poisoned { rank: 0, .. }), "{e}");
     assert_eq!(sim.device_memory().in_use, 0);
 }
+
+/// Enable → hooks → disable cycles on every rank of a group of 2 leave no stream behind: while enabled a rank holds
+/// its compute stream, the copy stream, the placement stream, the gather stack's shard stream and the comm stream;
+/// after each disable only the compute and comm streams (the communicator lives with the backend, its gather
+/// numbering continuing across cycles); once the backend is dropped, the compute stream alone.
+#[test]
+fn enable_disable_cycles_leave_each_rank_only_its_compute_and_comm_streams() {
+    const CYCLES: usize = 20;
+    let desc = Arc::new(preset("flux-tiny").unwrap());
+    let config = OffloadConfig::distributed_dit(2, 2, None);
+    let paths = block_paths(&desc, &config);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = group(2)
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let (desc, config, paths) = (desc.clone(), config.clone(), paths.clone());
+                s.spawn(move || {
+                    let sim = comm.platform().clone();
+                    let platform: PlatformRef = sim.clone();
+                    let compute = platform.create_stream("compute").unwrap();
+                    let mut model = HostModel::synthetic(platform.clone(), desc, 11).unwrap();
+                    let before = model.checksum().unwrap();
+                    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
+                    let mut b = get_offload_backend(&config, platform.clone(), Some(factory)).unwrap().unwrap();
+                    let hooks = HookRegistry::new();
+                    for cycle in 0..CYCLES {
+                        b.enable(&mut model, &hooks, compute).unwrap_or_else(|e| panic!("rank {r} cycle {cycle}: {e}"));
+                        assert_eq!(sim.stream_count(), 5, "rank {r} cycle {cycle}: streams while enabled");
+                        for path in &paths {
+                            hooks.pre_forward(path).unwrap();
+                            hooks.post_forward(path).unwrap();
+                        }
+                        b.disable(&mut model, &hooks).unwrap_or_else(|e| panic!("rank {r} cycle {cycle}: {e}"));
+                        assert_eq!(sim.stream_count(), 2, "rank {r} cycle {cycle}: streams after disable");
+                        assert_eq!(sim.device_memory().in_use, 0, "rank {r} cycle {cycle}");
+                    }
+                    assert_eq!(model.checksum().unwrap(), before, "rank {r}");
+                    drop(b);
+                    assert_eq!(sim.stream_count(), 1, "rank {r}: streams after the backend dropped");
+                    assert_eq!(sim.violations(), Vec::new(), "rank {r}");
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().expect("a rank panicked");
+        }
+    });
+}

@@ -332,6 +332,9 @@ impl Platform for DirtyHostAlloc {
     fn create_stream(&self, name: &str) -> PlatformResult<StreamId> {
         self.sim.create_stream(name)
     }
+    fn destroy_stream(&self, stream: StreamId) -> PlatformResult<()> {
+        self.sim.destroy_stream(stream)
+    }
     fn create_event(&self) -> PlatformResult<EventId> {
         self.sim.create_event()
     }

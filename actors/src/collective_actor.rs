@@ -181,7 +181,8 @@ pub type CollectiveFactory = Box<dyn FnOnce() -> Result<Box<dyn Collective>, Pla
 
 impl CollectiveHandle {
     /// Creates the comm stream `name` on `platform`, spawns the actor (and its completion watcher), and builds the
-    /// communicator with `make` on the actor's thread. Returns once the communicator exists.
+    /// communicator with `make` on the actor's thread. Returns once the communicator exists; if `make` fails, the
+    /// threads are joined and the stream is destroyed before the error returns.
     pub fn spawn(platform: PlatformRef, name: &str, make: CollectiveFactory) -> Result<CollectiveHandle, GatherError> {
         let stream = platform.create_stream(name)?;
         let (tx, rx) = mailbox::bounded::<Cmd>(COMMAND_MAILBOX);
@@ -227,10 +228,12 @@ impl CollectiveHandle {
             Ok(Ok(rw)) => rw,
             Ok(Err(e)) => {
                 join_all(&joins);
+                let _ = handle_platform.destroy_stream(stream);
                 return Err(GatherError::Platform(e));
             }
             Err(_) => {
                 join_all(&joins);
+                let _ = handle_platform.destroy_stream(stream);
                 return Err(GatherError::ActorGone { name: name.to_string() });
             }
         };
@@ -353,10 +356,17 @@ impl CollectiveHandle {
     }
 
     /// Stops the actor (answering buffered requests with [`GatherError::ActorGone`]), drops the communicator and
-    /// joins the threads. Idempotent.
+    /// joins the threads. Idempotent. The comm stream stays (see [`CollectiveHandle::destroy`]).
     pub fn shutdown(&self) {
         let _ = self.tx.send(Cmd::Shutdown);
         join_all(&self.joins);
+    }
+
+    /// [`CollectiveHandle::shutdown`], then destroys the comm stream the actor owned (the platform waits for the
+    /// work on it first). Calling it again fails with the platform's `InvalidHandle`.
+    pub fn destroy(&self) -> Result<(), GatherError> {
+        self.shutdown();
+        self.platform.destroy_stream(self.stream).map_err(GatherError::from)
     }
 }
 

@@ -157,8 +157,23 @@ pub trait Platform: Send + Sync + fmt::Debug {
     /// Size and kind of a host buffer.
     fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)>;
 
-    /// Creates a stream.
+    /// Creates a stream. It lives until [`Platform::destroy_stream`] (or until the platform itself goes away): whoever
+    /// creates a stream destroys it, so an enable → disable cycle leaves no stream (and, on the simulated device, no
+    /// worker thread) behind.
     fn create_stream(&self, name: &str) -> PlatformResult<StreamId>;
+    /// Destroys a stream. **Pending work completes first, and the call waits for it**: it blocks until everything
+    /// enqueued on `stream` before the call has completed (as [`Platform::stream_synchronize`] does), then releases
+    /// the stream and everything the platform holds for it (the simulated device joins the stream's worker thread).
+    /// Events recorded on the stream stay valid (their records have completed); streams waiting on them are
+    /// unaffected.
+    ///
+    /// The stream is destroyed whatever the outcome of its work: a stream in the error state is destroyed too, and
+    /// the call then returns that error (as `stream_synchronize` would). Afterwards the handle is invalid: every
+    /// call naming it, a second `destroy_stream` included, fails with [`PlatformError::InvalidHandle`]. The caller
+    /// must not enqueue on the stream concurrently with this call (an enqueue racing it either lands before the wait
+    /// or fails with `InvalidHandle`). Calling it from work running on the stream itself (a simulated kernel) fails
+    /// with [`PlatformError::Driver`] and destroys nothing.
+    fn destroy_stream(&self, stream: StreamId) -> PlatformResult<()>;
     /// Creates an event (never recorded: counts as complete).
     fn create_event(&self) -> PlatformResult<EventId>;
     /// Destroys an event.

@@ -28,6 +28,7 @@ enum Watch {
 #[derive(Clone)]
 pub struct StreamHandle {
     name: std::sync::Arc<str>,
+    platform: PlatformRef,
     stream: StreamId,
     tx: Sender<StreamCmd>,
     alive: Arc<AtomicBool>,
@@ -55,17 +56,27 @@ impl Default for StreamOptions {
 }
 
 impl StreamHandle {
-    /// Creates a stream on `platform` and spawns its actor (and watcher).
+    /// Creates a stream on `platform` and spawns its actor (and watcher). If a thread cannot be spawned, the ones
+    /// spawned are joined and the stream is destroyed again.
     pub fn spawn(platform: PlatformRef, name: &str, options: StreamOptions) -> Result<StreamHandle, SchedulerError> {
         let stream = platform.create_stream(name)?;
+        // Undoes a partial spawn: the watcher exits once its sender (moved into the thread that failed) is gone.
+        let undo = |joins: Vec<JoinHandle<()>>, e: SchedulerError| {
+            for j in joins {
+                let _ = j.join();
+            }
+            let _ = platform.destroy_stream(stream);
+            e
+        };
         let (tx, rx) = mailbox::bounded::<StreamCmd>(COMMAND_MAILBOX);
         let alive = Arc::new(AtomicBool::new(true));
         let mut joins = Vec::new();
         let watch_tx = if options.watch_completions {
             let (wtx, wrx) = mailbox::unbounded::<Watch>();
             let p = platform.clone();
-            let j = thread::spawn_named(&format!("wf-watch-{name}"), move || watcher_loop(p, stream, wrx))
-                .map_err(|e| SchedulerError::Platform(PlatformError::Driver(format!("spawn watcher: {e}"))))?;
+            let j = thread::spawn_named(&format!("wf-watch-{name}"), move || watcher_loop(p, stream, wrx)).map_err(
+                |e| undo(Vec::new(), SchedulerError::Platform(PlatformError::Driver(format!("spawn watcher: {e}")))),
+            )?;
             joins.push(j);
             Some(wtx)
         } else {
@@ -73,7 +84,8 @@ impl StreamHandle {
         };
         let a = alive.clone();
         let p = platform.clone();
-        let j = thread::spawn_named(&format!("wf-stream-{name}"), move || {
+        let handle_platform = platform.clone();
+        let spawned = thread::spawn_named(&format!("wf-stream-{name}"), move || {
             actor_loop(p, stream, &rx, watch_tx);
             a.store(false, Ordering::Release);
             // Loads sent after Shutdown are never executed: wake their waiters, which then see the actor stopped
@@ -83,10 +95,23 @@ impl StreamHandle {
                     cmd.board.wake_all();
                 }
             }
-        })
-        .map_err(|e| SchedulerError::Platform(PlatformError::Driver(format!("spawn stream actor: {e}"))))?;
+        });
+        let j = match spawned {
+            Ok(j) => j,
+            Err(e) => {
+                let e = SchedulerError::Platform(PlatformError::Driver(format!("spawn stream actor: {e}")));
+                return Err(undo(joins, e));
+            }
+        };
         joins.push(j);
-        Ok(StreamHandle { name: std::sync::Arc::from(name), stream, tx, alive, joins: Arc::new(Mutex::new(joins)) })
+        Ok(StreamHandle {
+            name: std::sync::Arc::from(name),
+            platform: handle_platform,
+            stream,
+            tx,
+            alive,
+            joins: Arc::new(Mutex::new(joins)),
+        })
     }
 
     /// The stream this actor owns.
@@ -122,13 +147,22 @@ impl StreamHandle {
         }
     }
 
-    /// Stops the actor after it drains its mailbox and joins its threads. Idempotent.
+    /// Stops the actor after it drains its mailbox and joins its threads. Idempotent. The stream stays (see
+    /// [`StreamHandle::destroy`]).
     pub fn shutdown(&self) {
         let _ = self.tx.send(StreamCmd::Shutdown);
         let joins: Vec<JoinHandle<()>> = std::mem::take(&mut *lock(&self.joins));
         for j in joins {
             let _ = j.join();
         }
+    }
+
+    /// [`StreamHandle::shutdown`], then destroys the stream the actor owned (the platform waits for the work on it
+    /// first): what the owner of the actor calls when it is done with it. Calling it again fails with the
+    /// platform's `InvalidHandle` (the stream is already gone); the threads are joined either way.
+    pub fn destroy(&self) -> Result<(), SchedulerError> {
+        self.shutdown();
+        self.platform.destroy_stream(self.stream).map_err(SchedulerError::from)
     }
 }
 

@@ -952,3 +952,193 @@ fn destroyed_event_still_orders_waiters() {
     release.send(()).unwrap();
     p.event_synchronize(done).unwrap();
 }
+
+/// Threads of this process whose name starts with `prefix` (the sim names its workers `wf-sim-<stream>`), once
+/// their count is `want` or after 2 s: a new thread names itself when it starts, and a joined one is listed until the
+/// kernel has finished its exit.
+fn threads_named(prefix: &str, want: usize) -> usize {
+    let count = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| name.trim_end().starts_with(prefix))
+            .count()
+    };
+    for _ in 0..2000 {
+        if count() == want {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    count()
+}
+
+#[test]
+fn destroy_stream_waits_for_pending_work_then_joins_the_worker_and_invalidates_the_handle() {
+    let p = Arc::new(sim(quiet()));
+    // A name no other test of this binary uses (and short: the kernel keeps 15 bytes of a thread's name): the
+    // worker thread is counted by it.
+    let s = p.create_stream("doomed").unwrap();
+    let other = p.create_stream("other").unwrap();
+    assert_eq!(threads_named("wf-sim-doomed", 1), 1);
+    let h = host_with(&p, &pattern(64, 3));
+    let d = p.alloc_device(64).unwrap();
+    let e = p.create_event().unwrap();
+    let (release, k) = gate();
+    p.launch(s, "hold", vec![], k).unwrap();
+    p.copy_h2d(s, h, 0, d, 0, 64).unwrap();
+    p.record_event(e, s).unwrap();
+    let p2 = p.clone();
+    let destroyer = std::thread::spawn(move || p2.destroy_stream(s));
+    std::thread::sleep(Duration::from_millis(20));
+    // Pending work completes first: the call is still waiting behind the gate.
+    assert!(!destroyer.is_finished());
+    assert_eq!(p.event_query(e), Ok(false));
+    release.send(()).unwrap();
+    assert_eq!(destroyer.join().unwrap(), Ok(()));
+    // Everything enqueued before the call ran; the event recorded on it stays valid and complete.
+    assert_eq!(p.event_query(e), Ok(true));
+    let mut out = vec![0; 64];
+    p.read_device(d, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(64, 3));
+    assert_eq!(p.stream_count(), 1);
+    assert_eq!(threads_named("wf-sim-doomed", 0), 0, "the worker was joined");
+    // The handle is invalid for every call, a second destroy included; other streams are unaffected.
+    let invalid = Err(PlatformError::InvalidHandle { what: "stream", id: u64::from(s.0) });
+    assert_eq!(p.copy_h2d(s, h, 0, d, 0, 64), invalid);
+    assert_eq!(p.record_event(e, s), invalid);
+    assert_eq!(p.stream_synchronize(s), invalid);
+    assert_eq!(p.destroy_stream(s), invalid);
+    p.stream_wait_event(other, e).unwrap();
+    p.copy_h2d(other, h, 0, d, 0, 64).unwrap();
+    p.stream_synchronize(other).unwrap();
+    // Handles are not reused.
+    let next = p.create_stream("next").unwrap();
+    assert!(next.0 > other.0, "{next:?}");
+    assert_eq!(p.violations(), vec![]);
+}
+
+#[test]
+fn destroy_stream_returns_its_error_and_destroys_it_anyway() {
+    let p = sim(SimConfig { faults: FaultPlan { fail_h2d_copy_async: Some(0), ..FaultPlan::none() }, ..quiet() });
+    let s = p.create_stream("failing").unwrap();
+    let h = host_with(&p, &[1; 8]);
+    let d = p.alloc_device(8).unwrap();
+    p.copy_h2d(s, h, 0, d, 0, 8).unwrap();
+    match p.destroy_stream(s) {
+        Err(PlatformError::CopyFailed { direction: "host-to-device", bytes: 8, reason }) => {
+            assert_eq!(reason, "injected asynchronous copy failure");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(p.stream_count(), 0);
+    assert_eq!(p.destroy_stream(s), Err(PlatformError::InvalidHandle { what: "stream", id: u64::from(s.0) }));
+}
+
+#[test]
+fn a_kernel_cannot_destroy_its_own_stream() {
+    let p = Arc::new(sim(quiet()));
+    let s = p.create_stream("self").unwrap();
+    let (tx, rx) = mpsc::channel();
+    let p2 = p.clone();
+    p.launch(s, "destroy self", vec![], Box::new(move |_| tx.send(p2.destroy_stream(s)).map_err(|e| e.to_string())))
+        .unwrap();
+    p.stream_synchronize(s).unwrap();
+    assert_eq!(
+        rx.recv().unwrap(),
+        Err(PlatformError::Driver("stream 'self' destroyed from its own worker".to_string()))
+    );
+    assert_eq!(p.stream_count(), 1);
+    p.destroy_stream(s).unwrap();
+}
+
+/// The detector goes by order: compute that reads a slot without waiting for the copy's event is reported even
+/// when the copy finished long before (the old, timing-based check saw nothing pending and missed it), and the
+/// same read behind `stream_wait_event` is not.
+#[test]
+fn a_read_without_its_wait_is_reported_even_when_the_copy_finished_first() {
+    let p = sim(quiet());
+    let copy = p.create_stream("copy").unwrap();
+    let compute = p.create_stream("compute").unwrap();
+    let h = host_with(&p, &[7; 32]);
+    let d = p.alloc_device(32).unwrap();
+    let ready = p.create_event().unwrap();
+    p.copy_h2d(copy, h, 0, d, 0, 32).unwrap();
+    p.record_event(ready, copy).unwrap();
+    // The copy has completed (observed through a poll, which orders nothing) before the read is even enqueued.
+    while !p.event_query(ready).unwrap() {
+        std::thread::yield_now();
+    }
+    p.launch(compute, "read", vec![Access::read(d, 0, 32)], noop()).unwrap();
+    p.stream_synchronize(compute).unwrap();
+    let v = p.take_violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].kind, HazardKind::ReadBeforeReady);
+    assert_eq!((v[0].earlier.stream_name.as_str(), v[0].later.label.as_str()), ("copy", "read"));
+    assert_eq!((v[0].buffer, v[0].range.clone()), (BufferRef::Device(d), 0..32));
+    p.stream_wait_event(compute, ready).unwrap();
+    p.launch(compute, "read after the wait", vec![Access::read(d, 0, 32)], noop()).unwrap();
+    // An overwrite not ordered after that read (no last-use event waited on) is reported too, and one that is, not.
+    let last_use = p.create_event().unwrap();
+    p.record_event(last_use, compute).unwrap();
+    p.stream_synchronize(compute).unwrap();
+    p.copy_h2d(copy, h, 0, d, 0, 32).unwrap();
+    // `stream_synchronize(compute)` above orders every later enqueue after the read: no violation.
+    assert_eq!(p.take_violations(), vec![]);
+    p.launch(compute, "read 3", vec![Access::read(d, 0, 32)], noop()).unwrap();
+    let v = p.take_violations();
+    assert_eq!(v.iter().map(|v| v.kind).collect::<Vec<_>>(), vec![HazardKind::ReadBeforeReady], "{v:?}");
+    p.copy_h2d(copy, h, 0, d, 0, 32).unwrap();
+    let v = p.take_violations();
+    assert_eq!(v.iter().map(|v| v.kind).collect::<Vec<_>>(), vec![HazardKind::OverwriteBeforeLastUse], "{v:?}");
+    p.record_event(last_use, compute).unwrap();
+    p.stream_wait_event(copy, last_use).unwrap();
+    p.copy_h2d(copy, h, 0, d, 0, 32).unwrap();
+    assert_eq!(p.take_violations(), vec![]);
+}
+
+/// Host calls go by order too: reading device bytes, or freeing a buffer, after its copy finished but without
+/// synchronising with it is reported (the copy's completion was only seen through a poll); after an
+/// `event_synchronize` on this thread, or a `stream_synchronize`, it is not.
+#[test]
+fn host_reads_and_frees_without_synchronising_are_reported_even_when_the_copy_finished() {
+    let p = sim(quiet());
+    let copy = p.create_stream("copy").unwrap();
+    let h = host_with(&p, &[5; 16]);
+    let d = p.alloc_device(16).unwrap();
+    let ready = p.create_event().unwrap();
+    p.copy_h2d(copy, h, 0, d, 0, 16).unwrap();
+    p.record_event(ready, copy).unwrap();
+    while !p.event_query(ready).unwrap() {
+        std::thread::yield_now();
+    }
+    let mut out = vec![0; 16];
+    p.read_device(d, 0, &mut out).unwrap();
+    let v = p.take_violations();
+    assert_eq!(
+        v.iter().map(|v| (v.kind, v.later.label.as_str())).collect::<Vec<_>>(),
+        vec![(HazardKind::ReadBeforeReady, "read_device")]
+    );
+    p.event_synchronize(ready).unwrap();
+    p.read_device(d, 0, &mut out).unwrap();
+    assert_eq!(out, vec![5; 16]);
+    assert_eq!(p.take_violations(), vec![]);
+    // A second buffer, freed after a poll: reported; a third, freed after synchronising the stream: not.
+    let d2 = p.alloc_device(16).unwrap();
+    p.copy_h2d(copy, h, 0, d2, 0, 16).unwrap();
+    p.record_event(ready, copy).unwrap();
+    while !p.event_query(ready).unwrap() {
+        std::thread::yield_now();
+    }
+    p.free_device(d2).unwrap();
+    let v = p.take_violations();
+    assert_eq!(
+        v.iter().map(|v| (v.kind, v.range.clone())).collect::<Vec<_>>(),
+        vec![(HazardKind::FreeBeforeLastUse, 0..16)]
+    );
+    let d3 = p.alloc_device(16).unwrap();
+    p.copy_h2d(copy, h, 0, d3, 0, 16).unwrap();
+    p.stream_synchronize(copy).unwrap();
+    p.free_device(d3).unwrap();
+    assert_eq!(p.take_violations(), vec![]);
+}

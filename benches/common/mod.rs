@@ -104,6 +104,9 @@ mod null_impl {
         fn create_stream(&self, _name: &str) -> PlatformResult<StreamId> {
             Ok(StreamId(self.id() as u32))
         }
+        fn destroy_stream(&self, _stream: StreamId) -> PlatformResult<()> {
+            Ok(())
+        }
         fn create_event(&self) -> PlatformResult<EventId> {
             Ok(EventId(self.id() as u32))
         }

@@ -93,6 +93,8 @@ mod harness {
         queue: VecDeque<Op>,
         enqueued: u64,
         done: u64,
+        /// `destroy_stream` was called: the handle is invalid.
+        destroyed: bool,
     }
 
     #[derive(Debug, Default)]
@@ -168,7 +170,10 @@ mod harness {
         }
 
         fn stream(&mut self, s: StreamId) -> PlatformResult<&mut StreamQ> {
-            self.streams.get_mut(s.0 as usize).ok_or(PlatformError::InvalidHandle { what: "stream", id: s.0 as u64 })
+            self.streams
+                .get_mut(s.0 as usize)
+                .filter(|q| !q.destroyed)
+                .ok_or(PlatformError::InvalidHandle { what: "stream", id: s.0 as u64 })
         }
 
         fn check_dev(&self, buf: u64, off: u64, len: u64) -> PlatformResult<()> {
@@ -497,7 +502,13 @@ mod harness {
                     "the loom model platform has at most {MAX_STREAMS} streams"
                 )));
             }
-            g.streams.push(StreamQ { name: name.to_string(), queue: VecDeque::new(), enqueued: 0, done: 0 });
+            g.streams.push(StreamQ {
+                name: name.to_string(),
+                queue: VecDeque::new(),
+                enqueued: 0,
+                done: 0,
+                destroyed: false,
+            });
             if !g.device_started {
                 g.device_started = true;
                 let shared = self.shared.clone();
@@ -580,6 +591,16 @@ mod harness {
             while g.streams[stream.0 as usize].done < target {
                 g = self.host_wait(g);
             }
+            Ok(())
+        }
+
+        fn destroy_stream(&self, stream: StreamId) -> PlatformResult<()> {
+            let mut g = self.state();
+            let target = g.stream(stream)?.enqueued;
+            while g.streams[stream.0 as usize].done < target {
+                g = self.host_wait(g);
+            }
+            g.stream(stream)?.destroyed = true;
             Ok(())
         }
 
@@ -870,6 +891,15 @@ mod harness {
             let mut g = lock(&self.state);
             g.streams.push(Vec::new());
             Ok(StreamId(g.streams.len() as u32 - 1))
+        }
+
+        /// Nothing runs on this platform: a valid handle is accepted, and its log kept for the models' checks.
+        fn destroy_stream(&self, stream: StreamId) -> PlatformResult<()> {
+            let g = lock(&self.state);
+            g.streams
+                .get(stream.0 as usize)
+                .map(|_| ())
+                .ok_or(PlatformError::InvalidHandle { what: "stream", id: stream.0 as u64 })
         }
 
         fn create_event(&self) -> PlatformResult<EventId> {

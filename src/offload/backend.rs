@@ -649,8 +649,9 @@ impl StreamingBackend {
                 first.get_or_insert(e.into());
             }
         }
-        if let Some(ps) = st.placement_stream {
-            if let Err(e) = platform.stream_synchronize(ps) {
+        // Destroying the placement stream waits for its uploads (and reports their failure, as synchronising did).
+        if let Some(ps) = st.placement_stream.take() {
+            if let Err(e) = platform.destroy_stream(ps) {
                 first.get_or_insert(e.into());
             }
         }
@@ -715,8 +716,10 @@ impl StreamingBackend {
             st.adopted = kept;
             st.masters = kept_masters;
         }
+        // The copy stream goes with its actor. Its work's outcome was reported by the stacks above (a failed enable
+        // may leave a failed copy on it that no stack saw); the stream is destroyed either way.
         if let Some(s) = st.stream.take() {
-            s.shutdown();
+            let _ = s.destroy();
         }
         match first {
             Some(e) => Err(e),

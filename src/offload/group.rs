@@ -116,10 +116,11 @@ impl Communicator {
         self.running.as_ref().map(|(h, _)| h)
     }
 
-    /// Stops the actor and drops the communicator (idempotent).
+    /// Stops the actor, drops the communicator and destroys the comm stream (idempotent).
     pub(crate) fn shutdown(&self) {
         if let Some(h) = self.handle() {
-            h.shutdown();
+            // A second call finds the stream gone (`InvalidHandle`): nothing left to release.
+            let _ = h.destroy();
         }
     }
 }

@@ -71,10 +71,11 @@ struct Resources {
 }
 
 impl Resources {
-    /// Frees everything once no work touching it can be pending (the comm stream holds the gathers).
+    /// Frees everything once no work touching it can be pending (the comm stream holds the gathers); the restore's
+    /// own streams are destroyed (after their work completed).
     fn release(self, platform: &PlatformRef, comm: StreamId) {
         for s in [self.h2d, self.d2h].into_iter().flatten() {
-            let _ = platform.stream_synchronize(s);
+            let _ = platform.destroy_stream(s);
         }
         let _ = platform.stream_synchronize(comm);
         if let Some(e) = self.ready {

@@ -217,6 +217,11 @@ pub(super) fn alloc(
 }
 
 impl GatherLink {
+    /// The stream the shard copies run on (the stack's own).
+    pub(super) fn shard_stream(&self) -> StreamId {
+        self.shard_stream
+    }
+
     /// Whether the collective actor (which publishes on [`GatherLink::board`]) still runs.
     pub(super) fn is_alive(&self) -> bool {
         self.collective.is_alive()

@@ -340,6 +340,8 @@ struct Inner {
     notify: Sender<Completion>,
     stats: StackStats,
     disabled: bool,
+    /// `release_all` ran (the gather path's shard stream is destroyed once).
+    released: bool,
     failure: Option<SchedulerError>,
 }
 
@@ -520,6 +522,7 @@ impl BlockStack {
                 notify,
                 stats: StackStats { resident_blocks: resident_count as u64, device_bytes, ..Default::default() },
                 disabled: false,
+                released: false,
                 failure: None,
             }),
         };
@@ -840,7 +843,7 @@ impl BlockStack {
     }
 
     /// Observes everything (fault point `FreeWithoutSync`), then frees the slots, the resident head and the
-    /// events; the stack is disabled after.
+    /// events, and destroys the gather path's shard stream; the stack is disabled after.
     fn release_all(&self) -> Result<(), SchedulerError> {
         let (mut g, observed) = fault_point!(self, FreeWithoutSync => (lock(&self.inner), Ok(())), self.observe_all());
         g.hook.clear();
@@ -851,8 +854,13 @@ impl BlockStack {
         bufs.extend(shard_bufs);
         events.extend(shard_events);
         g.stats.device_bytes = 0;
+        let first_release = !std::mem::replace(&mut g.released, true);
         drop(g);
         cleanup(&self.platform, &bufs, &events);
+        if let (LoadPath::Gather(link), true) = (&self.path, first_release) {
+            // The stack created it; nothing is enqueued on it any more. A failure of its work was observed above.
+            let _ = self.platform.destroy_stream(link.shard_stream());
+        }
         observed
     }
 

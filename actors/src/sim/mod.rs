@@ -3,16 +3,18 @@
 //! Device memory is a capacity-limited set of byte vectors, streams are worker threads executing their queues in
 //! order, events follow CUDA's record/wait semantics, copies can be throttled to a bandwidth, and faults can be
 //! injected deterministically. Its point is the hazard detector: every copy and kernel declares the bytes it
-//! touches, and an op that starts while an earlier-enqueued op on another stream that conflicts with it is still
-//! pending is recorded as a [`HazardViolation`]; tests use it to prove that the scheduler never reads a slot before
-//! its copy landed and never overwrites or frees it before its last reader finished.
+//! touches, and an op that is not ordered after an earlier conflicting op — by stream order, event record and wait,
+//! or a host synchronisation, whatever the timing — is recorded as a [`HazardViolation`]; tests use it to prove that
+//! the scheduler never reads a slot before its copy landed and never overwrites it before its last reader finished
+//! (and never frees memory, or touches it from the host, before it synchronised with the ops on it).
 //!
 //! Files: [`config`] (settings), `memory` (buffers), `stream` (workers), `event` (generations), [`hazard`]
 //! (detector), [`fault`] (injection), [`kernel`] (compute), [`trace`] and [`stats`] (observability),
 //! `lifecycle` (shutdown), `platform_impl` (the [`Platform`](crate::platform::Platform) methods).
 //!
 //! Invariant kept here: every worker thread is owned by the [`SimPlatform`] that spawned it and is joined by
-//! [`SimPlatform::shutdown`] (called on drop); every blocking call returns once shutdown begins.
+//! `destroy_stream` of its stream or by [`SimPlatform::shutdown`] (called on drop), whichever comes first; a
+//! destroyed stream leaves nothing in the stream table; every blocking call returns once shutdown begins.
 
 pub mod config;
 mod event;
@@ -42,6 +44,7 @@ use self::stream::{Op, StreamQueue};
 use self::trace::TraceLog;
 use crate::platform::{DeviceBufferId, PlatformError, PlatformResult, StreamId};
 use crate::sync::{lock, thread, Arc, Mutex};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// State shared by the platform front end and its stream workers.
@@ -65,15 +68,22 @@ struct StreamEntry {
     worker: Option<thread::JoinHandle<()>>,
 }
 
+/// The live streams, by handle (handles are never reused), and the next handle.
+#[derive(Default)]
+struct StreamTable {
+    live: BTreeMap<u32, StreamEntry>,
+    next: u32,
+}
+
 /// The simulated device. Dropping it (or calling [`SimPlatform::shutdown`]) stops and joins its stream workers.
 pub struct SimPlatform {
     shared: Arc<Shared>,
-    streams: Mutex<Vec<StreamEntry>>,
+    streams: Mutex<StreamTable>,
 }
 
 impl std::fmt::Debug for SimPlatform {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let streams: Vec<String> = lock(&self.streams).iter().map(|s| s.queue.name.clone()).collect();
+        let streams: Vec<String> = lock(&self.streams).live.values().map(|s| s.queue.name.clone()).collect();
         f.debug_struct("SimPlatform")
             .field("config", &self.shared.config)
             .field("streams", &streams)
@@ -108,7 +118,7 @@ impl SimPlatform {
             life: Lifecycle::new(),
             windows: Mutex::new(Vec::new()),
         };
-        Ok(SimPlatform { shared: Arc::new(shared), streams: Mutex::new(Vec::new()) })
+        Ok(SimPlatform { shared: Arc::new(shared), streams: Mutex::new(StreamTable::default()) })
     }
 
     /// The configuration it was created with.
@@ -118,7 +128,8 @@ impl SimPlatform {
 
     pub(crate) fn queue(&self, stream: StreamId) -> PlatformResult<Arc<StreamQueue>> {
         lock(&self.streams)
-            .get(stream.0 as usize)
+            .live
+            .get(&stream.0)
             .map(|s| s.queue.clone())
             .ok_or(PlatformError::InvalidHandle { what: "stream", id: u64::from(stream.0) })
     }
@@ -150,9 +161,11 @@ impl SimPlatform {
             .iter()
             .map(|(a, _)| Touch { buffer: BufferRef::Device(a.buffer), offset: a.offset, len: a.len, write: a.write })
             .collect();
-        let seq = self.shared.hazards.register(stream, &queue.name, label.to_string(), touches);
-        let op = Op::Kernel { seq, label: label.to_string(), accesses: resolved, f };
-        queue.push(&self.shared, op).inspect_err(|_| self.shared.hazards.complete(seq))
+        let shared = &self.shared;
+        queue.push_with(shared, || {
+            shared.hazards.register(stream, &queue.name, label.to_string(), touches);
+            Op::Kernel { label: label.to_string(), accesses: resolved, f }
+        })
     }
 
     /// Reads device memory from the host, synchronously (a debugging and test aid: call it after synchronising
@@ -192,7 +205,7 @@ impl SimPlatform {
 
     /// Operation counters, with each stream's time blocked in event waits.
     pub fn stats(&self) -> SimStats {
-        let waits = lock(&self.streams).iter().map(|s| (s.queue.name.clone(), s.queue.wait_time())).collect();
+        let waits = lock(&self.streams).live.values().map(|s| (s.queue.name.clone(), s.queue.wait_time())).collect();
         self.shared.stats.snapshot(waits)
     }
 
@@ -216,6 +229,11 @@ impl SimPlatform {
         self.shared.trace.clear();
     }
 
+    /// Streams created and not destroyed (each has its worker thread).
+    pub fn stream_count(&self) -> usize {
+        lock(&self.streams).live.len()
+    }
+
     /// The name a stream was created with.
     pub fn stream_name(&self, stream: StreamId) -> PlatformResult<String> {
         Ok(self.queue(stream)?.name.clone())
@@ -227,8 +245,11 @@ impl SimPlatform {
     pub fn shutdown(&self) {
         self.shared.life.begin_shutdown();
         self.shared.events.wake_all();
-        let workers: Vec<(Arc<StreamQueue>, thread::JoinHandle<()>)> =
-            lock(&self.streams).iter_mut().filter_map(|s| s.worker.take().map(|w| (s.queue.clone(), w))).collect();
+        let workers: Vec<(Arc<StreamQueue>, thread::JoinHandle<()>)> = lock(&self.streams)
+            .live
+            .values_mut()
+            .filter_map(|s| s.worker.take().map(|w| (s.queue.clone(), w)))
+            .collect();
         for (queue, _) in &workers {
             queue.wake_all();
         }
@@ -254,19 +275,41 @@ impl SimPlatform {
         let mut streams = lock(&self.streams);
         // Checked under the streams lock: a concurrent shutdown either sees this worker or makes this call fail.
         self.check_up()?;
-        let id = u32::try_from(streams.len())
-            .map(StreamId)
-            .map_err(|_| PlatformError::Driver("stream ids exhausted".to_string()))?;
+        let id = StreamId(streams.next);
+        let next =
+            streams.next.checked_add(1).ok_or_else(|| PlatformError::Driver("stream ids exhausted".to_string()))?;
         let extra = match &self.shared.config.faults.slow_stream {
             Some((slow, extra)) if slow == name => *extra,
             _ => std::time::Duration::ZERO,
         };
-        let queue = Arc::new(StreamQueue::new(name.to_string(), extra));
+        let queue = Arc::new(StreamQueue::new(id, name.to_string(), extra));
         let (shared, q) = (self.shared.clone(), queue.clone());
         let worker = thread::spawn_named(&format!("wf-sim-{name}"), move || stream::run_worker(shared, q))
             .map_err(|e| PlatformError::Driver(format!("cannot spawn the worker of stream '{name}': {e}")))?;
-        streams.push(StreamEntry { queue, worker: Some(worker) });
+        self.shared.hazards.stream_created(id);
+        streams.next = next;
+        streams.live.insert(id.0, StreamEntry { queue, worker: Some(worker) });
         Ok(id)
+    }
+
+    /// `destroy_stream`: closes the queue, waits for its worker to run what it holds and joins it, then forgets the
+    /// stream (the hazard detector takes the wait as a host synchronisation with everything the stream ran).
+    pub(crate) fn destroy_stream_impl(&self, stream: StreamId) -> PlatformResult<()> {
+        let queue = self.queue(stream)?;
+        if queue.is_worker_thread() {
+            return Err(PlatformError::Driver(format!("stream '{}' destroyed from its own worker", queue.name)));
+        }
+        let entry = lock(&self.streams)
+            .live
+            .remove(&stream.0)
+            .ok_or(PlatformError::InvalidHandle { what: "stream", id: u64::from(stream.0) })?;
+        queue.close();
+        if let Some(worker) = entry.worker {
+            // A worker that panicked has nothing left to clean up.
+            let _ = worker.join();
+        }
+        self.shared.hazards.stream_destroyed(stream);
+        queue.final_status()
     }
 }
 

@@ -1,7 +1,8 @@
 //! The [`Platform`] methods of [`SimPlatform`]: argument validation, fault matching and enqueueing.
 //!
 //! Invariant: every enqueue validates handles and ranges, and registers its op with the hazard detector, before the
-//! op becomes visible to a worker; an op that cannot be enqueued leaves no hazard entry or pending event behind.
+//! op becomes visible to a worker (under the queue's lock); an op that cannot be enqueued leaves no hazard entry or
+//! pending event behind.
 
 use super::hazard::{BufferRef, Touch};
 use super::lifecycle::shut_down_error;
@@ -124,12 +125,19 @@ impl Platform for SimPlatform {
         self.spawn_stream(name)
     }
 
+    fn destroy_stream(&self, stream: StreamId) -> PlatformResult<()> {
+        self.destroy_stream_impl(stream)
+    }
+
     fn create_event(&self) -> PlatformResult<EventId> {
         self.shared().events.create()
     }
 
     fn destroy_event(&self, event: EventId) -> PlatformResult<()> {
-        self.shared().events.destroy(event)
+        let shared = self.shared();
+        shared.events.destroy(event)?;
+        shared.hazards.event_destroyed(event);
+        Ok(())
     }
 
     fn record_event(&self, event: EventId, stream: StreamId) -> PlatformResult<()> {
@@ -137,7 +145,11 @@ impl Platform for SimPlatform {
         let queue = self.queue(stream)?;
         self.check_up()?;
         let gen = shared.events.record(event)?;
-        queue.push(shared, Op::Record { event, gen }).inspect_err(|e| {
+        let op = || {
+            shared.hazards.record(stream, event);
+            Op::Record { event, gen }
+        };
+        queue.push_with(shared, op).inspect_err(|e| {
             shared.events.complete(event, gen, Some(e.to_string()));
         })
     }
@@ -151,7 +163,10 @@ impl Platform for SimPlatform {
             // Never recorded: counts as complete, nothing to wait for.
             return Ok(());
         }
-        queue.push(shared, Op::Wait { event, gen })
+        queue.push_with(shared, || {
+            shared.hazards.wait(stream, event);
+            Op::Wait { event, gen }
+        })
     }
 
     fn event_query(&self, event: EventId) -> PlatformResult<bool> {
@@ -170,14 +185,26 @@ impl Platform for SimPlatform {
                 reason: format!("injected failure of event_synchronize call #{n}"),
             });
         }
+        let clock = shared.hazards.event_clock(event);
         match shared.events.synchronize(event, &shared.life)? {
-            Some(status) => status_result(event, status).map(|_| ()),
+            Some(status) => {
+                shared.hazards.thread_synchronized(&clock);
+                status_result(event, status).map(|_| ())
+            }
             None => Err(shut_down_error()),
         }
     }
 
     fn stream_synchronize(&self, stream: StreamId) -> PlatformResult<()> {
-        self.queue(stream)?.synchronize(self.shared())
+        let shared = self.shared();
+        let queue = self.queue(stream)?;
+        let clock = shared.hazards.stream_clock(stream);
+        let synced = queue.synchronize(shared);
+        // A shut-down platform discarded work, and a worker synchronising its own stream waited for nothing.
+        if !matches!(synced, Err(PlatformError::Unavailable(_))) && !queue.is_worker_thread() {
+            shared.hazards.host_synchronized(&clock);
+        }
+        synced
     }
 
     fn copy_h2d(
@@ -209,18 +236,11 @@ impl Platform for SimPlatform {
             Touch { buffer: BufferRef::Host(src), offset: src_offset, len, write: false },
             Touch { buffer: BufferRef::Device(dst), offset: dst_offset, len, write: true },
         ];
-        let seq = shared.hazards.register(stream, &queue.name, label.clone(), touches);
-        let op = CopyOp {
-            seq,
-            label,
-            host,
-            host_offset: src_offset,
-            dev,
-            dev_offset: dst_offset,
-            len,
-            inject_failure: shared.config.faults.fail_h2d_copy_async == Some(n),
-        };
-        queue.push(shared, Op::H2d(op)).inspect_err(|_| shared.hazards.complete(seq))
+        let inject_failure = shared.config.faults.fail_h2d_copy_async == Some(n);
+        queue.push_with(shared, || {
+            shared.hazards.register(stream, &queue.name, label.clone(), touches);
+            Op::H2d(CopyOp { label, host, host_offset: src_offset, dev, dev_offset: dst_offset, len, inject_failure })
+        })
     }
 
     fn copy_d2h(
@@ -252,17 +272,17 @@ impl Platform for SimPlatform {
             Touch { buffer: BufferRef::Device(src), offset: src_offset, len, write: false },
             Touch { buffer: BufferRef::Host(dst), offset: dst_offset, len, write: true },
         ];
-        let seq = shared.hazards.register(stream, &queue.name, label.clone(), touches);
-        let op = CopyOp {
-            seq,
-            label,
-            host,
-            host_offset: dst_offset,
-            dev,
-            dev_offset: src_offset,
-            len,
-            inject_failure: false,
-        };
-        queue.push(shared, Op::D2h(op)).inspect_err(|_| shared.hazards.complete(seq))
+        queue.push_with(shared, || {
+            shared.hazards.register(stream, &queue.name, label.clone(), touches);
+            Op::D2h(CopyOp {
+                label,
+                host,
+                host_offset: dst_offset,
+                dev,
+                dev_offset: src_offset,
+                len,
+                inject_failure: false,
+            })
+        })
     }
 }

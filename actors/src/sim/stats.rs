@@ -23,7 +23,7 @@ pub struct SimStats {
     pub allocs: u64,
     /// Successful device frees.
     pub frees: u64,
-    /// Time each stream spent blocked in event waits, by stream name, in stream creation order.
+    /// Time each live (not destroyed) stream spent blocked in event waits, by stream name, in stream creation order.
     pub wait_time_per_stream: Vec<(String, Duration)>,
 }
 

@@ -4,9 +4,11 @@
 //! or a wait on a failed event record) keeps it (sticky, like a CUDA error): its later copies, kernels and waits
 //! are skipped, its later event records complete as failed, and `stream_synchronize` returns the error.
 //!
-//! Invariants: ops complete in enqueue order; an op's hazard entry is removed, and an event record's generation
-//! completed, before the op is counted complete, so anything ordered after it (by stream order, event, or
-//! synchronisation) never sees it pending; at shutdown the worker stops after its current op and discards the rest.
+//! Invariants: ops complete in enqueue order; an event record's generation is completed before the op is counted
+//! complete, so anything ordered after it (by stream order, event, or synchronisation) never sees it pending; an op
+//! is registered with the hazard detector under the queue's lock, so
+//! the detector's stream order is the queue's order; at shutdown the worker stops after its current op and discards
+//! the rest; a closed queue (`destroy_stream`) takes no new op, and its worker exits once it ran every op it holds.
 
 use super::config::Direction;
 use super::event::GenStatus;
@@ -17,7 +19,7 @@ use super::memory::{BytesError, DeviceBuffer, HostBuffer};
 use super::stats::StatCounters;
 use super::trace::{TraceEvent, TraceKind};
 use super::Shared;
-use crate::platform::{EventId, HostBufferId, HostMemoryKind, PlatformError, PlatformResult};
+use crate::platform::{EventId, HostBufferId, HostMemoryKind, PlatformError, PlatformResult, StreamId};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{lock, thread, Arc, Condvar, Mutex};
 use std::collections::VecDeque;
@@ -25,7 +27,6 @@ use std::time::{Duration, Instant};
 
 /// A copy between a host and a device buffer (direction given by the [`Op`] variant).
 pub(crate) struct CopyOp {
-    pub(crate) seq: u64,
     pub(crate) label: String,
     pub(crate) host: Arc<HostBuffer>,
     pub(crate) host_offset: u64,
@@ -43,7 +44,7 @@ pub(crate) enum Op {
     /// Device → host.
     D2h(CopyOp),
     /// A compute kernel.
-    Kernel { seq: u64, label: String, accesses: Vec<(Access, Arc<DeviceBuffer>)>, f: KernelFn },
+    Kernel { label: String, accesses: Vec<(Access, Arc<DeviceBuffer>)>, f: KernelFn },
     /// Completes generation `gen` of `event`.
     Record { event: EventId, gen: u64 },
     /// Blocks the stream until generation `gen` of `event` completed.
@@ -55,10 +56,14 @@ struct QueueState {
     enqueued: u64,
     completed: u64,
     error: Option<PlatformError>,
+    /// Destroyed: no new op; the worker exits when `ops` is empty.
+    closed: bool,
 }
 
 /// A stream's queue, shared by the enqueuing threads and its worker.
 pub(crate) struct StreamQueue {
+    /// Its handle.
+    pub(crate) id: StreamId,
     /// Its name.
     pub(crate) name: String,
     /// Extra time per copy and kernel (the `slow_stream` fault).
@@ -74,23 +79,36 @@ struct Stopped;
 
 impl StreamQueue {
     /// An empty queue.
-    pub(crate) fn new(name: String, extra: Duration) -> Self {
+    pub(crate) fn new(id: StreamId, name: String, extra: Duration) -> Self {
         StreamQueue {
+            id,
             name,
             extra,
-            state: Mutex::new(QueueState { ops: VecDeque::new(), enqueued: 0, completed: 0, error: None }),
+            state: Mutex::new(QueueState {
+                ops: VecDeque::new(),
+                enqueued: 0,
+                completed: 0,
+                error: None,
+                closed: false,
+            }),
             cond: Condvar::new(),
             wait_nanos: AtomicU64::new(0),
             worker: Mutex::new(None),
         }
     }
 
-    /// Appends `op`. Fails once the platform is shutting down.
-    pub(crate) fn push(&self, shared: &Shared, op: Op) -> PlatformResult<()> {
+    /// Appends the op `make` builds. Fails (without calling `make`) once the platform is shutting down or the stream
+    /// was destroyed. `make` runs under the queue's lock (it registers the op with the hazard detector, whose stream
+    /// order must be this queue's order); it must not lock a queue.
+    pub(crate) fn push_with(&self, shared: &Shared, make: impl FnOnce() -> Op) -> PlatformResult<()> {
         let mut st = lock(&self.state);
         if shared.life.is_down() {
             return Err(shut_down_error());
         }
+        if st.closed {
+            return Err(PlatformError::InvalidHandle { what: "stream", id: u64::from(self.id.0) });
+        }
+        let op = make();
         st.ops.push_back(op);
         st.enqueued += 1;
         drop(st);
@@ -116,6 +134,21 @@ impl StreamQueue {
         }
     }
 
+    /// Closes the queue (`destroy_stream`): no new op is taken, and the worker exits once it ran the ops it holds.
+    pub(crate) fn close(&self) {
+        lock(&self.state).closed = true;
+        self.cond.notify_all();
+    }
+
+    /// After the worker exited: the stream's sticky error, or the shutdown error if it exited with ops not run.
+    pub(crate) fn final_status(&self) -> PlatformResult<()> {
+        let st = lock(&self.state);
+        if st.completed < st.enqueued {
+            return Err(shut_down_error());
+        }
+        st.error.clone().map_or(Ok(()), Err)
+    }
+
     /// Wakes the worker and every synchroniser (used at shutdown).
     pub(crate) fn wake_all(&self) {
         drop(lock(&self.state));
@@ -134,7 +167,8 @@ impl StreamQueue {
     }
 }
 
-/// The worker loop of `queue`: runs until the platform shuts down.
+/// The worker loop of `queue`: runs until the platform shuts down, or until the stream is destroyed and its queue
+/// is empty.
 pub(crate) fn run_worker(shared: Arc<Shared>, queue: Arc<StreamQueue>) {
     *lock(&queue.worker) = Some(thread::current());
     loop {
@@ -146,6 +180,9 @@ pub(crate) fn run_worker(shared: Arc<Shared>, queue: Arc<StreamQueue>) {
                 }
                 if let Some(op) = st.ops.pop_front() {
                     break (op, st.error.clone());
+                }
+                if st.closed {
+                    return;
                 }
                 st = wait(&queue.cond, st);
             }
@@ -171,7 +208,7 @@ fn execute(
     match op {
         Op::H2d(c) => copy(shared, q, c, Direction::H2d, prior),
         Op::D2h(c) => copy(shared, q, c, Direction::D2h, prior),
-        Op::Kernel { seq, label, accesses, f } => kernel(shared, q, seq, label, accesses, f, prior),
+        Op::Kernel { label, accesses, f } => kernel(shared, q, label, accesses, f, prior),
         Op::Record { event, gen } => {
             let failure = prior.map(|e| format!("stream '{}' failed before this record: {e}", q.name));
             shared.events.complete(event, gen, failure);
@@ -205,10 +242,8 @@ fn copy(
     prior: Option<&PlatformError>,
 ) -> Result<Option<PlatformError>, Stopped> {
     if prior.is_some() {
-        shared.hazards.complete(c.seq);
         return Ok(None);
     }
-    shared.hazards.start(c.seq);
     let t0 = Instant::now();
     let outcome = if c.inject_failure {
         Err("injected asynchronous copy failure".to_string())
@@ -216,12 +251,10 @@ fn copy(
         let pageable = c.host.kind == HostMemoryKind::Pageable;
         let dur = shared.config.copy_time(dir, c.len, pageable).saturating_add(q.extra);
         if !shared.life.sleep(dur) {
-            shared.hazards.complete(c.seq);
             return Err(Stopped);
         }
         move_bytes(&c, dir)
     };
-    shared.hazards.complete(c.seq);
     let (kind, direction, copies, bytes) = match dir {
         Direction::H2d => (TraceKind::H2d, "host-to-device", &shared.stats.h2d_copies, &shared.stats.h2d_bytes),
         Direction::D2h => (TraceKind::D2h, "device-to-host", &shared.stats.d2h_copies, &shared.stats.d2h_bytes),
@@ -257,20 +290,16 @@ fn move_bytes(c: &CopyOp, dir: Direction) -> Result<(), String> {
 fn kernel(
     shared: &Shared,
     q: &StreamQueue,
-    seq: u64,
     label: String,
     accesses: Vec<(Access, Arc<DeviceBuffer>)>,
     f: KernelFn,
     prior: Option<&PlatformError>,
 ) -> Result<Option<PlatformError>, Stopped> {
     if prior.is_some() {
-        shared.hazards.complete(seq);
         return Ok(None);
     }
-    shared.hazards.start(seq);
     let t0 = Instant::now();
     if !shared.life.sleep(q.extra) {
-        shared.hazards.complete(seq);
         return Err(Stopped);
     }
     let ctx = SimKernelCtx::new(label, accesses);
@@ -279,7 +308,6 @@ fn kernel(
         Ok(Err(msg)) => Err(msg),
         Err(_) => Err("kernel panicked".to_string()),
     };
-    shared.hazards.complete(seq);
     trace(shared, q, TraceKind::Kernel, ctx.label(), t0, (0, None));
     match outcome {
         Ok(()) => {

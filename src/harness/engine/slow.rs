@@ -90,6 +90,9 @@ impl Platform for SlowCopies {
     fn create_stream(&self, name: &str) -> PlatformResult<StreamId> {
         self.inner.create_stream(name)
     }
+    fn destroy_stream(&self, stream: StreamId) -> PlatformResult<()> {
+        self.inner.destroy_stream(stream)
+    }
     fn create_event(&self) -> PlatformResult<EventId> {
         self.inner.create_event()
     }

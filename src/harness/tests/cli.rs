@@ -275,6 +275,24 @@ fn failed_checks_exit_1() {
     assert!(e["error"].as_str().is_some_and(|m| !m.is_empty()), "{err}");
 }
 
+/// Both injectable orderings are caught with instant copies too (no `--sim-copy-latency-us`: the copy has long
+/// finished when the compute that skipped its wait runs), on every run: the detector goes by order, not timing.
+#[test]
+#[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
+fn failed_checks_exit_1_for_every_fault_with_instant_copies() {
+    for (fault, kind) in [("skip-ready-wait", "ReadBeforeReady"), ("skip-last-use-wait", "OverwriteBeforeLastUse")] {
+        for attempt in 0..3 {
+            let o = wf(&["run", "--json", "--steps", "1", "--inject-ordering-fault", fault]);
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(1), "{fault} attempt {attempt}: {err}");
+            let v = stdout_json(&o);
+            assert!(v["hazard_violations"].as_u64().unwrap() > 0, "{fault} attempt {attempt}: {v}");
+            let first = v["first_violation"].as_str().unwrap_or("");
+            assert!(first.starts_with(kind), "{fault} attempt {attempt}: {first}");
+        }
+    }
+}
+
 /// A build without the broken orderings refuses to inject one: exit 1, one line naming the build it needs.
 #[test]
 #[cfg(not(weightferry_broken))]

@@ -158,7 +158,6 @@ fn a_different_seed_changes_the_output() {
 fn the_checks_can_fail() {
     use std::time::Duration;
     use weightferry_actors::OrderingFault;
-    use weightferry_harness::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
     // Compute that does not wait for its copies reads slots before they land: the hazard detector sees it.
     let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
     spec.steps = 1;
@@ -260,5 +259,83 @@ fn copy_submission_reaches_each_components_stacks() {
         }
         assert!(units.stacks.iter().any(|s| s.submission == Submission::Hook), "{name}");
         assert!(units.stacks.iter().any(|s| s.submission == Submission::Actor), "{name}");
+    }
+}
+
+/// The simulated device of jittered run `i`: copy latency, bandwidth and a slow compute stream drawn from `i`
+/// (deterministic), from instant copies to copies that finish long after the compute that needs them was enqueued.
+fn jittered_sim(i: u64) -> weightferry_actors::sim::SimConfig {
+    use std::time::Duration;
+    use weightferry_actors::sim::fault::splitmix64;
+    use weightferry_actors::sim::{FaultPlan, SimConfig};
+    let mut state = i;
+    let mut draw = |n: u64| splitmix64(&mut state) % n;
+    let copy_latency = if draw(3) == 0 { Duration::ZERO } else { Duration::from_micros(draw(150)) };
+    let h2d_bytes_per_sec = (draw(2) == 0).then(|| (20 + draw(80)) as f64 * 1e9);
+    let mut faults = FaultPlan::none();
+    if draw(3) == 0 {
+        faults.slow_stream = Some(("compute".to_string(), Duration::from_micros(draw(100))));
+    }
+    SimConfig { copy_latency, h2d_bytes_per_sec, faults, tracing: false, ..SimConfig::default() }
+}
+
+/// Jittered runs of the correct ordering: every one bit-exact with no hazard, whatever the timing (the order-based
+/// detector never mistakes a correctly ordered run for a broken one).
+#[test]
+fn correct_orderings_report_no_hazard_under_jittered_timing() {
+    for i in 0..24u64 {
+        let config = if i % 2 == 0 { layer(2, 0, false) } else { layer_hook(2, 0) };
+        let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), config);
+        spec.steps = 1;
+        spec.sim = jittered_sim(i);
+        let r = run(&spec, &mut |_, _| {}).unwrap().report;
+        assert_eq!(r.hazard_violations, 0, "run {i} ({:?}): {r}", spec.sim);
+        assert!(r.passed(), "run {i}: {r}");
+    }
+}
+
+/// Every deliberately broken ordering the CLI can inject (`run --inject-ordering-fault skip-ready-wait |
+/// skip-last-use-wait`) is caught on 100 jittered runs out of 100, half of them with each copy submission (the
+/// hazard detector decides from the order streams and events establish, not from whether a copy happened to be
+/// late; the jitter includes instant copies, which the old timing-based check missed); the correct ordering under
+/// the same 100 timings reports no hazard.
+#[test]
+#[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
+fn broken_orderings_are_caught_on_every_jittered_run_so_the_checks_can_fail() {
+    use weightferry_actors::OrderingFault;
+    const RUNS: u64 = 100;
+    let variants = [
+        (OrderingFault::SkipReadyWait, "ReadBeforeReady"),
+        (OrderingFault::SkipLastUseWait, "OverwriteBeforeLastUse"),
+        (OrderingFault::None, ""),
+    ];
+    for (fault, kind) in variants {
+        let mut as_expected = 0;
+        let mut misses = Vec::new();
+        for i in 0..RUNS {
+            let hook = i % 2 == 1;
+            let config = if hook { layer_hook(2, 0) } else { layer(2, 0, false) };
+            let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), config);
+            spec.steps = 1;
+            spec.sim = jittered_sim(i);
+            spec.ordering_fault = fault;
+            let r = run(&spec, &mut |_, _| {}).unwrap().report;
+            let first = r.first_violation.clone().unwrap_or_default();
+            let ok = if kind.is_empty() {
+                r.hazard_violations == 0 && r.passed()
+            } else {
+                r.hazard_violations > 0 && first.starts_with(kind) && !r.passed()
+            };
+            if ok {
+                as_expected += 1;
+            } else {
+                misses.push(format!(
+                    "run {i} (hook submission {hook}, {:?}): {} violations, first {first:?}",
+                    spec.sim, r.hazard_violations
+                ));
+            }
+        }
+        println!("{fault:?}: {as_expected} of {RUNS} jittered runs as expected");
+        assert_eq!(as_expected, RUNS, "{fault:?}: {misses:#?}");
     }
 }

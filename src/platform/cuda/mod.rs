@@ -186,7 +186,8 @@ impl CudaPlatform {
         bind_or_err(self.ctx.cu_ctx())
     }
 
-    /// The driver handle of a stream, or `None` for an unknown handle. It stays valid until the platform drops.
+    /// The driver handle of a stream, or `None` for an unknown handle. It stays valid until the stream is destroyed
+    /// (`destroy_stream`) or the platform drops.
     pub fn raw_stream(&self, stream: StreamId) -> Option<sys::CUstream> {
         self.streams.get(u64::from(stream.0)).map(|s| s.raw())
     }
@@ -557,6 +558,20 @@ impl Platform for CudaPlatform {
             .map_err(|e| PlatformError::Driver(format!("cannot create stream {name:?}: {}", describe(e))))?;
         self.streams.insert(u64::from(id), stream);
         Ok(StreamId(id))
+    }
+
+    fn destroy_stream(&self, stream: StreamId) -> PlatformResult<()> {
+        let st = self
+            .streams
+            .remove(u64::from(stream.0))
+            .ok_or(PlatformError::InvalidHandle { what: "stream", id: u64::from(stream.0) })?;
+        self.bind_to_thread()?;
+        let synced = st.synchronize().map_err(|e| {
+            PlatformError::Driver(format!("stream {} ({:?}) failed: {}", stream.0, st.name(), describe(e)))
+        });
+        // Dropping the entry destroys the stream (`cuStreamDestroy`), once no concurrent call holds it.
+        drop(st);
+        synced
     }
 
     fn create_event(&self) -> PlatformResult<EventId> {
