@@ -13,6 +13,9 @@ P% of the weight bytes, the planner keeping blocks resident); ``group`` / ``grou
 and its peak, device memory in use (``total - free`` from the driver: torch's pool and weightferry's buffers), and
 whether the output equals the resident output bit for bit.
 
+Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames).
+``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script.
+
 Weights: one seeded random bf16 pattern of 64 Mi values, tiled over every tensor (deterministic, cheap to build,
 finite). Inputs: the model's real shapes at the chosen resolution. Needs torch, diffusers and weightferry.
 """
@@ -24,52 +27,8 @@ import subprocess
 import sys
 import time
 
-MODELS = {
-    # FLUX.1-dev's transformer: 19 double-stream + 38 single-stream blocks, 1024x1024 (4096 image tokens), 512 text.
-    "flux-dev": dict(
-        cls="FluxTransformer2DModel",
-        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                    axes_dims_rope=(16, 56, 56)),
-        image_tokens=4096, text_tokens=512,
-    ),
-}
-
-
-def rss(field="VmRSS"):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def build(torch, name, layers=None):
-    import diffusers
-
-    spec = MODELS[name]
-    config = dict(spec["config"])
-    if layers is not None:
-        config["num_layers"], config["num_single_layers"] = layers
-    with torch.device("meta"):
-        model = getattr(diffusers, spec["cls"])(**config).to(torch.bfloat16)
-    model = model.to_empty(device="cpu").eval()
-    g = torch.Generator().manual_seed(0)
-    pattern = (torch.rand(64 << 20, generator=g) * 0.04 - 0.02).to(torch.bfloat16)
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            flat = t.view(-1)
-            n = flat.numel()
-            for start in range(0, n, pattern.numel()):
-                end = min(n, start + pattern.numel())
-                flat[start:end].copy_(pattern[: end - start])
-    return model, spec
-
-
-def inputs(torch, spec, dev):
-    g = torch.Generator().manual_seed(1)
-    c = spec["config"]
-    n, t = spec["image_tokens"], spec["text_tokens"]
+def flux_inputs(torch, c, g, tokens):
+    n, t = tokens
     bf = torch.bfloat16
     x = dict(
         hidden_states=torch.randn(1, n, c["in_channels"], generator=g).to(bf),
@@ -81,7 +40,118 @@ def inputs(torch, spec, dev):
     )
     if c.get("guidance_embeds"):
         x["guidance"] = torch.tensor([3.5]).to(bf)
-    return {k: v.to(dev) for k, v in x.items()}
+    return x
+
+
+def qwen_inputs(torch, c, g, tokens):
+    (h, w), t = tokens
+    bf = torch.bfloat16
+    return dict(
+        hidden_states=torch.randn(1, h * w, c["in_channels"], generator=g).to(bf),
+        encoder_hidden_states=torch.randn(1, t, c["joint_attention_dim"], generator=g).to(bf),
+        encoder_hidden_states_mask=torch.ones(1, t, dtype=torch.long),
+        timestep=torch.tensor([0.5]).to(bf),
+        img_shapes=[(1, h, w)],
+    )
+
+
+def wan_inputs(torch, c, g, tokens):
+    (f, h, w), t = tokens
+    bf = torch.bfloat16
+    return dict(
+        hidden_states=torch.randn(1, c["in_channels"], f, h, w, generator=g).to(bf),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, t, c["text_dim"], generator=g).to(bf),
+    )
+
+
+MODELS = {
+    # FLUX.1-dev's transformer: 19 double-stream + 38 single-stream blocks, 1024x1024 (4096 image tokens), 512 text.
+    "flux-dev": dict(
+        cls="FluxTransformer2DModel",
+        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                    axes_dims_rope=(16, 56, 56)),
+        tiny=dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6), in_channels=8),
+        inputs=flux_inputs, tokens=(4096, 512), tiny_tokens=(16, 7),
+    ),
+    # Qwen-Image's transformer: 60 blocks, 1024x1024 (64x64 latent patches = 4096 image tokens), 512 text tokens.
+    "qwen-image": dict(
+        cls="QwenImageTransformer2DModel",
+        config=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56)),
+        tiny=dict(num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                  axes_dims_rope=(2, 2, 4), in_channels=16, out_channels=4),
+        inputs=qwen_inputs, tokens=((64, 64), 512), tiny_tokens=((4, 4), 7),
+    ),
+    # Wan 2.1 T2V 14B's transformer: 40 blocks, 480p x 81 frames (21 x 60 x 104 latents, 32 760 tokens), 512 text.
+    "wan-14b": dict(
+        cls="WanTransformer3DModel",
+        config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        tiny=dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+                  freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32),
+        inputs=wan_inputs, tokens=((21, 60, 104), 512), tiny_tokens=((2, 8, 8), 7),
+    ),
+}
+
+
+def model_config(spec, tiny):
+    return {**spec["config"], **(spec["tiny"] if tiny else {})}
+
+
+def rss(field="VmRSS"):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def build(torch, name, tiny=False):
+    """The model with random weights, built without initialising them: parameters are created on ``meta`` (as
+    accelerate's ``init_empty_weights`` does; buffers and plain tensor attributes such as rotary tables stay real),
+    then get uninitialised CPU memory filled from one seeded pattern."""
+    import diffusers
+
+    nn = torch.nn
+    spec = MODELS[name]
+    config = model_config(spec, tiny)
+    register = nn.Module.register_parameter
+
+    def on_meta(self, pname, param):
+        register(self, pname, param)
+        if param is not None:
+            self._parameters[pname] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        model = getattr(diffusers, spec["cls"])(**config)
+    finally:
+        nn.Module.register_parameter = register
+    model = model.to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    pattern = (torch.rand(64 << 20, generator=g) * 0.04 - 0.02).to(torch.bfloat16)
+    with torch.no_grad():
+        for m in model.modules():
+            for pname, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                t = torch.empty(p.shape, dtype=p.dtype)
+                flat = t.view(-1)
+                for start in range(0, flat.numel(), pattern.numel()):
+                    end = min(flat.numel(), start + pattern.numel())
+                    flat[start:end].copy_(pattern[: end - start])
+                m._parameters[pname] = nn.Parameter(t, requires_grad=False)
+    return model, spec
+
+
+def inputs(torch, spec, dev, tiny=False):
+    g = torch.Generator().manual_seed(1)
+    x = spec["inputs"](torch, model_config(spec, tiny), g, spec["tiny_tokens" if tiny else "tokens"])
+    return {k: v.to(dev) if torch.is_tensor(v) else v for k, v in x.items()}
 
 
 def h2d_bandwidth(torch, size=256 << 20, copies=16):
@@ -103,12 +173,13 @@ def variant(args):
 
     res = {"variant": args.variant, "model": args.model}
     base = rss()
-    model, spec = build(torch, args.model, args.layers)
+    model, spec = build(torch, args.model, args.tiny)
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     res["weight_bytes"] = weight_bytes
     res["rss_built"] = rss() - base
-    dev = torch.device("cuda", 0)
-    x = inputs(torch, spec, dev)
+    cpu = args.tiny and not torch.cuda.is_available()  # the script's own check on a machine without a GPU
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    x = inputs(torch, spec, dev, args.tiny)
     handle = None
     t0 = time.perf_counter()
     v = args.variant
@@ -126,33 +197,45 @@ def variant(args):
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            handle = wf.enable({"transformer": model}, {"diffusion_offload_config": dcfg}, device="cuda")
+            handle = wf.enable({"transformer": model}, {"diffusion_offload_config": dcfg},
+                               device="sim" if cpu else "cuda")
     elif v.startswith("group"):
         from diffusers.hooks import apply_group_offloading
 
         apply_group_offloading(model, onload_device=dev, offload_device=torch.device("cpu"),
-                               offload_type="block_level", num_blocks_per_group=1, use_stream=True,
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=not cpu,
                                record_stream=(v == "group_record"))
     else:
         raise SystemExit(f"unknown variant {v}")
-    torch.cuda.synchronize()
+
+    def sync():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    sync()
     res["enable_s"] = time.perf_counter() - t0
     res["rss_after_enable"] = rss() - base
     before = handle.stats() if handle else None
     with torch.no_grad():
         for _ in range(args.warmup):
             out = model(**x, return_dict=False)[0]
-        torch.cuda.synchronize()
+        sync()
         if handle:
             before = handle.stats()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+        if cpu:
+            start = time.perf_counter()
+        else:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
         for _ in range(args.steps):
             out = model(**x, return_dict=False)[0]
-        e.record()
-        torch.cuda.synchronize()
-    res["step_s"] = s.elapsed_time(e) / 1e3 / args.steps
-    free, total = torch.cuda.mem_get_info()
+        if cpu:
+            res["step_s"] = (time.perf_counter() - start) / args.steps
+        else:
+            e.record()
+            sync()
+            res["step_s"] = s.elapsed_time(e) / 1e3 / args.steps
+    free, total = (0, 0) if cpu else torch.cuda.mem_get_info()
     res["device_used"] = total - free
     res["peak_rss"] = rss("VmHWM") - base
     out_path = os.path.join(args.out, "resident.pt")
@@ -176,7 +259,7 @@ def variant(args):
         )
     else:
         res["streamed_per_step"] = 0
-    res["h2d_Bps"] = h2d_bandwidth(torch)
+    res["h2d_Bps"] = 1e9 if cpu else h2d_bandwidth(torch)  # cpu: a placeholder, the check runs the code only
     print("RESULT " + json.dumps(res), flush=True)
     os._exit(0)  # the process ends here: no teardown of 24 GB of tensors and masters to wait for
 
@@ -208,8 +291,9 @@ def main():
     ap.add_argument("--variants", default="resident,wf_d1,wf_d2,wf_d4,wf_b50,wf_b75,group,group_record")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=lambda s: tuple(int(v) for v in s.split(",")), default=None,
-                    help="num_layers,num_single_layers override (a smaller model for a quick check)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny configuration of the model (on the CPU and the simulated device without a GPU): "
+                         "checks the script, measures nothing")
     ap.add_argument("--out", default="/tmp/wf-diffusers-bench")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -220,8 +304,8 @@ def main():
     for v in args.variants.split(","):
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--out", args.out]
-        if args.layers:
-            cmd += ["--layers", ",".join(map(str, args.layers))]
+        if args.tiny:
+            cmd.append("--tiny")
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
