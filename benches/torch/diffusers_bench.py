@@ -251,7 +251,9 @@ def variant(args):
         res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
         res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "pinned") if k in after}
         hook_ms = after["hooks"]["total_ms"] - before["hooks"]["total_ms"]
-        res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / args.steps)
+        res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / args.steps,
+                            record_waits=sum(a.get("record_waits", 0) for a in after["stacks"]),
+                            sync_fetches=sum(a.get("sync_fetches", 0) for a in after["stacks"]))
         res["hook_share"] = hook_ms / 1e3 / args.steps / res["step_s"]
     elif v.startswith("group"):
         res["streamed_per_step"] = sum(
@@ -280,7 +282,8 @@ def table(results):
         if "hook_share" in r:
             h = r["hooks"]
             print(f"{r['variant']}: hooks {h['per_step_ms']:.3f} ms per step = {100 * r['hook_share']:.3f}% of the step "
-                  f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls)")
+                  f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls; host waits for the copy "
+                  f"actor {h['record_waits']}, sync fetches {h['sync_fetches']})")
     if results:
         print(f"weights: {results[0]['weight_bytes'] / 1e9:.2f} GB ({results[0]['model']})")
 

@@ -448,6 +448,7 @@ def test_stats_total_the_stacks_and_time_the_hooks():
         assert s["device_bytes"] == s["fixed_device_bytes"] + sum(st["device_bytes"] for st in s["stacks"])
         assert s["host_bytes"] == s["master_host_bytes"] > 0
         assert s["stalls"] == sum(st["sync_fetches"] for st in s["stacks"])
+        assert all(st["record_waits"] <= st["loads"] for st in s["stacks"])
         # One pre and one post sample per hooked module call: the encoder's 3 layers once, the DiT's 4 blocks 3
         # times (the VAE is on demand: its hook runs once per call too).
         hooked = len(h._session.hooked_modules())

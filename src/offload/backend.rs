@@ -46,6 +46,9 @@ pub struct StackReport {
     pub reuse_hits: u64,
     /// Blocks fetched synchronously.
     pub sync_fetches: u64,
+    /// Hook calls that waited on the host for the copy actor to enqueue their block's load (the host-side stalls
+    /// of a hook; the device may still have been busy).
+    pub record_waits: u64,
     /// Device bytes held.
     pub device_bytes: u64,
     /// Who enqueued the streamed loads: `"actor"` (the copy-stream actor) or `"hook"` (the hooks themselves).
@@ -810,6 +813,7 @@ impl StreamingBackend {
                         prefetch_hits: s.prefetch_hits,
                         reuse_hits: s.reuse_hits,
                         sync_fetches: s.sync_fetches,
+                        record_waits: s.record_waits,
                         device_bytes: s.device_bytes,
                         submission: sp.submission.as_str().to_string(),
                         completions: s.completions,
