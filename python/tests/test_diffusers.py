@@ -234,3 +234,22 @@ def test_torch_compile_runs_the_offloaded_transformer_with_one_break_per_block()
             for _ in range(2):
                 assert torch.equal(compiled(**x, return_dict=False)[0], expected)
     dynamo.reset()
+
+
+def test_the_handle_s_state_dict_is_the_true_weights_while_offloaded():
+    m, x, _ = flux()
+    m = m.to(BF16).eval()
+    x = bf16_inputs(x)
+    expected = {k: v.clone() for k, v in m.state_dict().items()}
+    with wf.enable({"transformer": m}, layer(2)) as h:
+        forward(m, x)
+        got = h.state_dict("transformer")
+        assert set(got) == set(expected)
+        for k, v in expected.items():
+            assert got[k].device.type == "cpu" and torch.equal(got[k], v), k
+        assert set(h.state_dict()) == {f"transformer.{k}" for k in expected}
+        with pytest.raises(wf.PipelineError) as e:
+            h.state_dict("vae")
+        assert str(e.value) == "the pipeline has no component 'vae' with weights"
+    after = h.state_dict("transformer")
+    assert all(torch.equal(after[k], v) for k, v in expected.items())

@@ -16,6 +16,8 @@ Two devices, one binder each:
 - ``"sim"`` (:class:`_SimBinder`, the simulated device: device buffers in host memory, compute on the CPU): a tensor
   "on the device" is a CPU tensor holding a copy of the simulated device memory, rebuilt at each streamed block's
   ``pre_forward`` and emptied after it: the sim is the test device, so the copy is acceptable there.
+
+:meth:`Handle.state_dict` reads the true weights from the session on either device.
 """
 
 import ctypes
@@ -471,6 +473,25 @@ class Handle:
         self._config = config if isinstance(config, dict) else None
         return json.loads(plan)
 
+    def state_dict(self, component=None):
+        """The pipeline's weights as ordinary CPU tensors read from weightferry's own copy (the host masters while
+        offloaded): bit-identical to what :func:`enable` took, and the right values while enabled, when a streamed
+        module's own tensors view recycled device slots. Parameters and persistent buffers, as torch's
+        ``state_dict`` has them; names are ``describe()``'s (dotted from the pipeline), or relative to
+        ``component`` (``handle.state_dict("transformer")`` has the keys of ``transformer.state_dict()``). Tensors
+        that shared a storage share one here too."""
+        prefix = None if component is None else f"{component}."
+        wanted = {p: v for p, v in self._state_paths.items() if prefix is None or p.startswith(prefix)}
+        if prefix is not None and not wanted:
+            raise _core.PipelineError(f"the pipeline has no component '{component}' with weights")
+        built, out = {}, {}
+        for path, (sid, index) in wanted.items():
+            if sid not in built:
+                views = self._views[sid]
+                built[sid] = _tensors_over(self._session.read_storage(sid), views)
+            out[path if prefix is None else path[len(prefix):]] = built[sid][index]
+        return out
+
     def __enter__(self):
         return self
 
@@ -641,6 +662,13 @@ def enable(pipeline, config, device="sim", *, name=None, checkpoint=None):
             streamed_by.setdefault(unit, []).append(sid)
     handle = Handle(session, views, nbytes, streamed_by, modules, binder, stream)
     handle._config = json.loads(text) if fmt == "json" else None
+    # Every parameter and persistent buffer's path -> (storage, index of its tensor object among the storage's views).
+    index_of = {id(v.tensor): (sid, i) for sid, vs in views.items() for i, v in enumerate(vs)}
+    handle._state_paths = {
+        path: index_of[id(getattr(module, attr))]
+        for path, (module, attr) in bound.items()
+        if attr in module._parameters or attr not in module._non_persistent_buffers_set
+    }
 
     # Storage by storage, the bytes go to the session and torch's own host copy is given up at once, so host memory
     # holds about one copy of the weights throughout (plus the masters of one batch while the backend builds them).
