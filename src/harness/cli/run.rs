@@ -68,6 +68,7 @@ fn run_cuda(
     a: &RunArgs,
     name: &str,
     desc: &crate::plan::PipelineDesc,
+    checkpoint: Option<&crate::engine::driver::CheckpointWeights>,
     config: &crate::config::OffloadConfig,
 ) -> Result<i32, CliError> {
     use crate::engine::cuda::GpuShape;
@@ -81,6 +82,7 @@ fn run_cuda(
     let bars = RunBars::for_stderr(false, std::io::stderr().is_terminal());
     let r = gpu_run(
         desc,
+        checkpoint,
         config,
         a.steps,
         GpuShape { tokens, context_tokens },
@@ -161,11 +163,6 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
         ));
     }
     check_platform(a.platform)?;
-    if a.checkpoint.is_some() && a.platform != PlatformArg::Sim {
-        return Err(CliError::invalid(
-            "--checkpoint runs on --platform sim; the CUDA engine uses synthetic weights for now",
-        ));
-    }
     let loaded = a.checkpoint.as_deref().map(|p| load_checkpoint(p, &a.component)).transpose()?;
     let (pipeline, weights) = match (&a.checkpoint, &loaded) {
         (Some(path), Some(l)) => {
@@ -182,7 +179,7 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     }
     #[cfg(feature = "cuda")]
     if a.platform == PlatformArg::Cuda {
-        return run_cuda(a, &pipeline.name, &pipeline.desc, &config);
+        return run_cuda(a, &pipeline.name, &pipeline.desc, weights.as_ref(), &config);
     }
     let mut spec = RunSpec::new(pipeline.name, pipeline.desc, config);
     spec.steps = a.steps;

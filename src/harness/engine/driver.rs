@@ -97,7 +97,7 @@ pub struct CheckpointWeights {
 }
 
 /// A checkpoint that cannot be loaded is invalid input, unless the platform failed.
-fn checkpoint_error(e: CheckpointError) -> EngineError {
+pub(crate) fn checkpoint_error(e: CheckpointError) -> EngineError {
     match e {
         CheckpointError::Platform { source, .. } => EngineError::Platform(source),
         e => EngineError::Invalid(format!("checkpoint {e}")),

@@ -540,11 +540,13 @@ pub struct GpuRunReport {
 }
 
 /// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
-/// weights. With `slow_copies` every host → device copy waits behind a dummy one ([`super::slow::SlowCopies`]).
-/// `observer` sees `enable` build masters and the DiT steps complete on the device (progress bars).
+/// weights: synthetic weights from `seed`, or `checkpoint`'s bytes. With `slow_copies` every host → device copy waits
+/// behind a dummy one ([`super::slow::SlowCopies`]). `observer` sees `enable` build masters and the DiT steps complete
+/// on the device (progress bars).
 #[allow(clippy::too_many_arguments)]
 pub fn gpu_run(
     desc: &PipelineDesc,
+    checkpoint: Option<&super::driver::CheckpointWeights>,
     config: &OffloadConfig,
     steps: u32,
     shape: GpuShape,
@@ -559,7 +561,11 @@ pub fn gpu_run(
     let platform: PlatformRef =
         if slow_copies { Arc::new(super::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
     let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
-    let mut model = HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?;
+    let mut model = match checkpoint {
+        Some(w) => HostModel::from_checkpoint(platform, Arc::new(desc.clone()), &w.checkpoint, &w.component)
+            .map_err(super::driver::checkpoint_error)?,
+        None => HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?,
+    };
     let engine = Engine::new(compute, desc)?;
     let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
     let enable_observer = observer.clone();
