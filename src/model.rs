@@ -1,7 +1,8 @@
 //! The host engine's loaded model: a pipeline description plus the bytes of every storage, living in platform host
 //! buffers.
 //!
-//! Invariant: every storage has exactly one authoritative home at a time — its loaded host buffer, a region of an
+//! Invariant: every storage has exactly one authoritative home at a time — its loaded host buffer, its tensor's
+//! bytes in a checkpoint file the model mapped ([`Home::File`]: no copy in the process at all), a region of an
 //! offload backend's host master, or (released for a distributed run) the shards the ranks of a group hold — so the
 //! model never exists twice in host memory. Backends move homes with [`HostModel::adopt_master`] /
 //! [`HostModel::restore_loaded`], a distributed run with [`HostModel::release_to_shards`] /
@@ -22,6 +23,14 @@ pub enum Home {
         /// The buffer.
         buf: HostBufferId,
     },
+    /// Its tensor in a checkpoint file: a range of a mapped host buffer ([`HostMemoryKind::Mapped`]) the model owns.
+    /// Read through the platform (never through the mapping); a backend may copy to the device from it directly.
+    File {
+        /// The file's mapped buffer.
+        buf: HostBufferId,
+        /// Offset of the storage's bytes in the file.
+        offset: u64,
+    },
     /// A region of an offload backend's host master.
     Master {
         /// The master buffer.
@@ -37,10 +46,11 @@ pub enum Home {
 }
 
 impl Home {
-    /// `"loaded"`, `"master"` or `"sharded"`.
+    /// `"loaded"`, `"file"`, `"master"` or `"sharded"`.
     pub fn name(&self) -> &'static str {
         match self {
             Home::Loaded { .. } => "loaded",
+            Home::File { .. } => "file",
             Home::Master { .. } => "master",
             Home::Sharded => "sharded",
         }
@@ -91,6 +101,11 @@ pub struct HostModel {
     desc: Arc<PipelineDesc>,
     platform: PlatformRef,
     homes: BTreeMap<StorageId, Home>,
+    /// Mapped checkpoint files the model owns (freed by [`HostModel::release`]).
+    files: Vec<HostBufferId>,
+    /// Where each file-backed storage lies in its file, whatever its current home: a backend's master gives it
+    /// back by re-homing it there, without a copy.
+    origins: BTreeMap<StorageId, (HostBufferId, u64)>,
 }
 
 /// splitmix64: the tiny deterministic generator behind synthetic weights (the simulated device's fault plans use
@@ -248,13 +263,13 @@ impl HostModel {
         if let Some(e) = first_err {
             for b in orphans.into_iter().chain(homes.values().filter_map(|h| match h {
                 Home::Loaded { buf } => Some(*buf),
-                Home::Master { .. } | Home::Sharded => None,
+                Home::File { .. } | Home::Master { .. } | Home::Sharded => None,
             })) {
                 let _ = platform.free_host(b);
             }
             return Err(e);
         }
-        Ok(HostModel { desc, platform, homes })
+        Ok(HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new() })
     }
 
     /// A model whose every storage is loaded in its own host buffer of `platform` (`loaded` holds one buffer per
@@ -265,7 +280,35 @@ impl HostModel {
         loaded: BTreeMap<StorageId, HostBufferId>,
     ) -> HostModel {
         let homes = loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })).collect();
-        HostModel { desc, platform, homes }
+        HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new() }
+    }
+
+    /// A model whose every storage lies in a mapped file: `files` are mapped host buffers of `platform`
+    /// ([`Platform::map_host`](weightferry_actors::platform::Platform::map_host)), owned by the model from now on;
+    /// `at` gives each storage of `desc` its file and offset. Loaders check the ranges first.
+    pub(crate) fn from_files(
+        platform: PlatformRef,
+        desc: Arc<PipelineDesc>,
+        files: Vec<HostBufferId>,
+        at: BTreeMap<StorageId, (HostBufferId, u64)>,
+    ) -> HostModel {
+        let homes = at.iter().map(|(&id, &(buf, offset))| (id, Home::File { buf, offset })).collect();
+        HostModel { desc, platform, homes, files, origins: at }
+    }
+
+    /// Where a file-backed storage lies in its checkpoint file (`(mapped buffer, offset)`), whatever its home now.
+    pub fn file_origin(&self, id: StorageId) -> Option<(HostBufferId, u64)> {
+        self.origins.get(&id).copied()
+    }
+
+    /// The mapped checkpoint files the model owns.
+    pub fn mapped_files(&self) -> &[HostBufferId] {
+        &self.files
+    }
+
+    /// Bytes of the storages homed in a mapped file.
+    pub fn file_bytes(&self) -> u64 {
+        self.homes.iter().filter(|(_, h)| matches!(h, Home::File { .. })).map(|(id, _)| self.storage_bytes(*id)).sum()
     }
 
     /// A model whose every storage has its own zero-filled pageable host buffer of exactly its size (one byte for
@@ -343,7 +386,7 @@ impl HostModel {
         let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
         let (buf, base) = match home {
             Home::Loaded { buf } => (buf, 0),
-            Home::Master { buf, offset: base } => (buf, base),
+            Home::File { buf, offset: base } | Home::Master { buf, offset: base } => (buf, base),
             Home::Sharded => return Err(ModelError::Sharded { storage: id.0 }),
         };
         let size = self.storage_bytes(id);
@@ -435,8 +478,8 @@ impl HostModel {
         self.homes.iter().filter(|(_, h)| matches!(h, Home::Loaded { .. })).map(|(id, _)| self.storage_bytes(*id)).sum()
     }
 
-    /// Makes a master region the storage's home and frees its loaded buffer. The caller has already copied the
-    /// bytes into the master. Returns the previous home.
+    /// Makes a master region the storage's home and frees its loaded buffer (a file-backed storage keeps its file,
+    /// which the model owns). The caller has already copied the bytes into the master. Returns the previous home.
     pub fn adopt_master(&mut self, id: StorageId, buf: HostBufferId, offset: u64) -> Result<Home, PlatformError> {
         let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
         if let Home::Loaded { buf: old } = prev {
@@ -447,9 +490,14 @@ impl HostModel {
     }
 
     /// Gives a storage back its own loaded host buffer, copying its bytes out of the master (a real copy, so the
-    /// model no longer aliases the backend's masters). No-op unless it is homed in a master.
+    /// model no longer aliases the backend's masters); a file-backed storage goes back to its file instead, with no
+    /// copy. No-op unless it is homed in a master.
     pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), ModelError> {
         let Some(Home::Master { .. }) = self.homes.get(&id).copied() else { return Ok(()) };
+        if let Some(&(buf, offset)) = self.origins.get(&id) {
+            self.homes.insert(id, Home::File { buf, offset });
+            return Ok(());
+        }
         let bytes = self.read_storage(id)?;
         let buf = self.platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable)?;
         if let Err(e) = self.platform.write_host(buf, 0, &bytes) {
@@ -472,10 +520,13 @@ impl HostModel {
     /// loaded and the platform's error is returned.
     pub fn release_to_shards(&mut self, id: StorageId) -> Result<(), ModelError> {
         let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
-        let Home::Loaded { buf } = prev else {
-            return Err(ModelError::WrongHome { storage: id.0, expected: "loaded", found: prev.name() });
-        };
-        self.platform.free_host(buf)?;
+        match prev {
+            Home::Loaded { buf } => self.platform.free_host(buf)?,
+            Home::File { .. } => {}
+            Home::Master { .. } | Home::Sharded => {
+                return Err(ModelError::WrongHome { storage: id.0, expected: "loaded", found: prev.name() })
+            }
+        }
         self.homes.insert(id, Home::Sharded);
         Ok(())
     }
@@ -504,13 +555,16 @@ impl HostModel {
         self.homes.iter().filter(|(_, h)| matches!(h, Home::Sharded)).map(|(id, _)| *id).collect()
     }
 
-    /// Frees every loaded buffer (the model is dropped). Masters belong to their backend; released storages hold
-    /// no buffer of the model.
+    /// Frees every loaded buffer and unmaps every file (the model is dropped). Masters belong to their backend;
+    /// released storages hold no buffer of the model.
     pub fn release(self) {
         for h in self.homes.values() {
             if let Home::Loaded { buf } = h {
                 let _ = self.platform.free_host(*buf);
             }
+        }
+        for &f in &self.files {
+            let _ = self.platform.free_host(f);
         }
     }
 }

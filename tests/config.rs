@@ -590,7 +590,7 @@ fn unknown_compact_key_lists_valid_keys() {
         r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "budget": "1GiB"}}"#,
         "diffusion_offload_config.budget",
         "diffusion_offload_config.budget: unknown diffusion_offload_config key; valid keys are: mode, components, \
-         layer_options, pin_memory, device_budget, keep_dit_resident",
+         layer_options, pin_memory, host_masters, device_budget, keep_dit_resident",
     );
 }
 
@@ -1277,4 +1277,28 @@ fn distributed_dit_equals_the_parsed_config() {
         let parsed = weightferry::config::OffloadConfig::from_json_str(&json).unwrap();
         assert_eq!(weightferry::config::OffloadConfig::distributed_dit(world, depth, chunk), parsed, "{json}");
     }
+}
+
+#[test]
+fn host_masters_takes_auto_mapped_or_pinned() {
+    use weightferry::config::HostMasters;
+    let with = |v: &str| {
+        format!(r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"], "host_masters": {v}}}}}"#)
+    };
+    let base = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
+    assert_eq!(OffloadConfig::from_json_str(base).unwrap().host_masters, HostMasters::Auto);
+    for (v, want) in [("auto", HostMasters::Auto), ("mapped", HostMasters::Mapped), ("pinned", HostMasters::Pinned)] {
+        assert_eq!(OffloadConfig::from_json_str(&with(&format!("\"{v}\""))).unwrap().host_masters, want);
+    }
+    assert_err(
+        &with("\"mmap\""),
+        "diffusion_offload_config.host_masters",
+        "diffusion_offload_config.host_masters: unknown value \"mmap\"; choose \"auto\" (mapped where the \
+         checkpoint's layout allows, pinned elsewhere), \"mapped\" or \"pinned\"",
+    );
+    assert_err(
+        &with("true"),
+        "diffusion_offload_config.host_masters",
+        "diffusion_offload_config.host_masters: expected \"auto\", \"mapped\" or \"pinned\", found the boolean true",
+    );
 }

@@ -34,6 +34,30 @@ pub enum HostMemoryKind {
     Pinned,
     /// Ordinary pageable memory: copies are staged by the driver and much slower.
     Pageable,
+    /// Read-only memory lent by a [`HostRegion`] (a checkpoint file's mapping), made a buffer by
+    /// [`Platform::map_host`]: the CPU reads it through the region, never by touching the mapping; the device copies
+    /// from it only once [`Platform::register_host`] made it copyable (at pinned speed on CUDA).
+    Mapped,
+}
+
+/// Read-only host memory that its owner lends to a platform: in practice a checkpoint file's mapping.
+///
+/// The CPU side reads through [`read_at`](HostRegion::read_at) (an ordinary file read), so a file truncated under
+/// the mapping gives an error there instead of a SIGBUS; only the device reads the pages at
+/// [`as_ptr`](HostRegion::as_ptr), after the platform registered (pinned) them.
+pub trait HostRegion: Send + Sync + fmt::Debug {
+    /// Length in bytes.
+    fn len(&self) -> u64;
+    /// Whether the region is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `out.len()` bytes from `offset` into `out`; fails (never faults) when the bytes are no longer there
+    /// or no longer the ones the region was opened with, saying why.
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
+    /// Start of the region in this process's address space (valid for [`len`](HostRegion::len) bytes while the
+    /// region lives), for registering with a driver. Never dereferenced by the CPU.
+    fn as_ptr(&self) -> *const u8;
 }
 
 /// Errors a platform reports.
@@ -97,6 +121,22 @@ pub enum PlatformError {
         /// Size of the buffer.
         size: u64,
     },
+    /// A write to read-only (mapped) host memory, or a device copy from mapped memory not yet registered.
+    #[error("host buffer {id} is read-only mapped memory: {what}")]
+    ReadOnly {
+        /// The buffer.
+        id: u64,
+        /// What was refused.
+        what: &'static str,
+    },
+    /// Reading a mapped host buffer through its region failed (its file was truncated or rewritten, say).
+    #[error("reading mapped host buffer {id} failed: {reason}")]
+    MappedReadFailed {
+        /// The buffer.
+        id: u64,
+        /// What the region said.
+        reason: String,
+    },
     /// The platform cannot be used here (no device, no driver).
     #[error("platform unavailable: {0}")]
     Unavailable(String),
@@ -156,6 +196,27 @@ pub trait Platform: Send + Sync + fmt::Debug {
     fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()>;
     /// Size and kind of a host buffer.
     fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)>;
+
+    /// Makes `region` a host buffer of kind [`HostMemoryKind::Mapped`]; the platform holds the region until
+    /// [`Platform::free_host`]. [`Platform::read_host`] reads through the region; writes to it
+    /// ([`Platform::write_host`], a device-to-host copy into it) fail with [`PlatformError::ReadOnly`]; a
+    /// host-to-device copy from it fails with [`PlatformError::ReadOnly`] too until [`Platform::register_host`].
+    /// By default: [`PlatformError::Unavailable`].
+    fn map_host(&self, region: std::sync::Arc<dyn HostRegion>) -> PlatformResult<HostBufferId> {
+        let _ = region;
+        Err(PlatformError::Unavailable(format!(
+            "the {} platform cannot lend mapped host memory to the device",
+            self.name()
+        )))
+    }
+    /// Makes a [`HostMemoryKind::Mapped`] buffer a source of host-to-device copies (CUDA: `cuMemHostRegister`,
+    /// read-only, so copies run at the pinned rate and the pages stay resident until the buffer is freed).
+    /// Idempotent; any other kind of buffer is [`PlatformError::InvalidHandle`]. By default:
+    /// [`PlatformError::Unavailable`].
+    fn register_host(&self, buf: HostBufferId) -> PlatformResult<()> {
+        let _ = buf;
+        Err(PlatformError::Unavailable(format!("the {} platform cannot register mapped host memory", self.name())))
+    }
 
     /// Creates a stream. It lives until [`Platform::destroy_stream`] (or until the platform itself goes away): whoever
     /// creates a stream destroys it, so an enable → disable cycle leaves no stream (and, on the simulated device, no

@@ -7,6 +7,14 @@ use weightferry_actors::platform::PlatformError;
 /// Why a checkpoint could not be opened, described or loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    /// The file changed (truncated, resized or rewritten in place) after it was opened, or a read of it failed.
+    #[error("{reason}")]
+    Changed {
+        /// The file.
+        file: PathBuf,
+        /// What changed, naming the file and the fix.
+        reason: String,
+    },
     /// The path, a shard or the index could not be opened, read or mapped.
     #[error("{}: cannot read: {source}; check the path and its permissions", file.display())]
     Io {

@@ -1,6 +1,6 @@
-//! A [`HostModel`] filled from a checkpoint: each storage's loaded host buffer is written straight from the file's
-//! mapping (one copy, exact bytes), after every tensor of the description was matched to the checkpoint by name,
-//! dtype and shape.
+//! A [`HostModel`] over a checkpoint: each file is lent to the platform as a mapped host buffer and each storage's
+//! home is its tensor's range there ([`Home::File`](crate::model::Home::File)): the process holds no copy of the
+//! weights. Every tensor of the description is matched to the checkpoint by name, dtype and shape first.
 
 use super::error::CheckpointError;
 use super::Checkpoint;
@@ -8,14 +8,15 @@ use crate::model::HostModel;
 use crate::plan::{PipelineDesc, TensorDesc};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use weightferry_actors::platform::{HostMemoryKind, PlatformRef};
+use weightferry_actors::platform::{HostBufferId, PlatformRef};
 
 impl HostModel {
     /// Loads `desc` from `checkpoint`: the description's tensor `<component>.K` is the checkpoint's tensor `K`.
     /// Every tensor of `desc` must lie under `component`, exist in the checkpoint with the same dtype and shape,
     /// and be the whole of its own contiguous storage ([`CheckpointError::MissingTensor`],
-    /// [`CheckpointError::DescriptionMismatch`]); all of this is checked before any buffer is allocated. Buffers
-    /// are pageable, one per storage; on a platform error every buffer allocated so far is freed.
+    /// [`CheckpointError::DescriptionMismatch`]); all of this is checked before any file is mapped. Each storage
+    /// is homed in its file ([`Home::File`](crate::model::Home::File)); on a platform error every file mapped so far
+    /// is released.
     pub fn from_checkpoint(
         platform: PlatformRef,
         desc: Arc<PipelineDesc>,
@@ -76,34 +77,28 @@ impl HostModel {
                 reason: "no tensor of the description views this storage".into(),
             });
         }
-        let mut loaded = BTreeMap::new();
-        let fill = |key: &str| -> Result<_, CheckpointError> {
-            let platform_err = |source| CheckpointError::Platform { file: file(), source };
-            let bytes = checkpoint.bytes(key).ok_or_else(|| CheckpointError::MissingTensor {
-                file: file(),
-                tensor: key.to_string(),
-                expected_by: "pipeline description",
-            })?;
-            let buf = platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable).map_err(platform_err)?;
-            if let Err(e) = platform.write_host(buf, 0, bytes) {
-                let _ = platform.free_host(buf);
-                return Err(platform_err(e));
-            }
-            Ok(buf)
-        };
+        // Map every file that holds a tensor of the description: the storages' homes are their tensors' ranges.
+        let mut mapped: BTreeMap<usize, HostBufferId> = BTreeMap::new();
+        let mut at = BTreeMap::new();
         for (id, key) in &plan {
-            match fill(key) {
-                Ok(buf) => {
-                    loaded.insert(*id, buf);
-                }
-                Err(e) => {
-                    for b in loaded.values() {
-                        let _ = platform.free_host(*b);
+            let Some((fi, ft)) = checkpoint.locate(key) else { continue };
+            let buf = match mapped.get(&fi) {
+                Some(&b) => b,
+                None => match platform.map_host(checkpoint.files()[fi].region()) {
+                    Ok(b) => *mapped.entry(fi).or_insert(b),
+                    Err(source) => {
+                        for b in mapped.values() {
+                            let _ = platform.free_host(*b);
+                        }
+                        return Err(CheckpointError::Platform {
+                            file: checkpoint.files()[fi].path().to_path_buf(),
+                            source,
+                        });
                     }
-                    return Err(e);
-                }
-            }
+                },
+            };
+            at.insert(*id, (buf, ft.offset));
         }
-        Ok(HostModel::from_loaded(platform, desc, loaded))
+        Ok(HostModel::from_files(platform, desc, mapped.into_values().collect(), at))
     }
 }

@@ -11,11 +11,13 @@ pub mod error;
 pub mod index;
 pub mod load;
 pub mod reader;
+pub mod region;
 pub mod summary;
 
 pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
 pub use error::CheckpointError;
 pub use reader::{FileTensor, SafetensorsFile};
+pub use region::FileRegion;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -79,10 +81,15 @@ impl Checkpoint {
     pub fn tensor(&self, name: &str) -> Option<(&SafetensorsFile, &FileTensor)> {
         self.by_name.get(name).map(|&(f, t)| (&self.files[f], &self.files[f].tensors()[t]))
     }
-    /// A tensor's bytes, straight from its file's mapping.
-    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+    /// A tensor by name, with the index of its file in [`files`](Self::files).
+    pub fn locate(&self, name: &str) -> Option<(usize, &FileTensor)> {
+        self.by_name.get(name).map(|&(f, t)| (f, &self.files[f].tensors()[t]))
+    }
+    /// A tensor's bytes, read from its file ([`SafetensorsFile::read`]); `None` for a name not in the checkpoint.
+    pub fn read_tensor(&self, name: &str) -> Option<Result<Vec<u8>, CheckpointError>> {
         let (f, t) = self.tensor(name)?;
-        f.bytes(t)
+        let mut out = vec![0u8; usize::try_from(t.len).ok()?];
+        Some(f.read(t, &mut out).map(|()| out))
     }
     /// Bytes of all tensors.
     pub fn tensor_bytes(&self) -> u64 {

@@ -8,14 +8,17 @@
 //! when the tensors tile the declared region, so the file was cut short, [`CheckpointError::OffsetsPastEnd`]
 //! otherwise); no two tensors overlap ([`CheckpointError::Overlap`]); every data byte belongs to a tensor
 //! ([`CheckpointError::Uncovered`]). Last, the `safetensors` crate's own reader must accept the file
-//! ([`CheckpointError::Rejected`]). Afterwards every tensor's range lies inside the mapping, so reads cannot fail.
+//! ([`CheckpointError::Rejected`]). Afterwards every tensor's range lies inside the file as opened; reads are file
+//! reads ([`region`](super::region)), so a file changed later is an error, never a fault.
 
 use super::error::CheckpointError;
+use super::region::FileRegion;
 use crate::plan::DType;
-use memmap2::Mmap;
 use serde::de::{Deserializer, MapAccess, Visitor};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use weightferry_actors::platform::HostRegion;
 
 /// Largest header the safetensors format allows (the crate's limit).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -77,7 +80,7 @@ pub struct Header {
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
-    map: Mmap,
+    region: Arc<FileRegion>,
     header: Header,
 }
 
@@ -95,27 +98,22 @@ impl SafetensorsFile {
                 actual: len,
             });
         }
-        // SAFETY: the mapping is read-only and private to this process; it stays valid for as long as the file is
-        // neither truncated nor rewritten while mapped. We assume that (the checkpoint is not modified during a
-        // run): if another process shrinks the file, touching a page past the new end raises SIGBUS, and a rewrite
-        // changes the bytes under us. Every range we read was checked against the mapping's length first, so no
-        // read is outside the mapping; defending against concurrent truncation is a later item of issue 15.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let header = parse_header(path, &map)?;
-        Ok(SafetensorsFile { path: path.to_path_buf(), map, header })
+        let region = FileRegion::new(path, file).map_err(io)?;
+        let header = parse_header(path, region.mapped())?;
+        Ok(SafetensorsFile { path: path.to_path_buf(), region: Arc::new(region), header })
     }
 
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
-    /// The file's length in bytes.
+    /// The file's length in bytes (at open).
     pub fn len(&self) -> u64 {
-        self.map.len() as u64
+        self.region.len()
     }
     /// Whether the file is empty (never, once opened: a file has at least its header length).
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.region.is_empty()
     }
     /// The checked header.
     pub fn header(&self) -> &Header {
@@ -125,12 +123,22 @@ impl SafetensorsFile {
     pub fn tensors(&self) -> &[FileTensor] {
         &self.header.tensors
     }
-    /// A tensor's bytes, straight from the mapping; `None` for a range outside it (never, for a tensor of this
-    /// file's header).
-    pub fn bytes(&self, t: &FileTensor) -> Option<&[u8]> {
-        let start = usize::try_from(t.offset).ok()?;
-        let end = start.checked_add(usize::try_from(t.len).ok()?)?;
-        self.map.get(start..end)
+    /// The file as a region to lend a platform ([`Platform::map_host`](weightferry_actors::platform::Platform::map_host)).
+    pub fn region(&self) -> Arc<FileRegion> {
+        Arc::clone(&self.region)
+    }
+    /// Reads a tensor of this file's header into `out` (which must be exactly its length), by a file read:
+    /// [`CheckpointError::Changed`] if the file was truncated or rewritten since it was opened.
+    pub fn read(&self, t: &FileTensor, out: &mut [u8]) -> Result<(), CheckpointError> {
+        if out.len() as u64 != t.len {
+            return Err(CheckpointError::Changed {
+                file: self.path.clone(),
+                reason: format!("tensor `{}` is {} bytes, asked for {}", t.name, t.len, out.len()),
+            });
+        }
+        self.region
+            .read_at(t.offset, out)
+            .map_err(|reason| CheckpointError::Changed { file: self.path.clone(), reason })
     }
 }
 

@@ -107,6 +107,35 @@ impl CopySubmission {
     }
 }
 
+/// Where the host masters of streamed blocks live (`diffusion_offload_config.host_masters`) when the weights come
+/// from a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostMasters {
+    /// Mapped where a block's tensors of one dtype lie contiguously in one file, pinned elsewhere (default).
+    #[default]
+    Auto,
+    /// Every master pinned (or pageable with `pin_memory = false`), filled straight from the files.
+    Pinned,
+    /// Every master a registered range of its checkpoint file; enabling fails if one cannot be.
+    Mapped,
+}
+
+impl HostMasters {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HostMasters::Auto => "auto",
+            HostMasters::Pinned => "pinned",
+            HostMasters::Mapped => "mapped",
+        }
+    }
+    /// Parses the config spelling.
+    pub fn parse(s: &str) -> Option<HostMasters> {
+        [HostMasters::Auto, HostMasters::Pinned, HostMasters::Mapped].into_iter().find(|h| h.as_str() == s)
+    }
+}
+
 /// Parallel layout of the engine, as configured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ParallelConfig {
@@ -195,6 +224,8 @@ pub struct OffloadConfig {
     pub encoder_resident_layers: u32,
     /// Pin host masters.
     pub pin_memory: bool,
+    /// Mapped or pinned masters for weights from a checkpoint.
+    pub host_masters: HostMasters,
     /// Device memory the weights may use, if bounded.
     pub device_budget: Option<Bytes>,
     /// `device_budget = "auto"`: the budget comes from the device's free memory when offload is enabled
@@ -249,6 +280,7 @@ impl OffloadConfig {
             resident_layers: 0,
             encoder_resident_layers: 0,
             pin_memory: true,
+            host_masters: HostMasters::Auto,
             device_budget: None,
             device_budget_auto: false,
             keep_dit_resident: false,

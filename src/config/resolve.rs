@@ -6,8 +6,8 @@ use super::budget::{parse_budget_value, parse_chunk_value};
 use super::migrate::{HostWeightRuntime, Migrated, MIGRATED_KEYS};
 use super::walk::{describe, quote, suggest, type_error, Table};
 use super::{
-    Component, ConfigError, CopySubmission, GroupAxis, LayerOptions, OffloadConfig, OffloadGroup, ParallelConfig,
-    Strategy, WeightTransfer,
+    Component, ConfigError, CopySubmission, GroupAxis, HostMasters, LayerOptions, OffloadConfig, OffloadGroup,
+    ParallelConfig, Strategy, WeightTransfer,
 };
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,7 +33,7 @@ pub(crate) const TOP_KEYS: &[&str] = &[
 
 /// Every accepted key of `diffusion_offload_config`.
 pub(crate) const COMPACT_KEYS: &[&str] =
-    &["mode", "components", "layer_options", "pin_memory", "device_budget", "keep_dit_resident"];
+    &["mode", "components", "layer_options", "pin_memory", "host_masters", "device_budget", "keep_dit_resident"];
 
 /// Every accepted key of `diffusion_offload_config.layer_options.<component>`.
 pub(crate) const LAYER_KEYS: &[&str] =
@@ -205,6 +205,7 @@ struct Compact {
     components: BTreeSet<Component>,
     layers: BTreeMap<Component, RawLayer>,
     pin_memory: Option<bool>,
+    host_masters: HostMasters,
     device_budget: Option<u64>,
     device_budget_auto: bool,
     keep_dit_resident: bool,
@@ -236,6 +237,7 @@ impl Compact {
                 ))
             }
         };
+        let host_masters = read_host_masters(t)?;
         let (device_budget, device_budget_auto) = match t.get("device_budget") {
             None => (None, false),
             Some(Value::String(s)) if s == "auto" => (None, true),
@@ -260,7 +262,16 @@ impl Compact {
             Some(b) => b,
         };
         let layers = read_layer_options(t, mode, &components)?;
-        Ok(Compact { mode, components, layers, pin_memory, device_budget, device_budget_auto, keep_dit_resident })
+        Ok(Compact {
+            mode,
+            components,
+            layers,
+            pin_memory,
+            host_masters,
+            device_budget,
+            device_budget_auto,
+            keep_dit_resident,
+        })
     }
 
     fn transfer(&self, c: Component) -> WeightTransfer {
@@ -310,6 +321,24 @@ fn read_mode(t: &Table<'_>) -> Result<Mode, ConfigError> {
             Err(ConfigError::invalid(path, format!("unknown mode {}{hint}; choose \"module\" or \"layer\"", quote(s))))
         }
         Some(other) => Err(type_error(&path, "\"module\" or \"layer\"", other)),
+    }
+}
+
+fn read_host_masters(t: &Table<'_>) -> Result<HostMasters, ConfigError> {
+    let path = t.key_path("host_masters");
+    match t.get("host_masters") {
+        None => Ok(HostMasters::Auto),
+        Some(Value::String(s)) => HostMasters::parse(s).ok_or_else(|| {
+            ConfigError::invalid(
+                path,
+                format!(
+                    "unknown value {}; choose \"auto\" (mapped where the checkpoint's layout allows, pinned \
+                     elsewhere), \"mapped\" or \"pinned\"",
+                    quote(s)
+                ),
+            )
+        }),
+        Some(other) => Err(type_error(&path, "\"auto\", \"mapped\" or \"pinned\"", other)),
     }
 }
 
@@ -575,6 +604,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy, migrated: &Migrated) -> R
         resident_layers: compact.dit_resident_layers(),
         encoder_resident_layers: compact.resident_layers(Component::TextEncoder),
         pin_memory,
+        host_masters: compact.host_masters,
         device_budget: compact.device_budget,
         device_budget_auto: compact.device_budget_auto,
         keep_dit_resident: compact.keep_dit_resident,
@@ -689,6 +719,7 @@ fn resolve_legacy(legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig,
         resident_layers: if dlo { legacy.dlo_resident_layers } else { 0 },
         encoder_resident_layers: if dlo { migrated.encoder_resident_layers } else { 0 },
         pin_memory: legacy.pin_cpu_memory,
+        host_masters: HostMasters::Auto,
         device_budget: None,
         device_budget_auto: false,
         keep_dit_resident: false,

@@ -45,6 +45,10 @@ pub struct RunReport {
     pub resident_device_weight_bytes: u64,
     /// Device bytes of the activations (allocated before offload, not counted as weights).
     pub activation_bytes: u64,
+    /// Host bytes of the backend's masters (pinned or pageable) during the offloaded run.
+    pub master_host_bytes: u64,
+    /// Bytes of streamed sections served straight from the checkpoint's files (`host_masters`), no master.
+    pub mapped_host_bytes: u64,
     /// Bytes copied host → device during the offloaded run.
     pub h2d_bytes: u64,
     /// Bytes copied device → host during the offloaded run.
@@ -140,6 +144,12 @@ impl fmt::Display for RunReport {
         )?;
         writeln!(f, "  fully resident     {}", human_bytes(self.resident_device_weight_bytes))?;
         writeln!(f, "  activations        {} (not counted)", human_bytes(self.activation_bytes))?;
+        writeln!(
+            f,
+            "host masters: {} in masters, {} served from the checkpoint's files",
+            human_bytes(self.master_host_bytes),
+            human_bytes(self.mapped_host_bytes)
+        )?;
         writeln!(f, "transfers: h2d {}, d2h {}", human_bytes(self.h2d_bytes), human_bytes(self.d2h_bytes))?;
         writeln!(
             f,

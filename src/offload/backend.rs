@@ -9,10 +9,11 @@
 
 use super::group::{Communicator, GatherNames, Group};
 use super::layout::{write_section, UnitLayout, MASTER_BOUNCE_BYTES};
+use super::mapped::{order_by_files, plan_sections, MappedSection, ServedSections};
 use super::resident::ResidentPlacement;
 use super::units::{build_unit_plan, UnitPlan};
 use super::{OffloadError, WeightSource};
-use crate::config::{OffloadConfig, Strategy};
+use crate::config::{HostMasters, OffloadConfig, Strategy};
 use crate::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
 use crate::model::HostModel;
 use crate::plan::{resolve_offload_plan, ResolvedPlan, StorageId};
@@ -69,8 +70,10 @@ pub struct BackendReport {
     pub stacks: Vec<StackReport>,
     /// Device bytes of the fixed placement.
     pub fixed_device_bytes: u64,
-    /// Host bytes of masters.
+    /// Host bytes of masters (pinned, or pageable with `pin_memory = false`).
     pub master_host_bytes: u64,
+    /// Bytes of streamed sections served straight from their checkpoint files (mapped, registered; no master).
+    pub mapped_host_bytes: u64,
     /// Whether masters are pinned.
     pub pinned: bool,
     /// Distributed layerwise offload: this rank's part of the group.
@@ -123,6 +126,10 @@ struct State {
     fixed: Option<ResidentPlacement>,
     masters: Vec<HostBufferId>,
     master_bytes: u64,
+    /// Bytes of the sections served straight from their checkpoint files (no master).
+    mapped_bytes: u64,
+    /// Mapped files registered for device copies (they stay registered until the model unmaps them).
+    registered: std::collections::BTreeSet<HostBufferId>,
     /// Storages whose home is one of our masters.
     adopted: Vec<StorageId>,
     stacks: Vec<Arc<BlockStack>>,
@@ -351,7 +358,10 @@ impl StreamingBackend {
             self.disable(model, hooks)?;
         }
         let plan = resolve_offload_plan(model.desc(), &self.config)?;
-        let units = build_unit_plan(model.desc(), &self.config, &plan);
+        let mut units = build_unit_plan(model.desc(), &self.config, &plan);
+        for sp in units.stacks.iter_mut().filter(|sp| !sp.allgather) {
+            order_by_files(model.desc(), model, &mut sp.units);
+        }
         self.plan = Some(plan);
         if units.is_empty() {
             let why = self
@@ -395,6 +405,7 @@ impl StreamingBackend {
         compute: StreamId,
     ) -> Result<(), OffloadError> {
         let units = st.units.clone().unwrap_or_else(|| UnitPlan { hook_name: "", stacks: vec![], fixed: vec![] });
+        let served = self.plan_mapped(model, &units)?;
         let stream = StreamHandle::spawn(self.platform.clone(), "copy", StreamOptions::default())?;
         st.stream = Some(stream.clone());
         let ps = self.platform.create_stream("placement")?;
@@ -428,7 +439,8 @@ impl StreamingBackend {
             let mut blocks = Vec::new();
             let sizes: Vec<u64> = sp.units.iter().map(unit_bytes).collect();
             for r in master_batches(&sizes, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
-                blocks.extend(self.build_masters(st, model, &sp.units[r.clone()], kind, si, r.start)?);
+                let batch = (&sp.units[r.clone()], &served[si][r.clone()]);
+                blocks.extend(self.build_masters(st, model, batch, kind, si, r.start)?);
                 done += sizes[r].iter().sum::<u64>();
                 report(done);
             }
@@ -545,29 +557,69 @@ impl StreamingBackend {
         r
     }
 
+    /// How each section of each rank-local stack is served (`Some`: from its checkpoint file), decided before
+    /// anything is allocated: with `host_masters = "mapped"`, a section that cannot be is an error here.
+    fn plan_mapped(&self, model: &HostModel, units: &UnitPlan) -> Result<Vec<ServedSections>, OffloadError> {
+        let mode = self.config.host_masters;
+        if mode == HostMasters::Mapped && model.mapped_files().is_empty() {
+            return Err(OffloadError::Unsupported(
+                "host_masters = \"mapped\" needs weights read from a checkpoint (run --checkpoint, or enable(..., \
+                 checkpoint=PATH)); use host_masters = \"auto\" or \"pinned\""
+                    .into(),
+            ));
+        }
+        units
+            .stacks
+            .iter()
+            .map(|sp| {
+                if sp.allgather {
+                    return Ok(vec![Vec::new(); sp.units.len()]);
+                }
+                plan_sections(model, &sp.units, mode).map_err(|(path, dtype, why)| {
+                    OffloadError::Unsupported(format!(
+                        "host_masters = \"mapped\": the {dtype} tensors of `{path}` cannot be served from the \
+                         checkpoint file: {why}; use host_masters = \"auto\" (pinned where the file's layout does \
+                         not allow) or \"pinned\""
+                    ))
+                })
+            })
+            .collect()
+    }
+
     /// Builds the masters of a batch of units (in parallel: one thread per unit; each master is allocated and filled
     /// in place through a bounce buffer, see [`write_section`]), then moves their storages' homes into them, freeing
-    /// the loaded buffers. `first_ui` is the index of the batch's first unit in its stack. Returns the units' flat
-    /// copies.
+    /// the loaded buffers. A section served from its file (`Some` in the batch's second half) gets no master: its
+    /// file is registered for device copies and the copy reads the file's range; its storages keep their file home.
+    /// `first_ui` is the index of the batch's first unit in its stack. Returns the units' flat copies.
     fn build_masters(
         &self,
         st: &mut State,
         model: &mut HostModel,
-        batch: &[UnitLayout],
+        (batch, served): (&[UnitLayout], &[Vec<Option<MappedSection>>]),
         kind: HostMemoryKind,
         si: usize,
         first_ui: usize,
     ) -> Result<Vec<BlockSpec>, OffloadError> {
         let platform = &self.platform;
+        for m in served.iter().flatten().flatten() {
+            if st.registered.insert(m.buf) {
+                platform.register_host(m.buf)?;
+            }
+        }
         let shared: &HostModel = model;
-        type Built = Result<Vec<(HostBufferId, u64)>, (OffloadError, Vec<HostBufferId>)>;
+        type Built = Result<Vec<Option<(HostBufferId, u64)>>, (OffloadError, Vec<HostBufferId>)>;
         let built: Vec<Built> = std::thread::scope(|scope| {
             let handles: Vec<_> = batch
                 .iter()
-                .map(|unit| {
+                .zip(served)
+                .map(|(unit, mapped)| {
                     scope.spawn(move || {
-                        let mut made: Vec<(HostBufferId, u64)> = Vec::new();
-                        for sec in &unit.sections {
+                        let mut made: Vec<Option<(HostBufferId, u64)>> = Vec::new();
+                        for (k, sec) in unit.sections.iter().enumerate() {
+                            if mapped.get(k).copied().flatten().is_some() {
+                                made.push(None);
+                                continue;
+                            }
                             let r = (|| -> Result<HostBufferId, OffloadError> {
                                 let buf = platform.alloc_host(sec.len.max(1), kind)?;
                                 if let Err(e) = write_section(platform, buf, shared, sec, MASTER_BOUNCE_BYTES) {
@@ -577,8 +629,8 @@ impl StreamingBackend {
                                 Ok(buf)
                             })();
                             match r {
-                                Ok(buf) => made.push((buf, sec.len)),
-                                Err(e) => return Err((e, made.into_iter().map(|(b, _)| b).collect())),
+                                Ok(buf) => made.push(Some((buf, sec.len))),
+                                Err(e) => return Err((e, made.into_iter().flatten().map(|(b, _)| b).collect())),
                             }
                         }
                         Ok(made)
@@ -600,7 +652,7 @@ impl StreamingBackend {
         for b in built {
             match b {
                 Ok(made) => {
-                    for &(buf, len) in &made {
+                    for &(buf, len) in made.iter().flatten() {
                         st.masters.push(buf);
                         st.master_bytes += len;
                     }
@@ -616,14 +668,31 @@ impl StreamingBackend {
             return Err(e);
         }
         let mut specs = Vec::new();
-        for (k, (unit, made)) in batch.iter().zip(per_unit).enumerate() {
+        for (k, ((unit, made), mapped)) in batch.iter().zip(per_unit).zip(served).enumerate() {
             let mut segments = Vec::new();
-            for (sec, (buf, _)) in unit.sections.iter().zip(made) {
-                segments.push(Segment { host: buf, host_offset: 0, len: sec.len, device_offset: sec.device_offset });
+            for (j, (sec, master)) in unit.sections.iter().zip(made).enumerate() {
+                let device_offset = sec.device_offset;
+                match (master, mapped.get(j).copied().flatten()) {
+                    (Some((buf, _)), _) => {
+                        segments.push(Segment { host: buf, host_offset: 0, len: sec.len, device_offset });
+                        for &(s, off) in &sec.storages {
+                            model.adopt_master(s, buf, off)?;
+                            st.adopted.push(s);
+                        }
+                    }
+                    (None, Some(m)) => {
+                        segments.push(Segment { host: m.buf, host_offset: m.offset, len: m.len, device_offset });
+                        st.mapped_bytes += m.len;
+                    }
+                    (None, None) => {
+                        return Err(OffloadError::Unsupported(format!(
+                            "internal: section {j} of `{}` has neither a master nor a file range",
+                            unit.path
+                        )))
+                    }
+                }
                 for &(s, off) in &sec.storages {
-                    model.adopt_master(s, buf, off)?;
-                    st.adopted.push(s);
-                    st.locations.insert(s, (si, first_ui + k, sec.device_offset + off));
+                    st.locations.insert(s, (si, first_ui + k, device_offset + off));
                 }
             }
             specs.push(BlockSpec { segments, device_bytes: unit.device_bytes });
@@ -714,6 +783,7 @@ impl StreamingBackend {
         }
         if kept.is_empty() {
             st.master_bytes = 0;
+            st.mapped_bytes = 0;
             st.locations.clear();
         } else {
             st.adopted = kept;
@@ -800,6 +870,7 @@ impl StreamingBackend {
                 windowed_all_gathers: g.collective.windowed_gathers(),
             });
             r.master_host_bytes = st.master_bytes;
+            r.mapped_host_bytes = st.mapped_bytes;
             if let Some(units) = &st.units {
                 for (sp, stack) in units.stacks.iter().zip(&st.stacks) {
                     let s: StackStats = stack.stats();

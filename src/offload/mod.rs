@@ -18,6 +18,7 @@ pub mod backend;
 pub mod distributed;
 mod group;
 pub mod layout;
+pub mod mapped;
 pub mod resident;
 pub mod shard_restore;
 pub mod units;

@@ -10,7 +10,7 @@ use super::{OffloadError, WeightSource};
 use crate::model::{Home, HostModel, ModelError};
 use crate::plan::StorageId;
 use std::collections::HashMap;
-use weightferry_actors::platform::{DeviceBufferId, PlatformError, PlatformRef, StreamId};
+use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, PlatformError, PlatformRef, StreamId};
 
 /// Storages placed on the device for good.
 #[derive(Debug)]
@@ -43,6 +43,9 @@ impl ResidentPlacement {
         let buf = platform.alloc_device(layout.device_bytes)?;
         placement.buf = Some(buf);
         placement.bytes = layout.device_bytes;
+        // File-backed storages whose file is not registered for device copies go through pageable staging buffers,
+        // freed once the copies completed.
+        let mut staging = Vec::new();
         let result = (|| {
             for sec in &layout.sections {
                 for &(s, off) in &sec.storages {
@@ -55,6 +58,20 @@ impl ResidentPlacement {
                     let (src, src_off) = match model.home(s) {
                         Some(Home::Loaded { buf }) => (buf, 0),
                         Some(Home::Master { buf, offset }) => (buf, offset),
+                        Some(Home::File { buf: file, offset }) => {
+                            match platform.copy_h2d(stream, file, offset, buf, dev, len) {
+                                Err(PlatformError::ReadOnly { .. }) => {}
+                                other => {
+                                    other?;
+                                    continue;
+                                }
+                            }
+                            let bytes = model.read_storage(s)?;
+                            let stage = platform.alloc_host(len, HostMemoryKind::Pageable)?;
+                            staging.push(stage);
+                            platform.write_host(stage, 0, &bytes)?;
+                            (stage, 0)
+                        }
                         Some(Home::Sharded) => return Err(ModelError::Sharded { storage: s.0 }),
                         None => return Err(PlatformError::InvalidHandle { what: "storage", id: s.0 }.into()),
                     };
@@ -63,8 +80,13 @@ impl ResidentPlacement {
             }
             Ok(platform.stream_synchronize(stream)?)
         })();
-        if let Err(e) = result {
+        if result.is_err() {
             let _ = platform.stream_synchronize(stream);
+        }
+        for b in staging {
+            let _ = platform.free_host(b);
+        }
+        if let Err(e) = result {
             let _ = placement.release();
             return Err(e);
         }

@@ -94,7 +94,7 @@ impl SimKernelCtx {
     fn map_err(buffer: DeviceBufferId, e: BytesError) -> KernelError {
         match e {
             BytesError::Freed => KernelError::Freed(buffer),
-            BytesError::Alloc(reason) => KernelError::Memory { buffer, reason },
+            BytesError::Alloc(reason) | BytesError::Region(reason) => KernelError::Memory { buffer, reason },
             BytesError::OutOfBounds { offset, len, size } => {
                 KernelError::Memory { buffer, reason: format!("range {offset}+{len} exceeds {size} bytes") }
             }

@@ -8,7 +8,10 @@
 //! released, so an operation that still holds a reference to it fails cleanly instead of touching stale memory.
 
 use super::stats::SimHostMemory;
-use crate::platform::{DeviceBufferId, DeviceMemoryStats, HostBufferId, HostMemoryKind, PlatformError, PlatformResult};
+use crate::platform::{
+    DeviceBufferId, DeviceMemoryStats, HostBufferId, HostMemoryKind, HostRegion, PlatformError, PlatformResult,
+};
+use crate::sync::atomic::AtomicBool;
 use crate::sync::{lock, Arc, Mutex};
 use std::collections::HashMap;
 
@@ -21,6 +24,8 @@ pub(crate) enum BytesError {
     Freed,
     /// Materialising the bytes failed.
     Alloc(String),
+    /// A mapped buffer's region could not be read.
+    Region(String),
 }
 
 /// Checks that `offset..offset+len` lies within `size` bytes.
@@ -232,10 +237,29 @@ pub(crate) struct HostBuffer {
     pub(crate) id: HostBufferId,
     /// Its size in bytes.
     pub(crate) len: u64,
-    /// Pinned or pageable.
+    /// Pinned, pageable or mapped.
     pub(crate) kind: HostMemoryKind,
-    /// Its contents.
+    /// Its contents (unused for a mapped buffer, whose bytes are the region's).
     pub(crate) bytes: Mutex<Bytes>,
+    /// A mapped buffer's region.
+    pub(crate) region: Option<std::sync::Arc<dyn HostRegion>>,
+    /// A mapped buffer was registered for device copies.
+    pub(crate) registered: AtomicBool,
+}
+
+impl HostBuffer {
+    /// Copies `out.len()` bytes at `offset` out of the buffer (through the region for a mapped one).
+    pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BytesError> {
+        match &self.region {
+            Some(r) => {
+                lock(&self.bytes).span(0, 0)?;
+                check_range("mapped read", offset, out.len() as u64, self.len)
+                    .map_err(|_| BytesError::OutOfBounds { offset, len: out.len() as u64, size: self.len })?;
+                r.read_at(offset, out).map_err(BytesError::Region)
+            }
+            None => lock(&self.bytes).read(offset, out),
+        }
+    }
 }
 
 struct HostTable {
@@ -275,7 +299,15 @@ impl HostMemory {
         let mut t = lock(&self.table);
         let id = HostBufferId(t.next_id);
         t.next_id += 1;
-        t.buffers.insert(id.0, Arc::new(HostBuffer { id, len: bytes, kind, bytes: Mutex::new(Bytes::new(bytes)) }));
+        let buf = HostBuffer {
+            id,
+            len: bytes,
+            kind,
+            bytes: Mutex::new(Bytes::new(bytes)),
+            region: None,
+            registered: AtomicBool::new(false),
+        };
+        t.buffers.insert(id.0, Arc::new(buf));
         let u = &mut t.usage;
         u.in_use = u.in_use.saturating_add(bytes);
         if kind == HostMemoryKind::Pinned {
@@ -284,6 +316,26 @@ impl HostMemory {
         u.buffers += 1;
         u.peak = u.peak.max(u.in_use);
         Ok(id)
+    }
+
+    /// Makes `region` a mapped buffer (not counted in `in_use`: the process does not own its bytes).
+    pub(crate) fn map(&self, region: std::sync::Arc<dyn HostRegion>) -> HostBufferId {
+        let mut t = lock(&self.table);
+        let id = HostBufferId(t.next_id);
+        t.next_id += 1;
+        let len = region.len();
+        let buf = HostBuffer {
+            id,
+            len,
+            kind: HostMemoryKind::Mapped,
+            bytes: Mutex::new(Bytes::new(0)),
+            region: Some(region),
+            registered: AtomicBool::new(false),
+        };
+        t.buffers.insert(id.0, Arc::new(buf));
+        t.usage.mapped = t.usage.mapped.saturating_add(len);
+        t.usage.buffers += 1;
+        id
     }
 
     /// The live buffer `id`.
@@ -300,9 +352,13 @@ impl HostMemory {
         let mut t = lock(&self.table);
         let buf = t.buffers.remove(&id.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: id.0 })?;
         let u = &mut t.usage;
-        u.in_use -= buf.len;
-        if buf.kind == HostMemoryKind::Pinned {
-            u.pinned -= buf.len;
+        match buf.kind {
+            HostMemoryKind::Mapped => u.mapped -= buf.len,
+            HostMemoryKind::Pinned => {
+                u.in_use -= buf.len;
+                u.pinned -= buf.len;
+            }
+            HostMemoryKind::Pageable => u.in_use -= buf.len,
         }
         u.buffers -= 1;
         Ok(buf)

@@ -96,7 +96,9 @@ fn map_device_bytes(what: &'static str, buf: DeviceBufferId, e: BytesError) -> P
     match e {
         BytesError::OutOfBounds { offset, len, size } => PlatformError::OutOfBounds { what, offset, len, size },
         BytesError::Freed => PlatformError::InvalidHandle { what: "device buffer", id: buf.0 },
-        BytesError::Alloc(reason) => PlatformError::Driver(format!("simulated device memory: {reason}")),
+        BytesError::Alloc(reason) | BytesError::Region(reason) => {
+            PlatformError::Driver(format!("simulated device memory: {reason}"))
+        }
     }
 }
 

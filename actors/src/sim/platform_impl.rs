@@ -11,9 +11,10 @@ use super::stats::StatCounters;
 use super::stream::{CopyOp, Op};
 use super::{event::GenStatus, SimPlatform};
 use crate::platform::{
-    DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformResult,
-    StreamId,
+    DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, HostRegion, Platform, PlatformError,
+    PlatformResult, StreamId,
 };
+use crate::sync::atomic::Ordering;
 use crate::sync::lock;
 
 fn host_bytes_error(what: &'static str, id: HostBufferId, kind: HostMemoryKind, e: BytesError) -> PlatformError {
@@ -21,6 +22,7 @@ fn host_bytes_error(what: &'static str, id: HostBufferId, kind: HostMemoryKind, 
         BytesError::OutOfBounds { offset, len, size } => PlatformError::OutOfBounds { what, offset, len, size },
         BytesError::Freed => PlatformError::InvalidHandle { what: "host buffer", id: id.0 },
         BytesError::Alloc(reason) => PlatformError::HostAllocFailed { requested: 0, kind, reason },
+        BytesError::Region(reason) => PlatformError::MappedReadFailed { id: id.0, reason },
     }
 }
 
@@ -73,6 +75,13 @@ impl Platform for SimPlatform {
     }
 
     fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
+        if kind == HostMemoryKind::Mapped {
+            return Err(PlatformError::HostAllocFailed {
+                requested: bytes,
+                kind,
+                reason: "mapped memory is lent by a region (map_host), not allocated".to_string(),
+            });
+        }
         let shared = self.shared();
         let n = shared.faults.next_host_alloc();
         if shared.config.faults.fail_host_alloc == Some(n) {
@@ -96,6 +105,9 @@ impl Platform for SimPlatform {
     fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()> {
         let shared = self.shared();
         let b = shared.host.get(buf)?;
+        if b.kind == HostMemoryKind::Mapped {
+            return Err(PlatformError::ReadOnly { id: buf.0, what: "a CPU write" });
+        }
         let len = data.len() as u64;
         check_range("host write", offset, len, b.len)?;
         shared.hazards.host_access("write_host", Touch { buffer: BufferRef::Host(buf), offset, len, write: true });
@@ -112,13 +124,26 @@ impl Platform for SimPlatform {
         let len = out.len() as u64;
         check_range("host read", offset, len, b.len)?;
         shared.hazards.host_access("read_host", Touch { buffer: BufferRef::Host(buf), offset, len, write: false });
-        let res = lock(&b.bytes).read(offset, out);
+        let res = b.read(offset, out);
         res.map_err(|e| host_bytes_error("host read", buf, b.kind, e))
     }
 
     fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)> {
         let b = self.shared().host.get(buf)?;
         Ok((b.len, b.kind))
+    }
+
+    fn map_host(&self, region: std::sync::Arc<dyn HostRegion>) -> PlatformResult<HostBufferId> {
+        Ok(self.shared().host.map(region))
+    }
+
+    fn register_host(&self, buf: HostBufferId) -> PlatformResult<()> {
+        let b = self.shared().host.get(buf)?;
+        if b.kind != HostMemoryKind::Mapped {
+            return Err(PlatformError::InvalidHandle { what: "mapped host buffer", id: buf.0 });
+        }
+        b.registered.store(true, Ordering::Release);
+        Ok(())
     }
 
     fn create_stream(&self, name: &str) -> PlatformResult<StreamId> {
@@ -220,6 +245,9 @@ impl Platform for SimPlatform {
         let queue = self.queue(stream)?;
         self.check_up()?;
         let host = shared.host.get(src)?;
+        if host.kind == HostMemoryKind::Mapped && !host.registered.load(Ordering::Acquire) {
+            return Err(PlatformError::ReadOnly { id: src.0, what: "a device copy from it before register_host" });
+        }
         let dev = shared.memory.get(dst)?;
         check_range("source", src_offset, len, host.len)?;
         check_range("destination", dst_offset, len, dev.len)?;
@@ -257,6 +285,9 @@ impl Platform for SimPlatform {
         self.check_up()?;
         let dev = shared.memory.get(src)?;
         let host = shared.host.get(dst)?;
+        if host.kind == HostMemoryKind::Mapped {
+            return Err(PlatformError::ReadOnly { id: dst.0, what: "a device-to-host copy into it" });
+        }
         check_range("source", src_offset, len, dev.len)?;
         check_range("destination", dst_offset, len, host.len)?;
         let n = shared.faults.next_d2h();

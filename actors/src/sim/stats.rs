@@ -35,6 +35,8 @@ pub struct SimHostMemory {
     pub in_use: u64,
     /// Bytes of the live pinned host buffers (the rest are pageable).
     pub pinned: u64,
+    /// Bytes of the live mapped buffers (lent by their regions; not in `in_use`).
+    pub mapped: u64,
     /// Live host buffers.
     pub buffers: u64,
     /// Largest `in_use` since the platform was created.

@@ -272,19 +272,34 @@ fn copy(
 
 /// Moves the bytes of a copy; locks the host buffer first, then the device buffer (the only two-lock order).
 fn move_bytes(c: &CopyOp, dir: Direction) -> Result<(), String> {
+    if c.host.region.is_some() {
+        // A mapped source (d2h into one is refused at enqueue): read through the region into the device bytes.
+        let mut dev = lock(&c.dev.bytes);
+        let res = dev.with_slice_mut(c.dev_offset, c.len, |d| c.host.read(c.host_offset, d));
+        return match res {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) | Err(e) => Err(describe_bytes_error(c, e)),
+        };
+    }
     let mut host = lock(&c.host.bytes);
     let mut dev = lock(&c.dev.bytes);
     let res = match dir {
         Direction::H2d => host.copy_to(c.host_offset, &mut dev, c.dev_offset, c.len),
         Direction::D2h => dev.copy_to(c.dev_offset, &mut host, c.host_offset, c.len),
     };
-    res.map_err(|e| match e {
+    res.map_err(|e| describe_bytes_error(c, e))
+}
+
+/// A failed copy's reason.
+fn describe_bytes_error(c: &CopyOp, e: BytesError) -> String {
+    match e {
         BytesError::Freed => {
             format!("host buffer {:?} or device buffer {:?} was freed before the copy ran", c.host.id, c.dev.id)
         }
         BytesError::Alloc(reason) => format!("simulated memory could not be materialised: {reason}"),
         BytesError::OutOfBounds { offset, len, size } => format!("range {offset}+{len} exceeds {size} bytes"),
-    })
+        BytesError::Region(reason) => format!("mapped host buffer {:?}: {reason}", c.host.id),
+    }
 }
 
 fn kernel(

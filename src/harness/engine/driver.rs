@@ -205,6 +205,8 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
     let violations = sim.violations();
     let enabled = cmp.backend.is_some();
     let (outputs_match, weights_match) = (cmp.outputs_match(), cmp.weights_match());
+    let (master_host_bytes, mapped_host_bytes) =
+        cmp.backend.as_ref().map_or((0, 0), |b| (b.master_host_bytes, b.mapped_host_bytes));
     let stacks = cmp.backend.map(|b| b.stacks).unwrap_or_default();
     let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
     let peak = cmp.offloaded_peak_bytes;
@@ -226,6 +228,8 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
         within_plan: peak <= planned,
         resident_device_weight_bytes: cmp.resident_weight_bytes,
         activation_bytes,
+        master_host_bytes,
+        mapped_host_bytes,
         h2d_bytes: stats1.h2d_bytes - stats0.h2d_bytes,
         d2h_bytes: stats1.d2h_bytes - stats0.d2h_bytes,
         prefetch_hits: stacks.iter().map(|s| s.prefetch_hits).sum(),

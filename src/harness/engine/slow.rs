@@ -84,6 +84,15 @@ impl Platform for SlowCopies {
     fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()> {
         self.inner.read_host(buf, offset, out)
     }
+    fn map_host(
+        &self,
+        region: std::sync::Arc<dyn weightferry_actors::platform::HostRegion>,
+    ) -> PlatformResult<HostBufferId> {
+        self.inner.map_host(region)
+    }
+    fn register_host(&self, buf: HostBufferId) -> PlatformResult<()> {
+        self.inner.register_host(buf)
+    }
     fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)> {
         self.inner.host_buffer_info(buf)
     }

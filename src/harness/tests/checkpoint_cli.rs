@@ -187,6 +187,35 @@ fn run_checkpoint_is_bit_exact_over_the_file_bytes() {
     }
     // Sharding does not change the weights, so not the output.
     assert_eq!(sums[0], sums[1]);
+    // Where the host masters live does not either. `auto` and `mapped` serve every block from the file (their
+    // tensors' unpadded bytes: 2 × (2048 + 128) + 3 × (2048 + 32)); `pinned` builds masters of the packed size.
+    let p = checkpoint("run_masters", false);
+    for (mode, masters, mapped) in [("auto", 0, 10592), ("mapped", 0, 10592), ("pinned", 11520, 0)] {
+        let c = p.with_file_name(format!("{mode}.json"));
+        let cfg = json!({"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "host_masters": mode}});
+        std::fs::write(&c, cfg.to_string()).unwrap();
+        let v = ok_json(&[
+            "run",
+            "--json",
+            "--steps",
+            "2",
+            "--checkpoint",
+            p.to_str().unwrap(),
+            "--config",
+            c.to_str().unwrap(),
+        ]);
+        assert_eq!((&v["master_host_bytes"], &v["mapped_host_bytes"]), (&json!(masters), &json!(mapped)), "{mode}");
+        assert_eq!((&v["outputs_match"], &v["resident_checksum"]), (&json!(true), &sums[0]), "{mode}");
+        if mode == "mapped" {
+            // Synthetic weights have no file to serve from.
+            let e = invalid(&["run", "--preset", "flux-tiny", "--config", c.to_str().unwrap(), "--steps", "1"]);
+            assert_eq!(
+                e,
+                "error: host_masters = \"mapped\" needs weights read from a checkpoint (run --checkpoint, or \
+                 enable(..., checkpoint=PATH)); use host_masters = \"auto\" or \"pinned\""
+            );
+        }
+    }
     // The run computes over the file's bytes: one changed weight byte changes the output.
     let f = checkpoint("run_changed", false);
     let bytes = std::fs::read(&f).unwrap();

@@ -33,8 +33,8 @@ use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext};
 use weightferry_actors::platform::{
-    DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformResult,
-    StreamId,
+    DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, HostRegion, Platform, PlatformError,
+    PlatformResult, StreamId,
 };
 
 use driver::{bind_or_err, describe};
@@ -519,6 +519,9 @@ impl Platform for CudaPlatform {
 
     fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()> {
         let host = self.host_entry(buf)?;
+        if host.kind() == HostMemoryKind::Mapped {
+            return Err(PlatformError::ReadOnly { id: buf.0, what: "a CPU write" });
+        }
         let len = data.len() as u64;
         check_range("host buffer write", offset, len, host.len())?;
         if len == 0 {
@@ -538,6 +541,10 @@ impl Platform for CudaPlatform {
         if len == 0 {
             return Ok(());
         }
+        if let Some(region) = host.region() {
+            // Never through the mapping: a truncated file is an error here, not a SIGBUS.
+            return region.read_at(offset, out).map_err(|reason| PlatformError::MappedReadFailed { id: buf.0, reason });
+        }
         // SAFETY: `offset + len <= host.len()` was checked, so the source range lies inside the live buffer (kept
         // alive by the `Arc`); `out` is an exclusive Rust slice, so the ranges cannot overlap.
         unsafe {
@@ -549,6 +556,28 @@ impl Platform for CudaPlatform {
     fn host_buffer_info(&self, buf: HostBufferId) -> PlatformResult<(u64, HostMemoryKind)> {
         let host = self.host_entry(buf)?;
         Ok((host.len(), host.kind()))
+    }
+
+    fn map_host(&self, region: Arc<dyn HostRegion>) -> PlatformResult<HostBufferId> {
+        let alloc = HostAlloc::mapped(&self.ctx, region)?;
+        let id = self.host.next_handle();
+        self.host.insert(id, alloc);
+        Ok(HostBufferId(id))
+    }
+
+    fn register_host(&self, buf: HostBufferId) -> PlatformResult<()> {
+        let host = self.host_entry(buf)?;
+        if host.kind() != HostMemoryKind::Mapped {
+            return Err(PlatformError::InvalidHandle { what: "mapped host buffer", id: buf.0 });
+        }
+        self.bind_to_thread()?;
+        host.register().map_err(|e| {
+            PlatformError::Driver(format!(
+                "cuMemHostRegister (read-only) of host buffer {} failed: {}",
+                buf.0,
+                describe(e)
+            ))
+        })
     }
 
     fn create_stream(&self, name: &str) -> PlatformResult<StreamId> {
@@ -659,6 +688,9 @@ impl Platform for CudaPlatform {
     ) -> PlatformResult<()> {
         let st = self.stream_entry(stream)?;
         let host = self.host_entry(src)?;
+        if !host.is_registered() {
+            return Err(PlatformError::ReadOnly { id: src.0, what: "a device copy from it before register_host" });
+        }
         let dev = self.device_entry(dst)?;
         check_range("host-to-device source (host buffer)", src_offset, len, host.len())?;
         check_range("host-to-device destination (device buffer)", dst_offset, len, dev.len())?;
@@ -701,6 +733,9 @@ impl Platform for CudaPlatform {
         let st = self.stream_entry(stream)?;
         let dev = self.device_entry(src)?;
         let host = self.host_entry(dst)?;
+        if host.kind() == HostMemoryKind::Mapped {
+            return Err(PlatformError::ReadOnly { id: dst.0, what: "a device-to-host copy into it" });
+        }
         check_range("device-to-host source (device buffer)", src_offset, len, dev.len())?;
         check_range("device-to-host destination (host buffer)", dst_offset, len, host.len())?;
         if len == 0 {

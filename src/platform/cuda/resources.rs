@@ -13,7 +13,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
-use weightferry_actors::platform::{HostMemoryKind, PlatformError, PlatformResult};
+use weightferry_actors::platform::{HostMemoryKind, HostRegion, PlatformError, PlatformResult};
 
 use super::driver::{bind, describe};
 
@@ -174,6 +174,9 @@ enum HostBacking {
     /// system at once, whatever the allocator's heap looks like (a host model freed batch by batch while its
     /// masters are built would otherwise stay resident inside the heap).
     Mapped(memmap2::MmapMut),
+    /// A lent region (a checkpoint's mapping), read-only; the region owns the memory and unmaps it when the last
+    /// reference goes.
+    Region(std::sync::Arc<dyn HostRegion>),
     /// Zero bytes: nothing to free.
     Empty,
 }
@@ -185,6 +188,8 @@ pub(crate) struct HostAlloc {
     len: usize,
     kind: HostMemoryKind,
     backing: HostBacking,
+    /// A region registered with `cuMemHostRegister` (unregistered on release).
+    registered: std::sync::Mutex<bool>,
 }
 
 // SAFETY: the buffer is heap memory owned by this value and reachable only through it; pinned memory may be
@@ -201,13 +206,7 @@ impl HostAlloc {
         let fail = |reason: String| PlatformError::HostAllocFailed { requested: len, kind, reason };
         let size = usize::try_from(len).map_err(|_| fail("size does not fit the address space".to_string()))?;
         if size == 0 {
-            return Ok(HostAlloc {
-                ctx: Arc::clone(ctx),
-                ptr: ptr::null_mut(),
-                len: 0,
-                kind,
-                backing: HostBacking::Empty,
-            });
+            return Ok(HostAlloc::with(ctx, ptr::null_mut(), 0, kind, HostBacking::Empty));
         }
         match kind {
             HostMemoryKind::Pinned => {
@@ -220,12 +219,12 @@ impl HostAlloc {
                 let ptr = raw.cast::<u8>();
                 // SAFETY: `ptr` points to `size` freshly allocated bytes that nothing else references yet.
                 unsafe { ptr::write_bytes(ptr, 0, size) };
-                Ok(HostAlloc { ctx: Arc::clone(ctx), ptr, len: size, kind, backing: HostBacking::Pinned })
+                Ok(HostAlloc::with(ctx, ptr, size, kind, HostBacking::Pinned))
             }
             HostMemoryKind::Pageable if size >= MAPPED_PAGEABLE_BYTES => {
                 let mut map = memmap2::MmapMut::map_anon(size).map_err(|e| fail(format!("mmap: {e}")))?;
                 let ptr = map.as_mut_ptr();
-                Ok(HostAlloc { ctx: Arc::clone(ctx), ptr, len: size, kind, backing: HostBacking::Mapped(map) })
+                Ok(HostAlloc::with(ctx, ptr, size, kind, HostBacking::Mapped(map)))
             }
             HostMemoryKind::Pageable => {
                 let layout = Layout::from_size_align(size, PAGEABLE_ALIGN).map_err(|e| fail(e.to_string()))?;
@@ -234,9 +233,53 @@ impl HostAlloc {
                 if ptr.is_null() {
                     return Err(fail("the system allocator is out of memory".to_string()));
                 }
-                Ok(HostAlloc { ctx: Arc::clone(ctx), ptr, len: size, kind, backing: HostBacking::Heap(layout) })
+                Ok(HostAlloc::with(ctx, ptr, size, kind, HostBacking::Heap(layout)))
             }
+            HostMemoryKind::Mapped => Err(fail("mapped memory is lent by a region (map_host), not allocated".into())),
         }
+    }
+
+    fn with(ctx: &Arc<CudaContext>, ptr: *mut u8, len: usize, kind: HostMemoryKind, backing: HostBacking) -> Self {
+        HostAlloc { ctx: Arc::clone(ctx), ptr, len, kind, backing, registered: std::sync::Mutex::new(false) }
+    }
+
+    /// A mapped buffer over `region` (not yet registered).
+    pub(crate) fn mapped(ctx: &Arc<CudaContext>, region: std::sync::Arc<dyn HostRegion>) -> PlatformResult<Self> {
+        let len = usize::try_from(region.len()).map_err(|_| PlatformError::HostAllocFailed {
+            requested: region.len(),
+            kind: HostMemoryKind::Mapped,
+            reason: "the region does not fit the address space".into(),
+        })?;
+        let ptr = if len == 0 { ptr::null_mut() } else { region.as_ptr().cast_mut() };
+        Ok(HostAlloc::with(ctx, ptr, len, HostMemoryKind::Mapped, HostBacking::Region(region)))
+    }
+
+    /// The region of a mapped buffer.
+    pub(crate) fn region(&self) -> Option<&dyn HostRegion> {
+        match &self.backing {
+            HostBacking::Region(r) => Some(r.as_ref()),
+            _ => None,
+        }
+    }
+
+    /// Whether a mapped buffer is registered (always true of the other kinds, which need no registration).
+    pub(crate) fn is_registered(&self) -> bool {
+        self.region().is_none() || *self.registered.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a mapped buffer's pages with the driver, read-only (idempotent). The caller made the context
+    /// current.
+    pub(crate) fn register(&self) -> Result<(), DriverError> {
+        let mut done = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        if *done || self.ptr.is_null() || self.region().is_none() {
+            *done = true;
+            return Ok(());
+        }
+        // SAFETY: `ptr..ptr+len` is the region's mapping, alive for as long as this value holds the region; the
+        // read-only flag matches a mapping the process may not write. Unregistered exactly once, in `release_inner`.
+        unsafe { sys::cuMemHostRegister_v2(self.ptr.cast(), self.len, sys::CU_MEMHOSTREGISTER_READ_ONLY) }.result()?;
+        *done = true;
+        Ok(())
     }
 
     /// Start of the buffer (null when empty).
@@ -279,6 +322,19 @@ impl HostAlloc {
             HostBacking::Mapped(map) => {
                 drop(map);
                 Ok(())
+            }
+            HostBacking::Region(region) => {
+                let registered = std::mem::take(&mut *self.registered.lock().unwrap_or_else(|e| e.into_inner()));
+                let r = if registered {
+                    bind(self.ctx.cu_ctx())?;
+                    // SAFETY: `ptr` was registered by `register` and is unregistered once (the flag was taken);
+                    // the region (and so the mapping) is dropped only after this call.
+                    unsafe { sys::cuMemHostUnregister(ptr.cast()) }.result()
+                } else {
+                    Ok(())
+                };
+                drop(region);
+                r
             }
             HostBacking::Empty => Ok(()),
         }
