@@ -126,3 +126,49 @@ def test_a_checkpoint_fills_one_component():
         "checkpoint= fills one component, but pipeline dict has transformer, transformer_2; pass the module the "
         "file holds alone, e.g. {'transformer': model}"
     )
+
+
+@pytest.mark.parametrize("host_masters", ["auto", "mapped", "pinned"])
+def test_blocks_are_served_from_the_checkpoint_file_itself(tmp_path, host_masters):
+    # Heads of 128: every block tensor is a multiple of 256 bytes, so every section lies in the file as packed.
+    config = dict(CONFIG, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
+    torch.manual_seed(0)
+    ref = diffusers.FluxTransformer2DModel(**config).to(BF16).eval()
+    x = inputs()
+    expected = forward(ref, x)
+    state = weights(ref)
+    block_bytes = sum(v.numel() * v.element_size() for k, v in state.items() if "blocks." in k)
+    path = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    with torch.device("meta"):
+        m = diffusers.FluxTransformer2DModel(**config).to(BF16).eval()
+    cfg = json.loads(json.dumps(LAYER))
+    cfg["diffusion_offload_config"]["host_masters"] = host_masters
+    with wf.enable({"transformer": m}, cfg, checkpoint=path) as h:
+        s = h.stats()
+        served = (block_bytes, 0) if host_masters == "pinned" else (0, block_bytes)
+        assert (s["master_host_bytes"], s["mapped_host_bytes"]) == served
+        assert s["host_bytes"] == served[0]
+        for _ in range(2):
+            assert torch.equal(forward(m, x), expected)
+    for k, v in state.items():
+        assert torch.equal(m.state_dict()[k], v), k
+
+
+def test_mapped_masters_refuse_a_layout_the_file_cannot_serve(tmp_path):
+    # Heads of 16: 64-byte biases break the 256-byte alignment of the packed sections.
+    state = weights(reference())
+    path = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    m = on_meta()
+    cfg = json.loads(json.dumps(LAYER))
+    cfg["diffusion_offload_config"]["host_masters"] = "mapped"
+    with pytest.raises(wf.OffloadError, match=r'^host_masters = "mapped": the bf16 tensors of '
+                       r'`transformer\.transformer_blocks\.0` cannot be served from the checkpoint file: storage \d+ '
+                       r'is not where the packed section needs it'):
+        wf.enable({"transformer": m}, cfg, checkpoint=path)
+    assert all(p.device.type == "meta" for p in m.parameters())
+    # auto pins what the file cannot serve, and runs.
+    cfg["diffusion_offload_config"]["host_masters"] = "auto"
+    with wf.enable({"transformer": m}, cfg, checkpoint=path) as h:
+        assert h.stats()["master_host_bytes"] > 0

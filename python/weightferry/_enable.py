@@ -408,7 +408,7 @@ class Handle:
         ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches`` (blocks not prefetched in time: the
         forward waited for their copy), ``record_waits`` (hook calls that waited on the host for the copy actor to
         enqueue their block's load), ``device_bytes``, ...), ``fixed_device_bytes``, ``master_host_bytes``,
-        ``pinned``; and the totals ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes``
+        ``mapped_host_bytes`` (blocks served straight from a checkpoint file, no master), ``pinned``; and the totals ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes``
         (fixed placement and every stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
         ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
         4096 calls, ``max_us``, ``total_ms``)."""

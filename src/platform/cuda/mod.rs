@@ -279,10 +279,11 @@ impl CudaPlatform {
             .map_err(|e| PlatformError::Driver(format!("memset: {e:?}")))
     }
 
-    /// Start address and size of a host buffer, or `None` for an unknown handle. The memory stays valid until the
-    /// buffer is freed; reading or writing it through the pointer is the caller's `unsafe` business.
+    /// Start address and size of a host buffer, or `None` for an unknown handle or a mapped one (read those with
+    /// `read_host`: touching a file's mapping could fault). The memory stays valid until the buffer is freed;
+    /// reading or writing it through the pointer is the caller's `unsafe` business.
     pub fn host_ptr(&self, buf: HostBufferId) -> Option<(*mut u8, u64)> {
-        self.host.get(buf.0).map(|h| (h.ptr(), h.len()))
+        self.host.get(buf.0).filter(|h| h.region().is_none()).map(|h| (h.ptr(), h.len()))
     }
 
     /// Measures host-to-device bandwidth in bytes per second: `iters` flat copies of `bytes` from a fresh pinned
