@@ -13,6 +13,14 @@ P% of the weight bytes, the planner keeping blocks resident); ``group`` / ``grou
 and its peak, device memory in use (``total - free`` from the driver: torch's pool and weightferry's buffers), and
 whether the output equals the resident output bit for bit.
 
+Checkpoint variants ``ck_<masters>_<dK|bP>`` (``masters``: ``mapped`` or ``pinned``, the ``host_masters`` key) load
+the transformer from a safetensors file of its full size, written once per call into ``--out`` from the same
+random weights (so their output is compared with the resident one too): the module is built on ``meta`` and
+``weightferry.enable(..., checkpoint=PATH)`` binds it, so the weights never pass through torch. They report the
+time from the start of ``enable`` to the end of the first step, host RSS split into anonymous memory (what the
+process owns: pinned masters among it) and file pages (the mapping), the bytes served from the file and the pinned
+master bytes, beside the time to read the file once (page cache as the write left it).
+
 Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames).
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script.
 
@@ -148,6 +156,49 @@ def build(torch, name, tiny=False):
     return model, spec
 
 
+def write_checkpoint(torch, model, path):
+    """Writes the model's state dict as one safetensors file, tensor by tensor (no second copy in memory); names in
+    sorted order, as the safetensors library orders tensors of one dtype."""
+    state = model.state_dict()
+    names = sorted(state)
+    dtypes = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+    header, at = {}, 0
+    for n in names:
+        t = state[n]
+        size = t.numel() * t.element_size()
+        header[n] = {"dtype": dtypes[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + size]}
+        at += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for n in names:
+            f.write(state[n].detach().contiguous().view(-1).view(torch.uint8).numpy().data)
+    os.replace(tmp, path)
+    return at
+
+
+def read_once(path, chunk=64 << 20):
+    """Seconds to read the file once, sequentially."""
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+def build_on_meta(torch, name, tiny=False):
+    import diffusers
+
+    spec = MODELS[name]
+    with torch.device("meta"):
+        model = getattr(diffusers, spec["cls"])(**model_config(spec, tiny))
+    return model.to(torch.bfloat16).eval(), spec
+
+
 def inputs(torch, spec, dev, tiny=False):
     g = torch.Generator().manual_seed(1)
     x = spec["inputs"](torch, model_config(spec, tiny), g, spec["tiny_tokens" if tiny else "tokens"])
@@ -173,7 +224,8 @@ def variant(args):
 
     res = {"variant": args.variant, "model": args.model}
     base = rss()
-    model, spec = build(torch, args.model, args.tiny)
+    ck = args.variant.startswith("ck_")
+    model, spec = (build_on_meta if ck else build)(torch, args.model, args.tiny)
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     res["weight_bytes"] = weight_bytes
     res["rss_built"] = rss() - base
@@ -185,20 +237,25 @@ def variant(args):
     v = args.variant
     if v == "resident":
         model.to(dev)
-    elif v.startswith("wf_"):
+    elif v.startswith("wf_") or ck:
         import weightferry as wf
 
         dcfg = {"mode": "layer", "components": ["dit"]}
-        if v.startswith("wf_d"):
-            dcfg["layer_options"] = {"dit": {"prefetch_depth": int(v[4:])}}
-        elif v.startswith("wf_b"):
-            dcfg["device_budget"] = weight_bytes * int(v[4:]) // 100
+        knob = v.split("_")[-1]
+        if knob.startswith("d"):
+            dcfg["layer_options"] = {"dit": {"prefetch_depth": int(knob[1:])}}
+        elif knob.startswith("b"):
+            dcfg["device_budget"] = weight_bytes * int(knob[1:]) // 100
+        extra = {}
+        if ck:
+            dcfg["host_masters"] = v.split("_")[1]
+            extra["checkpoint"] = os.path.join(args.out, "checkpoint.safetensors")
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             handle = wf.enable({"transformer": model}, {"diffusion_offload_config": dcfg},
-                               device="sim" if cpu else "cuda")
+                               device="sim" if cpu else "cuda", **extra)
     elif v.startswith("group"):
         from diffusers.hooks import apply_group_offloading
 
@@ -215,8 +272,14 @@ def variant(args):
     sync()
     res["enable_s"] = time.perf_counter() - t0
     res["rss_after_enable"] = rss() - base
+    res["rss_anon_after_enable"] = rss("RssAnon")
+    res["rss_file_after_enable"] = rss("RssFile")
     before = handle.stats() if handle else None
     with torch.no_grad():
+        if ck:
+            out = model(**x, return_dict=False)[0]
+            sync()
+            res["first_step_s"] = time.perf_counter() - t0
         for _ in range(args.warmup):
             out = model(**x, return_dict=False)[0]
         sync()
@@ -249,7 +312,7 @@ def variant(args):
         streamed = sum(a["h2d_bytes"] for a in after["stacks"]) - sum(b["h2d_bytes"] for b in before["stacks"])
         res["streamed_per_step"] = streamed / args.steps
         res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
-        res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "pinned") if k in after}
+        res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "mapped_host_bytes", "pinned") if k in after}
         hook_ms = after["hooks"]["total_ms"] - before["hooks"]["total_ms"]
         res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / args.steps,
                             record_waits=sum(a.get("record_waits", 0) for a in after["stacks"]),
@@ -284,6 +347,16 @@ def table(results):
             print(f"{r['variant']}: hooks {h['per_step_ms']:.3f} ms per step = {100 * r['hook_share']:.3f}% of the step "
                   f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls; host waits for the copy "
                   f"actor {h['record_waits']}, sync fetches {h['sync_fetches']})")
+    cks = [r for r in results if "first_step_s" in r]
+    if cks:
+        print(f"\n{'checkpoint':<16}{'start→1st step s':>17}{'read once s':>12}{'anon GB':>9}{'file GB':>9}"
+              f"{'pinned GB':>10}{'mapped GB':>10}{'step s':>9}")
+        for r in cks:
+            st = r["wf_stats"]
+            print(f"{r['variant']:<16}{r['first_step_s']:>17.2f}{r.get('read_once_s', float('nan')):>12.2f}"
+                  f"{r['rss_anon_after_enable'] / 1e9:>9.2f}{r['rss_file_after_enable'] / 1e9:>9.2f}"
+                  f"{st.get('master_host_bytes', 0) / 1e9:>10.2f}{st.get('mapped_host_bytes', 0) / 1e9:>10.2f}"
+                  f"{r['step_s']:>9.4f}")
     if results:
         print(f"weights: {results[0]['weight_bytes'] / 1e9:.2f} GB ({results[0]['model']})")
 
@@ -304,7 +377,20 @@ def main():
         return variant(args)
     os.makedirs(args.out, exist_ok=True)
     results = []
-    for v in args.variants.split(","):
+    variants = args.variants.split(",")
+    read_s = None
+    if any(v.startswith("ck_") for v in variants):
+        import torch
+
+        t0 = time.time()
+        path = os.path.join(args.out, "checkpoint.safetensors")
+        model, _ = build(torch, args.model, args.tiny)
+        size = write_checkpoint(torch, model, path)
+        del model
+        read_s = read_once(path)
+        print(f"checkpoint: {size / 1e9:.2f} GB written in {time.time() - t0:.0f} s; read once in {read_s:.2f} s",
+              flush=True)
+    for v in variants:
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--out", args.out]
         if args.tiny:
@@ -316,6 +402,8 @@ def main():
             print(f"{v}: failed (exit {p.returncode}) after {time.time() - t0:.0f} s\n{p.stderr[-3000:]}", flush=True)
             continue
         r = json.loads(lines[-1][7:])
+        if v.startswith("ck_"):
+            r["read_once_s"] = read_s
         print(f"{v}: {time.time() - t0:.0f} s  " + json.dumps(r), flush=True)
         results.append(r)
     table(results)
