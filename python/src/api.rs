@@ -16,6 +16,8 @@ use weightferry::offload::{get_offload_backend, BackendReport, StreamingBackend,
 use weightferry::plan::json::load_pipeline_json;
 use weightferry::plan::report::PlanReport;
 use weightferry::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use weightferry_actors::collective::Collective;
+use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformRef, StreamId};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
@@ -155,20 +157,31 @@ pub struct SessionOptions<'a> {
     /// `(path, component)`: the description's tensor `<component>.K` is the file's tensor `K`.
     pub checkpoint: Option<(&'a str, &'a str)>,
     /// Faults the simulated device injects (ignored on CUDA): each fires once, at a counted call.
-    pub sim_faults: weightferry_actors::sim::FaultPlan,
+    pub sim_faults: SimFaults,
+}
+
+/// Faults injected on the simulated device (tests of enable's undo and of a poisoned group).
+#[derive(Debug, Clone, Default)]
+pub struct SimFaults {
+    /// The device's faults.
+    pub plan: weightferry_actors::sim::FaultPlan,
+    /// A distributed session's AllGather call of this rank that fails at enqueue (0-based, every call counted).
+    pub fail_all_gather: Option<u64>,
 }
 
 /// Parses a fault plan for the simulated device from JSON: an object with any of `oom_at_alloc`,
-/// `fail_host_alloc`, `fail_h2d_copy`, `fail_h2d_copy_async`, `fail_event_sync`, `fail_d2h_copy` (each the 0-based
-/// count of the call that fails).
-pub fn parse_sim_faults(json: &str) -> Result<weightferry_actors::sim::FaultPlan, CoreError> {
+/// `fail_host_alloc`, `fail_h2d_copy`, `fail_h2d_copy_async`, `fail_event_sync`, `fail_d2h_copy`,
+/// `fail_all_gather` (each the 0-based count of the call that fails).
+pub fn parse_sim_faults(json: &str) -> Result<SimFaults, CoreError> {
     let bad = |m: String| CoreError::Offload(format!("sim faults: {m}"));
     let v: serde_json::Value = serde_json::from_str(json).map_err(|e| bad(e.to_string()))?;
     let obj = v.as_object().ok_or_else(|| bad("expected a JSON object".into()))?;
     let mut plan = weightferry_actors::sim::FaultPlan::none();
+    let mut fail_all_gather = None;
     for (k, v) in obj {
         let n = v.as_u64().ok_or_else(|| bad(format!("{k}: expected a count")))?;
         let slot = match k.as_str() {
+            "fail_all_gather" => &mut fail_all_gather,
             "oom_at_alloc" => &mut plan.oom_at_alloc,
             "fail_host_alloc" => &mut plan.fail_host_alloc,
             "fail_h2d_copy" => &mut plan.fail_h2d_copy,
@@ -179,7 +192,65 @@ pub fn parse_sim_faults(json: &str) -> Result<weightferry_actors::sim::FaultPlan
         };
         *slot = Some(n);
     }
-    Ok(plan)
+    Ok(SimFaults { plan, fail_all_gather })
+}
+
+/// The collective of a distributed session, or `None` when the config gathers nothing across ranks: the config's
+/// offload group must be the launch's world (`WORLD_SIZE`, as torchrun sets it); the ranks meet through
+/// weightferry's rendezvous (`MASTER_ADDR` / `MASTER_PORT`), each checking that every rank runs the same pipeline
+/// and config. On the simulated device the AllGathers run over that rendezvous ([`TcpCollective`]).
+fn session_collective(
+    config: &OffloadConfig,
+    device: &Device,
+    fingerprint: &[u8],
+    fail_all_gather: Option<u64>,
+) -> Result<Option<CollectiveFactory>, CoreError> {
+    use weightferry::config::Component;
+    use weightferry::dist::rendezvous::{Fingerprint, Rendezvous, RendezvousOptions};
+    use weightferry::dist::tcp_collective::TcpCollective;
+    use weightferry::dist::LaunchEnv;
+    let gathers = Component::ALL.iter().any(|&c| config.uses_allgather(c));
+    if !gathers || config.group.size <= 1 {
+        return Ok(None);
+    }
+    let group = config.group.size as usize;
+    let env = LaunchEnv::from_env().map_err(|e| CoreError::Offload(one_line(&e.to_string())))?;
+    if env.world != group {
+        return Err(CoreError::Offload(format!(
+            "the config gathers weights across an offload group of {group} ranks, but this process is rank {} of \
+             WORLD_SIZE={}; start {group} processes (torchrun --nproc-per-node {group}) or change the config's \
+             parallel sizes",
+            env.rank, env.world
+        )));
+    }
+    let sim = match device {
+        Device::Sim(sim) => sim.clone(),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            return Err(CoreError::Offload(
+                "distributed offload (weight_transfer = \"allgather\") from Python runs on device=\"sim\" only so \
+                 far; on CUDA use the weightferry CLI (weightferry launch) or rank-local transfer"
+                    .into(),
+            ))
+        }
+    };
+    let options = RendezvousOptions { fingerprint: Fingerprint::of(fingerprint), ..RendezvousOptions::default() };
+    let rdv = Arc::new(
+        Rendezvous::connect(&env, options).map_err(|e| CoreError::Offload(one_line(&format!("rank {}: {e}", env.rank))))?,
+    );
+    let all = rdv.all_gather_bytes(fingerprint).map_err(|e| CoreError::Offload(one_line(&e.to_string())))?;
+    if let Some(r) = all.iter().position(|f| f.as_slice() != fingerprint) {
+        return Err(CoreError::Offload(format!(
+            "rank {r} enables another pipeline or config than rank {}; every rank must enable the same model with \
+             the same config",
+            env.rank
+        )));
+    }
+    let collective = TcpCollective::new(rdv, sim);
+    if let Some(n) = fail_all_gather {
+        collective.fail_nth_call(n);
+    }
+    Ok(Some(Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>))))
 }
 
 /// The platform a session drives.
@@ -293,6 +364,7 @@ impl Session {
     ) -> Result<Session, CoreError> {
         let checkpoint = options.checkpoint;
         let desc = Arc::new(load_pipeline(pipeline_json, name)?);
+        let config_text = config;
         let mut config = load_config(config, config_format)?;
         let free = match device {
             DeviceSpec::Sim => SimConfig::default().device_capacity,
@@ -318,7 +390,9 @@ impl Session {
             ),
             None => None,
         };
-        let (device, platform, compute) = Device::open(device, torch, options.sim_faults)?;
+        let (device, platform, compute) = Device::open(device, torch, options.sim_faults.plan)?;
+        let fingerprint = [pipeline_json.as_bytes(), b"\0", config_text.as_bytes()].concat();
+        let collective = session_collective(&config, &device, &fingerprint, options.sim_faults.fail_all_gather)?;
         let (model, written) = match (&opened, checkpoint) {
             (Some(ckpt), Some((_, component))) => {
                 let model = HostModel::from_checkpoint(platform.clone(), desc.clone(), ckpt, component)
@@ -327,7 +401,7 @@ impl Session {
             }
             _ => (HostModel::zeroed(platform.clone(), desc).map_err(offload_err)?, BTreeSet::new()),
         };
-        let backend = get_offload_backend(&config, platform, None).map_err(offload_err)?;
+        let backend = get_offload_backend(&config, platform, collective).map_err(offload_err)?;
         Ok(Session {
             device,
             compute,

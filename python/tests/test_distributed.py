@@ -1,0 +1,73 @@
+"""Distributed layerwise offload from Python on simulated ranks: N processes launched as torchrun would (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), each enabling the same tiny Flux transformer with its blocks
+gathered across the group on ``device="sim"``. For 2 and 4 ranks every rank's output equals resident bit for bit,
+each rank holds 1/N of the streamed bytes as shards, and ``disable()`` gives back the released weights bit-identical.
+A rank whose AllGather fails poisons the group: every rank raises ``OffloadError`` (no hang), and ``disable()`` says
+the released weights are lost. A config whose group is not the launch's world is refused before any rank waits."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world, **extra):
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+        procs.append(subprocess.Popen([sys.executable, WORKER], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, err[-3000:]
+        results.append(json.loads(lines[-1][7:]))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_is_bit_exact_holds_its_shards_and_gets_its_weights_back(world):
+    results = launch(world)
+    assert [r["rank"] for r in results] == list(range(world))
+    released = results[0]["group"]["released_bytes"]
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["exact"] == [True, True] and r["weights"] is True
+        g = r["group"]
+        assert (g["rank"], g["world"], g["released_bytes"]) == (r["rank"], world, released)
+        # One N-th of the streamed bytes per rank (each section padded to N equal shards of 256-byte multiples).
+        assert released <= world * g["shard_host_bytes"] < released + 256 * world * g["released_storages"]
+
+
+def test_a_failed_all_gather_poisons_the_group_and_every_rank_raises():
+    results = launch(2, WF_TEST_FAULT="1:3")
+    failing, other = results[1], results[0]
+    assert failing["error"].startswith("OffloadError: ") and "injected AllGather failure" in failing["error"]
+    assert other["error"].startswith("OffloadError: ") and "collective group poisoned" in other["error"]
+    for r in results:
+        assert "exact" not in r or r["exact"] != [True, True]
+        assert r["disable"].startswith(f"OffloadError: rank {r['rank']}: collective poisoned")
+        assert r["disable"].endswith("released weight storage(s) could not be restored (reading them is an error); "
+                                     "the pipeline must be reloaded")
+
+
+def test_a_group_that_is_not_the_launch_world_is_refused():
+    results = launch(1, WF_TEST_GROUP="2")
+    assert results[0]["error"] == (
+        "OffloadError: the config gathers weights across an offload group of 2 ranks, but this process is rank 0 of "
+        "WORLD_SIZE=1; start 2 processes (torchrun --nproc-per-node 2) or change the config's parallel sizes")
