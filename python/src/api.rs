@@ -236,7 +236,8 @@ fn session_collective(
     };
     let options = RendezvousOptions { fingerprint: Fingerprint::of(fingerprint), ..RendezvousOptions::default() };
     let rdv = Arc::new(
-        Rendezvous::connect(&env, options).map_err(|e| CoreError::Offload(one_line(&format!("rank {}: {e}", env.rank))))?,
+        Rendezvous::connect(&env, options)
+            .map_err(|e| CoreError::Offload(one_line(&format!("rank {}: {e}", env.rank))))?,
     );
     let all = rdv.all_gather_bytes(fingerprint).map_err(|e| CoreError::Offload(one_line(&e.to_string())))?;
     if let Some(r) = all.iter().position(|f| f.as_slice() != fingerprint) {

@@ -37,6 +37,7 @@ use crate::distributed_run::{
     resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
 };
 use crate::engine::compute::{Compute, SimCompute};
+use crate::engine::driver::{checkpoint_error, CheckpointWeights};
 use crate::model::HostModel;
 use crate::model::{fnv1a, ModelError, FNV_OFFSET};
 use crate::report::human_bytes;
@@ -596,8 +597,14 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         }
     }
     let timed = a.time_steps.as_deref().map(parse_time_steps).transpose()?;
-    let spec_name = a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET);
-    let pipeline = load_pipeline(spec_name)?;
+    let loaded = a.checkpoint.as_deref().map(|p| super::load_checkpoint(p, &a.component)).transpose()?;
+    let (pipeline, weights) = match (&a.checkpoint, loaded) {
+        (Some(path), Some(l)) => {
+            let weights = CheckpointWeights { checkpoint: l.checkpoint.clone(), component: l.derived.component };
+            (super::LoadedPipeline { name: path.display().to_string(), desc: l.derived.desc }, Some(weights))
+        }
+        _ => (load_pipeline(a.preset.as_deref().or(a.pipeline.as_deref()).unwrap_or(DEFAULT_PRESET))?, None),
+    };
     let config = match &a.config {
         Some(_) => load_config(a.config.as_deref(), &pipeline.desc)?,
         None => OffloadConfig::from_json_str(&default_distributed_config(world))
@@ -657,7 +664,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     }
 
     let outcome = if a.platform == PlatformArg::Cuda {
-        cuda_rank(a, env, &rdv, &pipeline.desc, &pipeline.name, &spec)?
+        cuda_rank(a, env, &rdv, &pipeline.desc, &pipeline.name, &spec, weights.as_ref())?
     } else {
         let sim = Arc::new(SimPlatform::new(sim_config.clone()).map_err(|e| failed("simulated device", &e))?);
         let platform: PlatformRef = sim.clone();
@@ -670,7 +677,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             }
         }
         let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
-        let outcome = rank_with_model(platform, compute, factory, (rank, world), &spec);
+        let outcome = rank_with_model(platform, compute, factory, (rank, world), &spec, weights.as_ref());
         let hazards = sim.violations().len();
         sim.shutdown();
         let (run, resident) =
@@ -796,7 +803,8 @@ pub fn check_restored_weights(before: u64, after: Result<u64, ModelError>) -> Re
     }
 }
 
-/// This rank's runs on its device (simulated or GPU): one synthetic model serves the resident run (first: it also
+/// This rank's runs on its device (simulated or GPU): one model (synthetic, or over `weights`, the checkpoint's
+/// mapped files, from which the distributed run reads only this rank's shards) serves the resident run (first: it also
 /// warms the engine up, and it needs every weight on host) and the distributed run (both timed with
 /// `spec.timed_steps`), which releases the model's DiT weights while it runs and restores them at its end; the
 /// model's checksum after the run must be the one before.
@@ -806,9 +814,14 @@ fn rank_with_model(
     factory: CollectiveFactory,
     (rank, world): (usize, usize),
     spec: &DistributedRunSpec,
+    weights: Option<&CheckpointWeights>,
 ) -> Result<(RankRun, ResidentRun), RankError> {
-    let mut model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)
-        .map_err(|e| RankError::Resident(e.into()))?;
+    let desc = Arc::new(spec.pipeline.clone());
+    let mut model = match weights {
+        None => HostModel::synthetic(platform.clone(), desc, spec.seed).map_err(|e| RankError::Resident(e.into()))?,
+        Some(w) => HostModel::from_checkpoint(platform.clone(), desc, &w.checkpoint, &w.component)
+            .map_err(|e| RankError::Resident(checkpoint_error(e)))?,
+    };
     let run = (|| {
         let resident = resident_run_with_model(
             compute.clone(),
@@ -840,6 +853,7 @@ fn cuda_rank(
     desc: &crate::plan::PipelineDesc,
     name: &str,
     spec: &DistributedRunSpec,
+    weights: Option<&CheckpointWeights>,
 ) -> Result<RankOutcome, CliError> {
     use crate::dist::nccl_bootstrap::{bootstrap_nccl, open_rank_gpu, NcclBootstrap};
     use crate::engine::cuda::{CudaCompute, GpuShape};
@@ -870,8 +884,8 @@ fn cuda_rank(
     if a.trace.is_some() {
         spec.trace = Some(crate::distributed_run::RunTracer(cuda.clone()));
     }
-    let (run, resident) =
-        rank_with_model(platform, compute, factory, (rank, env.world), &spec).map_err(|e| e.into_cli(rank, false))?;
+    let (run, resident) = rank_with_model(platform, compute, factory, (rank, env.world), &spec, weights)
+        .map_err(|e| e.into_cli(rank, false))?;
     Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s, engine: Some(engine) })
 }
 
@@ -896,6 +910,7 @@ fn cuda_rank(
     _desc: &crate::plan::PipelineDesc,
     _name: &str,
     _spec: &DistributedRunSpec,
+    _weights: Option<&CheckpointWeights>,
 ) -> Result<RankOutcome, CliError> {
     Err(CliError::invalid("--platform cuda needs a build with --features nccl".to_string()))
 }

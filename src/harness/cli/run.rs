@@ -132,11 +132,6 @@ fn refuse_overwriting_inputs(trace: &std::path::Path, a: &RunArgs) -> Result<(),
 pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     let env = LaunchEnv::from_env().map_err(|e| CliError::invalid(e.to_string()))?;
     if env.is_distributed() {
-        if a.checkpoint.is_some() {
-            return Err(CliError::invalid(
-                "--checkpoint runs in one process only (WORLD_SIZE = 1); distributed runs use synthetic weights for now",
-            ));
-        }
         return super::dist_run::run_distributed(a, &env);
     }
     if a.inject_gather_failure.is_some() {

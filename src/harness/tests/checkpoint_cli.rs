@@ -187,6 +187,15 @@ fn run_checkpoint_is_bit_exact_over_the_file_bytes() {
     }
     // Sharding does not change the weights, so not the output.
     assert_eq!(sums[0], sums[1]);
+    // Nor does a distributed run: each rank maps the file and builds only its shards from it; the storages stay
+    // homed in the file, so nothing is released or gathered back to host.
+    let p = checkpoint("run_launch", false);
+    let o = wf(&["launch", "--nproc", "2", "--", "run", "--steps", "2", "--checkpoint", p.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    let sum = sums[0].as_str().unwrap();
+    assert!(out.contains(&format!("all 2 ranks bit-exact with the resident run (checksum {sum})")), "{out}");
+    assert!(out.contains("(+0 restoring the weights to host;"), "{out}");
     // Where the host masters live does not either. `auto` and `mapped` serve every block from the file (their
     // tensors' unpadded bytes: 2 × (2048 + 128) + 3 × (2048 + 32)); `pinned` builds masters of the packed size.
     let p = checkpoint("run_masters", false);
