@@ -158,6 +158,10 @@ pub struct SessionOptions<'a> {
     pub checkpoint: Option<(&'a str, &'a str)>,
     /// Faults the simulated device injects (ignored on CUDA): each fires once, at a counted call.
     pub sim_faults: SimFaults,
+    /// A distributed session: the port rank 0 listens on for weightferry's rendezvous instead of `MASTER_PORT`
+    /// (which torch.distributed's own store holds once a process group exists; the package agrees on this port
+    /// through that store).
+    pub rendezvous_port: Option<u16>,
 }
 
 /// Faults injected on the simulated device (tests of enable's undo and of a poisoned group).
@@ -197,13 +201,15 @@ pub fn parse_sim_faults(json: &str) -> Result<SimFaults, CoreError> {
 
 /// The collective of a distributed session, or `None` when the config gathers nothing across ranks: the config's
 /// offload group must be the launch's world (`WORLD_SIZE`, as torchrun sets it); the ranks meet through
-/// weightferry's rendezvous (`MASTER_ADDR` / `MASTER_PORT`), each checking that every rank runs the same pipeline
-/// and config. On the simulated device the AllGathers run over that rendezvous ([`TcpCollective`]).
+/// weightferry's rendezvous (`MASTER_ADDR`, and `MASTER_PORT` or `rendezvous_port`), each checking that every rank
+/// runs the same pipeline and config. On the simulated device the AllGathers run over that rendezvous
+/// ([`TcpCollective`]); on CUDA NCCL runs them, bootstrapped through it.
 fn session_collective(
     config: &OffloadConfig,
     device: &Device,
     fingerprint: &[u8],
     fail_all_gather: Option<u64>,
+    rendezvous_port: Option<u16>,
 ) -> Result<Option<CollectiveFactory>, CoreError> {
     use weightferry::config::Component;
     use weightferry::dist::rendezvous::{Fingerprint, Rendezvous, RendezvousOptions};
@@ -223,17 +229,18 @@ fn session_collective(
             env.rank, env.world
         )));
     }
-    let sim = match device {
-        Device::Sim(sim) => sim.clone(),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
-            return Err(CoreError::Offload(
-                "distributed offload (weight_transfer = \"allgather\") from Python runs on device=\"sim\" only so \
-                 far; on CUDA use the weightferry CLI (weightferry launch) or rank-local transfer"
-                    .into(),
-            ))
-        }
-    };
+    let mut env = env;
+    if let Some(port) = rendezvous_port {
+        env.master_port = Some(port);
+    }
+    #[cfg(all(feature = "cuda", not(feature = "nccl")))]
+    if let Device::Cuda(_) = device {
+        return Err(CoreError::Offload(
+            "distributed offload (weight_transfer = \"allgather\") on CUDA needs a build of weightferry with NCCL \
+             (feature `nccl`); use device=\"sim\" or rank-local transfer"
+                .into(),
+        ));
+    }
     let options = RendezvousOptions { fingerprint: Fingerprint::of(fingerprint), ..RendezvousOptions::default() };
     let rdv = Arc::new(
         Rendezvous::connect(&env, options)
@@ -247,11 +254,30 @@ fn session_collective(
             env.rank
         )));
     }
-    let collective = TcpCollective::new(rdv, sim);
-    if let Some(n) = fail_all_gather {
-        collective.fail_nth_call(n);
+    match device {
+        Device::Sim(sim) => {
+            let collective = TcpCollective::new(rdv, sim.clone());
+            if let Some(n) = fail_all_gather {
+                collective.fail_nth_call(n);
+            }
+            Ok(Some(Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>))))
+        }
+        #[cfg(feature = "nccl")]
+        Device::Cuda(cuda) => {
+            // NCCL: rank 0's unique id (and the AllGather engine every rank can run) go through the rendezvous.
+            let boot = weightferry::dist::bootstrap_nccl(
+                cuda,
+                env.rank,
+                env.world,
+                weightferry::dist::allgather_engine::AllGatherEngine::Auto,
+                rdv.as_ref(),
+            )
+            .map_err(|e| CoreError::Offload(one_line(&format!("rank {}: NCCL bootstrap: {e}", env.rank))))?;
+            Ok(Some(boot.factory))
+        }
+        #[cfg(all(feature = "cuda", not(feature = "nccl")))]
+        Device::Cuda(_) => Ok(None),
     }
-    Ok(Some(Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>))))
 }
 
 /// The platform a session drives.
@@ -393,7 +419,8 @@ impl Session {
         };
         let (device, platform, compute) = Device::open(device, torch, options.sim_faults.plan)?;
         let fingerprint = [pipeline_json.as_bytes(), b"\0", config_text.as_bytes()].concat();
-        let collective = session_collective(&config, &device, &fingerprint, options.sim_faults.fail_all_gather)?;
+        let faults = options.sim_faults.fail_all_gather;
+        let collective = session_collective(&config, &device, &fingerprint, faults, options.rendezvous_port)?;
         let (model, written) = match (&opened, checkpoint) {
             (Some(ckpt), Some((_, component))) => {
                 let model = HostModel::from_checkpoint(platform.clone(), desc.clone(), ckpt, component)

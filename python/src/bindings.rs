@@ -116,9 +116,11 @@ impl PySession {
     /// `free_bytes` the device's free memory (for `device_budget = "auto"`). With `checkpoint` (a safetensors file or
     /// sharded folder) and `component`, every storage is read from the file (`CheckpointError` on a mismatch).
     /// `sim_faults` (tests): a JSON fault plan for the simulated device (see `parse_sim_faults`).
+    /// `rendezvous_port`: a distributed session's rendezvous port, when torch.distributed holds `MASTER_PORT`.
     #[new]
     #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim", default_cuda = 0,
-        torch_stream = 0, probe_ptr = 0, free_bytes = 0, checkpoint = None, component = None, sim_faults = None))]
+        torch_stream = 0, probe_ptr = 0, free_bytes = 0, checkpoint = None, component = None, sim_faults = None,
+        rendezvous_port = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -134,6 +136,7 @@ impl PySession {
         checkpoint: Option<&str>,
         component: Option<&str>,
         sim_faults: Option<&str>,
+        rendezvous_port: Option<u16>,
     ) -> PyResult<PySession> {
         let name = name.unwrap_or("<python>");
         let torch = api::TorchCuda { stream: torch_stream, probe_ptr, free_bytes };
@@ -151,7 +154,7 @@ impl PySession {
                         }
                     };
                     let sim_faults = sim_faults.map(api::parse_sim_faults).transpose()?.unwrap_or_default();
-                    let options = api::SessionOptions { checkpoint, sim_faults };
+                    let options = api::SessionOptions { checkpoint, sim_faults, rendezvous_port };
                     api::Session::new(pipeline_json, config, config_format, name, spec, torch, options)
                 })
             })

@@ -1,6 +1,8 @@
 """One rank of ``test_distributed.py``: a tiny Flux transformer (the same seeded weights on every rank) enabled with
 its blocks gathered across the ranks on ``device="sim"``, run twice against its resident output, disabled, its
-weights compared; prints one ``RESULT`` JSON line. ``WF_TEST_FAULT=R:N`` makes rank R's AllGather call N fail."""
+weights compared; prints one ``RESULT`` JSON line. ``WF_TEST_FAULT=R:N`` makes rank R's AllGather call N fail;
+``WF_TEST_TORCH_PG=1`` starts a torch.distributed (gloo) process group first; ``WF_TEST_TWICE=1`` enables twice;
+``WF_TEST_DEVICE=cuda`` runs on GPU ``LOCAL_RANK`` (NCCL AllGathers)."""
 
 import json
 import os
@@ -16,24 +18,40 @@ import weightferry as wf  # noqa: E402
 
 warnings.simplefilter("ignore")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+if os.environ.get("WF_TEST_TORCH_PG"):
+    # A process group of torch's own holds MASTER_PORT: weightferry must meet on another port, found in its store.
+    torch.distributed.init_process_group("gloo")
 fault = os.environ.get("WF_TEST_FAULT")
 if fault and rank == int(fault.split(":")[0]):
     wf._enable._SIM_FAULTS = {"fail_all_gather": int(fault.split(":")[1])}
 config = {"data_parallel_size": int(os.environ.get("WF_TEST_GROUP", world)),
           "diffusion_offload_config": {"mode": "layer", "components": ["dit"],
                                        "layer_options": {"dit": {"weight_transfer": "allgather"}}}}
+device = os.environ.get("WF_TEST_DEVICE", "sim")
 m = reference()
 x = inputs()
-expected = forward(m, x)
+if device == "sim":
+    expected = forward(m, x)
+else:
+    import copy
+
+    # One GPU per rank (LOCAL_RANK), torch's current device; the reference runs resident on it.
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    x = {k: v.cuda() for k, v in x.items()}
+    expected = forward(copy.deepcopy(m).cuda(), x)
 before = weights(m)
 res = {"rank": rank}
 h = None
 try:
-    h = wf.enable({"transformer": m}, config)
+    h = wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda")
     res["group"] = h.stats()["group"]
     res["exact"] = [bool(torch.equal(forward(m, x), expected)) for _ in range(2)]
     h.disable()
     res["weights"] = all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    if os.environ.get("WF_TEST_TWICE"):
+        with wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda"):
+            res["exact"].append(bool(torch.equal(forward(m, x), expected)))
+        res["weights"] &= all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 except wf.Error as e:
     res["error"] = f"{type(e).__name__}: {e}"
     if h is not None:

@@ -3,7 +3,10 @@
 gathered across the group on ``device="sim"``. For 2 and 4 ranks every rank's output equals resident bit for bit,
 each rank holds 1/N of the streamed bytes as shards, and ``disable()`` gives back the released weights bit-identical.
 A rank whose AllGather fails poisons the group: every rank raises ``OffloadError`` (no hang), and ``disable()`` says
-the released weights are lost. A config whose group is not the launch's world is refused before any rank waits."""
+the released weights are lost. Inside a torch.distributed process group (which holds ``MASTER_PORT``) the ranks
+agree on weightferry's rendezvous port through torch's store, once per enable. A config whose group is not the
+launch's world is refused before any rank waits. With 2 GPUs (skipped otherwise) the same runs on CUDA, the
+AllGathers through NCCL bootstrapped over weightferry's rendezvous."""
 
 import json
 import os
@@ -54,6 +57,13 @@ def test_every_rank_is_bit_exact_holds_its_shards_and_gets_its_weights_back(worl
         assert released <= world * g["shard_host_bytes"] < released + 256 * world * g["released_storages"]
 
 
+def test_inside_a_torch_process_group_the_ranks_meet_through_its_store():
+    results = launch(2, WF_TEST_TORCH_PG="1", WF_TEST_TWICE="1")
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["exact"] == [True, True, True] and r["weights"] is True
+
+
 def test_a_failed_all_gather_poisons_the_group_and_every_rank_raises():
     results = launch(2, WF_TEST_FAULT="1:3")
     failing, other = results[1], results[0]
@@ -64,6 +74,17 @@ def test_a_failed_all_gather_poisons_the_group_and_every_rank_raises():
         assert r["disable"].startswith(f"OffloadError: rank {r['rank']}: collective poisoned")
         assert r["disable"].endswith("released weight storage(s) could not be restored (reading them is an error); "
                                      "the pipeline must be reloaded")
+
+
+def test_two_gpu_ranks_gather_through_nccl_bit_exact():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the lent multi-GPU machines run it)")
+    results = launch(2, WF_TEST_DEVICE="cuda", WF_TEST_TWICE="1")
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["exact"] == [True, True, True] and r["weights"] is True
+        assert r["group"]["world"] == 2
 
 
 def test_a_group_that_is_not_the_launch_world_is_refused():

@@ -225,8 +225,8 @@ def test_unknown_devices_are_refused():
 class FailingSession:
     """Delegates to the real session and raises at its ``fail_at``-th method call."""
 
-    def __init__(self, fail_at, *args):
-        self._s = wf_enable._core.Session(*args)
+    def __init__(self, fail_at, *args, **kwargs):
+        self._s = wf_enable._core.Session(*args, **kwargs)
         self._left = fail_at
         self.calls = 0
 
@@ -250,8 +250,8 @@ def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_we
     before = snapshot(p)
     made = []
 
-    def factory(*args):
-        made.append(FailingSession(at, *args))
+    def factory(*args, **kwargs):
+        made.append(FailingSession(at, *args, **kwargs))
         return made[-1]
 
     monkeypatch.setattr(wf_enable, "_Session", factory)

@@ -531,19 +531,49 @@ def _cuda_index(device):
     return index
 
 
+# Distributed sessions opened by this process so far: each one's rendezvous port has its own key in torch's store
+# (every rank enables in the same order, so the n-th enable of every rank reads the same key).
+_RENDEZVOUS_COUNT = 0
+
+
+def _rendezvous_port(text, fmt):
+    """Where the ranks of a distributed session meet, when torch.distributed already runs a process group: its
+    store holds ``MASTER_PORT``, so rank 0 picks a free port, publishes it in that store, and every rank reads it
+    there. ``None`` (weightferry's rendezvous listens on ``MASTER_PORT``) without a process group, or when the config
+    gathers nothing."""
+    global _RENDEZVOUS_COUNT
+    if not _core.check_config(text, fmt).startswith("distributed"):
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    import socket
+
+    store = dist.distributed_c10d._get_default_store()
+    _RENDEZVOUS_COUNT += 1
+    key = f"weightferry/rendezvous/{_RENDEZVOUS_COUNT}"
+    if dist.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            store.set(key, str(s.getsockname()[1]))
+    return int(store.get(key).decode())
+
+
 def _open_session(desc_json, text, fmt, name, device, checkpoint=None):
     """The Rust session on ``device`` and its binder; on CUDA also (torch's raw stream, a reader of the current
     one). ``checkpoint`` is ``(path, component)`` or ``None``."""
     if not isinstance(device, str):
         device = str(device)  # a torch.device
     index = _cuda_index(device)
-    ckpt = tuple(checkpoint) if checkpoint is not None else ()
+    path, component = tuple(checkpoint) if checkpoint is not None else (None, None)
+    port = _rendezvous_port(text, fmt)
     if index is None:
-        if _SIM_FAULTS is not None:
-            faults = ckpt if ckpt else (None, None)
-            session = _Session(desc_json, text, fmt, name, device, 0, 0, 0, 0, *faults, json.dumps(_SIM_FAULTS))
-        else:
-            session = _Session(desc_json, text, fmt, name, device, *((0, 0, 0, 0) + ckpt if ckpt else ()))
+        faults = json.dumps(_SIM_FAULTS) if _SIM_FAULTS is not None else None
+        session = _Session(desc_json, text, fmt, name, device, checkpoint=path, component=component,
+                           sim_faults=faults, rendezvous_port=port)
         return session, _SimBinder(session), None
     import torch
 
@@ -553,7 +583,8 @@ def _open_session(desc_json, text, fmt, name, device, checkpoint=None):
     probe = torch.empty(1, dtype=torch.uint8, device=dev)  # a torch allocation, for the shared-context check
     torch.cuda.empty_cache()  # device_budget = "auto" plans from the free memory, with torch's cache given back
     free, _total = torch.cuda.mem_get_info(index)
-    session = _Session(desc_json, text, fmt, name, device, index, stream, probe.data_ptr(), free, *ckpt)
+    session = _Session(desc_json, text, fmt, name, device, index, stream, probe.data_ptr(), free, checkpoint=path,
+                       component=component, rendezvous_port=port)
     del probe
     return session, _CudaBinder(session, dev), (stream, current)
 
