@@ -299,8 +299,8 @@ fn host_weight_runtime_rejections_name_the_fix() {
          directory, or set host_weight_runtime_mode = \"disabled\""
     );
     assert_eq!(
-        cfg_err(r#"{"host_weight_runtime_mode": "read_only"}"#),
-        "host_weight_runtime_mode: unknown host weight runtime mode \"read_only\"; choose \"disabled\", \"preferred\" \
+        cfg_err(r#"{"host_weight_runtime_mode": "automatic"}"#),
+        "host_weight_runtime_mode: unknown host weight runtime mode \"automatic\"; choose \"disabled\", \"preferred\" \
          or \"required\""
     );
     assert_eq!(
@@ -315,6 +315,41 @@ fn host_weight_runtime_rejections_name_the_fix() {
         "host_weight_runtime_mode: the Host Weight Runtime cannot be combined with diffusion_offload_config; set \
          host_weight_runtime_mode = \"disabled\" (or remove it)"
     );
+}
+
+#[test]
+fn host_weight_runtime_required_and_wait_timeout_are_accepted_when_they_change_nothing() {
+    let base = cfg("{}");
+    assert_eq!(cfg(r#"{"host_weight_runtime_required": false, "host_weight_runtime_wait_timeout_s": 17.5}"#), base);
+    assert_eq!(cfg(r#"{"host_weight_runtime_wait_timeout_s": null}"#), base);
+    assert_eq!(
+        cfg_err(r#"{"host_weight_runtime_required": true}"#),
+        "host_weight_runtime_required: weightferry has no Host Weight Runtime, so it cannot be required; set \
+         host_weight_runtime_required = false (or remove it)"
+    );
+    for bad in ["0", "-1.0"] {
+        assert_eq!(
+            cfg_err(&format!(r#"{{"host_weight_runtime_wait_timeout_s": {bad}}}"#)),
+            format!(
+                "host_weight_runtime_wait_timeout_s: must be finite and positive, found {bad}; it has no effect here \
+                 (no Host Weight Runtime)"
+            )
+        );
+    }
+    assert_eq!(
+        cfg_err(r#"{"host_weight_runtime_wait_timeout_s": "2m"}"#),
+        "host_weight_runtime_wait_timeout_s: expected a number of seconds, found the string \"2m\""
+    );
+    for old in ["read_only", "read_write"] {
+        assert_eq!(
+            cfg_err(&format!(r#"{{"host_weight_runtime_mode": "{old}", "host_weight_runtime_root": "/hwr"}}"#)),
+            format!(
+                "host_weight_runtime_mode: \"{old}\" is an earlier generation's mode (vLLM-Omni now takes \
+                 \"disabled\", \"preferred\" or \"required\"); weightferry has no Host Weight Runtime: set \
+                 host_weight_runtime_mode = \"disabled\" (host masters are built from the loaded weights)"
+            )
+        );
+    }
 }
 
 #[test]

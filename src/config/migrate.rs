@@ -18,6 +18,8 @@ pub(crate) const MIGRATED_KEYS: &[&str] = &[
     "dlo_encoder_resident_layers",
     "host_weight_runtime_mode",
     "host_weight_runtime_root",
+    "host_weight_runtime_required",
+    "host_weight_runtime_wait_timeout_s",
     "dlo_host_registration_limit_gib",
     "dlo_chunk_size_mb",
     "dlo_pin_budget_gb",
@@ -222,6 +224,17 @@ fn read_host_weight_runtime(top: &Table<'_>) -> Result<HostWeightRuntime, Config
             "disabled" => HostWeightRuntime::Disabled,
             "preferred" => HostWeightRuntime::Preferred,
             "required" => HostWeightRuntime::Required,
+            old @ ("read_only" | "read_write") => {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{} is an earlier generation's mode (vLLM-Omni now takes {choices}); weightferry has no Host \
+                         Weight Runtime: set host_weight_runtime_mode = \"disabled\" (host masters are built from the \
+                         loaded weights)",
+                        quote(old)
+                    ),
+                ))
+            }
             other => {
                 return Err(ConfigError::invalid(
                     key,
@@ -237,6 +250,26 @@ fn read_host_weight_runtime(top: &Table<'_>) -> Result<HostWeightRuntime, Config
         Some(Value::String(s)) => Some(s.as_str()),
         Some(other) => return Err(type_error(root_key, "a directory path (or null)", other)),
     };
+    let required_key = "host_weight_runtime_required";
+    if top.opt_bool(required_key)? == Some(true) {
+        return Err(ConfigError::invalid(
+            required_key,
+            "weightferry has no Host Weight Runtime, so it cannot be required; set host_weight_runtime_required = \
+             false (or remove it)",
+        ));
+    }
+    let timeout_key = "host_weight_runtime_wait_timeout_s";
+    match top.get(timeout_key) {
+        None | Some(Value::Null) => {}
+        Some(Value::Number(n)) if n.as_f64().is_some_and(|t| t.is_finite() && t > 0.0) => {}
+        Some(Value::Number(n)) => {
+            return Err(ConfigError::invalid(
+                timeout_key,
+                format!("must be finite and positive, found {n}; it has no effect here (no Host Weight Runtime)"),
+            ))
+        }
+        Some(other) => return Err(type_error(timeout_key, "a number of seconds", other)),
+    }
     if mode == HostWeightRuntime::Required {
         return Err(ConfigError::invalid(
             key,
