@@ -21,7 +21,7 @@ use weightferry::offload::layout::{align_up, ALIGN};
 use weightferry::offload::{get_offload_backend, OffloadError, StreamingBackend, WeightSource};
 use weightferry::plan::{PipelineDesc, StorageId};
 use weightferry_actors::platform::{Platform, PlatformRef, StreamId};
-use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
 
 use safetensors::Dtype as S;
 
@@ -63,6 +63,11 @@ fn tensor(dtype: S, shape: &[usize], seed: u64) -> T {
 /// A DiT of `BLOCKS` blocks: bf16 and f32 tensors of aligned sizes, plus, in `ODD_BLOCK`, a 12-byte f32 tensor that
 /// the file stores first among that block's f32 tensors.
 fn tensors(seed: u64) -> BTreeMap<String, T> {
+    tensors_with(seed, true)
+}
+
+/// [`tensors`], without the odd tensor when `odd` is false (every section then lies in the file as packed).
+fn tensors_with(seed: u64, odd: bool) -> BTreeMap<String, T> {
     let mut m = BTreeMap::new();
     let mut k = seed * 1000;
     let mut add = |name: String, dtype: S, shape: &[usize]| {
@@ -76,7 +81,7 @@ fn tensors(seed: u64) -> BTreeMap<String, T> {
         add(format!("transformer_blocks.{i}.attn.to_q.bias"), S::BF16, &[128]);
         add(format!("transformer_blocks.{i}.norm.weight"), S::F32, &[64]);
         add(format!("transformer_blocks.{i}.norm.bias"), S::F32, &[128]);
-        if i == ODD_BLOCK {
+        if odd && i == ODD_BLOCK {
             add(format!("transformer_blocks.{i}.a_odd"), S::F32, &[3]);
         }
     }
@@ -105,6 +110,7 @@ fn config(host_masters: &str) -> OffloadConfig {
 
 struct Fixture {
     path: PathBuf,
+    keys: Vec<String>,
     ck: Checkpoint,
     sim: Arc<SimPlatform>,
     platform: PlatformRef,
@@ -115,15 +121,21 @@ struct Fixture {
 }
 
 fn fixture(name: &str) -> Fixture {
+    fixture_with(name, FaultPlan::none(), true)
+}
+
+fn fixture_with(name: &str, faults: FaultPlan, odd: bool) -> Fixture {
     let path = dir(name).join("diffusion_pytorch_model.safetensors");
-    write(&path, &tensors(1));
+    let all = tensors_with(1, odd);
+    let keys = all.keys().cloned().collect();
+    write(&path, &all);
     let ck = Checkpoint::open(&path).unwrap();
     let desc = Arc::new(derive_pipeline(&ck, &DeriveOptions::default()).unwrap().desc);
-    let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
+    let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, faults, ..SimConfig::default() }).unwrap());
     let platform: PlatformRef = sim.clone();
     let compute = platform.create_stream("compute").unwrap();
     let model = HostModel::from_checkpoint(platform.clone(), desc.clone(), &ck, "transformer").unwrap();
-    Fixture { path, ck, sim, platform, compute, desc, model, hooks: HookRegistry::new() }
+    Fixture { path, keys, ck, sim, platform, compute, desc, model, hooks: HookRegistry::new() }
 }
 
 impl Fixture {
@@ -153,7 +165,7 @@ impl Fixture {
         for (i, b) in self.blocks().iter().enumerate() {
             self.hooks.pre_forward(b).unwrap();
             self.platform.stream_synchronize(self.compute).unwrap();
-            for key in block_keys(i) {
+            for key in block_keys(i).into_iter().filter(|k| self.keys.contains(k)) {
                 let (buf, off) = backend.locate(self.storage(&key)).unwrap();
                 let want = self.file_bytes(&key);
                 let mut got = vec![0u8; want.len()];
@@ -165,10 +177,10 @@ impl Fixture {
     }
     /// Every storage is homed in its file, with the file's bytes, and the process holds no host memory.
     fn assert_all_in_files(&self) {
-        for (k, _) in tensors(1) {
-            let s = self.storage(&k);
+        for k in &self.keys {
+            let s = self.storage(k);
             assert!(matches!(self.model.home(s), Some(Home::File { .. })), "{k}: {:?}", self.model.home(s));
-            assert_eq!(self.model.read_storage(s).unwrap(), self.file_bytes(&k), "{k}");
+            assert_eq!(self.model.read_storage(s).unwrap(), self.file_bytes(k), "{k}");
         }
         assert_eq!(self.model.loaded_bytes(), 0);
         let host = self.sim.host_memory();
@@ -397,5 +409,40 @@ fn each_rank_builds_its_shards_from_the_file_equal_to_the_reference_shards() {
         }
     }
     loaded.release();
+    f.assert_all_in_files();
+}
+
+#[test]
+fn a_file_the_platform_will_not_register_falls_back_to_pinned_masters_under_auto() {
+    let faults = FaultPlan { fail_register_host: true, ..FaultPlan::none() };
+    let mut f = fixture_with("no-register", faults.clone(), true);
+    let mut backend = f.backend("auto");
+    backend.enable(&mut f.model, &f.hooks, f.compute).unwrap();
+    let r = backend.report();
+    assert_eq!(r.mapped_host_bytes, 0);
+    assert_eq!(r.master_host_bytes, (0..BLOCKS).map(|i| sections(i).0 .0 + sections(i).1 .0).sum::<u64>());
+    f.pass_checking(&backend);
+    backend.disable(&mut f.model, &f.hooks).unwrap();
+    f.assert_all_in_files();
+
+    // Without the odd tensor every section can be served from the file, so `mapped` gets as far as registering it.
+    let mut f = fixture_with("no-register-strict", faults, false);
+    let mut backend = f.backend("mapped");
+    let e = backend.enable(&mut f.model, &f.hooks, f.compute).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "host_masters = \"mapped\": the platform cannot register the checkpoint file for device copies (driver \
+         error: injected failure registering host buffer 1); use host_masters = \"auto\" or \"pinned\""
+    );
+    assert!(!backend.is_enabled());
+    assert_eq!(f.sim.device_memory().in_use, 0);
+    f.assert_all_in_files();
+    // With a platform that registers, the same file is served entirely from itself.
+    let mut f = fixture_with("aligned", FaultPlan::none(), false);
+    let mut backend = f.backend("mapped");
+    backend.enable(&mut f.model, &f.hooks, f.compute).unwrap();
+    assert_eq!(backend.report().master_host_bytes, 0);
+    f.pass_checking(&backend);
+    backend.disable(&mut f.model, &f.hooks).unwrap();
     f.assert_all_in_files();
 }

@@ -405,7 +405,8 @@ impl StreamingBackend {
         compute: StreamId,
     ) -> Result<(), OffloadError> {
         let units = st.units.clone().unwrap_or_else(|| UnitPlan { hook_name: "", stacks: vec![], fixed: vec![] });
-        let served = self.plan_mapped(model, &units)?;
+        let mut served = self.plan_mapped(model, &units)?;
+        self.register_files(st, &mut served)?;
         let stream = StreamHandle::spawn(self.platform.clone(), "copy", StreamOptions::default())?;
         st.stream = Some(stream.clone());
         let ps = self.platform.create_stream("placement")?;
@@ -586,10 +587,44 @@ impl StreamingBackend {
             .collect()
     }
 
+    /// Registers every file a section is served from, once. With `host_masters = "auto"` a file the platform will
+    /// not register (a driver refusing to pin its pages) falls back to pinned masters for its sections, with a
+    /// warning; with `"mapped"` that is an error.
+    fn register_files(&self, st: &mut State, served: &mut [ServedSections]) -> Result<(), OffloadError> {
+        let files: std::collections::BTreeSet<HostBufferId> =
+            served.iter().flatten().flatten().flatten().map(|m| m.buf).collect();
+        for buf in files {
+            if st.registered.contains(&buf) {
+                continue;
+            }
+            match self.platform.register_host(buf) {
+                Ok(()) => {
+                    st.registered.insert(buf);
+                }
+                Err(e) if self.config.host_masters == HostMasters::Auto => {
+                    tracing::warn!("serving a checkpoint file's blocks from pinned masters instead: {e}");
+                    for m in served.iter_mut().flatten().flatten() {
+                        if m.is_some_and(|m| m.buf == buf) {
+                            *m = None;
+                        }
+                    }
+                }
+                Err(e) => {
+                    return Err(OffloadError::Unsupported(format!(
+                        "host_masters = \"mapped\": the platform cannot register the checkpoint file for device \
+                         copies ({e}); use host_masters = \"auto\" or \"pinned\""
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Builds the masters of a batch of units (in parallel: one thread per unit; each master is allocated and filled
     /// in place through a bounce buffer, see [`write_section`]), then moves their storages' homes into them, freeing
-    /// the loaded buffers. A section served from its file (`Some` in the batch's second half) gets no master: its
-    /// file is registered for device copies and the copy reads the file's range; its storages keep their file home.
+    /// the loaded buffers. A section served from its file (`Some` in the batch's second half; the file was
+    /// registered by [`register_files`](Self::register_files)) gets no master: the copy reads the file's range and
+    /// its storages keep their file home.
     /// `first_ui` is the index of the batch's first unit in its stack. Returns the units' flat copies.
     fn build_masters(
         &self,
@@ -601,11 +636,6 @@ impl StreamingBackend {
         first_ui: usize,
     ) -> Result<Vec<BlockSpec>, OffloadError> {
         let platform = &self.platform;
-        for m in served.iter().flatten().flatten() {
-            if st.registered.insert(m.buf) {
-                platform.register_host(m.buf)?;
-            }
-        }
         let shared: &HostModel = model;
         type Built = Result<Vec<Option<(HostBufferId, u64)>>, (OffloadError, Vec<HostBufferId>)>;
         let built: Vec<Built> = std::thread::scope(|scope| {

@@ -28,6 +28,9 @@ pub struct FaultPlan {
     /// The Nth `alloc_host` call fails with
     /// [`PlatformError::HostAllocFailed`](crate::platform::PlatformError::HostAllocFailed); nothing is allocated.
     pub fail_host_alloc: Option<u64>,
+    /// Every `register_host` call fails with [`PlatformError::Driver`](crate::platform::PlatformError::Driver), as
+    /// a driver refusing to pin a file's pages would.
+    pub fail_register_host: bool,
 }
 
 impl FaultPlan {

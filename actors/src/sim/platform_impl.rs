@@ -138,9 +138,13 @@ impl Platform for SimPlatform {
     }
 
     fn register_host(&self, buf: HostBufferId) -> PlatformResult<()> {
-        let b = self.shared().host.get(buf)?;
+        let shared = self.shared();
+        let b = shared.host.get(buf)?;
         if b.kind != HostMemoryKind::Mapped {
             return Err(PlatformError::InvalidHandle { what: "mapped host buffer", id: buf.0 });
+        }
+        if shared.config.faults.fail_register_host {
+            return Err(PlatformError::Driver(format!("injected failure registering host buffer {}", buf.0)));
         }
         b.registered.store(true, Ordering::Release);
         Ok(())
