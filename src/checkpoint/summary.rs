@@ -51,6 +51,45 @@ pub struct Summary {
     pub block_lists: Vec<BlockList>,
     /// Tensors outside every block list.
     pub outside_blocks: Count,
+    /// Per block list (same order): bytes of its blocks that `host_masters = "auto"` serves straight from the file
+    /// (sections whose tensors lie there back to back as packed: [`lies_as_packed`]); the rest get pinned masters.
+    pub served_from_file: Vec<u64>,
+}
+
+/// Whether a section's tensors, given as `(file, file offset, bytes)` sorted by file and offset, lie in one file
+/// exactly as a section packs them: each at the previous one's end rounded up to the device alignment. The rule
+/// the streaming backend applies to a unit's storages ([`crate::offload::mapped`]).
+pub fn lies_as_packed(ranges: &[(usize, u64, u64)]) -> bool {
+    let Some(&(file, start, _)) = ranges.first() else { return false };
+    let mut at = 0u64;
+    for &(f, off, len) in ranges {
+        if f != file || off.checked_sub(start) != Some(at) {
+            return false;
+        }
+        at = crate::plan::pipeline::align_up(at + len);
+    }
+    true
+}
+
+/// Bytes of `attr`'s blocks served straight from the file under `host_masters = "auto"`.
+fn served_bytes(ckpt: &Checkpoint, attr: &str) -> u64 {
+    let prefix = format!("{attr}.");
+    // (block number, dtype) -> (file, offset, bytes) of its tensors.
+    let mut sections: BTreeMap<(u64, &'static str), Vec<(usize, u64, u64)>> = BTreeMap::new();
+    for (fi, file) in ckpt.files().iter().enumerate() {
+        for t in file.tensors() {
+            let Some(rest) = t.name.strip_prefix(&prefix) else { continue };
+            let Some(n) = rest.split('.').next().and_then(|n| n.parse::<u64>().ok()) else { continue };
+            sections.entry((n, t.dtype.name())).or_default().push((fi, t.offset, t.len));
+        }
+    }
+    sections
+        .values_mut()
+        .filter_map(|ranges| {
+            ranges.sort_unstable();
+            lies_as_packed(ranges).then(|| ranges.iter().map(|r| r.2).sum::<u64>())
+        })
+        .sum()
 }
 
 impl Summary {
@@ -89,6 +128,7 @@ impl Summary {
                 tensors: ckpt.len() - in_blocks.tensors,
                 bytes: ckpt.tensor_bytes() - in_blocks.bytes,
             },
+            served_from_file: derived.block_lists.iter().map(|b| served_bytes(ckpt, &b.attr)).collect(),
         }
     }
 }
@@ -113,8 +153,16 @@ impl fmt::Display for Summary {
             writeln!(f, "block lists: none found (no `name.N.` key format); layerwise offload has nothing to stream")?;
         } else {
             writeln!(f, "block lists:")?;
-            for b in &self.block_lists {
-                writeln!(f, "  {}  {} blocks, {} tensors, {}", b.attr, b.blocks, b.tensors, human_bytes(b.bytes))?;
+            for (b, served) in self.block_lists.iter().zip(&self.served_from_file) {
+                writeln!(
+                    f,
+                    "  {}  {} blocks, {} tensors, {}; served from the file (host_masters = auto): {}",
+                    b.attr,
+                    b.blocks,
+                    b.tensors,
+                    human_bytes(b.bytes),
+                    human_bytes(*served)
+                )?;
             }
         }
         writeln!(
@@ -123,5 +171,23 @@ impl fmt::Display for Summary {
             self.outside_blocks.tensors,
             human_bytes(self.outside_blocks.bytes)
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lies_as_packed;
+
+    #[test]
+    fn a_section_lies_as_packed_only_back_to_back_in_one_file_at_aligned_offsets() {
+        assert!(!lies_as_packed(&[]));
+        assert!(lies_as_packed(&[(0, 100, 12)]));
+        assert!(lies_as_packed(&[(0, 100, 512), (0, 612, 256), (0, 868, 12)]));
+        // A 12-byte tensor first: the next one packs at 256, the file has it at 12.
+        assert!(!lies_as_packed(&[(0, 100, 12), (0, 112, 256)]));
+        // ... unless the file leaves the same padding.
+        assert!(lies_as_packed(&[(0, 100, 12), (0, 356, 256)]));
+        assert!(!lies_as_packed(&[(0, 100, 512), (1, 612, 256)]));
+        assert!(!lies_as_packed(&[(0, 100, 512), (0, 868, 256)]));
     }
 }

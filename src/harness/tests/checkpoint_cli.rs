@@ -146,6 +146,8 @@ fn inspect_json_reports_exact_figures() {
             {"attr": "single_transformer_blocks", "blocks": 3, "tensors": 6, "bytes": 3 * (2048 + 32)},
         ],
         "outside_blocks": {"tensors": 4, "bytes": 1024 + 32 + 12 + 7},
+        // Every block's sections lie in their file as packed (block 1 is split across the shards by dtype only).
+        "served_from_file": [2 * (2048 + 128), 3 * (2048 + 32)],
     });
     assert_eq!(v, expected);
     // Text names the same block lists.
@@ -153,8 +155,12 @@ fn inspect_json_reports_exact_figures() {
     let text = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(0));
     assert!(text.contains("component: dit (one DiT)"), "{text}");
-    assert!(text.contains("  transformer_blocks  2 blocks, 4 tensors, 4.25 KiB (4352 B)\n"), "{text}");
-    assert!(text.contains("  single_transformer_blocks  3 blocks, 6 tensors, 6.09 KiB (6240 B)\n"), "{text}");
+    let served = "; served from the file (host_masters = auto):";
+    let line = format!("  transformer_blocks  2 blocks, 4 tensors, 4.25 KiB (4352 B){served} 4.25 KiB (4352 B)\n");
+    assert!(text.contains(&line), "{text}");
+    let line =
+        format!("  single_transformer_blocks  3 blocks, 6 tensors, 6.09 KiB (6240 B){served} 6.09 KiB (6240 B)\n");
+    assert!(text.contains(&line), "{text}");
 }
 
 #[test]
