@@ -56,10 +56,13 @@ pub struct Summary {
     pub served_from_file: Vec<u64>,
 }
 
+/// A tensor's place: `(file index, file offset, bytes)`.
+pub type FileRange = (usize, u64, u64);
+
 /// Whether a section's tensors, given as `(file, file offset, bytes)` sorted by file and offset, lie in one file
 /// exactly as a section packs them: each at the previous one's end rounded up to the device alignment. The rule
 /// the streaming backend applies to a unit's storages ([`crate::offload::mapped`]).
-pub fn lies_as_packed(ranges: &[(usize, u64, u64)]) -> bool {
+pub fn lies_as_packed(ranges: &[FileRange]) -> bool {
     let Some(&(file, start, _)) = ranges.first() else { return false };
     let mut at = 0u64;
     for &(f, off, len) in ranges {
@@ -75,7 +78,7 @@ pub fn lies_as_packed(ranges: &[(usize, u64, u64)]) -> bool {
 fn served_bytes(ckpt: &Checkpoint, attr: &str) -> u64 {
     let prefix = format!("{attr}.");
     // (block number, dtype) -> (file, offset, bytes) of its tensors.
-    let mut sections: BTreeMap<(u64, &'static str), Vec<(usize, u64, u64)>> = BTreeMap::new();
+    let mut sections: BTreeMap<(u64, &'static str), Vec<FileRange>> = BTreeMap::new();
     for (fi, file) in ckpt.files().iter().enumerate() {
         for t in file.tensors() {
             let Some(rest) = t.name.strip_prefix(&prefix) else { continue };
