@@ -2,7 +2,8 @@
 its blocks gathered across the ranks on ``device="sim"``, run twice against its resident output, disabled, its
 weights compared; prints one ``RESULT`` JSON line. ``WF_TEST_FAULT=R:N`` makes rank R's AllGather call N fail;
 ``WF_TEST_TORCH_PG=1`` starts a torch.distributed (gloo) process group first; ``WF_TEST_TWICE=1`` enables twice;
-``WF_TEST_DEVICE=cuda`` runs on GPU ``LOCAL_RANK`` (NCCL AllGathers)."""
+``WF_TEST_DEVICE=cuda`` runs on GPU ``LOCAL_RANK`` (NCCL AllGathers); ``WF_TEST_CHECKPOINT=PATH`` binds a meta module
+from that safetensors file instead."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import forward, inputs, reference, weights  # noqa: E402
+from test_checkpoint import forward, inputs, on_meta, reference, weights  # noqa: E402
 
 import weightferry as wf  # noqa: E402
 
@@ -40,10 +41,15 @@ else:
     x = {k: v.cuda() for k, v in x.items()}
     expected = forward(copy.deepcopy(m).cuda(), x)
 before = weights(m)
+extra = {}
+if os.environ.get("WF_TEST_CHECKPOINT"):
+    # Every rank binds a meta module from the same file and reads only its own shards of it.
+    m = on_meta()
+    extra["checkpoint"] = os.environ["WF_TEST_CHECKPOINT"]
 res = {"rank": rank}
 h = None
 try:
-    h = wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda")
+    h = wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda", **extra)
     res["group"] = h.stats()["group"]
     res["exact"] = [bool(torch.equal(forward(m, x), expected)) for _ in range(2)]
     h.disable()

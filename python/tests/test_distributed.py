@@ -4,7 +4,8 @@ gathered across the group on ``device="sim"``. For 2 and 4 ranks every rank's ou
 each rank holds 1/N of the streamed bytes as shards, and ``disable()`` gives back the released weights bit-identical.
 A rank whose AllGather fails poisons the group: every rank raises ``OffloadError`` (no hang), and ``disable()`` says
 the released weights are lost. Inside a torch.distributed process group (which holds ``MASTER_PORT``) the ranks
-agree on weightferry's rendezvous port through torch's store, once per enable. A config whose group is not the
+agree on weightferry's rendezvous port through torch's store, once per enable. Ranks enabling a meta module from
+one checkpoint build their shards from the file and release nothing. A config whose group is not the
 launch's world is refused before any rank waits. With 2 GPUs (skipped otherwise) the same runs on CUDA, the
 AllGathers through NCCL bootstrapped over weightferry's rendezvous."""
 
@@ -55,6 +56,21 @@ def test_every_rank_is_bit_exact_holds_its_shards_and_gets_its_weights_back(worl
         assert (g["rank"], g["world"], g["released_bytes"]) == (r["rank"], world, released)
         # One N-th of the streamed bytes per rank (each section padded to N equal shards of 256-byte multiples).
         assert released <= world * g["shard_host_bytes"] < released + 256 * world * g["released_storages"]
+
+
+def test_every_rank_reads_its_shards_from_one_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+    from test_checkpoint import reference, weights
+
+    path = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in weights(reference()).items()}, str(path))
+    results = launch(2, WF_TEST_CHECKPOINT=str(path))
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["exact"] == [True, True] and r["weights"] is True
+        # The weights stay in the file: nothing is released to the group, so nothing is gathered back.
+        assert (r["group"]["released_bytes"], r["group"]["released_storages"]) == (0, 0)
+        assert r["group"]["shard_host_bytes"] > 0
 
 
 def test_inside_a_torch_process_group_the_ranks_meet_through_its_store():
