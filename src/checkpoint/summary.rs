@@ -3,6 +3,7 @@
 
 use super::describe::{BlockList, Derived};
 use super::Checkpoint;
+use crate::offload::mapped::{first_misplaced, FileRange};
 use crate::plan::report::human_bytes;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -52,26 +53,8 @@ pub struct Summary {
     /// Tensors outside every block list.
     pub outside_blocks: Count,
     /// Per block list (same order): bytes of its blocks that `host_masters = "auto"` serves straight from the file
-    /// (sections whose tensors lie there back to back as packed: [`lies_as_packed`]); the rest get pinned masters.
+    /// (sections whose tensors lie there as packed: [`first_misplaced`]); the rest get pinned masters.
     pub served_from_file: Vec<u64>,
-}
-
-/// A tensor's place: `(file index, file offset, bytes)`.
-pub type FileRange = (usize, u64, u64);
-
-/// Whether a section's tensors, given as `(file, file offset, bytes)` sorted by file and offset, lie in one file
-/// exactly as a section packs them: each at the previous one's end rounded up to the device alignment. The rule
-/// the streaming backend applies to a unit's storages ([`crate::offload::mapped`]).
-pub fn lies_as_packed(ranges: &[FileRange]) -> bool {
-    let Some(&(file, start, _)) = ranges.first() else { return false };
-    let mut at = 0u64;
-    for &(f, off, len) in ranges {
-        if f != file || off.checked_sub(start) != Some(at) {
-            return false;
-        }
-        at = crate::plan::pipeline::align_up(at + len);
-    }
-    true
 }
 
 /// Bytes of `attr`'s blocks served straight from the file under `host_masters = "auto"`.
@@ -83,14 +66,14 @@ fn served_bytes(ckpt: &Checkpoint, attr: &str) -> u64 {
         for t in file.tensors() {
             let Some(rest) = t.name.strip_prefix(&prefix) else { continue };
             let Some(n) = rest.split('.').next().and_then(|n| n.parse::<u64>().ok()) else { continue };
-            sections.entry((n, t.dtype.name())).or_default().push((fi, t.offset, t.len));
+            sections.entry((n, t.dtype.name())).or_default().push((fi as u64, t.offset, t.len));
         }
     }
     sections
         .values_mut()
         .filter_map(|ranges| {
             ranges.sort_unstable();
-            lies_as_packed(ranges).then(|| ranges.iter().map(|r| r.2).sum::<u64>())
+            first_misplaced(ranges).is_none().then(|| ranges.iter().map(|r| r.2).sum::<u64>())
         })
         .sum()
 }
@@ -174,23 +157,5 @@ impl fmt::Display for Summary {
             self.outside_blocks.tensors,
             human_bytes(self.outside_blocks.bytes)
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::lies_as_packed;
-
-    #[test]
-    fn a_section_lies_as_packed_only_back_to_back_in_one_file_at_aligned_offsets() {
-        assert!(!lies_as_packed(&[]));
-        assert!(lies_as_packed(&[(0, 100, 12)]));
-        assert!(lies_as_packed(&[(0, 100, 512), (0, 612, 256), (0, 868, 12)]));
-        // A 12-byte tensor first: the next one packs at 256, the file has it at 12.
-        assert!(!lies_as_packed(&[(0, 100, 12), (0, 112, 256)]));
-        // ... unless the file leaves the same padding.
-        assert!(lies_as_packed(&[(0, 100, 12), (0, 356, 256)]));
-        assert!(!lies_as_packed(&[(0, 100, 512), (1, 612, 256)]));
-        assert!(!lies_as_packed(&[(0, 100, 512), (0, 868, 256)]));
     }
 }

@@ -8,7 +8,7 @@
 //! contiguously with sizes that keep the device alignment. Packing is order-independent in size (every storage takes
 //! its aligned size), so reordering never changes a plan's device bytes.
 
-use super::layout::{Section, UnitLayout};
+use super::layout::{align_up, Section, UnitLayout};
 use crate::config::HostMasters;
 use crate::model::{Home, HostModel};
 use crate::plan::PipelineDesc;
@@ -38,29 +38,47 @@ pub fn order_by_files(p: &PipelineDesc, model: &HostModel, units: &mut [UnitLayo
     }
 }
 
+/// A tensor's place in a checkpoint: `(file, file offset, bytes)`.
+pub type FileRange = (u64, u64, u64);
+
+/// The rule: tensors given in section order (sorted by file and offset) can be one file range exactly when each lies
+/// in the first one's file at the previous one's end rounded up to the device alignment, which is where the section
+/// packs it. Returns the index of the first tensor that does not, `None` when all do.
+pub fn first_misplaced(ranges: &[FileRange]) -> Option<usize> {
+    let &(file, start, _) = ranges.first()?;
+    let mut at = 0u64;
+    for (i, &(f, off, len)) in ranges.iter().enumerate() {
+        if f != file || off.checked_sub(start) != Some(at) {
+            return Some(i);
+        }
+        at = align_up(at + len);
+    }
+    None
+}
+
 /// Whether `sec` can be served from its file, and from where; otherwise why not (a sentence naming a storage).
 pub fn mapped_section(model: &HostModel, sec: &Section) -> Result<MappedSection, String> {
-    let mut first: Option<(HostBufferId, u64)> = None;
-    let mut used = 0u64;
-    for &(s, off) in &sec.storages {
+    let mut ranges = Vec::with_capacity(sec.storages.len());
+    for &(s, _) in &sec.storages {
         let Some(Home::File { buf, offset }) = model.home(s) else {
             return Err(format!("storage {} is not read from a checkpoint file", s.0));
         };
-        let (fbuf, start) = *first.get_or_insert((buf, offset.wrapping_sub(off)));
-        if fbuf != buf {
-            return Err(format!("storage {} lies in another file than the section's first tensor", s.0));
-        }
-        if offset.checked_sub(off) != Some(start) {
-            return Err(format!(
-                "storage {} is not where the packed section needs it (its tensors are not contiguous in the file, \
-                 or a tensor's size is not a multiple of the device alignment)",
-                s.0
-            ));
-        }
-        used = off + model.storage_bytes(s);
+        ranges.push((buf.0, offset, model.storage_bytes(s)));
     }
-    let (buf, offset) = first.ok_or_else(|| "the section is empty".to_string())?;
-    Ok(MappedSection { buf, offset, len: used })
+    let (&(file, start, _), &(_, last_at, last_len)) =
+        ranges.first().zip(ranges.last()).ok_or("the section is empty")?;
+    if let Some(i) = first_misplaced(&ranges) {
+        let s = sec.storages[i].0 .0;
+        return Err(if ranges[i].0 != file {
+            format!("storage {s} lies in another file than the section's first tensor")
+        } else {
+            format!(
+                "storage {s} is not where the packed section needs it (its tensors are not contiguous in the file, \
+                 or a tensor's size is not a multiple of the device alignment)"
+            )
+        });
+    }
+    Ok(MappedSection { buf: HostBufferId(file), offset: start, len: last_at - start + last_len })
 }
 
 /// How each section of each unit is served: `Some` where from its file.
@@ -87,4 +105,22 @@ pub fn plan_sections(model: &HostModel, units: &[UnitLayout], mode: HostMasters)
                 .collect()
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_misplaced;
+
+    #[test]
+    fn tensors_lie_as_packed_only_back_to_back_in_one_file_at_aligned_offsets() {
+        assert_eq!(first_misplaced(&[]), None);
+        assert_eq!(first_misplaced(&[(0, 100, 12)]), None);
+        assert_eq!(first_misplaced(&[(0, 100, 512), (0, 612, 256), (0, 868, 12)]), None);
+        // A 12-byte tensor first: the next one packs at 256, the file has it at 12 ...
+        assert_eq!(first_misplaced(&[(0, 100, 12), (0, 112, 256)]), Some(1));
+        // ... unless the file leaves the same padding.
+        assert_eq!(first_misplaced(&[(0, 100, 12), (0, 356, 256)]), None);
+        assert_eq!(first_misplaced(&[(0, 100, 512), (1, 612, 256)]), Some(1));
+        assert_eq!(first_misplaced(&[(0, 100, 512), (0, 612, 256), (0, 1000, 8)]), Some(2));
+    }
 }
