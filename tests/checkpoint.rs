@@ -17,58 +17,13 @@ use weightferry::plan::{resolve_offload_plan, DType, StorageId};
 use weightferry_actors::platform::PlatformRef;
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
-/// A tensor to serialize.
-struct T {
-    dtype: safetensors::Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-impl safetensors::View for &T {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
-fn size(d: safetensors::Dtype) -> usize {
-    d.bitsize() / 8
-}
-
-/// A tensor of `dtype` and `shape` with bytes from `seed`.
-fn t(dtype: safetensors::Dtype, shape: &[usize], seed: u64) -> T {
-    let n = shape.iter().product::<usize>() * size(dtype);
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let data = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect();
-    T { dtype, shape: shape.to_vec(), data }
-}
+#[path = "support/safetensors.rs"]
+mod st;
+use st::{t, write, T};
 
 /// A fresh empty folder for one test.
 fn dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("checkpoint-{name}"));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn write(path: &Path, tensors: &BTreeMap<String, T>) {
-    let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.clone(), v)), None).unwrap();
-    std::fs::write(path, bytes).unwrap();
+    st::fresh_dir("checkpoint", name)
 }
 
 /// A file from a header's JSON text and its data bytes (header length as given).

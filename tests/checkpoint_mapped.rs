@@ -11,7 +11,7 @@
 //! and 4 (chunked too).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use weightferry::checkpoint::{derive_pipeline, Checkpoint, DeriveOptions};
 use weightferry::config::OffloadConfig;
@@ -25,40 +25,13 @@ use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
 
 use safetensors::Dtype as S;
 
-struct T(S, Vec<usize>, Vec<u8>);
-
-impl safetensors::View for &T {
-    fn dtype(&self) -> S {
-        self.0
-    }
-    fn shape(&self) -> &[usize] {
-        &self.1
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.2)
-    }
-    fn data_len(&self) -> usize {
-        self.2.len()
-    }
-}
+#[path = "support/safetensors.rs"]
+mod st;
+use st::{write, T};
 
 const BLOCKS: usize = 4;
 /// The block whose f32 tensors cannot be one file range (a 12-byte tensor first breaks the alignment).
 const ODD_BLOCK: usize = 1;
-
-fn tensor(dtype: S, shape: &[usize], seed: u64) -> T {
-    let n = shape.iter().product::<usize>() * dtype.bitsize() / 8;
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let data = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect();
-    T(dtype, shape.to_vec(), data)
-}
 
 /// A DiT of `BLOCKS` blocks: bf16 and f32 tensors of aligned sizes, plus, in `ODD_BLOCK`, a 12-byte f32 tensor that
 /// the file stores first among that block's f32 tensors.
@@ -72,7 +45,7 @@ fn tensors_with(seed: u64, odd: bool) -> BTreeMap<String, T> {
     let mut k = seed * 1000;
     let mut add = |name: String, dtype: S, shape: &[usize]| {
         k += 1;
-        m.insert(name, tensor(dtype, shape, k));
+        m.insert(name, st::t(dtype, shape, k));
     };
     add("x_embedder.weight".into(), S::BF16, &[16, 8]);
     add("proj_out.weight".into(), S::F32, &[3, 5]);
@@ -88,16 +61,8 @@ fn tensors_with(seed: u64, odd: bool) -> BTreeMap<String, T> {
     m
 }
 
-fn write(path: &Path, tensors: &BTreeMap<String, T>) {
-    let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.clone(), v)), None).unwrap();
-    std::fs::write(path, bytes).unwrap();
-}
-
 fn dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("mapped-{name}"));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    st::fresh_dir("mapped", name)
 }
 
 fn config(host_masters: &str) -> OffloadConfig {
