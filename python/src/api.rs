@@ -701,18 +701,15 @@ mod tests {
         assert_eq!(config_strategy("{}", "json"), Ok("none"));
     }
 
-    /// A session on [`PIPELINE`] whose every storage holds `fill(id)` bytes.
+    /// A session on [`PIPELINE`] on the simulated device, its storages still zero.
+    fn sim_session(config: &str) -> Session {
+        let options = SessionOptions::default();
+        Session::new(PIPELINE, config, "json", "p", DeviceSpec::Sim, TorchCuda::default(), options).unwrap()
+    }
+
+    /// A session on [`PIPELINE`] whose every storage holds `id + 1` in every byte.
     fn session(config: &str) -> Session {
-        let mut s = Session::new(
-            PIPELINE,
-            config,
-            "json",
-            "p",
-            DeviceSpec::Sim,
-            TorchCuda::default(),
-            SessionOptions::default(),
-        )
-        .unwrap();
+        let mut s = sim_session(config);
         for (id, len, _) in s.storages() {
             s.write_storage(id, &vec![id as u8 + 1; len as usize]).unwrap();
         }
@@ -760,16 +757,7 @@ mod tests {
     #[test]
     fn a_session_refuses_bad_input_before_anything_moves() {
         let layer = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
-        let mut s = Session::new(
-            PIPELINE,
-            layer,
-            "json",
-            "p",
-            DeviceSpec::Sim,
-            TorchCuda::default(),
-            SessionOptions::default(),
-        )
-        .unwrap();
+        let mut s = sim_session(layer);
         s.write_storage(0, &[1; 256]).unwrap();
         assert_eq!(
             s.enable(),
