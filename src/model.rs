@@ -520,13 +520,10 @@ impl HostModel {
     /// loaded and the platform's error is returned.
     pub fn release_to_shards(&mut self, id: StorageId) -> Result<(), ModelError> {
         let prev = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
-        match prev {
-            Home::Loaded { buf } => self.platform.free_host(buf)?,
-            Home::File { .. } => {}
-            Home::Master { .. } | Home::Sharded => {
-                return Err(ModelError::WrongHome { storage: id.0, expected: "loaded", found: prev.name() })
-            }
-        }
+        let Home::Loaded { buf } = prev else {
+            return Err(ModelError::WrongHome { storage: id.0, expected: "loaded", found: prev.name() });
+        };
+        self.platform.free_host(buf)?;
         self.homes.insert(id, Home::Sharded);
         Ok(())
     }
