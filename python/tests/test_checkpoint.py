@@ -217,3 +217,30 @@ def test_blocks_served_from_the_file_cost_the_process_no_copy(tmp_path, host_mas
         assert r["masters"] == 0 and r["grew"] < 0.3 * weight_bytes, (r, weight_bytes)
     else:
         assert r["masters"] > 0.95 * weight_bytes and r["grew"] > 0.9 * weight_bytes, (r, weight_bytes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("host_masters", ["auto", "mapped", "pinned"])
+def test_on_cuda_blocks_copy_from_the_registered_file(tmp_path, host_masters):
+    # The CUDA path of mapped masters: the file's mapping is registered read-only with the driver and the blocks are
+    # copied from it; the outputs equal the same module resident on the GPU, bit for bit.
+    config = dict(CONFIG, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
+    torch.manual_seed(0)
+    ref = diffusers.FluxTransformer2DModel(**config).to(BF16).eval()
+    state = weights(ref)
+    path = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    cuda = torch.device("cuda", 0)
+    x = {k: v.to(cuda) for k, v in inputs().items()}
+    expected = forward(ref.to(cuda), x).cpu()
+    with torch.device("meta"):
+        m = diffusers.FluxTransformer2DModel(**config).to(BF16).eval()
+    cfg = json.loads(json.dumps(LAYER))
+    cfg["diffusion_offload_config"]["host_masters"] = host_masters
+    with wf.enable({"transformer": m}, cfg, device="cuda", checkpoint=path) as h:
+        s = h.stats()
+        assert (s["mapped_host_bytes"] > 0) == (host_masters != "pinned"), s
+        for _ in range(3):
+            assert torch.equal(forward(m, x).cpu(), expected)
+    for k, v in state.items():
+        assert torch.equal(m.state_dict()[k].cpu(), v), k

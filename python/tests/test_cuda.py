@@ -168,3 +168,35 @@ def test_a_meta_transformer_from_a_checkpoint_runs_on_cuda(tmp_path):
     with wf.enable({"transformer": m}, LAYER, device="cuda", checkpoint=tmp_path / "t.safetensors"):
         for _ in range(2):
             assert torch.equal(forward(m, x).cpu(), expected)
+
+
+def test_inductor_compiles_the_offloaded_transformer_bit_exact_to_the_same_graphs_resident():
+    # torch.compile's default backend (inductor, Triton kernels) on an offloaded diffusers transformer. The hooks
+    # break the graph at every block; the reference is the same module resident with no-op hooks that break it at
+    # the same places, so both run the same generated kernels and must agree bit for bit. A second pass compiles
+    # nothing new although every streamed block's tensors were rebound to other device bytes.
+    pytest.importorskip("diffusers")
+    import copy
+
+    import torch._dynamo as dynamo
+    from test_checkpoint import LAYER, forward, inputs, reference
+
+    model = reference()
+    x = {k: v.to(CUDA) for k, v in inputs().items()}
+    ref = copy.deepcopy(model).to(CUDA)
+    noop = torch.compiler.disable(lambda *a: None)
+    for block in [*ref.transformer_blocks, *ref.single_transformer_blocks]:
+        block.register_forward_pre_hook(noop)
+        block.register_forward_hook(noop)
+    dynamo.reset()
+    expected = forward(torch.compile(ref), x).cpu()
+    del ref
+    dynamo.reset()
+    with wf.enable({"transformer": model}, LAYER, device="cuda"):
+        compiled = torch.compile(model)
+        assert torch.equal(forward(compiled, x).cpu(), expected)
+        graphs = dynamo.utils.counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            assert torch.equal(forward(compiled, x).cpu(), expected)
+        assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    dynamo.reset()
