@@ -6,7 +6,8 @@ by diffusers' group offloading, on one GPU, each variant in its own process (so 
 
 Variants: ``resident`` (the model on the GPU: the compute term of the bound, and the reference output);
 ``wf_dK`` (weightferry, every block streamed at prefetch depth K); ``wf_bP`` (weightferry under a device budget of
-P% of the weight bytes, the planner keeping blocks resident); ``group`` / ``group_record`` (diffusers
+P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps every block resident through the
+hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
 ``record_stream``). Each prints one JSON line; the parent prints a table last: step time, the ratio to the bound
 ``max(resident step, streamed bytes per step / pinned H2D)`` (both measured in this call), host RSS after enable
@@ -18,7 +19,7 @@ the transformer from a safetensors file of its full size, written once per call 
 random weights (so their output is compared with the resident one too): the module is built on ``meta`` and
 ``weightferry.enable(..., checkpoint=PATH)`` binds it, so the weights never pass through torch. They report the
 time from the start of ``enable`` to the end of the first step, host RSS split into anonymous memory (what the
-process owns: pinned masters among it) and file pages (the mapping), the bytes served from the file and the pinned
+process owns; pinned masters count in neither) and file pages (the mapping), the bytes served from the file and the pinned
 master bytes, beside the time to read the file once (page cache as the write left it).
 
 Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames).

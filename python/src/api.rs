@@ -537,14 +537,19 @@ impl Session {
     /// stream, so the block's bytes are in device memory when this returns; on CUDA nothing waits on the host:
     /// torch's stream was ordered behind the copies, so kernels torch launches next read landed bytes. `None` for
     /// a module whose weights no hook places.
-    pub fn pre_forward(&self, module: &str) -> Result<Option<ResidencyParts>, CoreError> {
+    /// The storages' offsets are listed only `with_offsets` (else empty): they change only at a retune, so a
+    /// caller asks once per module and keeps them, and the per-forward call converts two integers.
+    pub fn pre_forward(&self, module: &str, with_offsets: bool) -> Result<Option<ResidencyParts>, CoreError> {
         let residency = self.hooks.pre_forward(module).map_err(offload_err)?;
         if let Some(sim) = self.device.sim() {
             sim.stream_synchronize(self.compute).map_err(offload_err)?;
         }
         Ok(residency.map(|r| {
-            let mut offsets: Vec<(u64, u64)> = r.offsets.iter().map(|(s, &o)| (s.0, o)).collect();
-            offsets.sort_unstable();
+            let mut offsets: Vec<(u64, u64)> = Vec::new();
+            if with_offsets {
+                offsets.extend(r.offsets.iter().map(|(s, &o)| (s.0, o)));
+                offsets.sort_unstable();
+            }
             (r.buffer.0, r.base, offsets)
         }))
     }
@@ -732,14 +737,17 @@ mod tests {
         assert_eq!(s.hooked_modules(), blocks);
         for _step in 0..2 {
             for (i, block) in blocks.iter().enumerate() {
-                let (buf, base, offsets) = s.pre_forward(block).unwrap().unwrap();
+                let (buf, base, offsets) = s.pre_forward(block, true).unwrap().unwrap();
                 assert_eq!(offsets, [(i as u64, 0)]);
+                s.post_forward(block).unwrap();
+                let (again, at, none) = s.pre_forward(block, false).unwrap().unwrap();
+                assert_eq!((again, at, none), (buf, base, vec![]));
                 assert_eq!(s.read_device(buf, base, 256).unwrap(), vec![i as u8 + 1; 256]);
                 assert_eq!(s.locate(i as u64), Ok((buf, base)));
                 s.post_forward(block).unwrap();
             }
         }
-        assert_eq!(s.pre_forward("transformer").unwrap(), None);
+        assert_eq!(s.pre_forward("transformer", true).unwrap(), None);
         assert_eq!(s.hazard_violations(), Vec::<String>::new());
         let report: serde_json::Value = serde_json::from_str(&s.report_json().unwrap()).unwrap();
         assert_eq!((report["strategy"].as_str(), report["enabled"].as_bool()), (Some("layer"), Some(true)));

@@ -217,9 +217,10 @@ impl PySession {
     }
 
     /// Runs the module's pre-forward hooks and waits until its bytes are on the device: `None`, or
-    /// `(buffer, base, [(storage id, offset in the block)])`.
-    fn pre_forward(&self, py: Python<'_>, module: &str) -> PyResult<Option<ResidencyParts>> {
-        self.run(py, "Session.pre_forward", |s| s.pre_forward(module))
+    /// `(buffer, base, [(storage id, offset in the block)])`, the list empty unless `with_offsets`.
+    #[pyo3(signature = (module, with_offsets = true))]
+    fn pre_forward(&self, py: Python<'_>, module: &str, with_offsets: bool) -> PyResult<Option<ResidencyParts>> {
+        self.run(py, "Session.pre_forward", |s| s.pre_forward(module, with_offsets))
     }
 
     /// Runs the module's post-forward hooks.

@@ -571,3 +571,24 @@ def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_
     with wf.enable(p, config):
         assert_outputs_equal(run(p), expected)
     assert snapshot(p) == before
+
+
+def test_the_cuda_binder_moves_a_tensor_between_slots_from_views_made_once():
+    # The CUDA binder's rebinding on CPU storages (its `_storage` pointed at two CPU buffers standing in for two
+    # slots): applying a rebinding makes the parameter object (kept, with its requires_grad) view its bytes in that
+    # slot, and a rebinding made once is applied again later without being rebuilt.
+    binder = wf_enable._CudaBinder(None, torch.device("cpu"))
+    slots = {b: torch.arange(256, dtype=torch.uint8).add_(b).untyped_storage() for b in (1, 2)}
+    binder._storage = slots.__getitem__
+    p = nn.Parameter(torch.zeros(2, 3, dtype=BF16))
+    tied = p.detach().view(6)  # another tensor object over the same storage
+    views = [wf_enable._View(p, "m.weight"), wf_enable._View(tied, "m.tied", like=tied)]
+    at = {b: binder.rebinding([(views, b, 64)]) for b in (1, 2)}
+    for b in (1, 2, 1):
+        binder.apply(at[b])
+        want = torch.empty(0, dtype=BF16).set_(slots[b], 32, (2, 3), (3, 1))
+        assert torch.equal(p.detach(), want) and p.requires_grad and isinstance(p, nn.Parameter)
+        assert p.data_ptr() == tied.data_ptr() == want.data_ptr()
+        assert tied.shape == (6,)
+    with pytest.raises(wf.OffloadError, match=r"^internal error: tensor 'm\.weight' would start at byte 65 "):
+        binder.rebinding([(views, 1, 65)])

@@ -9,8 +9,9 @@ Two devices, one binder each:
 
 - ``"cuda"`` / ``"cuda:N"`` (:class:`_CudaBinder`): torch views weightferry's device buffers in place
   (``__cuda_array_interface__``, one torch storage per buffer, made once). A tensor is bound with ``set_`` to its
-  bytes in a buffer; a streamed block is rebound only when its slot changed since its last forward, so a steady
-  pipeline does no tensor surgery per step. The hooks never wait on the host: Rust orders torch's current stream
+  bytes in a buffer; a streamed block is rebound only when its slot changed since its last forward (a steady
+  pipeline whose streamed blocks divide among the slots does no tensor surgery per step), and then with one
+  ``set_`` per tensor from views made the first time the block landed in that slot. The hooks never wait on the host: Rust orders torch's current stream
   behind the copies and records the block's reads on it. Between its forwards a streamed tensor still views its
   last slot, whose bytes may already belong to another block: read weights through the handle, not the modules.
 - ``"sim"`` (:class:`_SimBinder`, the simulated device: device buffers in host memory, compute on the CPU): a tensor
@@ -154,6 +155,9 @@ class _CudaBinder:
         self._session = session
         self.device = self._device = device
         self._storages = {}  # buffer id -> torch UntypedStorage viewing it
+        import torch
+
+        self._no_grad = torch.no_grad
 
     def _storage(self, buffer):
         import torch
@@ -168,11 +172,16 @@ class _CudaBinder:
             self._storages[buffer] = st
         return st
 
-    def bind(self, views, nbytes, buffer, offset):
+    def rebinding(self, items):
+        """What binding tensors to device bytes takes, built once and applied by :meth:`apply` as often as the bytes
+        are there: ``items`` are ``(views, buffer, offset)`` (a storage's tensors and where its bytes are); the result
+        pairs each tensor with a tensor viewing its bytes, so applying it is one ``set_`` per tensor with no
+        geometry to convert (a streamed block lands in one of a few slots: the hooks keep one per slot)."""
         import torch
 
-        st = self._storage(buffer)
-        with torch.no_grad():
+        pairs = []
+        for views, buffer, offset in items:
+            st = self._storage(buffer)
             for view in views:
                 item = view.dtype.itemsize
                 if offset % item:
@@ -183,7 +192,19 @@ class _CudaBinder:
                 t = view.tensor
                 if t.device != self._device:
                     _bind(view, _placeholder(view, self._device))
-                t.set_(st, offset // item + view.offset, view.shape, view.strides)
+                src = torch.empty(0, dtype=view.dtype, device=self._device)
+                src.set_(st, offset // item + view.offset, view.shape, view.strides)
+                pairs.append((t, src))
+        return pairs
+
+    def apply(self, pairs):
+        """Binds each tensor of a :meth:`rebinding` to its bytes."""
+        with self._no_grad():
+            for t, src in pairs:
+                t.set_(src)
+
+    def bind(self, views, nbytes, buffer, offset):
+        self.apply(self.rebinding([(views, buffer, offset)]))
 
     def unbind(self, views):
         pass
@@ -251,6 +272,8 @@ class Handle:
         # On CUDA: (torch's raw stream at enable, a reader of the current one); the hooks refuse another stream.
         self._stream = stream
         self._slot_of = {}  # unit module path -> (buffer, base) its tensors view now
+        self._offsets = {}  # unit module path -> [(storage id, offset in its block)], asked once per enable/retune
+        self._rebindings = {}  # (unit module path, buffer, base) -> the binder's rebinding of its tensors there
         self._clock = _HookClock()
         self._config = None  # the config dict given to enable (or the last retune), for retune's keyword edits
         self._broken = None  # why the hooks refuse to run (a retune that failed half-way), else None
@@ -288,15 +311,27 @@ class Handle:
                     raise _core.OffloadError(self._broken)
                 if self._stream is not None:
                     self._check_stream()
-                residency = self._session.pre_forward(path)
+                offsets = self._offsets.get(path)
+                residency = self._session.pre_forward(path, offsets is None)
                 self._entered.add(path)
                 if residency is not None:
-                    buffer, base, offsets = residency
-                    if not self._binder.unbinds_after_forward and self._slot_of.get(path) == (buffer, base):
-                        return None  # its tensors still view this slot: nothing to rebind
-                    for sid, off in offsets:
-                        self._bind_from_device(sid, buffer, base + off)
-                    self._slot_of[path] = (buffer, base)
+                    buffer, base, listed = residency
+                    if offsets is None:
+                        offsets = self._offsets[path] = listed
+                    if self._binder.unbinds_after_forward:
+                        for sid, off in offsets:
+                            self._bind_from_device(sid, buffer, base + off)
+                    elif self._slot_of.get(path) != (buffer, base):
+                        # The block landed in another slot than at its last forward: its tensors move there.
+                        key = (path, buffer, base)
+                        pairs = self._rebindings.get(key)
+                        if pairs is None:
+                            views = self._views
+                            pairs = self._rebindings[key] = self._binder.rebinding(
+                                [(views[sid], buffer, base + off) for sid, off in offsets]
+                            )
+                        self._binder.apply(pairs)
+                        self._slot_of[path] = (buffer, base)
                 return None
             finally:
                 clock.record(time.perf_counter_ns() - start)
@@ -313,7 +348,6 @@ class Handle:
             try:
                 self._entered.discard(path)
                 if self._binder.unbinds_after_forward:
-                    self._slot_of.pop(path, None)
                     for sid in self._streamed_by.get(path, ()):
                         self._binder.unbind(self._views[sid])
                 self._session.post_forward(path)
@@ -346,7 +380,13 @@ class Handle:
         while self._torch_hooks:
             self._torch_hooks.pop().remove()
         self._entered.clear()
+        self._forget_slots()
+
+    def _forget_slots(self):
+        """Drops what the hooks know of the slots (new slots after a retune, none after disable)."""
         self._slot_of.clear()
+        self._offsets.clear()
+        self._rebindings.clear()
 
     def _mark(self, on):
         for views in self._views.values():
@@ -468,7 +508,7 @@ class Handle:
                     "hooks; call disable() (which restores every weight) and enable again"
                 )
             raise
-        self._slot_of.clear()  # the slots are new: every streamed block is bound again at its next forward
+        self._forget_slots()  # the slots are new: every streamed block is bound again at its next forward
         self._binder.clear()
         self._config = config if isinstance(config, dict) else None
         return json.loads(plan)
