@@ -106,6 +106,8 @@ pub struct HostModel {
     /// Where each file-backed storage lies in its file, whatever its current home: a backend's master gives it
     /// back by re-homing it there, without a copy.
     origins: BTreeMap<StorageId, (HostBufferId, u64)>,
+    /// Storages of a model from a checkpoint that the file does not fill (see [`HostModel::caller_storages`]).
+    caller: Vec<StorageId>,
 }
 
 /// splitmix64: the tiny deterministic generator behind synthetic weights (the simulated device's fault plans use
@@ -269,7 +271,7 @@ impl HostModel {
             }
             return Err(e);
         }
-        Ok(HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new() })
+        Ok(HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new(), caller: Vec::new() })
     }
 
     /// A model whose every storage is loaded in its own host buffer of `platform` (`loaded` holds one buffer per
@@ -280,7 +282,7 @@ impl HostModel {
         loaded: BTreeMap<StorageId, HostBufferId>,
     ) -> HostModel {
         let homes = loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })).collect();
-        HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new() }
+        HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new(), caller: Vec::new() }
     }
 
     /// A model whose every storage lies in a mapped file: `files` are mapped host buffers of `platform`
@@ -291,9 +293,19 @@ impl HostModel {
         desc: Arc<PipelineDesc>,
         files: Vec<HostBufferId>,
         at: BTreeMap<StorageId, (HostBufferId, u64)>,
+        loaded: BTreeMap<StorageId, HostBufferId>,
     ) -> HostModel {
-        let homes = at.iter().map(|(&id, &(buf, offset))| (id, Home::File { buf, offset })).collect();
-        HostModel { desc, platform, homes, files, origins: at }
+        let mut homes: BTreeMap<_, _> =
+            at.iter().map(|(&id, &(buf, offset))| (id, Home::File { buf, offset })).collect();
+        let caller = loaded.keys().copied().collect();
+        homes.extend(loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })));
+        HostModel { desc, platform, homes, files, origins: at, caller }
+    }
+
+    /// Storages of a model from a checkpoint that the file does not fill (non-persistent buffers): zero-filled
+    /// until the caller writes them. Empty for other models.
+    pub fn caller_storages(&self) -> &[StorageId] {
+        &self.caller
     }
 
     /// Where a file-backed storage lies in its checkpoint file (`(mapped buffer, offset)`), whatever its home now.

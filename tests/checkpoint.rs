@@ -498,3 +498,39 @@ fn a_description_that_does_not_match_the_checkpoint_is_refused() {
     assert!(matches!(e, CheckpointError::DescriptionMismatch { .. }));
     let _ = StorageId(0);
 }
+
+#[test]
+fn a_non_persistent_buffer_is_left_to_the_caller_and_every_other_storage_comes_from_the_file() {
+    use weightferry::model::Home;
+    use weightferry::plan::{StorageDesc, TensorDesc, TensorKind};
+
+    let d = dir("non_persistent");
+    let path = d.join("m.safetensors");
+    write(&path, &flux_like());
+    let ck = Checkpoint::open(&path).unwrap();
+    let mut desc = derive_pipeline(&ck, &DeriveOptions::default()).unwrap().desc;
+    // A rotary table no checkpoint holds: 4 f32 values in a storage of its own.
+    let id = StorageId(desc.storages.keys().map(|s| s.0).max().unwrap() + 1);
+    desc.storages.insert(id, StorageDesc { dtype: DType::F32, numel: 4 });
+    desc.root.children[0].1.tensors.push(TensorDesc {
+        name: "freqs".into(),
+        dtype: DType::F32,
+        shape: vec![4],
+        strides: vec![1],
+        storage_offset: 0,
+        storage: id,
+        kind: TensorKind::NonPersistentBuffer,
+    });
+    let mut model = HostModel::from_checkpoint(sim(), Arc::new(desc.clone()), &ck, "transformer").unwrap();
+    assert_eq!(model.caller_storages(), [id]);
+    assert!(matches!(model.home(id), Some(Home::Loaded { .. })));
+    assert_eq!(model.read_storage(id).unwrap(), vec![0; 16]);
+    assert!(desc.storages.keys().filter(|s| **s != id).all(|s| matches!(model.home(*s), Some(Home::File { .. }))));
+    model.write_storage(id, &[7; 16]).unwrap();
+    assert_eq!(model.read_storage(id).unwrap(), vec![7; 16]);
+    // The same tensor as a persistent buffer must be in the file.
+    let t = desc.root.children[0].1.tensors.last_mut().unwrap();
+    t.kind = TensorKind::PersistentBuffer;
+    let e = HostModel::from_checkpoint(sim(), Arc::new(desc), &ck, "transformer").unwrap_err();
+    assert!(matches!(&e, CheckpointError::MissingTensor { tensor, .. } if tensor.ends_with("freqs")), "{e}");
+}

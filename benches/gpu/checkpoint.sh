@@ -34,7 +34,7 @@ timeout 420 python3 benches/torch/diffusers_bench.py --model "$model" --steps 3 
   --variants resident,ck_pinned_d2,ck_mapped_d2,ck_pinned_b50,ck_mapped_b50 >> "$log" 2>&1 || status=1
 if [ -x .devbin/weightferry ]; then
   echo "== reference engine over the file" | tee -a "$log"
-  timeout 60 .devbin/weightferry run --checkpoint "$out/checkpoint.safetensors" --platform cuda --steps 2 \
+  timeout 150 .devbin/weightferry run --checkpoint "$out/checkpoint.safetensors" --platform cuda --steps 2 \
     2>&1 | grep -E "host masters|outputs match|step|error" | tee -a "$log" || status=1
 fi
 # The tables last.

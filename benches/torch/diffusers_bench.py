@@ -120,27 +120,10 @@ def rss(field="VmRSS"):
 
 
 def build(torch, name, tiny=False):
-    """The model with random weights, built without initialising them: parameters are created on ``meta`` (as
-    accelerate's ``init_empty_weights`` does; buffers and plain tensor attributes such as rotary tables stay real),
-    then get uninitialised CPU memory filled from one seeded pattern."""
-    import diffusers
-
+    """The model with random weights, built without initialising them (:func:`build_on_meta`), then its parameters
+    get uninitialised CPU memory filled from one seeded pattern."""
     nn = torch.nn
-    spec = MODELS[name]
-    config = model_config(spec, tiny)
-    register = nn.Module.register_parameter
-
-    def on_meta(self, pname, param):
-        register(self, pname, param)
-        if param is not None:
-            self._parameters[pname] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        model = getattr(diffusers, spec["cls"])(**config)
-    finally:
-        nn.Module.register_parameter = register
-    model = model.to(torch.bfloat16).eval()
+    model, spec = build_on_meta(torch, name, tiny)
     g = torch.Generator().manual_seed(0)
     pattern = (torch.rand(64 << 20, generator=g) * 0.04 - 0.02).to(torch.bfloat16)
     with torch.no_grad():
@@ -192,11 +175,24 @@ def read_once(path, chunk=64 << 20):
 
 
 def build_on_meta(torch, name, tiny=False):
+    """The model with its parameters on ``meta`` (as accelerate's ``init_empty_weights`` does); buffers and plain
+    tensor attributes such as rotary tables stay real, since no checkpoint holds them."""
     import diffusers
 
+    nn = torch.nn
     spec = MODELS[name]
-    with torch.device("meta"):
+    register = nn.Module.register_parameter
+
+    def on_meta(self, pname, param):
+        register(self, pname, param)
+        if param is not None:
+            self._parameters[pname] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
         model = getattr(diffusers, spec["cls"])(**model_config(spec, tiny))
+    finally:
+        nn.Module.register_parameter = register
     return model.to(torch.bfloat16).eval(), spec
 
 

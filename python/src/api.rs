@@ -379,7 +379,8 @@ impl Session {
     /// (`torch` names torch's stream and memory on a CUDA device) and builds the host model: zero-filled, or read
     /// from `checkpoint` (`(path, component)`: the description's tensor `<component>.K` is the file's tensor `K`,
     /// every one checked before a byte is read, see [`HostModel::from_checkpoint`]). Nothing is offloaded until
-    /// every storage was written (all of them at once from a checkpoint) and [`enable`](Self::enable) runs.
+    /// every storage was written (from a checkpoint all at once, but for the non-persistent buffers, which the
+    /// caller writes: [`unwritten`](Self::unwritten)) and [`enable`](Self::enable) runs.
     pub fn new(
         pipeline_json: &str,
         config: &str,
@@ -425,7 +426,8 @@ impl Session {
             (Some(ckpt), Some((_, component))) => {
                 let model = HostModel::from_checkpoint(platform.clone(), desc.clone(), ckpt, component)
                     .map_err(|e| CoreError::Checkpoint(one_line(&e.to_string())))?;
-                (model, desc.storages.keys().copied().collect())
+                let caller: BTreeSet<StorageId> = model.caller_storages().iter().copied().collect();
+                (model, desc.storages.keys().filter(|s| !caller.contains(s)).copied().collect())
             }
             _ => (HostModel::zeroed(platform.clone(), desc).map_err(offload_err)?, BTreeSet::new()),
         };
@@ -459,6 +461,11 @@ impl Session {
     pub fn storages(&self) -> Vec<(u64, u64, Option<String>)> {
         let desc = self.model.desc();
         desc.storages.iter().map(|(&id, s)| (id.0, s.byte_size(), self.streamed.get(&id).cloned())).collect()
+    }
+
+    /// Storages not written yet, in id order (after opening from a checkpoint: its non-persistent buffers).
+    pub fn unwritten(&self) -> Vec<u64> {
+        self.model.desc().storages.keys().filter(|s| !self.written.contains(s)).map(|s| s.0).collect()
     }
 
     /// Fills a storage's host bytes (exactly its size; only before `enable` or after `disable`).

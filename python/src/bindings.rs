@@ -223,6 +223,11 @@ impl PySession {
         self.run(py, "Session.pre_forward", |s| s.pre_forward(module, with_offsets))
     }
 
+    /// Storages not written yet, in id order (opened from a checkpoint: its non-persistent buffers).
+    fn unwritten(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.run(py, "Session.unwritten", |s| Ok(s.unwritten()))
+    }
+
     /// Runs the module's post-forward hooks.
     fn post_forward(&self, py: Python<'_>, module: &str) -> PyResult<()> {
         self.run(py, "Session.post_forward", |s| s.post_forward(module))

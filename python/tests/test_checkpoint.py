@@ -244,3 +244,59 @@ def test_on_cuda_blocks_copy_from_the_registered_file(tmp_path, host_masters):
             assert torch.equal(forward(m, x).cpu(), expected)
     for k, v in state.items():
         assert torch.equal(m.state_dict()[k].cpu(), v), k
+
+
+WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+           text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+           eps=1e-6, rope_max_seq_len=32)
+
+
+def params_on_meta(cls, **config):
+    """``cls(**config)`` with its parameters on ``meta`` and its buffers real (what accelerate's
+    ``init_empty_weights`` builds)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        register(self, name, None if param is None else torch.nn.Parameter(param.to("meta"), param.requires_grad))
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        return cls(**config).to(BF16).eval()
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def test_non_persistent_buffers_come_from_the_module_not_the_file(tmp_path):
+    # Wan's rotary tables are non-persistent buffers: computed when the module is built, in no checkpoint.
+    torch.manual_seed(0)
+    ref = diffusers.WanTransformer3DModel(**WAN).to(BF16).eval()
+    assert set(dict(ref.named_buffers())) - set(ref.state_dict()) == {"rope.freqs_cos", "rope.freqs_sin"}
+    path = tmp_path / "wan.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    g = torch.Generator().manual_seed(5)
+    x = dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g).to(BF16), timestep=torch.tensor([500]),
+             encoder_hidden_states=torch.randn(1, 7, 16, generator=g).to(BF16))
+    expected = forward(ref, x)
+    # Buffers on meta too: refused before anything moved, naming the buffer and the fix.
+    with torch.device("meta"):
+        m = diffusers.WanTransformer3DModel(**WAN).to(BF16).eval()
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable({"transformer": m}, LAYER, checkpoint=path)
+    assert str(e.value) == (
+        "buffer 'transformer.rope.freqs_cos' is on the meta device, but no checkpoint holds it (a non-persistent "
+        "buffer, computed when the module is built); build the module with only its parameters on meta "
+        "(accelerate.init_empty_weights(), which keeps buffers real) and enable it with checkpoint= again"
+    )
+    assert all(t.device.type == "meta" for t in [*m.parameters(), *m.buffers()])
+    assert not any(mod._forward_pre_hooks for mod in m.modules())
+    # Parameters alone on meta: the file fills them, the module's own rotary tables are kept.
+    m = params_on_meta(diffusers.WanTransformer3DModel, **WAN)
+    tables = {k: v.clone() for k, v in m.named_buffers()}
+    with wf.enable({"transformer": m}, LAYER, checkpoint=path) as h:
+        assert h.stats()["enabled"]
+        for _ in range(2):
+            assert torch.equal(forward(m, x), expected)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v), k
+    for k, v in m.named_buffers():
+        assert torch.equal(v, tables[k]), k

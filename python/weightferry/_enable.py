@@ -652,6 +652,18 @@ def _materialize_meta(bound):
     return undo
 
 
+def _check_computed_buffers(bound):
+    """A module bound from a checkpoint keeps its non-persistent buffers (rotary tables and the like: computed when
+    it is built, in no checkpoint), so they must hold real values, not ``meta``."""
+    for path, (module, attr) in bound.items():
+        if attr in module._non_persistent_buffers_set and getattr(module, attr).is_meta:
+            raise _core.PipelineError(
+                f"buffer '{path}' is on the meta device, but no checkpoint holds it (a non-persistent buffer, "
+                "computed when the module is built); build the module with only its parameters on meta "
+                "(accelerate.init_empty_weights(), which keeps buffers real) and enable it with checkpoint= again"
+            )
+
+
 def _checkpoint_component(desc, checkpoint):
     """``(path, component)`` for ``checkpoint=``: the one component the file fills."""
     import os
@@ -705,6 +717,8 @@ def enable(pipeline, config, device="sim", *, name=None, checkpoint=None):
             "disable() on its handle first"
         )
     ckpt = _checkpoint_component(desc, checkpoint) if checkpoint is not None else None
+    if ckpt:
+        _check_computed_buffers(bound)
     session, binder, stream = _open_session(
         json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt
     )
@@ -748,10 +762,14 @@ def enable(pipeline, config, device="sim", *, name=None, checkpoint=None):
     # With a checkpoint the session read every storage from the file: the tensors keep their (empty) data until
     # enable succeeded, and a failure gives back the module's own meta tensors.
     originals = [(v.tensor, v.tensor.data) for vs in views.values() for v in vs] if ckpt else []
+    # From a checkpoint, only the non-persistent buffers (no file holds them) come from the module.
+    from_module = set(session.unwritten()) if ckpt else None
     try:
         for sid, vs in views.items():
             if ckpt:
-                break
+                if sid in from_module:
+                    _write_storage(session, sid, vs[0].tensor, nbytes[sid])
+                continue
             _write_storage(session, sid, vs[0].tensor, nbytes[sid])
             released.append(sid)
             for view in vs:

@@ -1,14 +1,16 @@
 //! A [`HostModel`] over a checkpoint: each file is lent to the platform as a mapped host buffer and each storage's
 //! home is its tensor's range there ([`Home::File`](crate::model::Home::File)): the process holds no copy of the
-//! weights. Every tensor of the description is matched to the checkpoint by name, dtype and shape first.
+//! weights. Every tensor of the description is matched to the checkpoint by name, dtype and shape first, except
+//! non-persistent buffers: no checkpoint holds them (the module computes them when it is built), so their storages
+//! get zero-filled host buffers of their own for the caller to fill from the module.
 
 use super::error::CheckpointError;
 use super::Checkpoint;
 use crate::model::HostModel;
-use crate::plan::{PipelineDesc, TensorDesc};
-use std::collections::BTreeMap;
+use crate::plan::{PipelineDesc, TensorDesc, TensorKind};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use weightferry_actors::platform::{HostBufferId, PlatformRef};
+use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformRef};
 
 impl HostModel {
     /// Loads `desc` from `checkpoint`: the description's tensor `<component>.K` is the checkpoint's tensor `K`.
@@ -16,7 +18,9 @@ impl HostModel {
     /// and be the whole of its own contiguous storage ([`CheckpointError::MissingTensor`],
     /// [`CheckpointError::DescriptionMismatch`]); all of this is checked before any file is mapped. Each storage
     /// is homed in its file ([`Home::File`](crate::model::Home::File)); on a platform error every file mapped so far
-    /// is released.
+    /// is released. The storages of non-persistent buffers are not read from the file but zero-filled in buffers
+    /// of their own ([`Home::Loaded`](crate::model::Home::Loaded)): the caller writes them
+    /// ([`write_storage`](Self::write_storage)); [`HostModel::caller_storages`] lists them.
     pub fn from_checkpoint(
         platform: PlatformRef,
         desc: Arc<PipelineDesc>,
@@ -26,7 +30,12 @@ impl HostModel {
         let file = || checkpoint.path().to_path_buf();
         let prefix = format!("{component}.");
         let mut plan = BTreeMap::new();
+        let mut own = BTreeSet::new();
         for (path, t) in desc.root.tensors_recursive() {
+            if t.kind == TensorKind::NonPersistentBuffer {
+                own.insert(t.storage);
+                continue;
+            }
             let mismatch = |tensor: &str, reason: String| CheckpointError::DescriptionMismatch {
                 file: file(),
                 tensor: tensor.to_string(),
@@ -70,7 +79,8 @@ impl HostModel {
                 ));
             }
         }
-        if let Some(id) = desc.storages.keys().find(|id| !plan.contains_key(id)) {
+        own.retain(|id| !plan.contains_key(id)); // a storage a file tensor fills comes from the file
+        if let Some(id) = desc.storages.keys().find(|id| !plan.contains_key(id) && !own.contains(id)) {
             return Err(CheckpointError::DescriptionMismatch {
                 file: file(),
                 tensor: format!("storage {}", id.0),
@@ -99,6 +109,21 @@ impl HostModel {
             };
             at.insert(*id, (buf, ft.offset));
         }
-        Ok(HostModel::from_files(platform, desc, mapped.into_values().collect(), at))
+        let mut loaded = BTreeMap::new();
+        for id in own {
+            let bytes = desc.storages[&id].byte_size().max(1); // platforms refuse empty allocations
+            match platform.alloc_host(bytes, HostMemoryKind::Pageable) {
+                Ok(buf) => {
+                    loaded.insert(id, buf);
+                }
+                Err(source) => {
+                    for b in mapped.values().chain(loaded.values()) {
+                        let _ = platform.free_host(*b);
+                    }
+                    return Err(CheckpointError::Platform { file: file(), source });
+                }
+            }
+        }
+        Ok(HostModel::from_files(platform, desc, mapped.into_values().collect(), at, loaded))
     }
 }
