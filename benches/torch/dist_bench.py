@@ -143,6 +143,7 @@ def main():
         dit["weight_transfer"] = "allgather"
     cfg = {"data_parallel_size": world,
            "diffusion_offload_config": {"mode": "layer", "components": ["dit"], "layer_options": {"dit": dit}}}
+    res["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     t0 = time.perf_counter()
     h = wf.enable({"transformer": model}, cfg, device="sim" if cpu else "cuda", checkpoint=path)
     res["enable_s"] = time.perf_counter() - t0
@@ -159,7 +160,6 @@ def main():
     res["all_gathers_per_step"] = (group.get("all_gathers", 0) - was.get("all_gathers", 0)) / args.steps
     res["shard_host_bytes"] = group.get("shard_host_bytes", after["master_host_bytes"])
     res["blocks"] = len(blocks)
-    res["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     h.disable()
     results = [None] * world
     dist.gather_object(res, results if rank == 0 else None, dst=0)

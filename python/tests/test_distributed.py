@@ -7,7 +7,8 @@ the released weights are lost. Inside a torch.distributed process group (which h
 agree on weightferry's rendezvous port through torch's store, once per enable. Ranks enabling a meta module from
 one checkpoint build their shards from the file and release nothing. A config whose group is not the
 launch's world is refused before any rank waits. With 2 GPUs (skipped otherwise) the same runs on CUDA, the
-AllGathers through NCCL bootstrapped over weightferry's rendezvous."""
+AllGathers through NCCL bootstrapped over weightferry's rendezvous. ``benches/torch/dist_bench.py --tiny`` runs under
+torchrun with 2 ranks, bit-exact."""
 
 import json
 import os
@@ -108,3 +109,20 @@ def test_a_group_that_is_not_the_launch_world_is_refused():
     assert results[0]["error"] == (
         "OffloadError: the config gathers weights across an offload group of 2 ranks, but this process is rank 0 of "
         "WORLD_SIZE=1; start 2 processes (torchrun --nproc-per-node 2) or change the config's parallel sizes")
+
+
+def test_the_distributed_benchmark_runs_a_wan_transformer_from_one_checkpoint_bit_exact(tmp_path):
+    # benches/torch/dist_bench.py --tiny under torchrun with 2 ranks: a tiny diffusers Wan transformer (rotary
+    # tables as non-persistent buffers) bound on meta from one checkpoint on every rank, its 3 blocks gathered
+    # through 2 slots (depth 1), so every pass copies shards and gathers.
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benches", "torch", "dist_bench.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", bench, "--tiny",
+           "--model", "wan-14b", "--steps", "2", "--warmup", "1", "--depth", "1", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    results = json.loads((tmp_path / "dist-wan-14b-2.json").read_text())
+    assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
+    for r in results:
+        assert r["bit_exact"] is True
+        assert r["all_gathers_per_step"] >= r["blocks"] == 3 and r["h2d_per_step"] > 0
+        assert 0 < r["shard_host_bytes"] < r["gathered_per_step"]
