@@ -205,6 +205,31 @@ pub const CHECKSUM_READ_BYTES: usize = 8 << 20;
 /// What one generation thread returns: its storages' buffers, or the error and the buffers to free.
 type GenResult = Result<Vec<(StorageId, HostBufferId)>, (PlatformError, Vec<HostBufferId>)>;
 
+/// A zero-filled pageable host buffer of exactly its size for each of `ids` (one byte for an empty storage:
+/// platforms refuse empty allocations). If an allocation fails, the buffers allocated so far are freed.
+pub(crate) fn zeroed_buffers(
+    platform: &PlatformRef,
+    desc: &PipelineDesc,
+    ids: impl IntoIterator<Item = StorageId>,
+) -> Result<BTreeMap<StorageId, HostBufferId>, PlatformError> {
+    let mut loaded = BTreeMap::new();
+    for id in ids {
+        let bytes = desc.storages.get(&id).map_or(0, |s| s.byte_size()).max(1);
+        match platform.alloc_host(bytes, HostMemoryKind::Pageable) {
+            Ok(buf) => {
+                loaded.insert(id, buf);
+            }
+            Err(e) => {
+                for buf in loaded.into_values() {
+                    let _ = platform.free_host(buf);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(loaded)
+}
+
 impl HostModel {
     /// Loads `desc` with deterministic synthetic weights (pageable host buffers, one per storage). Storages are
     /// generated on all available cores; the result does not depend on the thread count.
@@ -328,20 +353,7 @@ impl HostModel {
     /// [`write_storage`](Self::write_storage). If an allocation fails, every buffer allocated so far is freed and
     /// the platform's error is returned.
     pub fn zeroed(platform: PlatformRef, desc: Arc<PipelineDesc>) -> Result<HostModel, PlatformError> {
-        let mut loaded = BTreeMap::new();
-        for (&id, s) in &desc.storages {
-            match platform.alloc_host(s.byte_size().max(1), HostMemoryKind::Pageable) {
-                Ok(buf) => {
-                    loaded.insert(id, buf);
-                }
-                Err(e) => {
-                    for buf in loaded.into_values() {
-                        let _ = platform.free_host(buf);
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        let loaded = zeroed_buffers(&platform, &desc, desc.storages.keys().copied())?;
         Ok(HostModel::from_loaded(platform, desc, loaded))
     }
 

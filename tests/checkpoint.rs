@@ -469,13 +469,18 @@ fn sharded_inconsistencies_are_their_typed_errors() {
     );
 }
 
-#[test]
-fn a_description_that_does_not_match_the_checkpoint_is_refused() {
-    let d = dir("mismatch");
-    let path = d.join("m.safetensors");
+/// A Flux-like checkpoint written in its own folder, opened, and the description derived from it.
+fn flux_like_checkpoint(name: &str) -> (Checkpoint, weightferry::plan::PipelineDesc) {
+    let path = dir(name).join("m.safetensors");
     write(&path, &flux_like());
     let ck = Checkpoint::open(&path).unwrap();
-    let mut desc = derive_pipeline(&ck, &DeriveOptions::default()).unwrap().desc;
+    let desc = derive_pipeline(&ck, &DeriveOptions::default()).unwrap().desc;
+    (ck, desc)
+}
+
+#[test]
+fn a_description_that_does_not_match_the_checkpoint_is_refused() {
+    let (ck, mut desc) = flux_like_checkpoint("mismatch");
     // A tensor the checkpoint lacks.
     let mut missing = desc.clone();
     missing.root.children[0].1.tensors[0].name = "scale_shift_tablX".into();
@@ -504,11 +509,7 @@ fn a_non_persistent_buffer_is_left_to_the_caller_and_every_other_storage_comes_f
     use weightferry::model::Home;
     use weightferry::plan::{StorageDesc, TensorDesc, TensorKind};
 
-    let d = dir("non_persistent");
-    let path = d.join("m.safetensors");
-    write(&path, &flux_like());
-    let ck = Checkpoint::open(&path).unwrap();
-    let mut desc = derive_pipeline(&ck, &DeriveOptions::default()).unwrap().desc;
+    let (ck, mut desc) = flux_like_checkpoint("non_persistent");
     // A rotary table no checkpoint holds: 4 f32 values in a storage of its own.
     let id = StorageId(desc.storages.keys().map(|s| s.0).max().unwrap() + 1);
     desc.storages.insert(id, StorageDesc { dtype: DType::F32, numel: 4 });

@@ -101,9 +101,8 @@ def main():
     # (2) resident, alone and with one step's copies and AllGathers queued beside it.
     model, _ = bench.build_on_meta(torch, args.model, args.tiny)
     model.load_state_dict(load_file(path, device=str(dev)), assign=True)
-    blocks = [n for n, _ in model.named_modules() if n.count(".") == 1 and n.split(".")[1].isdigit()]
-    block_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.count(".") >= 2
-                      and n.split(".")[1].isdigit())
+    blocks = [m for n, m in model.named_modules() if n.count(".") == 1 and n.split(".")[1].isdigit()]
+    block_bytes = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
     for _ in range(args.warmup):
         step(model)
     res["resident_s"], expected = timed(torch, cpu, lambda: step(model), args.steps)

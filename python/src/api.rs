@@ -544,6 +544,7 @@ impl Session {
     /// stream, so the block's bytes are in device memory when this returns; on CUDA nothing waits on the host:
     /// torch's stream was ordered behind the copies, so kernels torch launches next read landed bytes. `None` for
     /// a module whose weights no hook places.
+    ///
     /// The storages' offsets are listed only `with_offsets` (else empty): they change only at a retune, so a
     /// caller asks once per module and keeps them, and the per-forward call converts two integers.
     pub fn pre_forward(&self, module: &str, with_offsets: bool) -> Result<Option<ResidencyParts>, CoreError> {

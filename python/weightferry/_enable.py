@@ -11,8 +11,8 @@ Two devices, one binder each:
   (``__cuda_array_interface__``, one torch storage per buffer, made once). A tensor is bound with ``set_`` to its
   bytes in a buffer; a streamed block is rebound only when its slot changed since its last forward (a steady
   pipeline whose streamed blocks divide among the slots does no tensor surgery per step), and then with one
-  ``set_`` per tensor from views made the first time the block landed in that slot. The hooks never wait on the host: Rust orders torch's current stream
-  behind the copies and records the block's reads on it. Between its forwards a streamed tensor still views its
+  ``set_`` per tensor from views made the first time the block landed in that slot. The hooks never wait on the
+  host: Rust orders torch's current stream behind the copies and records the block's reads on it. Between its forwards a streamed tensor still views its
   last slot, whose bytes may already belong to another block: read weights through the handle, not the modules.
 - ``"sim"`` (:class:`_SimBinder`, the simulated device: device buffers in host memory, compute on the CPU): a tensor
   "on the device" is a CPU tensor holding a copy of the simulated device memory, rebuilt at each streamed block's
@@ -448,8 +448,9 @@ class Handle:
         ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches`` (blocks not prefetched in time: the
         forward waited for their copy), ``record_waits`` (hook calls that waited on the host for the copy actor to
         enqueue their block's load), ``device_bytes``, ...), ``fixed_device_bytes``, ``master_host_bytes``,
-        ``mapped_host_bytes`` (blocks served straight from a checkpoint file, no master), ``pinned``; and the totals ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes``
-        (fixed placement and every stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
+        ``mapped_host_bytes`` (blocks served straight from a checkpoint file, no master), ``pinned``; and the totals
+        ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes`` (fixed placement and every
+        stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
         ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
         4096 calls, ``max_us``, ``total_ms``)."""
         report = json.loads(self._session.report())
@@ -759,16 +760,14 @@ def enable(pipeline, config, device="sim", *, name=None, checkpoint=None):
     # holds about one copy of the weights throughout (plus the masters of one batch while the backend builds them).
     # From its write on, the session holds a storage's only copy: any failure rebuilds the tensors from it.
     released = []
-    # With a checkpoint the session read every storage from the file: the tensors keep their (empty) data until
-    # enable succeeded, and a failure gives back the module's own meta tensors.
+    # With a checkpoint the session has every other storage from the file: those tensors keep their (empty) data
+    # until enable succeeded, and a failure gives back the module's own meta tensors.
     originals = [(v.tensor, v.tensor.data) for vs in views.values() for v in vs] if ckpt else []
-    # From a checkpoint, only the non-persistent buffers (no file holds them) come from the module.
-    from_module = set(session.unwritten()) if ckpt else None
+    # The storages the session has no bytes of: every one, or from a checkpoint its non-persistent buffers.
+    from_module = set(session.unwritten())
     try:
         for sid, vs in views.items():
-            if ckpt:
-                if sid in from_module:
-                    _write_storage(session, sid, vs[0].tensor, nbytes[sid])
+            if sid not in from_module:
                 continue
             _write_storage(session, sid, vs[0].tensor, nbytes[sid])
             released.append(sid)

@@ -6,11 +6,11 @@
 
 use super::error::CheckpointError;
 use super::Checkpoint;
-use crate::model::HostModel;
+use crate::model::{zeroed_buffers, HostModel};
 use crate::plan::{PipelineDesc, TensorDesc, TensorKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformRef};
+use weightferry_actors::platform::{HostBufferId, PlatformRef};
 
 impl HostModel {
     /// Loads `desc` from `checkpoint`: the description's tensor `<component>.K` is the checkpoint's tensor `K`.
@@ -109,21 +109,15 @@ impl HostModel {
             };
             at.insert(*id, (buf, ft.offset));
         }
-        let mut loaded = BTreeMap::new();
-        for id in own {
-            let bytes = desc.storages[&id].byte_size().max(1); // platforms refuse empty allocations
-            match platform.alloc_host(bytes, HostMemoryKind::Pageable) {
-                Ok(buf) => {
-                    loaded.insert(id, buf);
+        let loaded = match zeroed_buffers(&platform, &desc, own) {
+            Ok(loaded) => loaded,
+            Err(source) => {
+                for b in mapped.values() {
+                    let _ = platform.free_host(*b);
                 }
-                Err(source) => {
-                    for b in mapped.values().chain(loaded.values()) {
-                        let _ = platform.free_host(*b);
-                    }
-                    return Err(CheckpointError::Platform { file: file(), source });
-                }
+                return Err(CheckpointError::Platform { file: file(), source });
             }
-        }
+        };
         Ok(HostModel::from_files(platform, desc, mapped.into_values().collect(), at, loaded))
     }
 }
