@@ -16,11 +16,12 @@ whether the output equals the resident output bit for bit.
 
 Checkpoint variants ``ck_<masters>_<dK|bP>`` (``masters``: ``mapped`` or ``pinned``, the ``host_masters`` key) load
 the transformer from a safetensors file of its full size, written once per call into ``--out`` from the same
-random weights (so their output is compared with the resident one too): the module is built on ``meta`` and
-``weightferry.enable(..., checkpoint=PATH)`` binds it, so the weights never pass through torch. They report the
-time from the start of ``enable`` to the end of the first step, host RSS split into anonymous memory (what the
-process owns; pinned masters count in neither) and file pages (the mapping), the bytes served from the file and the pinned
-master bytes, beside the time to read the file once (page cache as the write left it).
+random weights (so their output is compared with the resident one too): the module is built with its parameters
+on ``meta`` and ``weightferry.enable(..., checkpoint=PATH)`` binds it, so the weights never pass through torch.
+They report the time from the start of ``enable`` to the end of the first step, host RSS split into anonymous
+memory (what the process owns; pinned masters count in neither) and file pages (the mapping), the bytes served
+from the file and the pinned master bytes, beside the time to read the file once (page cache as the write left
+it; ``--cold`` drops it first).
 
 Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames).
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script.
@@ -172,6 +173,13 @@ def read_once(path, chunk=64 << 20):
         while f.readinto(buf):
             pass
     return time.perf_counter() - t0
+
+
+def drop_caches():
+    """Writes the page cache back and drops it (needs root), so the next read of a file comes from disk."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
 
 
 def build_on_meta(torch, name, tiny=False):
@@ -368,6 +376,9 @@ def main():
                     help="a tiny configuration of the model (on the CPU and the simulated device without a GPU): "
                          "checks the script, measures nothing")
     ap.add_argument("--out", default="/tmp/wf-diffusers-bench")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache (root: /proc/sys/vm/drop_caches) before reading the checkpoint once and "
+                         "before each checkpoint variant, so start-up is measured from disk")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -384,10 +395,14 @@ def main():
         model, _ = build(torch, args.model, args.tiny)
         size = write_checkpoint(torch, model, path)
         del model
+        if args.cold:
+            drop_caches()
         read_s = read_once(path)
         print(f"checkpoint: {size / 1e9:.2f} GB written in {time.time() - t0:.0f} s; read once in {read_s:.2f} s",
               flush=True)
     for v in variants:
+        if args.cold and v.startswith("ck_"):
+            drop_caches()
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--out", args.out]
         if args.tiny:
