@@ -10,18 +10,18 @@
 use super::compare::{compare, single_process_backend, Comparison, OffloadedSource};
 use super::timing::{hook_percentiles_us, ms};
 use super::{EngineError, ExecOptions, Progress};
-use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::config::{OffloadConfig, Strategy};
 use crate::engine::compute::SimCompute;
 use crate::engine::Engine;
-use crate::model::HostModel;
-use crate::offload::backend::EnableProgress;
-use crate::plan::{resolve_offload_plan, PipelineDesc};
 use crate::progress::{RunObserver, StepWatch};
 use crate::report::RunReport;
 use crate::trace::RunTrace;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use weightferry::checkpoint::{Checkpoint, CheckpointError};
+use weightferry::config::{OffloadConfig, Strategy};
+use weightferry::model::HostModel;
+use weightferry::offload::backend::EnableProgress;
+use weightferry::plan::{resolve_offload_plan, PipelineDesc};
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform, SimStats};
 use weightferry_actors::OrderingFault;
@@ -128,7 +128,7 @@ struct SimOffload<'a> {
 }
 
 impl OffloadedSource for SimOffload<'_> {
-    fn build(&mut self, platform: &PlatformRef) -> Result<Option<crate::offload::StreamingBackend>, EngineError> {
+    fn build(&mut self, platform: &PlatformRef) -> Result<Option<weightferry::offload::StreamingBackend>, EngineError> {
         let mut backend = single_process_backend(&self.spec.config, platform, self.spec.ordering_fault)?;
         if let (Some(b), Some(o)) = (backend.as_mut(), self.spec.observer.clone()) {
             b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
@@ -186,7 +186,7 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
         )));
     }
     // Fail before touching anything on an unsupported combination.
-    let plan = resolve_offload_plan(desc, &spec.config).map_err(crate::offload::OffloadError::from)?;
+    let plan = resolve_offload_plan(desc, &spec.config).map_err(weightferry::offload::OffloadError::from)?;
 
     let epoch = Instant::now();
     let sim = Arc::new(SimPlatform::new(spec.sim.clone())?);

@@ -15,9 +15,9 @@
 //! Each module ends with a per-row RMS normalisation, so values stay finite over any number of steps. Everything is
 //! sequential `f32` arithmetic in a fixed order: the same inputs always give the same bits.
 
-use crate::model::{bf16_to_f32, f16_to_f32, fnv1a, splitmix64, FNV_OFFSET};
-use crate::plan::{DType, StorageId, TensorDesc};
 use std::collections::HashMap;
+use weightferry::model::{bf16_to_f32, f16_to_f32, fnv1a, splitmix64, FNV_OFFSET};
+use weightferry::plan::{DType, StorageId, TensorDesc};
 
 /// Rows (tokens) of each activation matrix.
 pub const TOKENS: usize = 4;
@@ -234,7 +234,7 @@ pub fn apply_module(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::TensorKind;
+    use weightferry::plan::TensorKind;
 
     fn tensor(dtype: DType, shape: &[u64], strides: &[u64], offset: u64) -> TensorDesc {
         TensorDesc {
@@ -258,7 +258,7 @@ mod tests {
     #[test]
     fn every_byte_matters_and_results_stay_finite() {
         let t = tensor(DType::Bf16, &[8, 40], &[40, 1], 0);
-        let bytes = crate::model::synthetic_bytes(DType::Bf16, 320, 7, StorageId(1));
+        let bytes = weightferry::model::synthetic_bytes(DType::Bf16, 320, 7, StorageId(1));
         let run = |bytes: &[u8]| {
             let mut lat = f32s_from_bytes(&initial_activation(1, 1));
             let mut ctx = f32s_from_bytes(&initial_activation(1, 2));

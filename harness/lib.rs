@@ -10,11 +10,6 @@
 //!
 //! The library (`weightferry`) never depends on this crate: a host engine embeds the library alone.
 
-// The library's modules, under the paths the harness code uses (`crate::config`, `crate::offload`, ...).
-#[cfg(feature = "cuda")]
-use weightferry::platform;
-use weightferry::{checkpoint, config, dist, hooks, model, offload, plan};
-
 pub mod cli;
 pub mod distributed_run;
 pub mod engine;

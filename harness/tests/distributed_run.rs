@@ -503,7 +503,7 @@ fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
 #[test]
 fn the_dist_sh_config_gives_two_ranks_depth_2_and_whole_sections_for_the_full_size_presets() {
     // The config `benches/gpu/dist.sh` writes for the GPU run (keep the two in step).
-    let script = include_str!("../../../benches/gpu/dist.sh");
+    let script = include_str!("../../benches/gpu/dist.sh");
     let start = script.find("{\"data_parallel_size\"").expect("config in dist.sh");
     let end = start + script[start..].find("\nEOF").expect("end of the config");
     let config = OffloadConfig::from_json_str(&script[start..end]).expect("config");

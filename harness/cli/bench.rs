@@ -36,7 +36,7 @@ pub struct CheckedBench {
     /// Budget fractions (empty: no budget rows).
     pub budgets: Vec<f64>,
     /// Copy-submission modes, each once, in the order given.
-    pub copy_submission: Vec<crate::config::CopySubmission>,
+    pub copy_submission: Vec<weightferry::config::CopySubmission>,
 }
 
 /// Checks `bench`'s arguments: known presets, `--steps LO,HI` with HI > LO, `--rounds` at least 1, `--budgets`
@@ -49,7 +49,7 @@ pub fn check_args(a: &BenchArgs) -> Result<CheckedBench, CliError> {
         a.preset.clone()
     };
     for p in &presets {
-        if crate::plan::presets::preset(p).is_none() {
+        if weightferry::plan::presets::preset(p).is_none() {
             return Err(CliError::invalid(format!("unknown preset '{p}'")));
         }
     }
@@ -66,7 +66,7 @@ pub fn check_args(a: &BenchArgs) -> Result<CheckedBench, CliError> {
             "--budgets none leaves nothing to measure without --depths; give --depths (e.g. 1,2) or budgets",
         ));
     }
-    let mut copy_submission: Vec<crate::config::CopySubmission> = Vec::new();
+    let mut copy_submission: Vec<weightferry::config::CopySubmission> = Vec::new();
     for m in &a.copy_submission {
         let m = (*m).into();
         if copy_submission.contains(&m) {

@@ -29,21 +29,21 @@
 //! message when it does not.
 
 use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DEFAULT_PRESET};
-use crate::config::OffloadConfig;
-use crate::dist::allgather_engine::AllGatherEngine;
-use crate::dist::launch::PEER_FAILED_EXIT;
-use crate::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use crate::distributed_run::{
     resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
 };
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::driver::{checkpoint_error, CheckpointWeights};
-use crate::model::HostModel;
-use crate::model::{fnv1a, ModelError, FNV_OFFSET};
 use crate::report::human_bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
+use weightferry::config::OffloadConfig;
+use weightferry::dist::allgather_engine::AllGatherEngine;
+use weightferry::dist::launch::PEER_FAILED_EXIT;
+use weightferry::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
+use weightferry::model::HostModel;
+use weightferry::model::{fnv1a, ModelError, FNV_OFFSET};
 use weightferry_actors::collective::Collective;
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::PlatformRef;
@@ -216,7 +216,7 @@ impl GroupTiming {
 
 /// The single-GPU bench command for the same preset, steps, depth and tokens (`None` for a pipeline file).
 pub fn single_gpu_command(pipeline: &str, steps: (u32, u32), depth: usize, tokens: Option<usize>) -> Option<String> {
-    crate::plan::presets::preset(pipeline)?;
+    weightferry::plan::presets::preset(pipeline)?;
     let tokens = tokens.map_or_else(String::new, |t| format!(" --tokens {t}"));
     Some(format!(
         "weightferry bench --preset {pipeline} --steps {},{} --depths {depth} --budgets none{tokens}",
@@ -767,7 +767,7 @@ struct RankOutcome {
     resident: ResidentRun,
     h2d_bytes_per_s: Option<f64>,
     /// On GPUs: the AllGather engine the ranks agreed on.
-    engine: Option<crate::dist::allgather_engine::EngineChoice>,
+    engine: Option<weightferry::dist::allgather_engine::EngineChoice>,
 }
 
 /// Which part of a rank's run failed.
@@ -850,14 +850,14 @@ fn cuda_rank(
     a: &RunArgs,
     env: &LaunchEnv,
     rdv: &Rendezvous,
-    desc: &crate::plan::PipelineDesc,
+    desc: &weightferry::plan::PipelineDesc,
     name: &str,
     spec: &DistributedRunSpec,
     weights: Option<&CheckpointWeights>,
 ) -> Result<RankOutcome, CliError> {
-    use crate::dist::nccl_bootstrap::{bootstrap_nccl, open_rank_gpu, NcclBootstrap};
     use crate::engine::cuda::{CudaCompute, GpuShape};
     use crate::engine::gpu::default_tokens;
+    use weightferry::dist::nccl_bootstrap::{bootstrap_nccl, open_rank_gpu, NcclBootstrap};
     let rank = env.rank;
     let cuda = open_rank_gpu(env).map_err(|e| CliError::invalid(format!("rank {rank}: --platform cuda: {e}")))?;
     let NcclBootstrap { factory, engine } =
@@ -892,8 +892,8 @@ fn cuda_rank(
 /// A failed NCCL bootstrap: an invalid request (exit 2) for a refused copy-engine AllGather, a peer's failure
 /// ([`PEER_FAILED_EXIT`]) when the exchange broke or rank 0 sent no unique id, else this rank's failure.
 #[cfg(feature = "nccl")]
-fn bootstrap_error(rank: usize, e: crate::dist::BootstrapError) -> CliError {
-    use crate::dist::{BootstrapError, ExchangeError};
+fn bootstrap_error(rank: usize, e: weightferry::dist::BootstrapError) -> CliError {
+    use weightferry::dist::{BootstrapError, ExchangeError};
     match e {
         BootstrapError::Exchange { source: ExchangeError::Rendezvous(e), .. } => rendezvous_error(rank, e),
         e @ BootstrapError::NoUniqueId => peer_failed(rank, &e.to_string()),
@@ -907,7 +907,7 @@ fn cuda_rank(
     _a: &RunArgs,
     _env: &LaunchEnv,
     _rdv: &Rendezvous,
-    _desc: &crate::plan::PipelineDesc,
+    _desc: &weightferry::plan::PipelineDesc,
     _name: &str,
     _spec: &DistributedRunSpec,
     _weights: Option<&CheckpointWeights>,

@@ -18,11 +18,11 @@
 use super::compute::{Compute, ModuleKernel};
 use super::math::Phase;
 use super::EngineError;
-use crate::model::{f32_to_bf16, splitmix64};
-use crate::plan::{DType, PipelineDesc, TensorDesc};
-use crate::platform::cuda::blas::{BLayout, Blas, Gemm};
-use crate::platform::cuda::CudaPlatform;
 use std::sync::{Arc, Mutex};
+use weightferry::model::{f32_to_bf16, splitmix64};
+use weightferry::plan::{DType, PipelineDesc, TensorDesc};
+use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
+use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef, StreamId};
 
 /// Standard deviation of the synthetic weights (uniform in ±0.05).

@@ -9,10 +9,10 @@
 use serde::Serialize;
 use std::fmt;
 
-pub use crate::plan::report::{human_bytes, PlanBudget, PlanComponent, PlanReport, PlanStack};
+pub use weightferry::plan::report::{human_bytes, PlanBudget, PlanComponent, PlanReport, PlanStack};
 
 /// Per-stack figures of the offloaded run (the backend's own report).
-pub use crate::offload::backend::StackReport as RunStack;
+pub use weightferry::offload::backend::StackReport as RunStack;
 
 /// What `weightferry run` measured: a resident run and an offloaded run of the same pipeline, compared.
 #[derive(Debug, Clone, PartialEq, Serialize)]

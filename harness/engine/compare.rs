@@ -10,15 +10,15 @@
 //! or the execution failed — so host weights are back in their own buffers whatever failed.
 
 use super::{Engine, EngineError, ExecOptions, ExecOutput, Progress};
-use crate::config::OffloadConfig;
-use crate::hooks::HookRegistry;
-use crate::model::HostModel;
-use crate::offload::{
-    get_offload_backend, BackendReport, OffloadError, ResidentPlacement, StreamingBackend, WeightSource,
-};
-use crate::plan::StorageId;
 use std::fmt;
 use std::time::{Duration, Instant};
+use weightferry::config::OffloadConfig;
+use weightferry::hooks::HookRegistry;
+use weightferry::model::HostModel;
+use weightferry::offload::{
+    get_offload_backend, BackendReport, OffloadError, ResidentPlacement, StreamingBackend, WeightSource,
+};
+use weightferry::plan::StorageId;
 use weightferry_actors::platform::{HostBufferId, PlatformRef, StreamId};
 use weightferry_actors::OrderingFault;
 
@@ -298,9 +298,9 @@ fn resident_again(
 mod tests {
     use super::*;
     use crate::engine::compute::SimCompute;
-    use crate::plan::presets::preset;
-    use crate::plan::PipelineDesc;
     use std::sync::Arc;
+    use weightferry::plan::presets::preset;
+    use weightferry::plan::PipelineDesc;
     use weightferry_actors::platform::Platform;
     use weightferry_actors::sim::{SimConfig, SimPlatform};
 
@@ -376,7 +376,7 @@ mod tests {
         assert!(cmp.outputs_match() && cmp.weights_match(), "{:?}", cmp.mismatch);
         assert_eq!(cmp.resident.output, cmp.offloaded.output);
         let ids: Vec<StorageId> = desc.storages.keys().copied().collect();
-        let all = crate::offload::layout::UnitLayout::pack(&desc, "<fixed>", &ids).device_bytes;
+        let all = weightferry::offload::layout::UnitLayout::pack(&desc, "<fixed>", &ids).device_bytes;
         assert_eq!(cmp.resident_weight_bytes, all);
         let report = cmp.backend.as_ref().expect("the layerwise backend ran");
         assert!(report.enabled && !report.stacks.is_empty());
@@ -403,8 +403,8 @@ mod tests {
 
     #[test]
     fn with_nothing_to_offload_the_offloaded_stage_runs_resident() {
-        use crate::plan::builder::PipelineBuilder;
-        use crate::plan::DType;
+        use weightferry::plan::builder::PipelineBuilder;
+        use weightferry::plan::DType;
         let desc = PipelineBuilder::new("NoDit")
             .module("text_encoder", "Enc", |m| {
                 m.block_list("layers", 2, "ToyBlock", |b, _| {

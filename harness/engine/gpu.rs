@@ -13,17 +13,17 @@ use super::cuda::{CudaCompute, GpuShape};
 use super::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
 use super::timing::{hook_percentiles_us, median, ms, stack_h2d_bytes, time_rounds, timed_execution, Timed};
 use super::{Engine, EngineError, ExecOptions, ExecOutput};
-use crate::config::{CopySubmission, OffloadConfig};
-use crate::hooks::HookRegistry;
-use crate::model::HostModel;
-use crate::offload::backend::EnableProgress;
-use crate::offload::{get_offload_backend, StreamingBackend, WeightSource};
-use crate::plan::{resolve_offload_plan, PipelineDesc};
-use crate::platform::cuda::CudaPlatform;
 use crate::progress::StepWatch;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
+use weightferry::config::{CopySubmission, OffloadConfig};
+use weightferry::hooks::HookRegistry;
+use weightferry::model::HostModel;
+use weightferry::offload::backend::EnableProgress;
+use weightferry::offload::{get_offload_backend, StreamingBackend, WeightSource};
+use weightferry::plan::{resolve_offload_plan, PipelineDesc};
+use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::platform::{Platform, PlatformRef};
 
 /// Label of the configuration that keeps every block resident through the backend.
@@ -242,8 +242,8 @@ fn bench_preset(
     progress: &mut dyn FnMut(&str),
 ) -> Result<(), EngineError> {
     let t0 = Instant::now();
-    let desc =
-        crate::plan::presets::preset(name).ok_or_else(|| EngineError::Invalid(format!("unknown preset '{name}'")))?;
+    let desc = weightferry::plan::presets::preset(name)
+        .ok_or_else(|| EngineError::Invalid(format!("unknown preset '{name}'")))?;
     let (mut tokens, ctx_tokens) = default_tokens(name);
     if let Some(t) = spec.tokens {
         tokens = t;
@@ -312,7 +312,7 @@ fn bench_preset(
     let modes = submission_modes(spec);
     let first = modes[0];
     let probe = layer_config(Some(1), None, first)?;
-    let plan = resolve_offload_plan(&desc, &probe).map_err(crate::offload::OffloadError::from)?;
+    let plan = resolve_offload_plan(&desc, &probe).map_err(weightferry::offload::OffloadError::from)?;
     let fixed = plan.budget.always_resident_bytes;
 
     let mut configs: Vec<(String, OffloadConfig, Option<u64>)> = Vec::new();
@@ -556,7 +556,7 @@ pub fn gpu_run(
     slow_copies: bool,
     observer: Option<Arc<dyn crate::progress::RunObserver>>,
 ) -> Result<GpuRunReport, EngineError> {
-    let plan = resolve_offload_plan(desc, config).map_err(crate::offload::OffloadError::from)?;
+    let plan = resolve_offload_plan(desc, config).map_err(weightferry::offload::OffloadError::from)?;
     let cuda = Arc::new(CudaPlatform::new(0)?);
     let platform: PlatformRef =
         if slow_copies { Arc::new(super::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };

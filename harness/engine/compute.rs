@@ -2,7 +2,7 @@
 //! implementation on the simulated platform.
 //!
 //! A [`Compute`] owns nothing of the offload machinery: it is told which device ranges hold each weight storage
-//! (from a [`WeightSource`](crate::offload::WeightSource)) and which device buffers hold the activations, and it
+//! (from a [`WeightSource`](weightferry::offload::WeightSource)) and which device buffers hold the activations, and it
 //! enqueues one kernel per module on the engine's compute stream. [`SimCompute`] runs the arithmetic of
 //! [`super::math`] on a [`SimPlatform`] stream worker and declares every range it touches, so the sim hazard
 //! detector checks that each kernel is ordered after the copies that filled its weights. A cuBLAS implementation can
@@ -10,9 +10,9 @@
 
 use super::math::{self, Phase, ACTIVATION_BYTES};
 use super::EngineError;
-use crate::plan::{StorageId, TensorDesc};
 use std::collections::HashMap;
 use std::sync::Arc;
+use weightferry::plan::{StorageId, TensorDesc};
 use weightferry_actors::platform::{DeviceBufferId, PlatformRef, StreamId};
 use weightferry_actors::sim::{Access, SimPlatform};
 

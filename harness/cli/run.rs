@@ -9,14 +9,14 @@ use super::{
     check_blockless, emit, load_checkpoint, load_config, load_pipeline, CliError, FaultArg, LoadedPipeline,
     PlatformArg, RunArgs, DEFAULT_PRESET,
 };
-use crate::dist::allgather_engine::AllGatherEngine;
-use crate::dist::LaunchEnv;
 use crate::engine::driver::{run as drive, CheckpointWeights, RunSpec};
 use crate::engine::EngineError;
-use crate::offload::OffloadError;
 use crate::progress::{RunBars, RunObserver};
 use std::io::IsTerminal;
 use std::sync::Arc;
+use weightferry::dist::allgather_engine::AllGatherEngine;
+use weightferry::dist::LaunchEnv;
+use weightferry::offload::OffloadError;
 use weightferry_actors::OrderingFault;
 
 /// Maps an engine error to the CLI contract: input problems exit 2, everything else 1.
@@ -67,9 +67,9 @@ pub fn check_platform(p: PlatformArg) -> Result<(), CliError> {
 fn run_cuda(
     a: &RunArgs,
     name: &str,
-    desc: &crate::plan::PipelineDesc,
+    desc: &weightferry::plan::PipelineDesc,
     checkpoint: Option<&crate::engine::driver::CheckpointWeights>,
-    config: &crate::config::OffloadConfig,
+    config: &weightferry::config::OffloadConfig,
 ) -> Result<i32, CliError> {
     use crate::engine::cuda::GpuShape;
     use crate::engine::gpu::{default_tokens, gpu_run};

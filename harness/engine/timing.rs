@@ -7,9 +7,9 @@
 //! figures are comparable. Also here: hook-latency percentiles and milliseconds, as the reports print them.
 
 use super::{Engine, EngineError, ExecOptions, ExecOutput, Progress};
-use crate::hooks::HookRegistry;
-use crate::offload::{BackendReport, WeightSource};
 use std::time::{Duration, Instant};
+use weightferry::hooks::HookRegistry;
+use weightferry::offload::{BackendReport, WeightSource};
 
 /// Milliseconds of `d`.
 pub fn ms(d: Duration) -> f64 {

@@ -26,14 +26,16 @@
 
 use super::timing::median;
 use super::EngineError;
-use crate::model::splitmix64;
-use crate::platform::cuda::blas::{BLayout, Blas, Gemm};
-use crate::platform::cuda::nccl::{nccl_version, NcclCollective, NcclOptions, NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
-use crate::platform::cuda::symmetric::SymmetricHeap;
-use crate::platform::cuda::CudaPlatform;
 use serde::Serialize;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+use weightferry::model::splitmix64;
+use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
+use weightferry::platform::cuda::nccl::{
+    nccl_version, NcclCollective, NcclOptions, NcclUniqueId, NCCL_UNIQUE_ID_BYTES,
+};
+use weightferry::platform::cuda::symmetric::SymmetricHeap;
+use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::platform::{
     DeviceBufferId, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, StreamId,
 };
@@ -300,7 +302,7 @@ fn gemm_fill(elems: usize, salt: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(elems * 2);
     for i in 0..elems as u64 {
         let v = (((i.wrapping_mul(7919) ^ salt) % 255) as f32 - 127.0) / 512.0;
-        out.extend_from_slice(&crate::model::f32_to_bf16(v).to_le_bytes());
+        out.extend_from_slice(&weightferry::model::f32_to_bf16(v).to_le_bytes());
     }
     out
 }

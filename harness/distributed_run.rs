@@ -9,7 +9,7 @@
 //! H2D of the rank's shard then one AllGather per dtype section (or per chunk of one, with
 //! [`DistributedRunSpec::chunk_bytes`]), through gather-path [`BlockStack`]s that share one [`GatherSequence`] and
 //! one collective actor. Everything outside the DiT stacks is placed on the device once
-//! ([`ResidentPlacement`](crate::offload::ResidentPlacement)). No block is prefetched before the first forward, so
+//! ([`ResidentPlacement`](weightferry::offload::ResidentPlacement)). No block is prefetched before the first forward, so
 //! every rank's first gather happens inside the same hook sequence.
 //!
 //! Host memory ([`DistributedRunSpec::release_loaded`]): right after a unit's shards are built, the rank frees the
@@ -34,21 +34,21 @@
 //! either restored bit-exactly or still released when it returns (the model's checksum after a successful run equals
 //! the one before).
 
-use crate::config::{Component, OffloadConfig, Strategy};
 use crate::engine::compare::{run_offloaded, run_resident, UPLOAD_STREAM};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
 use crate::engine::timeline::{in_modules, summarize, trace_execution, DeviceSpan, DeviceTracer, TimelineSummary};
 use crate::engine::{Engine, EngineError, ExecOptions};
-use crate::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
-use crate::model::splitmix64;
-use crate::model::{Home, HostModel, ModelError};
-use crate::offload::distributed::DistributedError;
-use crate::offload::units::{build_unit_plan, UnitPlan};
-use crate::offload::{get_offload_backend, OffloadError, StreamingBackend};
-use crate::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use std::sync::Arc;
 use std::time::Duration;
+use weightferry::config::{Component, OffloadConfig, Strategy};
+use weightferry::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
+use weightferry::model::splitmix64;
+use weightferry::model::{Home, HostModel, ModelError};
+use weightferry::offload::distributed::DistributedError;
+use weightferry::offload::units::{build_unit_plan, UnitPlan};
+use weightferry::offload::{get_offload_backend, OffloadError, StreamingBackend};
+use weightferry::plan::{resolve_offload_plan, PipelineDesc, StorageId};
 use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
 use weightferry_actors::collective_actor::{CollectiveFactory, GatherError};
 use weightferry_actors::platform::{PlatformError, PlatformRef};

@@ -20,13 +20,13 @@ pub mod plan;
 pub mod run;
 pub mod sim_args;
 
-use crate::config::OffloadConfig;
-use crate::plan::json::load_pipeline_file;
-use crate::plan::presets::{preset, PRESET_NAMES};
-use crate::plan::{resolve_offload_plan, PipelineDesc};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use weightferry::config::OffloadConfig;
+use weightferry::plan::json::load_pipeline_file;
+use weightferry::plan::presets::{preset, PRESET_NAMES};
+use weightferry::plan::{resolve_offload_plan, PipelineDesc};
 
 /// The offload config used when `--config` is not given: layerwise streaming of the DiT and the text encoder,
 /// prefetch depth chosen by the planner (2), nothing resident. For a pipeline with no usable text encoder the
@@ -205,11 +205,11 @@ pub enum CopySubmissionArg {
     Hook,
 }
 
-impl From<CopySubmissionArg> for crate::config::CopySubmission {
+impl From<CopySubmissionArg> for weightferry::config::CopySubmission {
     fn from(a: CopySubmissionArg) -> Self {
         match a {
-            CopySubmissionArg::Actor => crate::config::CopySubmission::Actor,
-            CopySubmissionArg::Hook => crate::config::CopySubmission::Hook,
+            CopySubmissionArg::Actor => weightferry::config::CopySubmission::Actor,
+            CopySubmissionArg::Hook => weightferry::config::CopySubmission::Hook,
         }
     }
 }
@@ -349,15 +349,15 @@ pub struct InspectArgs {
 #[derive(Debug)]
 pub struct LoadedCheckpoint {
     /// The checkpoint, mapped.
-    pub checkpoint: std::sync::Arc<crate::checkpoint::Checkpoint>,
+    pub checkpoint: std::sync::Arc<weightferry::checkpoint::Checkpoint>,
     /// The derived description and its block lists.
-    pub derived: crate::checkpoint::Derived,
+    pub derived: weightferry::checkpoint::Derived,
 }
 
 /// Opens `path` and derives its one-DiT pipeline with the DiT named `component`; every checkpoint error is
 /// invalid input (exit 2), its message naming the file and the tensor.
 pub fn load_checkpoint(path: &Path, component: &str) -> Result<LoadedCheckpoint, CliError> {
-    use crate::checkpoint::{derive_pipeline, Checkpoint, DeriveOptions};
+    use weightferry::checkpoint::{derive_pipeline, Checkpoint, DeriveOptions};
     let checkpoint = Checkpoint::open(path).map_err(|e| CliError::invalid(format!("checkpoint {e}")))?;
     let derived = derive_pipeline(&checkpoint, &DeriveOptions { component: component.to_string() })
         .map_err(|e| CliError::invalid(format!("checkpoint {e}")))?;
@@ -572,7 +572,7 @@ mod tests {
     }
 }
 
-/// `--allgather-engine`: the library's [`AllGatherEngine`](crate::dist::allgather_engine::AllGatherEngine) as a
+/// `--allgather-engine`: the library's [`AllGatherEngine`](weightferry::dist::allgather_engine::AllGatherEngine) as a
 /// command-line value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum AllGatherEngineArg {
@@ -585,9 +585,9 @@ pub enum AllGatherEngineArg {
     Kernel,
 }
 
-impl From<AllGatherEngineArg> for crate::dist::allgather_engine::AllGatherEngine {
+impl From<AllGatherEngineArg> for weightferry::dist::allgather_engine::AllGatherEngine {
     fn from(a: AllGatherEngineArg) -> Self {
-        use crate::dist::allgather_engine::AllGatherEngine as E;
+        use weightferry::dist::allgather_engine::AllGatherEngine as E;
         match a {
             AllGatherEngineArg::Auto => E::Auto,
             AllGatherEngineArg::CopyEngine => E::CopyEngine,

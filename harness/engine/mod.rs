@@ -32,16 +32,16 @@ pub mod slow;
 pub mod timeline;
 pub mod timing;
 
-use crate::hooks::{HookError, HookRegistry, Residency};
-use crate::model::{fnv1a, splitmix64, ModelError, FNV_OFFSET};
-use crate::offload::{OffloadError, WeightSource};
-use crate::plan::{PipelineDesc, StorageId};
 use compute::{Activations, Compute, ModuleKernel, WeightRange};
 use math::Phase;
 use program::{ComponentProgram, Op, Program};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use weightferry::hooks::{HookError, HookRegistry, Residency};
+use weightferry::model::{fnv1a, splitmix64, ModelError, FNV_OFFSET};
+use weightferry::offload::{OffloadError, WeightSource};
+use weightferry::plan::{PipelineDesc, StorageId};
 use weightferry_actors::platform::{EventId, PlatformError, PlatformRef, StreamId};
 
 /// Errors of the reference engine and the run driver.
@@ -448,20 +448,23 @@ impl Run<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hooks::ModelHook;
-    use crate::model::HostModel;
-    use crate::offload::ResidentPlacement;
-    use crate::plan::presets::preset;
     use std::sync::Mutex;
+    use weightferry::hooks::ModelHook;
+    use weightferry::model::HostModel;
+    use weightferry::offload::ResidentPlacement;
+    use weightferry::plan::presets::preset;
     use weightferry_actors::sim::{SimConfig, SimPlatform};
 
     struct Rec(Arc<Mutex<Vec<String>>>);
     impl ModelHook for Rec {
-        fn pre_forward(&self, m: &str) -> Result<Option<crate::hooks::Residency>, crate::hooks::HookFailure> {
+        fn pre_forward(
+            &self,
+            m: &str,
+        ) -> Result<Option<weightferry::hooks::Residency>, weightferry::hooks::HookFailure> {
             self.0.lock().unwrap().push(format!("pre {m}"));
             Ok(None)
         }
-        fn post_forward(&self, m: &str) -> Result<(), crate::hooks::HookFailure> {
+        fn post_forward(&self, m: &str) -> Result<(), weightferry::hooks::HookFailure> {
             self.0.lock().unwrap().push(format!("post {m}"));
             Ok(())
         }
@@ -528,7 +531,7 @@ mod tests {
         fn locate(
             &self,
             s: StorageId,
-        ) -> Result<(weightferry_actors::platform::DeviceBufferId, u64), crate::offload::OffloadError> {
+        ) -> Result<(weightferry_actors::platform::DeviceBufferId, u64), weightferry::offload::OffloadError> {
             self.1.lock().unwrap().push(s);
             self.0.locate(s)
         }
@@ -536,10 +539,10 @@ mod tests {
 
     #[test]
     fn streamed_weights_are_found_from_pre_forward_without_asking_the_backend() {
-        use crate::config::OffloadConfig;
-        use crate::offload::get_offload_backend;
-        use crate::offload::units::build_unit_plan;
-        use crate::plan::resolve_offload_plan;
+        use weightferry::config::OffloadConfig;
+        use weightferry::offload::get_offload_backend;
+        use weightferry::offload::units::build_unit_plan;
+        use weightferry::plan::resolve_offload_plan;
         let desc = Arc::new(preset("flux-tiny").unwrap());
         let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
         let platform: weightferry_actors::platform::PlatformRef = sim.clone();

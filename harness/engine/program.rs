@@ -13,10 +13,10 @@
 //! block's bytes are on the device only between its hooks.
 
 use super::math::Phase;
-use crate::plan::discovery::discover_components;
-use crate::plan::{join, ModuleNode, PipelineDesc, StorageId, TensorDesc};
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use weightferry::plan::discovery::discover_components;
+use weightferry::plan::{join, ModuleNode, PipelineDesc, StorageId, TensorDesc};
 
 /// One step of a component's program.
 #[derive(Debug, Clone, PartialEq)]
@@ -170,7 +170,7 @@ impl Program {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::presets::preset;
+    use weightferry::plan::presets::preset;
 
     fn kernels(c: &ComponentProgram) -> Vec<&KernelItem> {
         c.ops.iter().filter_map(|o| if let Op::Kernel(k) = o { Some(k) } else { None }).collect()

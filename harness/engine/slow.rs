@@ -2,8 +2,8 @@
 //! same stream. Used by the GPU tests to prove that a deliberately broken ordering (compute not waiting for a ready
 //! event) is caught: with fast copies a race may not show; with slow ones it must.
 
-use crate::platform::cuda::CudaPlatform;
 use std::sync::{Arc, Mutex};
+use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::platform::{
     DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformResult, StreamId,
 };
