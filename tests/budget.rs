@@ -7,9 +7,10 @@
 //! text encoder 30 U, the VAE 35 U, and the blocks are given per test.
 
 use weightferry::config::{OffloadConfig, Strategy};
+use weightferry::pipeline::builder::{ModuleBuilder, PipelineBuilder};
+use weightferry::pipeline::{DType, OffloadPlanDecl, PipelineDesc};
 use weightferry::plan::budget::fit_stack;
-use weightferry::plan::builder::{ModuleBuilder, PipelineBuilder};
-use weightferry::plan::{resolve_offload_plan, DType, OffloadPlanDecl, PipelineDesc, ResolvedPlan};
+use weightferry::plan::{resolve_offload_plan, ResolvedPlan};
 
 /// Size unit of the test pipelines (bytes).
 const U: u64 = 256;

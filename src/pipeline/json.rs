@@ -7,7 +7,7 @@
 //! # Example
 //!
 //! ```
-//! use weightferry::plan::json::{load_pipeline_json, to_pipeline_json};
+//! use weightferry::pipeline::json::{load_pipeline_json, to_pipeline_json};
 //!
 //! let text = r#"{
 //!   "format": "weightferry-pipeline/1",
@@ -100,10 +100,10 @@
 //! up to 128 levels (each module level takes two, so modules nest about 60 deep), [`MAX_REPEAT`] copies per repeat, [`MAX_NODES`] modules and tensors after expansion; sizes
 //! must fit in 64 bits.
 
-use crate::plan::builder::{check_fit, check_view, is_valid_name, is_valid_path, PipelineError};
-use crate::plan::pipeline::{
-    join, ComponentDecls, DType, ModuleNode, OffloadPlanDecl, PipelineDesc, StorageDesc, StorageId, TensorDesc,
-    TensorKind,
+use super::validate::{check_fit, check_view, checked_span, is_valid_name, is_valid_path};
+use super::{
+    join, ComponentDecls, DType, ModuleNode, OffloadPlanDecl, PipelineDesc, PipelineError, StorageDesc, StorageId,
+    TensorDesc, TensorKind,
 };
 use crate::textfile::{read_text_capped, MAX_PIPELINE_FILE_BYTES};
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -957,8 +957,7 @@ fn plan_storages(p: &PipelineDesc) -> StoragePlan<'_> {
         let spans_exactly = first.get(id).is_some_and(|(_, t)| {
             t.dtype == s.dtype
                 && t.shape.len() == t.strides.len()
-                && crate::plan::builder::checked_span(&t.shape, &t.strides)
-                    .and_then(|span| span.checked_add(t.storage_offset))
+                && checked_span(&t.shape, &t.strides).and_then(|span| span.checked_add(t.storage_offset))
                     == Some(s.numel)
         });
         match first.get(id) {

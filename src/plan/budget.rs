@@ -8,9 +8,9 @@
 //! [`placement`]), whichever component an attribute that views it belongs to; so a budget at the real need is
 //! accepted.
 
-use super::pipeline::{PipelineDesc, StorageId};
 use super::resolver::{ResolvedComponent, ResolvedPlan};
 use crate::config::{Component, OffloadConfig, Strategy};
+use crate::pipeline::{PipelineDesc, StorageId};
 use serde::Serialize;
 use std::collections::BTreeSet;
 

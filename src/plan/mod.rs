@@ -1,11 +1,6 @@
-//! Pipeline descriptions and the offload plan: what the model looks like, and what offload will do to it.
+//! The offload plan: what offload will do to a pipeline ([`crate::pipeline`]) under a config, decided before
+//! anything is touched: component discovery, the resolver, the device-memory budget planner and the plan report.
 
-pub mod builder;
-pub mod json;
-pub mod pipeline;
-pub mod presets;
-
-pub use pipeline::*;
 pub mod budget;
 pub mod discovery;
 pub mod report;

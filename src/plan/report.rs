@@ -6,7 +6,8 @@
 //! `device_weight_bytes` are always there.
 
 use crate::config::{OffloadConfig, Strategy};
-use crate::plan::{resolve_offload_plan, PipelineDesc, PlanError, ResolvedComponent, ResolvedPlan};
+use crate::pipeline::PipelineDesc;
+use crate::plan::{resolve_offload_plan, PlanError, ResolvedComponent, ResolvedPlan};
 use serde::Serialize;
 use std::fmt;
 

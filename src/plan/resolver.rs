@@ -9,8 +9,8 @@
 
 use super::budget::{plan_budget, BudgetPlan};
 use super::discovery::{blocks_of, discover_components, dit_block_attrs, BlockAttrSource};
-use super::pipeline::{join, ModuleNode, PipelineDesc};
 use crate::config::{Component, OffloadConfig, Strategy};
+use crate::pipeline::{join, ModuleNode, PipelineDesc};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -692,7 +692,7 @@ fn resolve_layer(
 fn keep_encoder_resident_layers(
     cx: &mut Ctx<'_>,
     encoders: &mut [ResolvedComponent],
-    plan_decl: &super::pipeline::OffloadPlanDecl,
+    plan_decl: &crate::pipeline::OffloadPlanDecl,
 ) -> Result<(), PlanError> {
     let p = cx.p;
     let n = cx.cfg.encoder_resident_layers;
@@ -897,7 +897,7 @@ fn check_unique_block_owners<'a>(
 }
 
 /// The weights a block views: every tensor's storage, offset, shape and strides, as a set (names do not matter).
-type BlockViews = std::collections::BTreeSet<(super::pipeline::StorageId, u64, Vec<u64>, Vec<u64>)>;
+type BlockViews = std::collections::BTreeSet<(crate::pipeline::StorageId, u64, Vec<u64>, Vec<u64>)>;
 
 /// Rejects a block reached twice through tied weights: two blocks (of any stacks, in any components) that view
 /// exactly the same weights are one block claimed twice, however they are reached.
