@@ -98,7 +98,7 @@ fn too_small(budget: u64, fixed: u64, ring: u64, name: &str, depth: u32, others:
         "diffusion_offload_config.device_budget: {budget} bytes cannot hold the {fixed} bytes of weights that stay \
          on the device plus the smallest ring of {ring} bytes for '{name}' (prefetch depth {depth}){others}; raise \
          device_budget to at least {need} bytes ({})",
-        weightferry::plan::report::short_bytes(need)
+        weightferry::plan::bytes::short_bytes(need)
     )
 }
 

@@ -8,32 +8,12 @@
 //! [`placement`]), whichever component an attribute that views it belongs to; so a budget at the real need is
 //! accepted.
 
-use super::resolver::{ResolvedComponent, ResolvedPlan};
+use super::bytes::short_bytes;
+use super::resolved::{BudgetPlan, ComponentKind, ResolvedComponent, ResolvedPlan};
+use super::stack::DEFAULT_PREFETCH_DEPTH;
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::pipeline::{PipelineDesc, StorageId};
-use serde::Serialize;
 use std::collections::BTreeSet;
-
-/// The device memory plan for the weights.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct BudgetPlan {
-    /// Upper bound of device memory used by weights during a run.
-    pub device_weight_bytes: u64,
-    /// Bytes that stay on the device the whole run (non-block state, unselected components, residents).
-    pub always_resident_bytes: u64,
-    /// Bytes of resident block heads.
-    pub resident_head_bytes: u64,
-    /// Bytes of ring slots.
-    pub slot_bytes: u64,
-    /// Largest component staged on demand (loaded for its phase only).
-    pub on_demand_peak_bytes: u64,
-    /// The configured budget, if any.
-    pub budget: Option<u64>,
-    /// Whether the planner chose resident counts / depths (a budget was set for the layerwise strategy).
-    pub planner_chose: bool,
-    /// Human-readable notes on the choices made.
-    pub notes: Vec<String>,
-}
 
 /// Distinct storages under a module path.
 pub fn storages_under(p: &PipelineDesc, path: &str) -> BTreeSet<StorageId> {
@@ -173,14 +153,14 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
             for c in plan.components().filter(|c| c.selected && swaps) {
                 let bytes = place.unit_bytes(p, &storages_under(p, &c.path));
                 match c.kind {
-                    super::resolver::ComponentKind::Dit => {
+                    ComponentKind::Dit => {
                         if cfg.keep_dit_resident {
                             always = always.saturating_add(bytes);
                         } else {
                             dit_stage = dit_stage.max(bytes);
                         }
                     }
-                    super::resolver::ComponentKind::Vae => vae_stage = vae_stage.max(bytes),
+                    ComponentKind::Vae => vae_stage = vae_stage.max(bytes),
                     _ => enc_stage = enc_stage.max(bytes),
                 }
             }
@@ -217,7 +197,7 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
                         }
                     }
                 }
-                if c.kind != super::resolver::ComponentKind::Dit {
+                if c.kind != ComponentKind::Dit {
                     for s in &c.stacks {
                         fixed_slots = fixed_slots.saturating_add(s.slot_bytes());
                         fixed_heads = fixed_heads.saturating_add(s.resident_bytes());
@@ -269,7 +249,7 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
                                 cfg.device_budget.unwrap_or(0),
                                 s.name,
                                 user_depth.unwrap_or(1),
-                                crate::plan::report::short_bytes(need)
+                                short_bytes(need)
                             )
                         })?;
                         let kept = choice.resident.iter().filter(|r| **r).count();
@@ -494,7 +474,7 @@ pub fn plan_spread(blocks: &[u64], user_depth: Option<u32>, avail: u64, ratio: f
 pub fn fit_stack(blocks: &[u64], user_depth: Option<u32>, avail: u64) -> Option<(usize, u32)> {
     let depths: Vec<u32> = match user_depth {
         Some(k) => vec![k],
-        None => vec![super::resolver::DEFAULT_PREFETCH_DEPTH, 1],
+        None => vec![DEFAULT_PREFETCH_DEPTH, 1],
     };
     // The cost is not monotone in r (the tail's largest block can shrink), so scan every split.
     depths.into_iter().find_map(|k| stack_costs(blocks, k).iter().rposition(|&c| c <= avail).map(|r| (r, k)))

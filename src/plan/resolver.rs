@@ -7,18 +7,16 @@
 //! problem into an error; the compatibility topology (no selector) warns and skips instead. Every error is raised
 //! here, so a backend fails before it installs a hook or moves a tensor.
 
-use super::budget::{plan_budget, BudgetPlan};
+use super::budget::plan_budget;
 use super::discovery::{blocks_of, discover_components, dit_block_attrs, BlockAttrSource};
+use super::resolved::{BudgetPlan, ComponentKind, ResolvedComponent, ResolvedPlan};
+use super::stack::{StackPlan, DEFAULT_PREFETCH_DEPTH};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::pipeline::{join, ModuleNode, PipelineDesc};
-use serde::Serialize;
 use std::collections::BTreeMap;
 
 /// Nested DiT children larger than this are staged or streamed by the distributed strategy even undeclared.
 pub const ON_DEMAND_THRESHOLD_BYTES: u64 = 1024 * 1024 * 1024;
-
-/// Default prefetch depth when the config sets none and no budget forces a choice.
-pub const DEFAULT_PREFETCH_DEPTH: u32 = 2;
 
 /// Message of the layerwise no-op when the compatibility topology finds no DiT.
 pub const NO_DIT_SKIP_REASON: &str = "No DiT/transformer modules found for selected DiT layerwise offload";
@@ -33,183 +31,6 @@ pub const MODEL_SWAP_SKIP_REASON: &str =
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct PlanError(pub String);
-
-/// What role a component plays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ComponentKind {
-    /// A diffusion transformer.
-    Dit,
-    /// A text encoder (selectable as `text_encoder`).
-    TextEncoder,
-    /// Another encoder (image, …): never selectable.
-    Encoder,
-    /// A VAE.
-    Vae,
-    /// A module that always stays on the device.
-    Resident,
-    /// An auxiliary module (stays on the device).
-    Auxiliary,
-    /// A nested DiT child that is staged or streamed separately.
-    DitChild,
-}
-
-impl ComponentKind {
-    /// Short name for reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            ComponentKind::Dit => "dit",
-            ComponentKind::TextEncoder => "text_encoder",
-            ComponentKind::Encoder => "encoder",
-            ComponentKind::Vae => "vae",
-            ComponentKind::Resident => "resident",
-            ComponentKind::Auxiliary => "auxiliary",
-            ComponentKind::DitChild => "dit_child",
-        }
-    }
-}
-
-/// An ordered list of blocks streamed through one ring, split into a resident head and a streaming tail.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct BlockStack {
-    /// Display name: the owning component path and its block-list attributes.
-    pub name: String,
-    /// Block-list attribute paths relative to the owner, in execution order.
-    pub attrs: Vec<String>,
-    /// Full dotted path of every block, in execution order.
-    pub blocks: Vec<String>,
-    /// Device bytes of each block (its distinct storages, each aligned as the device layout packs them; after
-    /// budgeting, less the storages another unit holds too, which the backend pins to the fixed placement).
-    pub block_bytes: Vec<u64>,
-    /// Number of blocks kept resident on the device: the leading ones, unless `resident_mask` says which.
-    pub resident_head: usize,
-    /// Exactly which blocks stay resident, when the device-budget planner spread them along the stack (the
-    /// explicit `resident_layers` always keeps a leading head and leaves this `None`).
-    pub resident_mask: Option<Vec<bool>>,
-    /// How many blocks ahead the ring prefetches.
-    pub prefetch_depth: u32,
-}
-
-impl BlockStack {
-    /// Whether block `i` stays resident.
-    pub fn is_resident(&self, i: usize) -> bool {
-        match &self.resident_mask {
-            Some(m) => m.get(i).copied().unwrap_or(false),
-            None => i < self.resident_head,
-        }
-    }
-    /// Per block: resident.
-    pub fn resident_flags(&self) -> Vec<bool> {
-        (0..self.blocks.len()).map(|i| self.is_resident(i)).collect()
-    }
-    /// Blocks kept resident.
-    pub fn resident(&self) -> Vec<String> {
-        self.blocks.iter().enumerate().filter(|(i, _)| self.is_resident(*i)).map(|(_, b)| b.clone()).collect()
-    }
-    /// Blocks streamed through the ring.
-    pub fn streaming(&self) -> Vec<String> {
-        self.blocks.iter().enumerate().filter(|(i, _)| !self.is_resident(*i)).map(|(_, b)| b.clone()).collect()
-    }
-    /// Largest streamed block, in bytes (0 when nothing streams).
-    pub fn max_streaming_block_bytes(&self) -> u64 {
-        self.block_bytes.iter().enumerate().filter(|(i, _)| !self.is_resident(*i)).map(|(_, b)| *b).max().unwrap_or(0)
-    }
-    /// Bytes of the resident blocks.
-    pub fn resident_bytes(&self) -> u64 {
-        self.block_bytes
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| self.is_resident(*i))
-            .fold(0u64, |a, (_, &b)| a.saturating_add(b))
-    }
-    /// Device slots the ring needs: depth + 1 (capped by the streaming length), or 0 when nothing streams.
-    pub fn slot_count(&self) -> usize {
-        let streaming = (0..self.blocks.len()).filter(|&i| !self.is_resident(i)).count();
-        if streaming == 0 {
-            0
-        } else {
-            (self.prefetch_depth as usize + 1).min(streaming)
-        }
-    }
-    /// Device bytes of the ring's slots.
-    pub fn slot_bytes(&self) -> u64 {
-        (self.slot_count() as u64).saturating_mul(self.max_streaming_block_bytes())
-    }
-}
-
-/// One component of the resolved plan.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ResolvedComponent {
-    /// Dotted path from the pipeline root.
-    pub path: String,
-    /// Role.
-    pub kind: ComponentKind,
-    /// Module class.
-    pub class: String,
-    /// Whether the strategy offloads this component.
-    pub selected: bool,
-    /// Block stacks streamed through rings.
-    pub stacks: Vec<BlockStack>,
-    /// Residency managed by the pipeline's `load_to_device` / `offload_to_cpu` lifecycle.
-    pub on_demand: bool,
-    /// Nested children staged or streamed separately (DiTs only).
-    pub children: Vec<ResolvedComponent>,
-    /// Bytes of the component's distinct storages.
-    pub bytes: u64,
-    /// Device bytes of the component when packed (each storage aligned).
-    pub device_bytes: u64,
-}
-
-impl ResolvedComponent {
-    /// Every block path owned by this component's stacks (children excluded).
-    pub fn block_paths(&self) -> impl Iterator<Item = &String> {
-        self.stacks.iter().flat_map(|s| s.blocks.iter())
-    }
-}
-
-/// The resolver's answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ResolvedPlan {
-    /// The strategy that will run.
-    pub strategy: Strategy,
-    /// Diffusion transformers.
-    pub dits: Vec<ResolvedComponent>,
-    /// Encoders.
-    pub encoders: Vec<ResolvedComponent>,
-    /// VAEs.
-    pub vaes: Vec<ResolvedComponent>,
-    /// Always-resident modules (declared residents and auxiliaries).
-    pub residents: Vec<ResolvedComponent>,
-    /// Why the backend should do nothing at all (layerwise, compatibility topology, no DiT).
-    pub skip_reason: Option<String>,
-    /// Warnings raised while resolving (also logged).
-    pub warnings: Vec<String>,
-    /// Device memory plan for the weights.
-    pub budget: BudgetPlan,
-}
-
-impl ResolvedPlan {
-    /// All top-level components: DiTs, encoders, VAEs, residents.
-    pub fn components(&self) -> impl Iterator<Item = &ResolvedComponent> {
-        self.dits.iter().chain(&self.encoders).chain(&self.vaes).chain(&self.residents)
-    }
-    /// Every block stack of every component and child, with its owner.
-    pub fn stacks(&self) -> Vec<(&ResolvedComponent, &BlockStack)> {
-        let mut out = Vec::new();
-        fn walk<'a>(c: &'a ResolvedComponent, out: &mut Vec<(&'a ResolvedComponent, &'a BlockStack)>) {
-            for s in &c.stacks {
-                out.push((c, s));
-            }
-            for ch in &c.children {
-                walk(ch, out);
-            }
-        }
-        for c in self.components() {
-            walk(c, &mut out);
-        }
-        out
-    }
-}
 
 struct Ctx<'a> {
     p: &'a PipelineDesc,
@@ -235,9 +56,9 @@ impl Ctx<'_> {
     fn depth_for(&self, c: Component) -> u32 {
         self.cfg.prefetch_depth(c).unwrap_or(DEFAULT_PREFETCH_DEPTH)
     }
-    fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, depth: u32) -> BlockStack {
+    fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, depth: u32) -> StackPlan {
         let block_bytes = blocks.iter().map(|b| self.p.subtree_device_bytes(b)).collect();
-        BlockStack {
+        StackPlan {
             name: format!("{owner}[{}]", attrs.join("+")),
             attrs,
             blocks,
@@ -760,7 +581,7 @@ fn keep_encoder_resident_layers(
 /// error under an explicit selection; the compatibility topology keeps that block resident too, with a warning.
 fn keep_resident_head(
     cx: &mut Ctx<'_>,
-    stack: &mut BlockStack,
+    stack: &mut StackPlan,
     dit: &str,
     count: u32,
     label: &str,
