@@ -33,9 +33,9 @@
 //!
 //! Every tensor gets its own storage unless it is tied to another tensor or placed in a storage declared with
 //! [`ModuleBuilder::storage`]. [`StorageHandle`]s are builder-local; [`PipelineBuilder::build`] assigns the final
-//! [`StorageId`](super::StorageId)s in canonical order: depth first (a module's tensors, then its children, in declaration order), in
-//! order of first appearance, from 0. The JSON loader uses the same order, so a description survives a round trip
-//! through JSON unchanged.
+//! [`StorageId`](super::StorageId)s in canonical order: depth first (a module's tensors, then its children, in
+//! declaration order), in order of first appearance, from 0. The JSON loader uses the same order, so a description
+//! survives a round trip through JSON unchanged.
 //!
 //! Every description the builder returns passed [`PipelineDesc::validate`].
 
@@ -52,8 +52,8 @@ pub const IMPLICIT_MODULE_CLASS: &str = "Module";
 pub const BLOCK_LIST_CLASS: &str = "ModuleList";
 
 /// A builder-local reference to a storage, returned when a tensor or storage is declared; pass it to
-/// [`TensorSpec::in_storage`] to make another tensor view the same bytes. The final [`StorageId`](super::StorageId)s are assigned
-/// by [`PipelineBuilder::build`].
+/// [`TensorSpec::in_storage`] to make another tensor view the same bytes. The final
+/// [`StorageId`](super::StorageId)s are assigned by [`PipelineBuilder::build`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StorageHandle {
     builder: u64,

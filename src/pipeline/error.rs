@@ -4,8 +4,8 @@
 use super::DType;
 
 /// A pipeline description that breaks a structural rule. `at` names where: a dotted module or tensor path for the
-/// builder and [`PipelineDesc::validate`], a JSON path (`modules.transformer.tensors.weight.shape`) for the loader.
-/// Every message ends with the fix.
+/// builder and [`PipelineDesc::validate`](super::PipelineDesc::validate), a JSON path
+/// (`modules.transformer.tensors.weight.shape`) for the loader. Every message ends with the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PipelineError {
@@ -171,7 +171,7 @@ pub enum PipelineError {
         /// The missing name.
         name: String,
     },
-    /// A tensor referencing a [`StorageId`] missing from the storage table.
+    /// A tensor referencing a [`StorageId`](super::StorageId) missing from the storage table.
     #[error(
         "{at}: storage {id} is not in the pipeline's storage table; add it or point the tensor at an existing storage"
     )]

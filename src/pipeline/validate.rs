@@ -1,14 +1,6 @@
 //! The structural rules every pipeline description obeys, checked by
 //! [`PipelineBuilder::build`](super::builder::PipelineBuilder::build), by the JSON loader and by
 //! [`PipelineDesc::validate`]; and the per-view checks the builder and the loader share.
-//!
-//! The rules:
-//! - class names are non-empty; attribute names are non-empty runs of ASCII letters, digits and `_`;
-//! - a module never has two attributes (tensors and children together) with the same name;
-//! - every tensor has one stride per dimension, its sizes fit in 64 bits, its dtype equals its storage's dtype, and
-//!   its view lies inside its storage (`storage_offset + physical_numel <= storage numel`);
-//! - every storage is viewed by at least one tensor;
-//! - every declared path (components, offload plan, per-class block attributes) is a valid dotted path.
 
 use super::{
     join, ComponentDecls, DType, ModuleNode, OffloadPlanDecl, PipelineDesc, PipelineError, StorageDesc, StorageId,
@@ -159,8 +151,16 @@ pub(super) fn module_at(path: &str) -> String {
 }
 
 impl PipelineDesc {
-    /// Checks every structural rule (see the [rules](self)). Locations are dotted module/tensor paths, or
-    /// `storage N` for a storage, or JSON-style paths for declarations.
+    /// Checks every structural rule. Locations are dotted module/tensor paths, or `storage N` for a storage, or
+    /// JSON-style paths for declarations.
+    ///
+    /// The rules:
+    /// - class names are non-empty; attribute names are non-empty runs of ASCII letters, digits and `_`;
+    /// - a module never has two attributes (tensors and children together) with the same name;
+    /// - every tensor has one stride per dimension, its sizes fit in 64 bits, its dtype equals its storage's dtype,
+    ///   and its view lies inside its storage (`storage_offset + physical_numel <= storage numel`);
+    /// - every storage is viewed by at least one tensor;
+    /// - every declared path (components, offload plan, per-class block attributes) is a valid dotted path.
     pub fn validate(&self) -> Result<(), PipelineError> {
         if self.class.is_empty() {
             return Err(PipelineError::EmptyClass { at: "class".to_string() });
