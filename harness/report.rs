@@ -9,7 +9,8 @@
 use serde::Serialize;
 use std::fmt;
 
-pub use weightferry::plan::report::{human_bytes, PlanBudget, PlanComponent, PlanReport, PlanStack};
+pub use weightferry::plan::bytes::human_bytes;
+pub use weightferry::plan::report::{PlanBudget, PlanComponent, PlanReport, PlanStack};
 
 /// Per-stack figures of the offloaded run (the backend's own report).
 pub use weightferry::offload::backend::StackReport as RunStack;

@@ -6,7 +6,7 @@
 //! hook runs. A hook that places its module's weights says where in the [`Residency`] its `pre_forward` returns, so
 //! the engine finds a streamed block's weights without asking the backend again.
 
-use crate::plan::StorageId;
+use crate::pipeline::StorageId;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 use weightferry_actors::platform::DeviceBufferId;

@@ -3,7 +3,8 @@
 //!
 //! - [`checkpoint`]: safetensors checkpoints, mapped and checked; descriptions and host models derived from them.
 //! - [`config`]: the offload config file (compact and legacy keys), validated into an [`config::OffloadConfig`].
-//! - [`plan`]: pipeline descriptions, presets, and the pure plan resolver.
+//! - [`pipeline`]: pipeline descriptions: the builder, the JSON format and the presets.
+//! - [`plan`]: the pure plan resolver, the device-memory planner and the plan report.
 //! - [`hooks`]: the forward-hook registry the strategies install into.
 //! - [`dist`]: multi-process runs: the launch environment, the TCP rendezvous, the process launcher, the NCCL
 //!   bootstrap.
@@ -17,6 +18,7 @@ pub mod dist;
 pub mod hooks;
 pub mod model;
 pub mod offload;
+pub mod pipeline;
 pub mod plan;
 pub mod platform;
 pub mod textfile;

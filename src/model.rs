@@ -10,7 +10,7 @@
 //! tests prove weights are bit-identical after enable/disable cycles and faults. A storage whose bytes are not on
 //! this host ([`Home::Sharded`]) is never read: every read of it is [`ModelError::Sharded`].
 
-use crate::plan::{DType, PipelineDesc, StorageId};
+use crate::pipeline::{DType, PipelineDesc, StorageId};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};

@@ -18,8 +18,9 @@ use weightferry::hooks::{HookError, HookFailure, HookRegistry, LAYERWISE_OFFLOAD
 use weightferry::model::{Home, HostModel};
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
 use weightferry::offload::{get_offload_backend, OffloadError, StreamingBackend, WeightSource};
-use weightferry::plan::presets::preset;
-use weightferry::plan::{resolve_offload_plan, PipelineDesc, StorageId};
+use weightferry::pipeline::presets::preset;
+use weightferry::pipeline::{PipelineDesc, StorageId};
+use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::{Platform, PlatformError, PlatformRef, StreamId};
 use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
 use weightferry_actors::SchedulerError;

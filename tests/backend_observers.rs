@@ -10,7 +10,7 @@ use weightferry::model::{Home, HostModel};
 use weightferry::offload::backend::{master_batches, EnableProgress, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS};
 use weightferry::offload::get_offload_backend;
 use weightferry::offload::units::build_unit_plan;
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::{HostBufferId, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};

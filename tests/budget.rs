@@ -7,9 +7,10 @@
 //! text encoder 30 U, the VAE 35 U, and the blocks are given per test.
 
 use weightferry::config::{OffloadConfig, Strategy};
+use weightferry::pipeline::builder::{ModuleBuilder, PipelineBuilder};
+use weightferry::pipeline::{DType, OffloadPlanDecl, PipelineDesc};
 use weightferry::plan::budget::fit_stack;
-use weightferry::plan::builder::{ModuleBuilder, PipelineBuilder};
-use weightferry::plan::{resolve_offload_plan, DType, OffloadPlanDecl, PipelineDesc, ResolvedPlan};
+use weightferry::plan::{resolve_offload_plan, ResolvedPlan};
 
 /// Size unit of the test pipelines (bytes).
 const U: u64 = 256;
@@ -97,7 +98,7 @@ fn too_small(budget: u64, fixed: u64, ring: u64, name: &str, depth: u32, others:
         "diffusion_offload_config.device_budget: {budget} bytes cannot hold the {fixed} bytes of weights that stay \
          on the device plus the smallest ring of {ring} bytes for '{name}' (prefetch depth {depth}){others}; raise \
          device_budget to at least {need} bytes ({})",
-        weightferry::plan::report::short_bytes(need)
+        weightferry::plan::bytes::short_bytes(need)
     )
 }
 

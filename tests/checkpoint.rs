@@ -13,7 +13,8 @@ use std::sync::Arc;
 use weightferry::checkpoint::{derive_pipeline, Checkpoint, CheckpointError, DeriveOptions};
 use weightferry::config::OffloadConfig;
 use weightferry::model::HostModel;
-use weightferry::plan::{resolve_offload_plan, DType, StorageId};
+use weightferry::pipeline::{DType, StorageId};
+use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::PlatformRef;
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
@@ -470,7 +471,7 @@ fn sharded_inconsistencies_are_their_typed_errors() {
 }
 
 /// A Flux-like checkpoint written in its own folder, opened, and the description derived from it.
-fn flux_like_checkpoint(name: &str) -> (Checkpoint, weightferry::plan::PipelineDesc) {
+fn flux_like_checkpoint(name: &str) -> (Checkpoint, weightferry::pipeline::PipelineDesc) {
     let path = dir(name).join("m.safetensors");
     write(&path, &flux_like());
     let ck = Checkpoint::open(&path).unwrap();
@@ -507,7 +508,7 @@ fn a_description_that_does_not_match_the_checkpoint_is_refused() {
 #[test]
 fn a_non_persistent_buffer_is_left_to_the_caller_and_every_other_storage_comes_from_the_file() {
     use weightferry::model::Home;
-    use weightferry::plan::{StorageDesc, TensorDesc, TensorKind};
+    use weightferry::pipeline::{StorageDesc, TensorDesc, TensorKind};
 
     let (ck, mut desc) = flux_like_checkpoint("non_persistent");
     // A rotary table no checkpoint holds: 4 f32 values in a storage of its own.

@@ -19,7 +19,7 @@ use weightferry::hooks::HookRegistry;
 use weightferry::model::{Home, HostModel};
 use weightferry::offload::layout::{align_up, ALIGN};
 use weightferry::offload::{get_offload_backend, OffloadError, StreamingBackend, WeightSource};
-use weightferry::plan::{PipelineDesc, StorageId};
+use weightferry::pipeline::{PipelineDesc, StorageId};
 use weightferry_actors::platform::{Platform, PlatformRef, StreamId};
 use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
 

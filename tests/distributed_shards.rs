@@ -14,8 +14,9 @@ use weightferry::offload::distributed::{build_sharded_masters, DistributedError,
 use weightferry::offload::layout::{section_bytes, UnitLayout, ALIGN};
 use weightferry::offload::units::build_unit_plan;
 use weightferry::offload::ResidentPlacement;
-use weightferry::plan::presets::preset;
-use weightferry::plan::{resolve_offload_plan, StorageId};
+use weightferry::pipeline::presets::preset;
+use weightferry::pipeline::StorageId;
+use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::{HostMemoryKind, Platform, PlatformError, PlatformRef};
 use weightferry_actors::shard::{reassemble, ShardError};
 use weightferry_actors::sim::{SimConfig, SimPlatform};

@@ -7,7 +7,7 @@ use weightferry::config::OffloadConfig;
 use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
 use weightferry::offload::{get_offload_backend, WeightSource};
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry_actors::platform::PlatformRef;
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 

@@ -23,9 +23,10 @@ use weightferry::offload::backend::{master_batches, MASTER_BATCH_BYTES, MASTER_B
 use weightferry::offload::layout::{section_bytes, write_section, Section, ALIGN, MASTER_BOUNCE_BYTES};
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
 use weightferry::offload::{get_offload_backend, WeightSource};
-use weightferry::plan::builder::PipelineBuilder;
-use weightferry::plan::presets::preset;
-use weightferry::plan::{resolve_offload_plan, DType, PipelineDesc, StorageId};
+use weightferry::pipeline::builder::PipelineBuilder;
+use weightferry::pipeline::presets::preset;
+use weightferry::pipeline::{DType, PipelineDesc, StorageId};
+use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::{
     DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef,
     PlatformResult, StreamId,

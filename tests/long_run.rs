@@ -12,7 +12,7 @@ use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
 use weightferry::offload::get_offload_backend;
 use weightferry::offload::units::build_unit_plan;
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{Access, SimConfig, SimPlatform};

@@ -1,10 +1,11 @@
 //! Pipeline descriptions: the builder, the JSON format and the presets.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use weightferry::plan::builder::{PipelineBuilder, PipelineError, TensorSpec};
-use weightferry::plan::json::{load_pipeline_file, load_pipeline_json, to_pipeline_json, MAX_NODES, MAX_REPEAT};
-use weightferry::plan::presets::{preset, PRESET_NAMES};
-use weightferry::plan::{DType, ModuleNode, PipelineDesc, StorageDesc, StorageId, TensorDesc, TensorKind};
+use weightferry::pipeline::builder::{PipelineBuilder, TensorSpec};
+use weightferry::pipeline::json::{load_pipeline_file, load_pipeline_json, to_pipeline_json, MAX_NODES, MAX_REPEAT};
+use weightferry::pipeline::presets::{preset, PRESET_NAMES};
+use weightferry::pipeline::PipelineError;
+use weightferry::pipeline::{DType, ModuleNode, PipelineDesc, StorageDesc, StorageId, TensorDesc, TensorKind};
 
 fn err_text(r: Result<PipelineDesc, PipelineError>) -> String {
     match r {
@@ -256,7 +257,7 @@ fn builder_rejects_invalid_declared_paths() {
         "class_block_attrs.DiT[1]: `` is not a valid dotted path; join non-empty names of ASCII letters, digits and \
          `_` with single dots, e.g. `transformer.blocks`"
     );
-    let mut plan = weightferry::plan::OffloadPlanDecl::default();
+    let mut plan = weightferry::pipeline::OffloadPlanDecl::default();
     plan.block_attrs.insert("transformer".into(), vec!["blocks".into(), "x/y".into()]);
     let e = build_err(|b| b.offload_plan(plan));
     assert_eq!(

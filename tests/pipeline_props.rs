@@ -3,10 +3,10 @@
 
 use proptest::prelude::*;
 use std::collections::BTreeSet;
-use weightferry::plan::builder::{PipelineBuilder, TensorSpec};
-use weightferry::plan::json::{load_pipeline_json, to_pipeline_json};
-use weightferry::plan::presets::preset;
-use weightferry::plan::{DType, PipelineDesc, TensorKind};
+use weightferry::pipeline::builder::{PipelineBuilder, TensorSpec};
+use weightferry::pipeline::json::{load_pipeline_json, to_pipeline_json};
+use weightferry::pipeline::presets::preset;
+use weightferry::pipeline::{DType, PipelineDesc, TensorKind};
 
 const EXAMPLE: &str = r#"{
   "format": "weightferry-pipeline/1",
@@ -143,7 +143,7 @@ fn node_strategy() -> impl Strategy<Value = Node> {
 const DTYPES: [DType; 7] = [DType::F32, DType::F16, DType::Bf16, DType::F8e4m3, DType::I64, DType::I32, DType::U8];
 const KINDS: [TensorKind; 3] = [TensorKind::Parameter, TensorKind::PersistentBuffer, TensorKind::NonPersistentBuffer];
 
-fn fill(m: &mut weightferry::plan::builder::ModuleBuilder<'_>, node: &Node, paths: &mut Vec<String>) {
+fn fill(m: &mut weightferry::pipeline::builder::ModuleBuilder<'_>, node: &Node, paths: &mut Vec<String>) {
     for (i, (dtype, shape, transposed, kind)) in node.tensors.iter().enumerate() {
         let mut spec = TensorSpec::new(DTYPES[*dtype], shape).kind(KINDS[*kind]);
         if *transposed {

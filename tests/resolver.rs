@@ -7,14 +7,12 @@
 use std::collections::BTreeMap;
 use weightferry::config::{Component, OffloadConfig, Strategy};
 use weightferry::diag::warn_once;
+use weightferry::pipeline::builder::{ModuleBuilder, PipelineBuilder};
+use weightferry::pipeline::presets::preset;
+use weightferry::pipeline::{ComponentDecls, DType, OffloadPlanDecl, PipelineDesc};
 use weightferry::plan::budget::{non_block_storages, storages_under};
-use weightferry::plan::builder::{ModuleBuilder, PipelineBuilder};
-use weightferry::plan::presets::preset;
 use weightferry::plan::resolver::NO_DIT_SKIP_REASON;
-use weightferry::plan::{
-    resolve_offload_plan, ComponentDecls, ComponentKind, DType, OffloadPlanDecl, PipelineDesc, ResolvedComponent,
-    ResolvedPlan,
-};
+use weightferry::plan::{resolve_offload_plan, ComponentKind, ResolvedComponent, ResolvedPlan};
 
 // ------------------------------------------------------------------------------------------------------------
 // Helpers
@@ -1118,7 +1116,7 @@ fn resolution_is_repeatable_and_leaves_its_inputs_untouched() {
 /// versions took 20 s and 67 s in a release build; these bounds are loose for a debug build on a busy machine.)
 #[test]
 fn the_largest_block_lists_plan_in_linear_time() {
-    use weightferry::plan::json::load_pipeline_json;
+    use weightferry::pipeline::json::load_pipeline_json;
     let config = OffloadConfig::from_json_str(
         r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": "300KiB"}}"#,
     )

@@ -8,13 +8,11 @@ use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use weightferry::config::{Component, OffloadConfig, Strategy as OffloadStrategy};
-use weightferry::plan::builder::{ModuleBuilder, PipelineBuilder};
-use weightferry::plan::presets::{preset, PRESET_NAMES};
+use weightferry::pipeline::builder::{ModuleBuilder, PipelineBuilder};
+use weightferry::pipeline::presets::{preset, PRESET_NAMES};
+use weightferry::pipeline::{ComponentDecls, DType, ModuleNode, OffloadPlanDecl, PipelineDesc};
 use weightferry::plan::resolver::{MODEL_SWAP_SKIP_REASON, NO_DIT_SKIP_REASON};
-use weightferry::plan::{
-    resolve_offload_plan, ComponentDecls, ComponentKind, DType, ModuleNode, OffloadPlanDecl, PipelineDesc, PlanError,
-    ResolvedComponent, ResolvedPlan,
-};
+use weightferry::plan::{resolve_offload_plan, ComponentKind, PlanError, ResolvedComponent, ResolvedPlan};
 
 // ------------------------------------------------------------------------------------------------------------
 // Random pipelines

@@ -13,10 +13,11 @@ use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
 use weightferry::offload::units::build_unit_plan;
 use weightferry::offload::{get_offload_backend, OffloadError, WeightSource};
+use weightferry::pipeline::builder::{ModuleBuilder, PipelineBuilder};
+use weightferry::pipeline::json::{load_pipeline_json, to_pipeline_json};
+use weightferry::pipeline::{DType, OffloadPlanDecl, PipelineDesc};
 use weightferry::plan::budget::{non_block_storages, storages_under};
-use weightferry::plan::builder::{ModuleBuilder, PipelineBuilder};
-use weightferry::plan::json::{load_pipeline_json, to_pipeline_json};
-use weightferry::plan::{resolve_offload_plan, DType, OffloadPlanDecl, PipelineDesc, ResolvedPlan};
+use weightferry::plan::{resolve_offload_plan, ResolvedPlan};
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 

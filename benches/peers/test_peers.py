@@ -24,7 +24,7 @@ def spec(p):
 
 class SpecTests(unittest.TestCase):
     def test_real_presets_bytes(self):
-        # The DiT sizes of src/plan/presets.rs (also checked against the binary by check_shapes.py).
+        # The DiT sizes of src/pipeline/presets.rs (also checked against the binary by check_shapes.py).
         self.assertEqual(spec("flux-dev").total_bytes(), 23_803_865_216)
         self.assertEqual(spec("wan-14b").total_bytes(), 28_579_723_392)
         self.assertEqual(spec("qwen-image").total_bytes(), 40_861_850_752)

@@ -49,7 +49,7 @@ pub fn check_args(a: &BenchArgs) -> Result<CheckedBench, CliError> {
         a.preset.clone()
     };
     for p in &presets {
-        if weightferry::plan::presets::preset(p).is_none() {
+        if weightferry::pipeline::presets::preset(p).is_none() {
             return Err(CliError::invalid(format!("unknown preset '{p}'")));
         }
     }

@@ -216,7 +216,7 @@ impl GroupTiming {
 
 /// The single-GPU bench command for the same preset, steps, depth and tokens (`None` for a pipeline file).
 pub fn single_gpu_command(pipeline: &str, steps: (u32, u32), depth: usize, tokens: Option<usize>) -> Option<String> {
-    weightferry::plan::presets::preset(pipeline)?;
+    weightferry::pipeline::presets::preset(pipeline)?;
     let tokens = tokens.map_or_else(String::new, |t| format!(" --tokens {t}"));
     Some(format!(
         "weightferry bench --preset {pipeline} --steps {},{} --depths {depth} --budgets none{tokens}",
@@ -850,7 +850,7 @@ fn cuda_rank(
     a: &RunArgs,
     env: &LaunchEnv,
     rdv: &Rendezvous,
-    desc: &weightferry::plan::PipelineDesc,
+    desc: &weightferry::pipeline::PipelineDesc,
     name: &str,
     spec: &DistributedRunSpec,
     weights: Option<&CheckpointWeights>,
@@ -907,7 +907,7 @@ fn cuda_rank(
     _a: &RunArgs,
     _env: &LaunchEnv,
     _rdv: &Rendezvous,
-    _desc: &weightferry::plan::PipelineDesc,
+    _desc: &weightferry::pipeline::PipelineDesc,
     _name: &str,
     _spec: &DistributedRunSpec,
     _weights: Option<&CheckpointWeights>,

@@ -24,9 +24,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use weightferry::config::OffloadConfig;
-use weightferry::plan::json::load_pipeline_file;
-use weightferry::plan::presets::{preset, PRESET_NAMES};
-use weightferry::plan::{resolve_offload_plan, PipelineDesc};
+use weightferry::pipeline::json::load_pipeline_file;
+use weightferry::pipeline::presets::{preset, PRESET_NAMES};
+use weightferry::pipeline::PipelineDesc;
+use weightferry::plan::resolve_offload_plan;
 
 /// The offload config used when `--config` is not given: layerwise streaming of the DiT and the text encoder,
 /// prefetch depth chosen by the planner (2), nothing resident. For a pipeline with no usable text encoder the

@@ -67,7 +67,7 @@ pub fn check_platform(p: PlatformArg) -> Result<(), CliError> {
 fn run_cuda(
     a: &RunArgs,
     name: &str,
-    desc: &weightferry::plan::PipelineDesc,
+    desc: &weightferry::pipeline::PipelineDesc,
     checkpoint: Option<&crate::engine::driver::CheckpointWeights>,
     config: &weightferry::config::OffloadConfig,
 ) -> Result<i32, CliError> {

@@ -18,7 +18,7 @@ use weightferry::model::HostModel;
 use weightferry::offload::{
     get_offload_backend, BackendReport, OffloadError, ResidentPlacement, StreamingBackend, WeightSource,
 };
-use weightferry::plan::StorageId;
+use weightferry::pipeline::StorageId;
 use weightferry_actors::platform::{HostBufferId, PlatformRef, StreamId};
 use weightferry_actors::OrderingFault;
 
@@ -299,8 +299,8 @@ mod tests {
     use super::*;
     use crate::engine::compute::SimCompute;
     use std::sync::Arc;
-    use weightferry::plan::presets::preset;
-    use weightferry::plan::PipelineDesc;
+    use weightferry::pipeline::presets::preset;
+    use weightferry::pipeline::PipelineDesc;
     use weightferry_actors::platform::Platform;
     use weightferry_actors::sim::{SimConfig, SimPlatform};
 
@@ -403,8 +403,8 @@ mod tests {
 
     #[test]
     fn with_nothing_to_offload_the_offloaded_stage_runs_resident() {
-        use weightferry::plan::builder::PipelineBuilder;
-        use weightferry::plan::DType;
+        use weightferry::pipeline::builder::PipelineBuilder;
+        use weightferry::pipeline::DType;
         let desc = PipelineBuilder::new("NoDit")
             .module("text_encoder", "Enc", |m| {
                 m.block_list("layers", 2, "ToyBlock", |b, _| {

@@ -12,7 +12,7 @@ use super::math::{self, Phase, ACTIVATION_BYTES};
 use super::EngineError;
 use std::collections::HashMap;
 use std::sync::Arc;
-use weightferry::plan::{StorageId, TensorDesc};
+use weightferry::pipeline::{StorageId, TensorDesc};
 use weightferry_actors::platform::{DeviceBufferId, PlatformRef, StreamId};
 use weightferry_actors::sim::{Access, SimPlatform};
 

@@ -20,7 +20,7 @@ use super::math::Phase;
 use super::EngineError;
 use std::sync::{Arc, Mutex};
 use weightferry::model::{f32_to_bf16, splitmix64};
-use weightferry::plan::{DType, PipelineDesc, TensorDesc};
+use weightferry::pipeline::{DType, PipelineDesc, TensorDesc};
 use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
 use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef, StreamId};

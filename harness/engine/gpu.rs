@@ -22,7 +22,8 @@ use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
 use weightferry::offload::backend::EnableProgress;
 use weightferry::offload::{get_offload_backend, StreamingBackend, WeightSource};
-use weightferry::plan::{resolve_offload_plan, PipelineDesc};
+use weightferry::pipeline::PipelineDesc;
+use weightferry::plan::resolve_offload_plan;
 use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::platform::{Platform, PlatformRef};
 
@@ -242,7 +243,7 @@ fn bench_preset(
     progress: &mut dyn FnMut(&str),
 ) -> Result<(), EngineError> {
     let t0 = Instant::now();
-    let desc = weightferry::plan::presets::preset(name)
+    let desc = weightferry::pipeline::presets::preset(name)
         .ok_or_else(|| EngineError::Invalid(format!("unknown preset '{name}'")))?;
     let (mut tokens, ctx_tokens) = default_tokens(name);
     if let Some(t) = spec.tokens {

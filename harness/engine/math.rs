@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use weightferry::model::{bf16_to_f32, f16_to_f32, fnv1a, splitmix64, FNV_OFFSET};
-use weightferry::plan::{DType, StorageId, TensorDesc};
+use weightferry::pipeline::{DType, StorageId, TensorDesc};
 
 /// Rows (tokens) of each activation matrix.
 pub const TOKENS: usize = 4;
@@ -234,7 +234,7 @@ pub fn apply_module(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use weightferry::plan::TensorKind;
+    use weightferry::pipeline::TensorKind;
 
     fn tensor(dtype: DType, shape: &[u64], strides: &[u64], offset: u64) -> TensorDesc {
         TensorDesc {

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use weightferry::hooks::{HookError, HookRegistry, Residency};
 use weightferry::model::{fnv1a, splitmix64, ModelError, FNV_OFFSET};
 use weightferry::offload::{OffloadError, WeightSource};
-use weightferry::plan::{PipelineDesc, StorageId};
+use weightferry::pipeline::{PipelineDesc, StorageId};
 use weightferry_actors::platform::{EventId, PlatformError, PlatformRef, StreamId};
 
 /// Errors of the reference engine and the run driver.
@@ -452,7 +452,7 @@ mod tests {
     use weightferry::hooks::ModelHook;
     use weightferry::model::HostModel;
     use weightferry::offload::ResidentPlacement;
-    use weightferry::plan::presets::preset;
+    use weightferry::pipeline::presets::preset;
     use weightferry_actors::sim::{SimConfig, SimPlatform};
 
     struct Rec(Arc<Mutex<Vec<String>>>);

@@ -15,8 +15,8 @@
 use super::math::Phase;
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use weightferry::pipeline::{join, ModuleNode, PipelineDesc, StorageId, TensorDesc};
 use weightferry::plan::discovery::discover_components;
-use weightferry::plan::{join, ModuleNode, PipelineDesc, StorageId, TensorDesc};
 
 /// One step of a component's program.
 #[derive(Debug, Clone, PartialEq)]
@@ -170,7 +170,7 @@ impl Program {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use weightferry::plan::presets::preset;
+    use weightferry::pipeline::presets::preset;
 
     fn kernels(c: &ComponentProgram) -> Vec<&KernelItem> {
         c.ops.iter().filter_map(|o| if let Op::Kernel(k) = o { Some(k) } else { None }).collect()

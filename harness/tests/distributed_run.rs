@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
 use weightferry::model::{fnv1a, FNV_OFFSET};
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup};
 use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
 use weightferry_actors::platform::{Platform, PlatformRef};

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU64, Ordering};
 use weightferry::dist::LaunchEnv;
-use weightferry::plan::json::to_pipeline_json;
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::json::to_pipeline_json;
+use weightferry::pipeline::presets::preset;
 
 /// Cases per fuzz target.
 const CASES: u32 = 256;

@@ -7,7 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use weightferry::config::OffloadConfig;
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry_actors::OrderingFault;
 use weightferry_harness::engine::cuda::GpuShape;
 use weightferry_harness::engine::gpu::gpu_run;

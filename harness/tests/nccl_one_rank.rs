@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 use weightferry::model::HostModel;
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry::platform::cuda::nccl::{NcclCollective, NcclUniqueId};
 use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::collective::Collective;

@@ -20,8 +20,9 @@
 use weightferry::config::{OffloadConfig, Strategy};
 use weightferry::offload::layout::UnitLayout;
 use weightferry::offload::units::build_unit_plan;
-use weightferry::plan::json::load_pipeline_json;
-use weightferry::plan::{resolve_offload_plan, PipelineDesc, ResolvedPlan};
+use weightferry::pipeline::json::load_pipeline_json;
+use weightferry::pipeline::PipelineDesc;
+use weightferry::plan::{resolve_offload_plan, ResolvedPlan};
 use weightferry_harness::engine::driver::{run, RunSpec};
 
 /// Size unit (bytes): the device packing alignment.

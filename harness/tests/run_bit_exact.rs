@@ -6,7 +6,7 @@
 use weightferry::config::OffloadConfig;
 use weightferry::offload::layout::UnitLayout;
 use weightferry::offload::units::build_unit_plan;
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry::plan::resolve_offload_plan;
 use weightferry_harness::engine::driver::{run, RunSpec};
 use weightferry_harness::report::RunReport;
@@ -184,7 +184,7 @@ fn a_pipeline_over_the_engines_limit_is_refused() {
     assert_eq!(DEFAULT_MAX_WEIGHT_BYTES, 1 << 30);
     // A stride-0 view shows more than its storage holds: the limit counts what the views show, before anything is
     // allocated (an 8 TB expansion of a 2-byte storage is refused at once, not attempted).
-    let desc = weightferry::plan::json::load_pipeline_json(
+    let desc = weightferry::pipeline::json::load_pipeline_json(
         r#"{"class": "P", "modules": {"transformer": {"class": "T", "children": {
             "blocks": {"repeat": 2, "block": {"class": "B", "tensors": {
                 "w": {"dtype": "bf16", "shape": [1099511627776], "strides": [0]}}}}}}},

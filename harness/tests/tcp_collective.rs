@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::dist::{Rendezvous, RendezvousOptions, TcpCollective};
-use weightferry::plan::presets::preset;
+use weightferry::pipeline::presets::preset;
 use weightferry_actors::collective::{Collective, CollectiveError};
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::PlatformRef;

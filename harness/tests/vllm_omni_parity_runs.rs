@@ -4,8 +4,8 @@
 //! legacy `dlo_encoder_resident_layers`, every block resident, or a single streamed block left).
 
 use weightferry::config::OffloadConfig;
-use weightferry::plan::presets::preset;
-use weightferry::plan::PipelineDesc;
+use weightferry::pipeline::presets::preset;
+use weightferry::pipeline::PipelineDesc;
 use weightferry_harness::engine::driver::{run, RunSpec};
 use weightferry_harness::report::RunReport;
 

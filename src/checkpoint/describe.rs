@@ -18,8 +18,8 @@
 
 use super::error::CheckpointError;
 use super::Checkpoint;
-use crate::plan::builder::is_valid_name;
-use crate::plan::{
+use crate::pipeline::is_valid_name;
+use crate::pipeline::{
     ComponentDecls, DType, ModuleNode, OffloadPlanDecl, PipelineDesc, StorageDesc, StorageId, TensorDesc, TensorKind,
 };
 use std::cmp::Ordering;

@@ -243,7 +243,7 @@ pub enum CheckpointError {
         file: PathBuf,
         /// The rule broken.
         #[source]
-        source: crate::plan::builder::PipelineError,
+        source: crate::pipeline::PipelineError,
     },
     /// The platform failed to allocate or fill a host buffer.
     #[error("{}: loading into host memory failed: {source}", file.display())]

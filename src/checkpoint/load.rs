@@ -7,7 +7,7 @@
 use super::error::CheckpointError;
 use super::Checkpoint;
 use crate::model::{zeroed_buffers, HostModel};
-use crate::plan::{PipelineDesc, TensorDesc, TensorKind};
+use crate::pipeline::{PipelineDesc, TensorDesc, TensorKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use weightferry_actors::platform::{HostBufferId, PlatformRef};

@@ -13,7 +13,7 @@
 
 use super::error::CheckpointError;
 use super::region::FileRegion;
-use crate::plan::DType;
+use crate::pipeline::DType;
 use serde::de::{Deserializer, MapAccess, Visitor};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

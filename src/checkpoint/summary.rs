@@ -4,7 +4,7 @@
 use super::describe::{BlockList, Derived};
 use super::Checkpoint;
 use crate::offload::mapped::{first_misplaced, FileRange};
-use crate::plan::report::human_bytes;
+use crate::plan::bytes::human_bytes;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;

@@ -14,7 +14,7 @@
 
 use super::layout::{write_section_range, UnitLayout, MASTER_BOUNCE_BYTES};
 use crate::model::{HostModel, ModelError};
-use crate::plan::DType;
+use crate::pipeline::DType;
 use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
 use weightferry_actors::shard::{ShardError, ShardSpec};
 use weightferry_actors::MAX_GATHERS_PER_BLOCK;

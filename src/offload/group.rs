@@ -19,7 +19,7 @@ use super::layout::UnitLayout;
 use super::shard_restore::{restore_released, RestoreFailure, MAX_STACKS};
 use super::OffloadError;
 use crate::model::{Home, HostModel};
-use crate::plan::StorageId;
+use crate::pipeline::StorageId;
 use std::collections::HashMap;
 use weightferry_actors::collective_actor::{CollectiveFactory, CollectiveHandle};
 use weightferry_actors::platform::{HostMemoryKind, PlatformRef};

@@ -6,11 +6,11 @@
 //! so the copy is a single flat run and every tensor keeps its strides (tensors are views into storages).
 
 use crate::model::{HostModel, ModelError};
-use crate::plan::{DType, PipelineDesc, StorageId};
+use crate::pipeline::{DType, PipelineDesc, StorageId};
 use std::collections::BTreeMap;
 use weightferry_actors::platform::{HostBufferId, PlatformError, PlatformRef};
 
-pub use crate::plan::pipeline::{align_up, DEVICE_ALIGN as ALIGN};
+pub use crate::pipeline::{align_up, DEVICE_ALIGN as ALIGN};
 
 /// One dtype's section: the storages it holds and where.
 #[derive(Debug, Clone, PartialEq, Eq)]

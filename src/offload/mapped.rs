@@ -11,7 +11,7 @@
 use super::layout::{align_up, Section, UnitLayout};
 use crate::config::HostMasters;
 use crate::model::{Home, HostModel};
-use crate::plan::PipelineDesc;
+use crate::pipeline::PipelineDesc;
 use weightferry_actors::platform::HostBufferId;
 
 /// A section served from its file: the copy's source.

@@ -8,7 +8,7 @@
 use super::layout::UnitLayout;
 use super::{OffloadError, WeightSource};
 use crate::model::{Home, HostModel, ModelError};
-use crate::plan::StorageId;
+use crate::pipeline::StorageId;
 use std::collections::HashMap;
 use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, PlatformError, PlatformRef, StreamId};
 

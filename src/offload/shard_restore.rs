@@ -22,7 +22,7 @@ use super::distributed::ShardedMasters;
 use super::group::tag_of;
 use super::layout::UnitLayout;
 use crate::model::{Home, HostModel, ModelError};
-use crate::plan::StorageId;
+use crate::pipeline::StorageId;
 use weightferry_actors::collective_actor::{CollectiveHandle, GatherCmd, WARM_UP_TAG};
 use weightferry_actors::messages::TicketBoard;
 use weightferry_actors::platform::{

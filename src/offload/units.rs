@@ -10,8 +10,9 @@
 use super::layout::{storages_of, UnitLayout};
 use crate::config::{Component, CopySubmission, OffloadConfig, Strategy, WeightTransfer};
 use crate::hooks::{DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK, LAYERWISE_OFFLOAD_HOOK, SEQUENTIAL_OFFLOAD_HOOK};
+use crate::pipeline::{PipelineDesc, StorageId};
 use crate::plan::ComponentKind;
-use crate::plan::{PipelineDesc, ResolvedComponent, ResolvedPlan, StorageId};
+use crate::plan::{ResolvedComponent, ResolvedPlan};
 use std::collections::{BTreeMap, BTreeSet};
 use weightferry_actors::Submission;
 

@@ -8,32 +8,12 @@
 //! [`placement`]), whichever component an attribute that views it belongs to; so a budget at the real need is
 //! accepted.
 
-use super::pipeline::{PipelineDesc, StorageId};
-use super::resolver::{ResolvedComponent, ResolvedPlan};
+use super::bytes::short_bytes;
+use super::resolved::{BudgetPlan, ComponentKind, ResolvedComponent, ResolvedPlan};
+use super::stack::{StackPlan, DEFAULT_PREFETCH_DEPTH};
 use crate::config::{Component, OffloadConfig, Strategy};
-use serde::Serialize;
+use crate::pipeline::{PipelineDesc, StorageId};
 use std::collections::BTreeSet;
-
-/// The device memory plan for the weights.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct BudgetPlan {
-    /// Upper bound of device memory used by weights during a run.
-    pub device_weight_bytes: u64,
-    /// Bytes that stay on the device the whole run (non-block state, unselected components, residents).
-    pub always_resident_bytes: u64,
-    /// Bytes of resident block heads.
-    pub resident_head_bytes: u64,
-    /// Bytes of ring slots.
-    pub slot_bytes: u64,
-    /// Largest component staged on demand (loaded for its phase only).
-    pub on_demand_peak_bytes: u64,
-    /// The configured budget, if any.
-    pub budget: Option<u64>,
-    /// Whether the planner chose resident counts / depths (a budget was set for the layerwise strategy).
-    pub planner_chose: bool,
-    /// Human-readable notes on the choices made.
-    pub notes: Vec<String>,
-}
 
 /// Distinct storages under a module path.
 pub fn storages_under(p: &PipelineDesc, path: &str) -> BTreeSet<StorageId> {
@@ -163,140 +143,8 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
         Strategy::None => {
             b.always_resident_bytes = bytes_of(p, &p.storages.keys().copied().collect());
         }
-        Strategy::ModelLevel => {
-            let place = placement(p, plan);
-            let mut always = place.fixed_bytes(p);
-            let mut enc_stage = 0u64;
-            let mut dit_stage = 0u64;
-            let mut vae_stage = 0u64;
-            let swaps = plan.dits.iter().any(|d| d.selected) && plan.encoders.iter().any(|e| e.selected);
-            for c in plan.components().filter(|c| c.selected && swaps) {
-                let bytes = place.unit_bytes(p, &storages_under(p, &c.path));
-                match c.kind {
-                    super::resolver::ComponentKind::Dit => {
-                        if cfg.keep_dit_resident {
-                            always = always.saturating_add(bytes);
-                        } else {
-                            dit_stage = dit_stage.max(bytes);
-                        }
-                    }
-                    super::resolver::ComponentKind::Vae => vae_stage = vae_stage.max(bytes),
-                    _ => enc_stage = enc_stage.max(bytes),
-                }
-            }
-            b.always_resident_bytes = always;
-            b.on_demand_peak_bytes = enc_stage.max(dit_stage).max(vae_stage);
-            if cfg.keep_dit_resident {
-                b.notes.push("keep_dit_resident: the DiT stays on the device; encoders and VAE swap".into());
-            }
-        }
-        Strategy::LayerWise | Strategy::DistributedLayerWise => {
-            let place = placement(p, plan);
-            for c in plan.dits.iter_mut().chain(&mut plan.encoders).chain(&mut plan.vaes).chain(&mut plan.residents) {
-                refine_block_bytes(p, &place, c);
-            }
-            let always = place.fixed_bytes(p);
-            let staged = |c: &ResolvedComponent| place.unit_bytes(p, &non_block_storages(p, c));
-            let mut on_demand = 0u64;
-            let mut fixed_slots = 0u64;
-            let mut fixed_heads = 0u64;
-            for c in plan.components() {
-                if !c.selected {
-                    continue;
-                }
-                if c.on_demand {
-                    on_demand = on_demand.max(staged(c));
-                }
-                for ch in &c.children {
-                    if ch.on_demand {
-                        on_demand = on_demand.max(staged(ch));
-                    } else {
-                        for s in &ch.stacks {
-                            fixed_slots = fixed_slots.saturating_add(s.slot_bytes());
-                            fixed_heads = fixed_heads.saturating_add(s.resident_bytes());
-                        }
-                    }
-                }
-                if c.kind != super::resolver::ComponentKind::Dit {
-                    for s in &c.stacks {
-                        fixed_slots = fixed_slots.saturating_add(s.slot_bytes());
-                        fixed_heads = fixed_heads.saturating_add(s.resident_bytes());
-                    }
-                }
-            }
-            let fixed = always.saturating_add(on_demand).saturating_add(fixed_slots).saturating_add(fixed_heads);
-            let auto = plan.strategy == Strategy::LayerWise && cfg.device_budget.is_some();
-            let user_depth = cfg.prefetch_depth(Component::Dit);
-            // The smallest footprint of every DiT stack, reserved up front so that an earlier stack's resident head
-            // never takes the room a later stack needs.
-            let mins: Vec<u64> = plan
-                .dits
-                .iter()
-                .filter(|d| d.selected)
-                .flat_map(|d| d.stacks.iter().map(|s| min_stack_bytes(&s.block_bytes, user_depth)))
-                .collect();
-            let mut reserved: u64 = mins.iter().fold(0, |a, &m| a.saturating_add(m));
-            let mut dit_heads = 0u64;
-            let mut dit_slots = 0u64;
-            let mut remaining = cfg.device_budget.map(|bud| bud.saturating_sub(fixed));
-            let mut index = 0;
-            for d in plan.dits.iter_mut().filter(|d| d.selected) {
-                for s in &mut d.stacks {
-                    if auto {
-                        let own_min = mins.get(index).copied().unwrap_or(0);
-                        index += 1;
-                        reserved = reserved.saturating_sub(own_min);
-                        let avail = remaining.unwrap_or(u64::MAX);
-                        let choice = plan_spread(
-                            &s.block_bytes,
-                            user_depth,
-                            avail.saturating_sub(reserved),
-                            ASSUMED_COMPUTE_RATIO,
-                        )
-                        .ok_or_else(|| {
-                            let need = mins.iter().fold(fixed, |a, &m| a.saturating_add(m));
-                            let others = if mins.len() > 1 {
-                                let rest = need.saturating_sub(fixed).saturating_sub(own_min);
-                                format!(" and {rest} bytes for the other DiT stacks")
-                            } else {
-                                String::new()
-                            };
-                            format!(
-                                "diffusion_offload_config.device_budget: {} bytes cannot hold the {fixed} bytes of \
-                                     weights that stay on the device plus the smallest ring of {own_min} bytes for \
-                                     '{}' (prefetch depth {}){others}; raise device_budget to at least {need} bytes \
-                                     ({})",
-                                cfg.device_budget.unwrap_or(0),
-                                s.name,
-                                user_depth.unwrap_or(1),
-                                crate::plan::report::short_bytes(need)
-                            )
-                        })?;
-                        let kept = choice.resident.iter().filter(|r| **r).count();
-                        let depth = choice.depth;
-                        let pattern: String = choice.resident.iter().map(|&r| if r { 'R' } else { 's' }).collect();
-                        s.resident_head = kept;
-                        s.resident_mask = Some(choice.resident);
-                        s.prefetch_depth = depth;
-                        b.notes.push(format!(
-                            "{}: planner keeps {kept} of {} blocks resident, spread along the stack so copies hide \
-                             behind their compute, and prefetches {depth} ahead ({} slots); layout {pattern}",
-                            s.name,
-                            s.blocks.len(),
-                            s.slot_count()
-                        ));
-                        remaining = Some(avail.saturating_sub(s.resident_bytes().saturating_add(s.slot_bytes())));
-                    }
-                    dit_heads = dit_heads.saturating_add(s.resident_bytes());
-                    dit_slots = dit_slots.saturating_add(s.slot_bytes());
-                }
-            }
-            b.planner_chose = auto;
-            b.always_resident_bytes = always;
-            b.on_demand_peak_bytes = on_demand;
-            b.resident_head_bytes = fixed_heads.saturating_add(dit_heads);
-            b.slot_bytes = fixed_slots.saturating_add(dit_slots);
-        }
+        Strategy::ModelLevel => model_level_budget(p, cfg, plan, &mut b),
+        Strategy::LayerWise | Strategy::DistributedLayerWise => layerwise_budget(p, cfg, plan, &mut b)?,
     }
     b.device_weight_bytes = b
         .always_resident_bytes
@@ -314,6 +162,185 @@ pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPla
         }
     }
     Ok(b)
+}
+
+/// Model-level offload: the fixed placement (and a DiT kept resident) stays; the largest swapped stage comes and
+/// goes.
+fn model_level_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPlan, b: &mut BudgetPlan) {
+    let place = placement(p, plan);
+    let mut always = place.fixed_bytes(p);
+    let mut enc_stage = 0u64;
+    let mut dit_stage = 0u64;
+    let mut vae_stage = 0u64;
+    let swaps = plan.dits.iter().any(|d| d.selected) && plan.encoders.iter().any(|e| e.selected);
+    for c in plan.components().filter(|c| c.selected && swaps) {
+        let bytes = place.unit_bytes(p, &storages_under(p, &c.path));
+        match c.kind {
+            ComponentKind::Dit => {
+                if cfg.keep_dit_resident {
+                    always = always.saturating_add(bytes);
+                } else {
+                    dit_stage = dit_stage.max(bytes);
+                }
+            }
+            ComponentKind::Vae => vae_stage = vae_stage.max(bytes),
+            _ => enc_stage = enc_stage.max(bytes),
+        }
+    }
+    b.always_resident_bytes = always;
+    b.on_demand_peak_bytes = enc_stage.max(dit_stage).max(vae_stage);
+    if cfg.keep_dit_resident {
+        b.notes.push("keep_dit_resident: the DiT stays on the device; encoders and VAE swap".into());
+    }
+}
+
+/// Device bytes of the layerwise plan apart from the DiT stacks.
+#[derive(Debug, Clone, Copy, Default)]
+struct FixedCosts {
+    /// The fixed placement.
+    always: u64,
+    /// The largest component staged on demand.
+    on_demand: u64,
+    /// Ring slots of the encoder and DiT-child stacks.
+    slots: u64,
+    /// Resident blocks of the encoder and DiT-child stacks.
+    heads: u64,
+}
+
+impl FixedCosts {
+    fn of(p: &PipelineDesc, plan: &ResolvedPlan, place: &Placement) -> Self {
+        let staged = |c: &ResolvedComponent| place.unit_bytes(p, &non_block_storages(p, c));
+        let mut f = FixedCosts { always: place.fixed_bytes(p), ..Default::default() };
+        let add_stacks = |f: &mut FixedCosts, c: &ResolvedComponent| {
+            for s in &c.stacks {
+                f.slots = f.slots.saturating_add(s.slot_bytes());
+                f.heads = f.heads.saturating_add(s.resident_bytes());
+            }
+        };
+        for c in plan.components() {
+            if !c.selected {
+                continue;
+            }
+            if c.on_demand {
+                f.on_demand = f.on_demand.max(staged(c));
+            }
+            for ch in &c.children {
+                if ch.on_demand {
+                    f.on_demand = f.on_demand.max(staged(ch));
+                } else {
+                    add_stacks(&mut f, ch);
+                }
+            }
+            if c.kind != ComponentKind::Dit {
+                add_stacks(&mut f, c);
+            }
+        }
+        f
+    }
+
+    fn total(&self) -> u64 {
+        self.always.saturating_add(self.on_demand).saturating_add(self.slots).saturating_add(self.heads)
+    }
+}
+
+/// The layerwise strategies: block bytes refined to the placement, the fixed costs, then the DiT stacks (chosen by
+/// the planner under a `device_budget`).
+fn layerwise_budget(
+    p: &PipelineDesc,
+    cfg: &OffloadConfig,
+    plan: &mut ResolvedPlan,
+    b: &mut BudgetPlan,
+) -> Result<(), String> {
+    let place = placement(p, plan);
+    for c in plan.dits.iter_mut().chain(&mut plan.encoders).chain(&mut plan.vaes).chain(&mut plan.residents) {
+        refine_block_bytes(p, &place, c);
+    }
+    let fixed = FixedCosts::of(p, plan, &place);
+    let auto = plan.strategy == Strategy::LayerWise && cfg.device_budget.is_some();
+    let (dit_heads, dit_slots) = plan_dit_stacks(cfg, plan, fixed.total(), auto, &mut b.notes)?;
+    b.planner_chose = auto;
+    b.always_resident_bytes = fixed.always;
+    b.on_demand_peak_bytes = fixed.on_demand;
+    b.resident_head_bytes = fixed.heads.saturating_add(dit_heads);
+    b.slot_bytes = fixed.slots.saturating_add(dit_slots);
+    Ok(())
+}
+
+/// The selected DiT stacks' resident and slot bytes. With `auto`, the planner first chooses each stack's resident
+/// blocks and depth within what the budget leaves, reserving every later stack's smallest footprint up front so
+/// that an earlier stack's resident blocks never take the room a later stack needs.
+fn plan_dit_stacks(
+    cfg: &OffloadConfig,
+    plan: &mut ResolvedPlan,
+    fixed: u64,
+    auto: bool,
+    notes: &mut Vec<String>,
+) -> Result<(u64, u64), String> {
+    let user_depth = cfg.prefetch_depth(Component::Dit);
+    let mins: Vec<u64> = plan
+        .dits
+        .iter()
+        .filter(|d| d.selected)
+        .flat_map(|d| d.stacks.iter().map(|s| min_stack_bytes(&s.block_bytes, user_depth)))
+        .collect();
+    let mut reserved: u64 = mins.iter().fold(0, |a, &m| a.saturating_add(m));
+    let mut dit_heads = 0u64;
+    let mut dit_slots = 0u64;
+    let mut remaining = cfg.device_budget.map(|bud| bud.saturating_sub(fixed));
+    let mut index = 0;
+    for d in plan.dits.iter_mut().filter(|d| d.selected) {
+        for s in &mut d.stacks {
+            if auto {
+                let own_min = mins.get(index).copied().unwrap_or(0);
+                index += 1;
+                reserved = reserved.saturating_sub(own_min);
+                let avail = remaining.unwrap_or(u64::MAX);
+                let choice =
+                    plan_spread(&s.block_bytes, user_depth, avail.saturating_sub(reserved), ASSUMED_COMPUTE_RATIO)
+                        .ok_or_else(|| {
+                            let need = mins.iter().fold(fixed, |a, &m| a.saturating_add(m));
+                            let others = if mins.len() > 1 {
+                                let rest = need.saturating_sub(fixed).saturating_sub(own_min);
+                                format!(" and {rest} bytes for the other DiT stacks")
+                            } else {
+                                String::new()
+                            };
+                            format!(
+                                "diffusion_offload_config.device_budget: {} bytes cannot hold the {fixed} bytes of \
+                                 weights that stay on the device plus the smallest ring of {own_min} bytes for \
+                                 '{}' (prefetch depth {}){others}; raise device_budget to at least {need} bytes \
+                                 ({})",
+                                cfg.device_budget.unwrap_or(0),
+                                s.name,
+                                user_depth.unwrap_or(1),
+                                short_bytes(need)
+                            )
+                        })?;
+                apply_choice(s, choice, notes);
+                remaining = Some(avail.saturating_sub(s.resident_bytes().saturating_add(s.slot_bytes())));
+            }
+            dit_heads = dit_heads.saturating_add(s.resident_bytes());
+            dit_slots = dit_slots.saturating_add(s.slot_bytes());
+        }
+    }
+    Ok((dit_heads, dit_slots))
+}
+
+/// Writes the planner's choice into the stack and notes it.
+fn apply_choice(s: &mut StackPlan, choice: SpreadChoice, notes: &mut Vec<String>) {
+    let kept = choice.resident.iter().filter(|r| **r).count();
+    let depth = choice.depth;
+    let pattern: String = choice.resident.iter().map(|&r| if r { 'R' } else { 's' }).collect();
+    s.resident_head = kept;
+    s.resident_mask = Some(choice.resident);
+    s.prefetch_depth = depth;
+    notes.push(format!(
+        "{}: planner keeps {kept} of {} blocks resident, spread along the stack so copies hide \
+         behind their compute, and prefetches {depth} ahead ({} slots); layout {pattern}",
+        s.name,
+        s.blocks.len(),
+        s.slot_count()
+    ));
 }
 
 /// Device bytes of a stack with `r` leading blocks resident at prefetch depth `k`, for every `r` in `0..=n`: the
@@ -494,7 +521,7 @@ pub fn plan_spread(blocks: &[u64], user_depth: Option<u32>, avail: u64, ratio: f
 pub fn fit_stack(blocks: &[u64], user_depth: Option<u32>, avail: u64) -> Option<(usize, u32)> {
     let depths: Vec<u32> = match user_depth {
         Some(k) => vec![k],
-        None => vec![super::resolver::DEFAULT_PREFETCH_DEPTH, 1],
+        None => vec![DEFAULT_PREFETCH_DEPTH, 1],
     };
     // The cost is not monotone in r (the tail's largest block can shrink), so scan every split.
     depths.into_iter().find_map(|k| stack_costs(blocks, k).iter().rposition(|&c| c <= avail).map(|r| (r, k)))

@@ -4,8 +4,8 @@
 //! Declarations win over the deprecated fallback attribute scan. Discovery reads the description only; its
 //! warnings are returned as values (and logged), so the same input always gives the same answer.
 
-use super::pipeline::{join, ModuleNode, PipelineDesc};
 use crate::diag::warn_once;
+use crate::pipeline::{join, ModuleNode, PipelineDesc};
 
 /// Attribute names the deprecated scan treats as DiTs.
 pub const FALLBACK_DIT_NAMES: &[&str] =

@@ -5,36 +5,14 @@
 //! with `path`, `kind`, `selected` and `stacks` of `{blocks, resident, streaming}`), `skip_reason` and
 //! `device_weight_bytes` are always there.
 
+use super::bytes::human_bytes;
+use super::resolved::{ComponentKind, ResolvedComponent, ResolvedPlan};
+use super::resolver::{resolve_offload_plan, PlanError};
+use super::stack::StackPlan;
 use crate::config::{OffloadConfig, Strategy};
-use crate::plan::{resolve_offload_plan, PipelineDesc, PlanError, ResolvedComponent, ResolvedPlan};
+use crate::pipeline::PipelineDesc;
 use serde::Serialize;
 use std::fmt;
-
-/// Formats a byte count with a binary unit, and the exact count beside it past 1 KiB: `6.75 KiB (6912 B)`.
-pub fn human_bytes(b: u64) -> String {
-    let short = short_bytes(b);
-    if b < 1024 {
-        short
-    } else {
-        format!("{short} ({b} B)")
-    }
-}
-
-/// A byte count in the largest binary unit below it, two decimals: `6.75 KiB`, `512 B`.
-pub fn short_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
 
 /// One stack of a resolved plan.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -124,7 +102,7 @@ pub struct PlanReport {
     pub warnings: Vec<String>,
 }
 
-fn plan_stack(s: &crate::plan::BlockStack) -> PlanStack {
+fn plan_stack(s: &StackPlan) -> PlanStack {
     PlanStack {
         name: s.name.clone(),
         blocks: s.blocks.len(),
@@ -140,7 +118,6 @@ fn plan_stack(s: &crate::plan::BlockStack) -> PlanStack {
 }
 
 fn action(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent, keep_dit: bool) -> String {
-    use crate::plan::ComponentKind;
     if !c.selected {
         return "stays on the device (not offloaded)".to_string();
     }

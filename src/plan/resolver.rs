@@ -6,19 +6,23 @@
 //! same plan (warnings included) for the same inputs. An explicit component selection turns every declaration
 //! problem into an error; the compatibility topology (no selector) warns and skips instead. Every error is raised
 //! here, so a backend fails before it installs a hook or moves a tensor.
+//!
+//! The layerwise strategies' decisions live in their own files: `dit` (DiT stacks, resident heads, nested
+//! children), `encoder` (encoder stacks and their resident layers) and `claims` (one owner per block).
 
-use super::budget::{plan_budget, BudgetPlan};
-use super::discovery::{blocks_of, discover_components, dit_block_attrs, BlockAttrSource};
-use super::pipeline::{join, ModuleNode, PipelineDesc};
+mod claims;
+mod dit;
+mod encoder;
+
+use super::budget::plan_budget;
+use super::discovery::{discover_components, Discovered};
+use super::resolved::{BudgetPlan, ComponentKind, ResolvedComponent, ResolvedPlan};
+use super::stack::{StackPlan, DEFAULT_PREFETCH_DEPTH};
 use crate::config::{Component, OffloadConfig, Strategy};
-use serde::Serialize;
-use std::collections::BTreeMap;
+use crate::pipeline::{ModuleNode, OffloadPlanDecl, PipelineDesc};
 
 /// Nested DiT children larger than this are staged or streamed by the distributed strategy even undeclared.
 pub const ON_DEMAND_THRESHOLD_BYTES: u64 = 1024 * 1024 * 1024;
-
-/// Default prefetch depth when the config sets none and no budget forces a choice.
-pub const DEFAULT_PREFETCH_DEPTH: u32 = 2;
 
 /// Message of the layerwise no-op when the compatibility topology finds no DiT.
 pub const NO_DIT_SKIP_REASON: &str = "No DiT/transformer modules found for selected DiT layerwise offload";
@@ -34,191 +38,22 @@ pub const MODEL_SWAP_SKIP_REASON: &str =
 #[error("{0}")]
 pub struct PlanError(pub String);
 
-/// What role a component plays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ComponentKind {
-    /// A diffusion transformer.
-    Dit,
-    /// A text encoder (selectable as `text_encoder`).
-    TextEncoder,
-    /// Another encoder (image, …): never selectable.
-    Encoder,
-    /// A VAE.
-    Vae,
-    /// A module that always stays on the device.
-    Resident,
-    /// An auxiliary module (stays on the device).
-    Auxiliary,
-    /// A nested DiT child that is staged or streamed separately.
-    DitChild,
-}
-
-impl ComponentKind {
-    /// Short name for reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            ComponentKind::Dit => "dit",
-            ComponentKind::TextEncoder => "text_encoder",
-            ComponentKind::Encoder => "encoder",
-            ComponentKind::Vae => "vae",
-            ComponentKind::Resident => "resident",
-            ComponentKind::Auxiliary => "auxiliary",
-            ComponentKind::DitChild => "dit_child",
-        }
-    }
-}
-
-/// An ordered list of blocks streamed through one ring, split into a resident head and a streaming tail.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct BlockStack {
-    /// Display name: the owning component path and its block-list attributes.
-    pub name: String,
-    /// Block-list attribute paths relative to the owner, in execution order.
-    pub attrs: Vec<String>,
-    /// Full dotted path of every block, in execution order.
-    pub blocks: Vec<String>,
-    /// Device bytes of each block (its distinct storages, each aligned as the device layout packs them; after
-    /// budgeting, less the storages another unit holds too, which the backend pins to the fixed placement).
-    pub block_bytes: Vec<u64>,
-    /// Number of blocks kept resident on the device: the leading ones, unless `resident_mask` says which.
-    pub resident_head: usize,
-    /// Exactly which blocks stay resident, when the device-budget planner spread them along the stack (the
-    /// explicit `resident_layers` always keeps a leading head and leaves this `None`).
-    pub resident_mask: Option<Vec<bool>>,
-    /// How many blocks ahead the ring prefetches.
-    pub prefetch_depth: u32,
-}
-
-impl BlockStack {
-    /// Whether block `i` stays resident.
-    pub fn is_resident(&self, i: usize) -> bool {
-        match &self.resident_mask {
-            Some(m) => m.get(i).copied().unwrap_or(false),
-            None => i < self.resident_head,
-        }
-    }
-    /// Per block: resident.
-    pub fn resident_flags(&self) -> Vec<bool> {
-        (0..self.blocks.len()).map(|i| self.is_resident(i)).collect()
-    }
-    /// Blocks kept resident.
-    pub fn resident(&self) -> Vec<String> {
-        self.blocks.iter().enumerate().filter(|(i, _)| self.is_resident(*i)).map(|(_, b)| b.clone()).collect()
-    }
-    /// Blocks streamed through the ring.
-    pub fn streaming(&self) -> Vec<String> {
-        self.blocks.iter().enumerate().filter(|(i, _)| !self.is_resident(*i)).map(|(_, b)| b.clone()).collect()
-    }
-    /// Largest streamed block, in bytes (0 when nothing streams).
-    pub fn max_streaming_block_bytes(&self) -> u64 {
-        self.block_bytes.iter().enumerate().filter(|(i, _)| !self.is_resident(*i)).map(|(_, b)| *b).max().unwrap_or(0)
-    }
-    /// Bytes of the resident blocks.
-    pub fn resident_bytes(&self) -> u64 {
-        self.block_bytes
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| self.is_resident(*i))
-            .fold(0u64, |a, (_, &b)| a.saturating_add(b))
-    }
-    /// Device slots the ring needs: depth + 1 (capped by the streaming length), or 0 when nothing streams.
-    pub fn slot_count(&self) -> usize {
-        let streaming = (0..self.blocks.len()).filter(|&i| !self.is_resident(i)).count();
-        if streaming == 0 {
-            0
-        } else {
-            (self.prefetch_depth as usize + 1).min(streaming)
-        }
-    }
-    /// Device bytes of the ring's slots.
-    pub fn slot_bytes(&self) -> u64 {
-        (self.slot_count() as u64).saturating_mul(self.max_streaming_block_bytes())
-    }
-}
-
-/// One component of the resolved plan.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ResolvedComponent {
-    /// Dotted path from the pipeline root.
-    pub path: String,
-    /// Role.
-    pub kind: ComponentKind,
-    /// Module class.
-    pub class: String,
-    /// Whether the strategy offloads this component.
-    pub selected: bool,
-    /// Block stacks streamed through rings.
-    pub stacks: Vec<BlockStack>,
-    /// Residency managed by the pipeline's `load_to_device` / `offload_to_cpu` lifecycle.
-    pub on_demand: bool,
-    /// Nested children staged or streamed separately (DiTs only).
-    pub children: Vec<ResolvedComponent>,
-    /// Bytes of the component's distinct storages.
-    pub bytes: u64,
-    /// Device bytes of the component when packed (each storage aligned).
-    pub device_bytes: u64,
-}
-
-impl ResolvedComponent {
-    /// Every block path owned by this component's stacks (children excluded).
-    pub fn block_paths(&self) -> impl Iterator<Item = &String> {
-        self.stacks.iter().flat_map(|s| s.blocks.iter())
-    }
-}
-
-/// The resolver's answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ResolvedPlan {
-    /// The strategy that will run.
-    pub strategy: Strategy,
-    /// Diffusion transformers.
-    pub dits: Vec<ResolvedComponent>,
-    /// Encoders.
-    pub encoders: Vec<ResolvedComponent>,
-    /// VAEs.
-    pub vaes: Vec<ResolvedComponent>,
-    /// Always-resident modules (declared residents and auxiliaries).
-    pub residents: Vec<ResolvedComponent>,
-    /// Why the backend should do nothing at all (layerwise, compatibility topology, no DiT).
-    pub skip_reason: Option<String>,
-    /// Warnings raised while resolving (also logged).
-    pub warnings: Vec<String>,
-    /// Device memory plan for the weights.
-    pub budget: BudgetPlan,
-}
-
-impl ResolvedPlan {
-    /// All top-level components: DiTs, encoders, VAEs, residents.
-    pub fn components(&self) -> impl Iterator<Item = &ResolvedComponent> {
-        self.dits.iter().chain(&self.encoders).chain(&self.vaes).chain(&self.residents)
-    }
-    /// Every block stack of every component and child, with its owner.
-    pub fn stacks(&self) -> Vec<(&ResolvedComponent, &BlockStack)> {
-        let mut out = Vec::new();
-        fn walk<'a>(c: &'a ResolvedComponent, out: &mut Vec<(&'a ResolvedComponent, &'a BlockStack)>) {
-            for s in &c.stacks {
-                out.push((c, s));
-            }
-            for ch in &c.children {
-                walk(ch, out);
-            }
-        }
-        for c in self.components() {
-            walk(c, &mut out);
-        }
-        out
-    }
-}
-
+/// What the resolver reads and what it has said so far.
 struct Ctx<'a> {
     p: &'a PipelineDesc,
     cfg: &'a OffloadConfig,
+    /// The pipeline's offload plan (empty when it declares none).
+    decl: &'a OffloadPlanDecl,
+    /// The config selects components explicitly: declaration problems are errors, not warnings.
     explicit: bool,
     warnings: Vec<String>,
 }
 
 impl Ctx<'_> {
+    /// Whether the pipeline manages `path`'s residency itself (`offload_plan.on_demand_component_paths`).
+    fn is_on_demand(&self, path: &str) -> bool {
+        self.decl.on_demand_component_paths.iter().any(|p| p == path)
+    }
     fn warn(&mut self, msg: String) {
         tracing::warn!("{msg}");
         self.warnings.push(msg);
@@ -235,9 +70,9 @@ impl Ctx<'_> {
     fn depth_for(&self, c: Component) -> u32 {
         self.cfg.prefetch_depth(c).unwrap_or(DEFAULT_PREFETCH_DEPTH)
     }
-    fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, depth: u32) -> BlockStack {
+    fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, depth: u32) -> StackPlan {
         let block_bytes = blocks.iter().map(|b| self.p.subtree_device_bytes(b)).collect();
-        BlockStack {
+        StackPlan {
             name: format!("{owner}[{}]", attrs.join("+")),
             attrs,
             blocks,
@@ -249,12 +84,57 @@ impl Ctx<'_> {
     }
 }
 
-fn module<'a>(p: &'a PipelineDesc, path: &str) -> &'a ModuleNode {
+/// Which components the config selects for offload.
+#[derive(Debug, Clone, Copy)]
+struct Selection {
+    dit: bool,
+    text_encoder: bool,
+    vae: bool,
+}
+
+impl Selection {
+    fn of(config: &OffloadConfig) -> Self {
+        Selection {
+            dit: config.offloads(Component::Dit),
+            text_encoder: config.offloads(Component::TextEncoder),
+            vae: config.components.as_ref().is_some_and(|s| s.contains(&Component::Vae)),
+        }
+    }
+}
+
+/// The discovered components, by role, as the resolver fills them in.
+struct Components {
+    dits: Vec<ResolvedComponent>,
+    encoders: Vec<ResolvedComponent>,
+    vaes: Vec<ResolvedComponent>,
+    residents: Vec<ResolvedComponent>,
+}
+
+impl Components {
+    /// The discovered components, nothing selected yet.
+    fn new(p: &PipelineDesc, found: &Discovered) -> Result<Self, PlanError> {
+        let dits = found.dits.iter().map(|d| component(p, d, ComponentKind::Dit)).collect();
+        let mut encoders = Vec::new();
+        for e in &found.encoders {
+            encoders.push(component(p, e, encoder_kind(p, e)?));
+        }
+        let vaes = found.vaes.iter().map(|v| component(p, v, ComponentKind::Vae)).collect();
+        let residents = found
+            .residents
+            .iter()
+            .map(|r| component(p, r, ComponentKind::Resident))
+            .chain(found.auxiliary.iter().map(|a| component(p, a, ComponentKind::Auxiliary)))
+            .collect();
+        Ok(Components { dits, encoders, vaes, residents })
+    }
+}
+
+pub(super) fn module<'a>(p: &'a PipelineDesc, path: &str) -> &'a ModuleNode {
     // Discovery only returns paths that exist.
     p.module(path).unwrap_or(&p.root)
 }
 
-fn component(p: &PipelineDesc, path: &str, kind: ComponentKind) -> ResolvedComponent {
+pub(super) fn component(p: &PipelineDesc, path: &str, kind: ComponentKind) -> ResolvedComponent {
     ResolvedComponent {
         path: path.to_string(),
         kind,
@@ -298,116 +178,34 @@ pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> 
     if config.device_budget_auto {
         return Err(PlanError(AUTO_BUDGET_UNRESOLVED.to_string()));
     }
-    let mut cx =
-        Ctx { p: pipeline, cfg: config, explicit: config.components.is_some(), warnings: config.warnings.clone() };
+    let decl = pipeline.offload_plan.clone().unwrap_or_default();
+    let mut cx = Ctx {
+        p: pipeline,
+        cfg: config,
+        decl: &decl,
+        explicit: config.components.is_some(),
+        warnings: config.warnings.clone(),
+    };
     let found = discover_components(pipeline, &mut cx.warnings);
     let strategy = config.strategy;
-    let layer = matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise);
-    let plan_decl = pipeline.offload_plan.clone().unwrap_or_default();
-    let is_on_demand = |path: &str| plan_decl.on_demand_component_paths.iter().any(|p| p == path);
-
-    let mut dits: Vec<ResolvedComponent> =
-        found.dits.iter().map(|d| component(pipeline, d, ComponentKind::Dit)).collect();
-    let mut encoders = Vec::new();
-    for e in &found.encoders {
-        encoders.push(component(pipeline, e, encoder_kind(pipeline, e)?));
-    }
-    let mut vaes: Vec<ResolvedComponent> =
-        found.vaes.iter().map(|v| component(pipeline, v, ComponentKind::Vae)).collect();
-    let mut residents: Vec<ResolvedComponent> = found
-        .residents
-        .iter()
-        .map(|r| component(pipeline, r, ComponentKind::Resident))
-        .chain(found.auxiliary.iter().map(|a| component(pipeline, a, ComponentKind::Auxiliary)))
-        .collect();
+    let mut comps = Components::new(pipeline, &found)?;
     let mut skip_reason = None;
-
     if strategy != Strategy::None {
-        let dit_selected = config.offloads(Component::Dit);
-        let te_selected = config.offloads(Component::TextEncoder);
-        let vae_selected = config.components.as_ref().is_some_and(|s| s.contains(&Component::Vae));
-
-        // --- existence checks for explicit selections -------------------------------------------------------
-        if cx.explicit && dit_selected && dits.is_empty() {
-            return Err(PlanError(format!(
-                "No DiT/transformer modules found for selected DiT offload in pipeline {}; declare the DiT in \
-                 `components.dit` or remove \"dit\" from diffusion_offload_config.components",
-                pipeline.class
-            )));
-        }
-        let has_text_encoder = encoders.iter().any(|e| e.kind == ComponentKind::TextEncoder);
-        if cx.explicit && te_selected && !has_text_encoder {
-            return Err(PlanError(format!(
-                "No text encoder modules found for selected text_encoder offload in pipeline {}; declare one in \
-                 `components.encoders` or remove \"text_encoder\" from diffusion_offload_config.components",
-                pipeline.class
-            )));
-        }
-        if cx.explicit && vae_selected && vaes.is_empty() {
-            return Err(PlanError(format!(
-                "No VAE modules found for selected vae offload in pipeline {}; declare one in `components.vaes` or \
-                 remove \"vae\" from diffusion_offload_config.components",
-                pipeline.class
-            )));
-        }
-
+        let sel = Selection::of(config);
+        check_selected_exist(&cx, &comps, sel)?;
         if strategy == Strategy::ModelLevel {
-            if cx.explicit {
-                if dits.is_empty() {
-                    return Err(PlanError(
-                        "Component-selective model offload requires a DiT/transformer module; the pipeline declares none"
-                            .into(),
-                    ));
-                }
-                if encoders.is_empty() {
-                    return Err(PlanError(
-                        "Component-selective model offload requires an encoder execution stage to swap against; the \
-                         pipeline declares no encoder"
-                            .into(),
-                    ));
-                }
-            } else if dits.is_empty() {
-                cx.warn("No DiT/transformer modules found; model-level offload will not be enabled".into());
-            } else if encoders.is_empty() {
-                cx.warn(
-                    "No encoder modules found; model-level offload keeps the DiT resident and is not enabled".into(),
-                );
-            }
-            for d in &mut dits {
-                d.selected = dit_selected;
-            }
-            for e in &mut encoders {
-                e.selected = if cx.explicit { e.kind == ComponentKind::TextEncoder && te_selected } else { true };
-            }
-            for v in &mut vaes {
-                v.selected = vae_selected;
-            }
-            // The swap needs two stages: a selected DiT and a selected encoder (the VAE swaps with them). Without
-            // both, nothing moves; say so here, so the plan and the backend agree.
-            let stages = dits.iter().any(|d| d.selected) && encoders.iter().any(|e| e.selected);
-            if !stages && !dits.is_empty() && !encoders.is_empty() {
-                skip_reason = Some(MODEL_SWAP_SKIP_REASON.to_string());
-                cx.warn(MODEL_SWAP_SKIP_REASON.to_string());
-            }
-        } else if layer {
-            resolve_layer(
-                &mut cx,
-                &mut dits,
-                &mut encoders,
-                &mut vaes,
-                &is_on_demand,
-                dit_selected,
-                te_selected,
-                vae_selected,
-            )?;
-            if dit_selected && dits.is_empty() && strategy == Strategy::LayerWise {
+            skip_reason = resolve_model_level(&mut cx, &mut comps, sel)?;
+        } else if matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise) {
+            resolve_layer(&mut cx, &mut comps, sel)?;
+            if sel.dit && comps.dits.is_empty() && strategy == Strategy::LayerWise {
                 skip_reason = Some(NO_DIT_SKIP_REASON.to_string());
                 cx.warn(NO_DIT_SKIP_REASON.to_string());
             }
-            check_unique_block_owners(pipeline, dits.iter().chain(&encoders))?;
+            claims::check_unique_block_owners(pipeline, comps.dits.iter().chain(&comps.encoders))?;
             // The distributed strategy warns and keeps preparing the rest; nothing else to do here.
         }
     }
+    let Components { dits, encoders, vaes, mut residents } = comps;
     for r in &mut residents {
         r.selected = false;
     }
@@ -427,519 +225,127 @@ pub fn resolve_offload_plan(pipeline: &PipelineDesc, config: &OffloadConfig) -> 
     Ok(plan)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn resolve_layer(
-    cx: &mut Ctx<'_>,
-    dits: &mut [ResolvedComponent],
-    encoders: &mut [ResolvedComponent],
-    vaes: &mut [ResolvedComponent],
-    is_on_demand: &dyn Fn(&str) -> bool,
-    dit_selected: bool,
-    te_selected: bool,
-    vae_selected: bool,
-) -> Result<(), PlanError> {
-    let p = cx.p;
-    let cfg = cx.cfg;
-    let explicit = cx.explicit;
-    let plan_decl = p.offload_plan.clone().unwrap_or_default();
-    let distributed = cfg.strategy == Strategy::DistributedLayerWise;
-
-    // --- encoders: the AllGather replication check runs before any block discovery ----------------------------
-    let te_allgather = cfg.uses_allgather(Component::TextEncoder);
-    for e in encoders.iter() {
-        let wants = e.kind == ComponentKind::TextEncoder && (te_selected || !explicit);
-        if wants && te_allgather && !plan_decl.encoder_dlo_weight_replication.iter().any(|r| r == &e.path) {
-            return Err(PlanError(format!(
-                "Text encoder '{}' cannot use AllGather across the offload group of {} ranks: its weights are not \
-                 declared replicated (offload_plan.encoder_dlo_weight_replication). Set \
-                 diffusion_offload_config.layer_options.text_encoder.weight_transfer = \"rank-local\"",
-                e.path, cfg.group.size
-            )));
-        }
+/// Under an explicit selection, every selected kind of component must exist.
+fn check_selected_exist(cx: &Ctx<'_>, comps: &Components, sel: Selection) -> Result<(), PlanError> {
+    let pipeline = cx.p;
+    if cx.explicit && sel.dit && comps.dits.is_empty() {
+        return Err(PlanError(format!(
+            "No DiT/transformer modules found for selected DiT offload in pipeline {}; declare the DiT in \
+             `components.dit` or remove \"dit\" from diffusion_offload_config.components",
+            pipeline.class
+        )));
     }
-
-    // --- DiTs ---------------------------------------------------------------------------------------------------
-    if dit_selected {
-        for key in plan_decl.layerwise_resident_layers.keys() {
-            if !dits.iter().any(|d| &d.path == key) {
-                cx.strict(
-                    explicit,
-                    format!(
-                        "offload_plan.layerwise_resident_layers names '{key}', which is not a discovered DiT; fix the \
-                         path or remove the entry"
-                    ),
-                )?;
-            }
-        }
-        for d in dits.iter_mut() {
-            let dit_mod = module(p, &d.path);
-            let (attrs, source) = dit_block_attrs(p, &d.path, dit_mod, &mut cx.warnings);
-            let mut blocks = Vec::new();
-            for a in &attrs {
-                match blocks_of(&d.path, dit_mod, a, &mut cx.warnings) {
-                    Some(b) => blocks.extend(b),
-                    None => {
-                        let origin = match source {
-                            BlockAttrSource::Plan => "offload_plan.block_attrs",
-                            _ => "class_block_attrs",
-                        };
-                        return Err(PlanError(format!(
-                            "DiT '{}' declares block list '{a}' in {origin}, but '{}' has no such attribute; fix the \
-                             declaration",
-                            d.path,
-                            join(&d.path, a)
-                        )));
-                    }
-                }
-            }
-            if blocks.is_empty() {
-                cx.strict(
-                    explicit,
-                    if explicit {
-                        format!(
-                            "Selected DiT '{}' has no streamable layerwise-offload blocks; declare its block lists in \
-                             offload_plan.block_attrs",
-                            d.path
-                        )
-                    } else {
-                        format!("Target layers (blocks) not found. Skipping offloading on '{}'", d.path)
-                    },
-                )?;
-                continue;
-            }
-            if blocks.len() == 1 && !distributed {
-                cx.strict(
-                    explicit,
-                    if explicit {
-                        format!(
-                            "Selected DiT '{}' requires at least two streamable layerwise-offload blocks (found one)",
-                            d.path
-                        )
-                    } else {
-                        format!("Target layers (blocks) of '{}' <= 1. Skipping offloading", d.path)
-                    },
-                )?;
-                continue;
-            }
-            let mut stack = cx.stack(&d.path, attrs.clone(), blocks, cx.depth_for(Component::Dit));
-            let declared_head = plan_decl.layerwise_resident_layers.get(&d.path).copied().filter(|&k| k > 0);
-            // Resident leading layers (distributed strategy with rank-local transfer).
-            if cfg.resident_layers > 0 {
-                if let Some(k) = declared_head {
-                    cx.warn(format!(
-                        "offload_plan.layerwise_resident_layers['{}'] = {k} is ignored: the config's resident layers \
-                         ({}) decide",
-                        d.path, cfg.resident_layers
-                    ));
-                }
-                if plan_decl.resident_dit_paths.iter().any(|r| r == &d.path) {
-                    keep_resident_head(cx, &mut stack, &d.path, cfg.resident_layers, "resident_layers")?;
-                } else if explicit {
-                    return Err(PlanError(format!(
-                        "diffusion_offload_config.layer_options.dit.resident_layers: DiT '{}' is not listed in the \
-                         pipeline's offload_plan.resident_dit_paths, so it cannot keep resident layers; add it there or \
-                         set resident_layers = 0",
-                        d.path
-                    )));
-                } else {
-                    cx.warn(format!(
-                        "dlo_resident_layers={} requested but DiT '{}' is not in offload_plan.resident_dit_paths; all \
-                         blocks will be streamed",
-                        cfg.resident_layers, d.path
-                    ));
-                }
-            } else if let Some(k) = declared_head {
-                if cfg.device_budget.is_some() {
-                    cx.warn(format!(
-                        "offload_plan.layerwise_resident_layers['{}'] = {k} is ignored: with device_budget the planner \
-                         chooses the resident blocks",
-                        d.path
-                    ));
-                } else {
-                    cx.warn(format!(
-                        "offload_plan.layerwise_resident_layers is deprecated: it maps to \
-                         diffusion_offload_config.layer_options.dit.resident_layers = {k} (with '{}' in \
-                         offload_plan.resident_dit_paths)",
-                        d.path
-                    ));
-                    keep_resident_head(cx, &mut stack, &d.path, k, "layerwise_resident_layers")?;
-                }
-            }
-            if stack.streaming().len() == 1 {
-                // Distributed strategy with a single block and nothing resident (no residency requested, or requested
-                // for an undeclared DiT under the compatibility topology): a one-block ring streams nothing useful.
-                cx.strict(
-                    explicit,
-                    format!(
-                        "Selected DiT '{}' requires at least two streamable layerwise-offload blocks (found one)",
-                        d.path
-                    ),
-                )?;
-                continue;
-            }
-            d.selected = true;
-            d.stacks.push(stack);
-            d.children = resolve_dit_children(cx, d, &attrs, distributed)?;
-        }
+    let has_text_encoder = comps.encoders.iter().any(|e| e.kind == ComponentKind::TextEncoder);
+    if cx.explicit && sel.text_encoder && !has_text_encoder {
+        return Err(PlanError(format!(
+            "No text encoder modules found for selected text_encoder offload in pipeline {}; declare one in \
+             `components.encoders` or remove \"text_encoder\" from diffusion_offload_config.components",
+            pipeline.class
+        )));
     }
+    if cx.explicit && sel.vae && comps.vaes.is_empty() {
+        return Err(PlanError(format!(
+            "No VAE modules found for selected vae offload in pipeline {}; declare one in `components.vaes` or \
+             remove \"vae\" from diffusion_offload_config.components",
+            pipeline.class
+        )));
+    }
+    Ok(())
+}
 
-    // --- encoders -------------------------------------------------------------------------------------------------
+/// Model-level offload: the selected DiT swaps against the selected encoder stage (the VAE with them). Returns the
+/// skip reason when there are not two stages to swap.
+fn resolve_model_level(cx: &mut Ctx<'_>, comps: &mut Components, sel: Selection) -> Result<Option<String>, PlanError> {
+    let Components { dits, encoders, vaes, .. } = comps;
+    if cx.explicit {
+        if dits.is_empty() {
+            return Err(PlanError(
+                "Component-selective model offload requires a DiT/transformer module; the pipeline declares none"
+                    .into(),
+            ));
+        }
+        if encoders.is_empty() {
+            return Err(PlanError(
+                "Component-selective model offload requires an encoder execution stage to swap against; the \
+                 pipeline declares no encoder"
+                    .into(),
+            ));
+        }
+    } else if dits.is_empty() {
+        cx.warn("No DiT/transformer modules found; model-level offload will not be enabled".into());
+    } else if encoders.is_empty() {
+        cx.warn("No encoder modules found; model-level offload keeps the DiT resident and is not enabled".into());
+    }
+    for d in dits.iter_mut() {
+        d.selected = sel.dit;
+    }
     for e in encoders.iter_mut() {
-        if e.kind != ComponentKind::TextEncoder && explicit {
-            continue; // never selectable
-        }
-        let wanted = if explicit { te_selected } else { true };
-        if !wanted {
-            continue;
-        }
-        let strict = explicit || cfg.group.size > 1;
-        let enc = module(p, &e.path);
-        let on_demand = is_on_demand(&e.path);
-        if on_demand && !enc.has_lifecycle {
-            return Err(PlanError(format!(
-                "On-demand component '{}' must implement load_to_device() and offload_to_cpu() (has_lifecycle) or be \
-                 removed from offload_plan.on_demand_component_paths",
-                e.path
-            )));
-        }
-        for a in plan_decl.encoder_block_attrs.get(&e.path).cloned().unwrap_or_default() {
-            match enc.get(&a) {
-                Some(m) if m.is_block_list() && m.children.len() > 1 => {
-                    let blocks: Vec<String> = m.children.iter().map(|(n, _)| join(&join(&e.path, &a), n)).collect();
-                    let st = cx.stack(&e.path, vec![a.clone()], blocks, cx.depth_for(Component::TextEncoder));
-                    e.stacks.push(st);
-                }
-                Some(_) => cx.strict(
-                    strict,
-                    format!(
-                        "Encoder block path '{}' is not a streamable block list (a list of more than one block)",
-                        join(&e.path, &a)
-                    ),
-                )?,
-                None => cx.strict(
-                    strict,
-                    format!(
-                        "Encoder block path '{}' does not exist; fix offload_plan.encoder_block_attrs",
-                        join(&e.path, &a)
-                    ),
-                )?,
-            }
-        }
-        if on_demand && e.stacks.is_empty() && te_allgather {
-            return Err(PlanError(format!(
-                "On-demand text encoder '{}' has no streamable block stacks, so it cannot use AllGather transfer; set \
-                 diffusion_offload_config.layer_options.text_encoder.weight_transfer = \"rank-local\"",
-                e.path
-            )));
-        }
-        if explicit && e.stacks.is_empty() && !on_demand {
-            return Err(PlanError(format!(
-                "Selected text encoder '{}' requires a model-declared streamable (offload_plan.encoder_block_attrs) or \
-                 on-demand (offload_plan.on_demand_component_paths) plan",
-                e.path
-            )));
-        }
-        // A pipeline-managed encoder stays on demand even when it streams blocks: its non-block weights are
-        // parked between its phases, its blocks stream while it runs.
-        e.on_demand = on_demand;
-        e.selected = !e.stacks.is_empty() || e.on_demand;
+        e.selected = if cx.explicit { e.kind == ComponentKind::TextEncoder && sel.text_encoder } else { true };
     }
-    if cfg.encoder_resident_layers > 0 {
-        keep_encoder_resident_layers(cx, encoders, &plan_decl)?;
+    for v in vaes.iter_mut() {
+        v.selected = sel.vae;
     }
+    // The swap needs two stages: a selected DiT and a selected encoder (the VAE swaps with them). Without
+    // both, nothing moves; say so here, so the plan and the backend agree.
+    let stages = dits.iter().any(|d| d.selected) && encoders.iter().any(|e| e.selected);
+    if !stages && !dits.is_empty() && !encoders.is_empty() {
+        cx.warn(MODEL_SWAP_SKIP_REASON.to_string());
+        return Ok(Some(MODEL_SWAP_SKIP_REASON.to_string()));
+    }
+    Ok(None)
+}
 
-    // --- VAEs: whole-component staging through the pipeline lifecycle --------------------------------------------
+/// The layerwise strategies: encoder replication first, then DiT stacks, encoder stacks and their resident layers,
+/// then VAEs staged whole.
+fn resolve_layer(cx: &mut Ctx<'_>, comps: &mut Components, sel: Selection) -> Result<(), PlanError> {
+    encoder::check_allgather_replication(cx, &comps.encoders, sel.text_encoder)?;
+    if sel.dit {
+        dit::resolve_dits(cx, &mut comps.dits)?;
+    }
+    encoder::resolve_encoders(cx, &mut comps.encoders, sel.text_encoder)?;
+    if cx.cfg.encoder_resident_layers > 0 {
+        encoder::keep_encoder_resident_layers(cx, &mut comps.encoders)?;
+    }
+    resolve_vaes(cx, &mut comps.vaes, sel.vae)
+}
+
+/// VAEs: staged whole through the pipeline lifecycle, when selected (explicitly) or declared on demand.
+fn resolve_vaes(cx: &mut Ctx<'_>, vaes: &mut [ResolvedComponent], vae_selected: bool) -> Result<(), PlanError> {
+    let p = cx.p;
+    let explicit = cx.explicit;
     for v in vaes.iter_mut() {
         let m = module(p, &v.path);
         if explicit {
             if vae_selected {
-                if !is_on_demand(&v.path) {
+                if !cx.is_on_demand(&v.path) {
                     return Err(PlanError(format!(
-                        "Selected VAE '{}' requires a pipeline-managed lifecycle: the pipeline's offload plan must list \
-                         it in offload_plan.on_demand_component_paths (and the module must implement load_to_device / \
-                         offload_to_cpu); declare it there or remove \"vae\" from diffusion_offload_config.components",
-                        v.path
-                    )));
+                            "Selected VAE '{}' requires a pipeline-managed lifecycle: the pipeline's offload plan must list \
+                             it in offload_plan.on_demand_component_paths (and the module must implement load_to_device / \
+                             offload_to_cpu); declare it there or remove \"vae\" from diffusion_offload_config.components",
+                            v.path
+                        )));
                 }
                 if !m.has_lifecycle {
                     return Err(PlanError(format!(
                         "Selected VAE '{}' requires a pipeline-managed lifecycle (load_to_device / offload_to_cpu); \
-                         remove \"vae\" from diffusion_offload_config.components or declare the lifecycle",
+                             remove \"vae\" from diffusion_offload_config.components or declare the lifecycle",
                         v.path
                     )));
                 }
                 v.selected = true;
                 v.on_demand = true;
             }
-        } else if is_on_demand(&v.path) {
+        } else if cx.is_on_demand(&v.path) {
             if !m.has_lifecycle {
                 return Err(PlanError(format!(
-                    "On-demand component '{}' must implement load_to_device() and offload_to_cpu() (has_lifecycle) or be \
-                     removed from offload_plan.on_demand_component_paths",
-                    v.path
-                )));
+                        "On-demand component '{}' must implement load_to_device() and offload_to_cpu() (has_lifecycle) or be \
+                         removed from offload_plan.on_demand_component_paths",
+                        v.path
+                    )));
             }
             v.selected = true;
             v.on_demand = true;
         }
-    }
-    Ok(())
-}
-
-/// Keeps the first `encoder_resident_layers` blocks of every encoder stack the pipeline declares eligible
-/// (`offload_plan.resident_encoder_block_paths`) resident. Every eligible path must be a declared encoder block list
-/// of a discovered, pipeline-managed (on-demand) encoder and hold at least that many blocks.
-fn keep_encoder_resident_layers(
-    cx: &mut Ctx<'_>,
-    encoders: &mut [ResolvedComponent],
-    plan_decl: &super::pipeline::OffloadPlanDecl,
-) -> Result<(), PlanError> {
-    let p = cx.p;
-    let n = cx.cfg.encoder_resident_layers;
-    let key = if cx.cfg.compact {
-        "diffusion_offload_config.layer_options.text_encoder.resident_layers"
-    } else {
-        "dlo_encoder_resident_layers"
-    };
-    if plan_decl.resident_encoder_block_paths.is_empty() {
-        return Err(PlanError(format!(
-            "{key} = {n}: pipeline {} declares no offload_plan.resident_encoder_block_paths, so no encoder stack may \
-             keep resident layers; declare the eligible encoder block lists there or set {key} = 0",
-            p.class
-        )));
-    }
-    for path in &plan_decl.resident_encoder_block_paths {
-        let owner = plan_decl
-            .encoder_block_attrs
-            .iter()
-            .find(|(enc, attrs)| attrs.iter().any(|a| join(enc, a) == *path))
-            .map(|(enc, _)| enc.clone());
-        let Some(owner) = owner else {
-            return Err(PlanError(format!(
-                "offload_plan.resident_encoder_block_paths names '{path}', which must also be declared as an encoder \
-                 block list in offload_plan.encoder_block_attrs; declare it there or remove it"
-            )));
-        };
-        let Some(e) = encoders.iter_mut().find(|e| e.path == owner) else {
-            return Err(PlanError(format!(
-                "offload_plan.resident_encoder_block_paths names '{path}', but its encoder '{owner}' was not \
-                 discovered; declare '{owner}' in components.encoders or remove the path"
-            )));
-        };
-        if !module(p, &e.path).is_loaded || !e.selected {
-            // An unloaded stub (a rank without this encoder) or an encoder that is not offloaded keeps nothing.
-            continue;
-        }
-        if !e.on_demand {
-            return Err(PlanError(format!(
-                "Encoder '{}' keeps resident layers ({key} = {n}) only under pipeline-managed stage ownership: list it \
-                 in offload_plan.on_demand_component_paths (with load_to_device / offload_to_cpu), or remove '{path}' \
-                 from offload_plan.resident_encoder_block_paths",
-                e.path
-            )));
-        }
-        let enc_path = e.path.clone();
-        let Some(stack) = e.stacks.iter_mut().find(|s| s.attrs.iter().any(|a| join(&enc_path, a) == *path)) else {
-            return Err(PlanError(format!(
-                "offload_plan.resident_encoder_block_paths names '{path}', which is not a streamed block list of \
-                 encoder '{enc_path}'; fix offload_plan.encoder_block_attrs or remove the path"
-            )));
-        };
-        let len = stack.blocks.len();
-        if n as usize > len {
-            return Err(PlanError(format!(
-                "{key} = {n} exceeds the {len} blocks of encoder stack '{path}'; choose at most {len}"
-            )));
-        }
-        stack.resident_head = n as usize;
-    }
-    Ok(())
-}
-
-/// Keeps the first `count` blocks of a DiT stack resident. A split that leaves exactly one streaming block is an
-/// error under an explicit selection; the compatibility topology keeps that block resident too, with a warning.
-fn keep_resident_head(
-    cx: &mut Ctx<'_>,
-    stack: &mut BlockStack,
-    dit: &str,
-    count: u32,
-    label: &str,
-) -> Result<(), PlanError> {
-    let n = stack.blocks.len();
-    let head = (count as usize).min(n);
-    if n - head == 1 {
-        if cx.explicit {
-            return Err(PlanError(format!(
-                "DiT '{dit}' has {n} blocks: {label}={count} leaves only one streaming block; choose a resident count \
-                 that leaves zero or at least two (e.g. {n} or {})",
-                n.saturating_sub(2)
-            )));
-        }
-        cx.warn(format!(
-            "#Streaming target layers (blocks) of '{dit}' <= 1 after {label}={count}. Keeping the final block resident"
-        ));
-        stack.resident_head = n;
-    } else {
-        stack.resident_head = head;
-    }
-    Ok(())
-}
-
-fn resolve_dit_children(
-    cx: &mut Ctx<'_>,
-    dit: &ResolvedComponent,
-    block_attrs: &[String],
-    distributed: bool,
-) -> Result<Vec<ResolvedComponent>, PlanError> {
-    let p = cx.p;
-    let dit_mod = module(p, &dit.path);
-    let declared: BTreeMap<String, String> =
-        p.offload_plan.as_ref().and_then(|pl| pl.offload_submodules.get(&dit.path)).cloned().unwrap_or_default();
-    let mut out = Vec::new();
-    for (name, child) in &dit_mod.children {
-        if block_attrs.iter().any(|a| a == name || a.starts_with(&format!("{name}."))) {
-            continue;
-        }
-        let path = join(&dit.path, name);
-        let decl = declared.get(name);
-        let bytes = p.subtree_bytes(&path);
-        if decl.is_none() && !(distributed && bytes > ON_DEMAND_THRESHOLD_BYTES) {
-            continue;
-        }
-        let mut c = component(p, &path, ComponentKind::DitChild);
-        c.selected = true;
-        let attr = match decl {
-            Some(a) => Some(a.clone()),
-            None => {
-                let found = ["layers", "blocks", "h", "model.layers"]
-                    .iter()
-                    .find(|a| child.get(a).is_some_and(ModuleNode::is_block_list));
-                if found.is_some() {
-                    crate::diag::warn_once(
-                        &format!("nested-scan:{}", child.class),
-                        &format!("nested DiT child class {} found by the block-list scan; declare it in offload_plan.offload_submodules", child.class),
-                    );
-                }
-                found.map(|a| a.to_string())
-            }
-        };
-        let streamable = attr
-            .as_ref()
-            .and_then(|a| child.get(a).map(|m| (a, m)))
-            .filter(|(_, m)| m.is_block_list() && m.children.len() > 1);
-        match streamable {
-            Some((a, m)) => {
-                let blocks = m.children.iter().map(|(n, _)| join(&join(&path, a), n)).collect();
-                let st = cx.stack(&path, vec![a.clone()], blocks, cx.depth_for(Component::Dit));
-                c.stacks.push(st);
-            }
-            None => {
-                if let Some(a) = decl {
-                    cx.warn(format!(
-                        "offload_submodules entry '{path}.{a}' is not a block list; staging '{path}' whole"
-                    ));
-                }
-                if !child.has_lifecycle {
-                    return Err(PlanError(format!(
-                        "DiT child '{path}' is staged on demand and must implement load_to_device() and offload_to_cpu() \
-                         (has_lifecycle), or declare a block list for it in offload_plan.offload_submodules"
-                    )));
-                }
-                c.on_demand = true;
-            }
-        }
-        out.push(c);
-    }
-    Ok(out)
-}
-
-fn check_unique_block_owners<'a>(
-    p: &PipelineDesc,
-    comps: impl Iterator<Item = &'a ResolvedComponent> + Clone,
-) -> Result<(), PlanError> {
-    let mut owner: BTreeMap<&str, &str> = BTreeMap::new();
-    fn visit<'a>(c: &'a ResolvedComponent, owner: &mut BTreeMap<&'a str, &'a str>) -> Result<(), PlanError> {
-        for b in c.block_paths() {
-            if let Some(prev) = owner.insert(b.as_str(), c.path.as_str()) {
-                if prev != c.path {
-                    return Err(PlanError(format!(
-                        "Offload block '{b}' is claimed by both '{prev}' and '{}'; declare one owner for each block list",
-                        c.path
-                    )));
-                }
-                return Err(PlanError(format!(
-                    "Offload block '{b}' is listed twice in the block lists of '{}'; declare each block list once",
-                    c.path
-                )));
-            }
-        }
-        for ch in &c.children {
-            visit(ch, owner)?;
-        }
-        Ok(())
-    }
-    for c in comps.clone() {
-        visit(c, &mut owner)?;
-    }
-    // A block nested inside another claimed block is also a double claim.
-    let keys: Vec<&str> = owner.keys().copied().collect();
-    for w in keys.windows(2) {
-        if w[1].starts_with(w[0]) && w[1].as_bytes().get(w[0].len()) == Some(&b'.') {
-            return Err(PlanError(format!(
-                "Offload block '{}' lies inside block '{}' (claimed by '{}' and '{}'); declare one owner for each block \
-                 list",
-                w[1], w[0], owner[w[0]], owner[w[1]]
-            )));
-        }
-    }
-    // The same block reached a second time through tied weights.
-    check_tied_blocks(p, comps)
-}
-
-/// The weights a block views: every tensor's storage, offset, shape and strides, as a set (names do not matter).
-type BlockViews = std::collections::BTreeSet<(super::pipeline::StorageId, u64, Vec<u64>, Vec<u64>)>;
-
-/// Rejects a block reached twice through tied weights: two blocks (of any stacks, in any components) that view
-/// exactly the same weights are one block claimed twice, however they are reached.
-fn check_tied_blocks<'a>(
-    p: &PipelineDesc,
-    comps: impl Iterator<Item = &'a ResolvedComponent>,
-) -> Result<(), PlanError> {
-    let mut seen: BTreeMap<BlockViews, (&str, &str)> = BTreeMap::new();
-    fn visit<'a>(
-        p: &PipelineDesc,
-        c: &'a ResolvedComponent,
-        seen: &mut BTreeMap<BlockViews, (&'a str, &'a str)>,
-    ) -> Result<(), PlanError> {
-        for b in c.block_paths() {
-            let views: BlockViews = p
-                .module(b)
-                .map(|m| {
-                    m.tensors_recursive()
-                        .into_iter()
-                        .map(|(_, t)| (t.storage, t.storage_offset, t.shape.clone(), t.strides.clone()))
-                        .collect()
-                })
-                .unwrap_or_default();
-            if views.is_empty() {
-                continue;
-            }
-            if let Some((prev, prev_owner)) = seen.get(&views) {
-                return Err(PlanError(format!(
-                    "Offload block '{b}' (of '{}') views exactly the weights of block '{prev}' (of '{prev_owner}'): \
-                     the same block is claimed twice through tied weights; declare one owner for each block list",
-                    c.path
-                )));
-            }
-            seen.insert(views, (b.as_str(), c.path.as_str()));
-        }
-        for ch in &c.children {
-            visit(p, ch, seen)?;
-        }
-        Ok(())
-    }
-    for c in comps {
-        visit(p, c, &mut seen)?;
     }
     Ok(())
 }

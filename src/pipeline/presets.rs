@@ -85,8 +85,8 @@
 //!
 //! The VAEs hold about 77 M parameters. The tiny variants use `h` 32, `d` 16, `f` 128 and text encoders of width 32.
 
-use crate::plan::builder::{ModuleBuilder, PipelineBuilder, TensorSpec};
-use crate::plan::pipeline::{DType, OffloadPlanDecl, PipelineDesc};
+use super::builder::{ModuleBuilder, PipelineBuilder, TensorSpec};
+use super::{DType, OffloadPlanDecl, PipelineDesc};
 use std::collections::BTreeMap;
 
 /// Names accepted by [`preset`].

@@ -329,4 +329,52 @@ impl PipelineDesc {
         let mut seen = std::collections::BTreeSet::new();
         m.tensors_recursive().into_iter().filter(|(_, t)| seen.insert(t.storage)).map(|(_, t)| t.storage).collect()
     }
+
+    /// The tensor at a dotted path from the root (`transformer.blocks.0.attn.qkv.weight`).
+    pub fn tensor(&self, path: &str) -> Option<&TensorDesc> {
+        let (module, name) = match path.rsplit_once('.') {
+            Some((m, n)) => (m, n),
+            None => ("", path),
+        };
+        self.module(module)?.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Renumbers the storages in canonical order (depth first, a module's tensors before its children, by first
+    /// appearance, from 0), the order the builder and the JSON loader produce. Storages no tensor views keep their
+    /// relative order after the viewed ones.
+    pub fn canonicalize_storage_ids(&mut self) {
+        let mut map: BTreeMap<StorageId, StorageId> = BTreeMap::new();
+        let mut next = 0u64;
+        let mut stack = vec![&self.root];
+        while let Some(m) = stack.pop() {
+            for t in &m.tensors {
+                map.entry(t.storage).or_insert_with(|| {
+                    next += 1;
+                    StorageId(next - 1)
+                });
+            }
+            for (_, c) in m.children.iter().rev() {
+                stack.push(c);
+            }
+        }
+        for id in self.storages.keys() {
+            map.entry(*id).or_insert_with(|| {
+                next += 1;
+                StorageId(next - 1)
+            });
+        }
+        let mut stack = vec![&mut self.root];
+        while let Some(m) = stack.pop() {
+            for t in &mut m.tensors {
+                if let Some(id) = map.get(&t.storage) {
+                    t.storage = *id;
+                }
+            }
+            for (_, c) in m.children.iter_mut() {
+                stack.push(c);
+            }
+        }
+        let old = std::mem::take(&mut self.storages);
+        self.storages = old.into_iter().map(|(id, s)| (map.get(&id).copied().unwrap_or(id), s)).collect();
+    }
 }
