@@ -94,7 +94,7 @@ fn run_checked(_a: &BenchArgs, _c: CheckedBench) -> Result<i32, CliError> {
 #[cfg(feature = "cuda")]
 fn run_checked(a: &BenchArgs, c: CheckedBench) -> Result<i32, CliError> {
     use super::emit;
-    use crate::engine::gpu::{bench as run_bench, BenchSpec};
+    use crate::bench::gpu::{bench as run_bench, BenchSpec};
     if let Some(dir) = &a.trace {
         std::fs::create_dir_all(dir)
             .map_err(|e| CliError::invalid(format!("--trace: cannot create directory `{}`: {e}", dir.display())))?;
@@ -198,8 +198,8 @@ fn run_checked(a: &BenchArgs, c: CheckedBench) -> Result<i32, CliError> {
 /// (resident placement, every block resident through the backend), streamed bytes per step / H2D bandwidth)`.
 /// `None` when the row has no timeline or its preset no traced no-copy row.
 #[cfg(feature = "cuda")]
-fn device_time_ratio(rows: &[crate::engine::gpu::BenchRow], r: &crate::engine::gpu::BenchRow, bw: f64) -> Option<f64> {
-    use crate::engine::gpu::RESIDENT_VIA_BACKEND;
+fn device_time_ratio(rows: &[crate::bench::gpu::BenchRow], r: &crate::bench::gpu::BenchRow, bw: f64) -> Option<f64> {
+    use crate::bench::gpu::RESIDENT_VIA_BACKEND;
     let t = r.timeline.as_ref()?;
     let compute_ms = rows
         .iter()
@@ -238,7 +238,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn the_device_time_ratio_uses_the_faster_no_copy_window_or_the_copy_time() {
-        use crate::engine::gpu::{BenchRow, RESIDENT_VIA_BACKEND};
+        use crate::bench::gpu::{BenchRow, RESIDENT_VIA_BACKEND};
         use crate::engine::timeline::StepTimeline;
         let row = |config: &str, window_ms: f64, bytes: u64| BenchRow {
             preset: "p".into(),

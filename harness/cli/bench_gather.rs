@@ -21,9 +21,7 @@ pub const NCCL_EXTRA_TARGET: f64 = 0.02;
 #[cfg(feature = "nccl")]
 pub fn bench_gather(a: &BenchGatherArgs) -> Result<i32, CliError> {
     use super::{emit, GatherModeArg};
-    use crate::engine::gather_bench::{
-        bench_gather as run, GatherBenchReport, GatherBenchSpec, GatherMode, GemmSpec, MIB,
-    };
+    use crate::bench::gather::{bench_gather as run, GatherBenchReport, GatherBenchSpec, GatherMode, GemmSpec, MIB};
 
     let mode = |m: GatherModeArg| match m {
         GatherModeArg::H2dOnly => GatherMode::H2dOnly,
@@ -85,8 +83,8 @@ pub fn bench_gather(a: &BenchGatherArgs) -> Result<i32, CliError> {
 
 /// The report as markdown tables.
 #[cfg(feature = "nccl")]
-fn markdown(r: &crate::engine::gather_bench::GatherBenchReport) -> String {
-    use crate::engine::gather_bench::MIB;
+fn markdown(r: &crate::bench::gather::GatherBenchReport) -> String {
+    use crate::bench::gather::MIB;
     let gb = |b: f64| b / 1e9;
     let chunk = |requested: u64, used: u64| {
         if requested == 0 {
@@ -138,7 +136,7 @@ fn markdown(r: &crate::engine::gather_bench::GatherBenchReport) -> String {
                 chunk(s.chunk_requested, used),
                 s.ratio_to_world1,
                 s.ratio_to_h2d,
-                if s.mode == crate::engine::gather_bench::GatherMode::H2dOnly {
+                if s.mode == crate::bench::gather::GatherMode::H2dOnly {
                     "n/a"
                 } else if s.ratio_to_world1 >= SCALING_TARGET {
                     "yes"

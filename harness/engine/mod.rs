@@ -4,8 +4,6 @@
 //! - [`program`]: the execution order (components, block lists, non-block children) computed from the description.
 //! - [`math`]: what one module does to the activations (matrix products, bounded mixing, byte hashing).
 //! - [`compute`]: the [`compute::Compute`] trait kernels are enqueued through, and its sim implementation.
-//! - [`compare`]: resident, then offloaded, through one engine, compared bit for bit (every run driver's sequence).
-//! - [`driver`]: the `run` driver on the simulated platform — the comparison and its report.
 //! - [`timing`]: per-step time and bytes from two executions, and the median of repeated runs.
 //! - [`timeline`]: device timelines (GPU timing spans) summarised into compute busy time, stalls and copy overlap.
 //!
@@ -16,15 +14,9 @@
 //! [`WeightSource`] looked up between the hooks. The output is the latent matrix read
 //! back after the compute stream is synchronised.
 
-pub mod compare;
 pub mod compute;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod driver;
-#[cfg(feature = "nccl")]
-pub mod gather_bench;
-#[cfg(feature = "cuda")]
-pub mod gpu;
 pub mod math;
 pub mod program;
 #[cfg(feature = "cuda")]

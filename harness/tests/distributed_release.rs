@@ -27,7 +27,7 @@ use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGro
 use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
 use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformError, PlatformRef, StreamId};
 use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
-use weightferry_harness::distributed_run::{
+use weightferry_harness::drivers::distributed::{
     resident_output, run_distributed_sim, run_rank_with_model, DistributedRunError, DistributedRunSpec, RankRun,
     RunProbe, RunningRank,
 };

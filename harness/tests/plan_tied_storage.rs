@@ -22,7 +22,7 @@ use weightferry::offload::layout::UnitLayout;
 use weightferry::offload::units::build_unit_plan;
 use weightferry::plan::json::load_pipeline_json;
 use weightferry::plan::{resolve_offload_plan, PipelineDesc, ResolvedPlan};
-use weightferry_harness::engine::driver::{run, RunSpec};
+use weightferry_harness::drivers::run::{run, RunSpec};
 
 /// Size unit (bytes): the device packing alignment.
 const U: u64 = 256;

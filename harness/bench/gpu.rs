@@ -8,12 +8,12 @@
 //! streamed per step are taken the same way from the scheduler's counters. The bound of a configuration is
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
-use super::compare::{compare, run_resident, single_process_backend};
-use super::cuda::{CudaCompute, GpuShape};
-use super::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
-use super::timing::{hook_percentiles_us, median, ms, stack_h2d_bytes, time_rounds, timed_execution, Timed};
-use super::{Engine, EngineError, ExecOptions, ExecOutput};
-use crate::progress::StepWatch;
+use crate::drivers::compare::{compare, run_resident, single_process_backend};
+use crate::engine::cuda::{CudaCompute, GpuShape};
+use crate::engine::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
+use crate::engine::timing::{hook_percentiles_us, median, ms, stack_h2d_bytes, time_rounds, timed_execution, Timed};
+use crate::engine::{Engine, EngineError, ExecOptions, ExecOutput};
+use crate::report::progress::StepWatch;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -541,12 +541,12 @@ pub struct GpuRunReport {
 
 /// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
 /// weights: synthetic weights from `seed`, or `checkpoint`'s bytes. With `slow_copies` every host → device copy waits
-/// behind a dummy one ([`super::slow::SlowCopies`]). `observer` sees `enable` build masters and the DiT steps complete
+/// behind a dummy one ([`crate::engine::slow::SlowCopies`]). `observer` sees `enable` build masters and the DiT steps complete
 /// on the device (progress bars).
 #[allow(clippy::too_many_arguments)]
 pub fn gpu_run(
     desc: &PipelineDesc,
-    checkpoint: Option<&super::driver::CheckpointWeights>,
+    checkpoint: Option<&crate::drivers::run::CheckpointWeights>,
     config: &OffloadConfig,
     steps: u32,
     shape: GpuShape,
@@ -554,16 +554,16 @@ pub fn gpu_run(
     skip_seed: Option<u64>,
     ordering_fault: weightferry_actors::OrderingFault,
     slow_copies: bool,
-    observer: Option<Arc<dyn crate::progress::RunObserver>>,
+    observer: Option<Arc<dyn crate::report::progress::RunObserver>>,
 ) -> Result<GpuRunReport, EngineError> {
     let plan = resolve_offload_plan(desc, config).map_err(weightferry::offload::OffloadError::from)?;
     let cuda = Arc::new(CudaPlatform::new(0)?);
     let platform: PlatformRef =
-        if slow_copies { Arc::new(super::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
+        if slow_copies { Arc::new(crate::engine::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
     let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
     let mut model = match checkpoint {
         Some(w) => HostModel::from_checkpoint(platform, Arc::new(desc.clone()), &w.checkpoint, &w.component)
-            .map_err(super::driver::checkpoint_error)?,
+            .map_err(crate::drivers::run::checkpoint_error)?,
         None => HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?,
     };
     let engine = Engine::new(compute, desc)?;

@@ -34,7 +34,7 @@
 //! either restored bit-exactly or still released when it returns (the model's checksum after a successful run equals
 //! the one before).
 
-use crate::engine::compare::{run_offloaded, run_resident, UPLOAD_STREAM};
+use crate::drivers::compare::{run_offloaded, run_resident, UPLOAD_STREAM};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
 use crate::engine::timeline::{in_modules, summarize, trace_execution, DeviceSpan, DeviceTracer, TimelineSummary};

@@ -9,7 +9,7 @@
 //! Invariant: once `enable` was called, `disable` is called before [`run_offloaded`] returns — also when `enable`
 //! or the execution failed — so host weights are back in their own buffers whatever failed.
 
-use super::{Engine, EngineError, ExecOptions, ExecOutput, Progress};
+use crate::engine::{Engine, EngineError, ExecOptions, ExecOutput, Progress};
 use std::fmt;
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;

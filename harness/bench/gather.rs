@@ -24,8 +24,8 @@
 //! order; a rank that fails breaks the group barrier, so its peers stop at their next barrier instead of entering
 //! a collective the failed rank will never issue.
 
-use super::timing::median;
-use super::EngineError;
+use crate::engine::timing::median;
+use crate::engine::EngineError;
 use serde::Serialize;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
