@@ -29,6 +29,10 @@ use safetensors::Dtype as S;
 mod st;
 use st::{write, T};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 const BLOCKS: usize = 4;
 /// The block whose f32 tensors cannot be one file range (a 12-byte tensor first breaks the alignment).
 const ODD_BLOCK: usize = 1;

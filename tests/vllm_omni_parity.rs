@@ -20,6 +20,10 @@ use weightferry::plan::{resolve_offload_plan, DType, OffloadPlanDecl, PipelineDe
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 // ------------------------------------------------------------------------------------------------------------
 // Helpers
 

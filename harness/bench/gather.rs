@@ -24,12 +24,12 @@
 //! order; a rank that fails breaks the group barrier, so its peers stop at their next barrier instead of entering
 //! a collective the failed rank will never issue.
 
+use crate::engine::synthetic::splitmix64;
 use crate::engine::timing::median;
 use crate::engine::EngineError;
 use serde::Serialize;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
-use weightferry::model::splitmix64;
 use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
 use weightferry::platform::cuda::nccl::{
     nccl_version, NcclCollective, NcclOptions, NcclUniqueId, NCCL_UNIQUE_ID_BYTES,
@@ -302,7 +302,7 @@ fn gemm_fill(elems: usize, salt: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(elems * 2);
     for i in 0..elems as u64 {
         let v = (((i.wrapping_mul(7919) ^ salt) % 255) as f32 - 127.0) / 512.0;
-        out.extend_from_slice(&weightferry::model::f32_to_bf16(v).to_le_bytes());
+        out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
     }
     out
 }

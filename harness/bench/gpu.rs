@@ -10,6 +10,7 @@
 
 use crate::drivers::compare::{compare, run_resident, single_process_backend};
 use crate::engine::cuda::{CudaCompute, GpuShape};
+use crate::engine::synthetic::SyntheticWeights;
 use crate::engine::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
 use crate::engine::timing::{hook_percentiles_us, median, ms, stack_h2d_bytes, time_rounds, timed_execution, Timed};
 use crate::engine::{Engine, EngineError, ExecOptions, ExecOutput};

@@ -35,6 +35,7 @@ use crate::drivers::distributed::{
 use crate::drivers::launch::PEER_FAILED_EXIT;
 use crate::drivers::run::{checkpoint_error, CheckpointWeights};
 use crate::engine::compute::{Compute, SimCompute};
+use crate::engine::synthetic::SyntheticWeights;
 use crate::report::human_bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt;

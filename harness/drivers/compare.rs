@@ -298,6 +298,7 @@ fn resident_again(
 mod tests {
     use super::*;
     use crate::engine::compute::SimCompute;
+    use crate::engine::synthetic::SyntheticWeights;
     use std::sync::Arc;
     use weightferry::plan::presets::preset;
     use weightferry::plan::PipelineDesc;

@@ -9,6 +9,7 @@
 
 use super::compare::{compare, single_process_backend, Comparison, OffloadedSource};
 use crate::engine::compute::SimCompute;
+use crate::engine::synthetic::SyntheticWeights;
 use crate::engine::timing::{hook_percentiles_us, ms};
 use crate::engine::Engine;
 use crate::engine::{EngineError, ExecOptions, Progress};

@@ -17,9 +17,9 @@
 
 use super::compute::{Compute, ModuleKernel};
 use super::math::Phase;
+use super::synthetic::splitmix64;
 use super::EngineError;
 use std::sync::{Arc, Mutex};
-use weightferry::model::{f32_to_bf16, splitmix64};
 use weightferry::plan::{DType, PipelineDesc, TensorDesc};
 use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
 use weightferry::platform::cuda::CudaPlatform;
@@ -237,7 +237,7 @@ impl Compute for CudaCompute {
         let mut out = Vec::with_capacity(n * 2);
         for _ in 0..n {
             let v = ((splitmix64(&mut st) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-            out.extend_from_slice(&f32_to_bf16(v).to_le_bytes());
+            out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
         }
         out
     }

@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weightferry::config::OffloadConfig;
-use weightferry::model::{synthetic_bytes, Home, HostModel, ModelError};
+use weightferry::model::{Home, HostModel, ModelError};
 use weightferry::offload::shard_restore::{is_restore_tag, RESTORE_TAG};
 use weightferry::offload::units::build_unit_plan;
 use weightferry::plan::presets::preset;
@@ -32,6 +32,7 @@ use weightferry_harness::drivers::distributed::{
     RunProbe, RunningRank,
 };
 use weightferry_harness::engine::compute::{Compute, SimCompute};
+use weightferry_harness::engine::synthetic::{synthetic_bytes, SyntheticWeights};
 
 const SEED: u64 = 5;
 

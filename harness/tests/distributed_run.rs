@@ -27,6 +27,7 @@ use weightferry_harness::drivers::distributed::{
 };
 use weightferry_harness::drivers::run::{run, RunSpec};
 use weightferry_harness::engine::compute::{Compute, SimCompute};
+use weightferry_harness::engine::synthetic::SyntheticWeights;
 
 fn ok_ranks(spec: &DistributedRunSpec) -> Vec<RankRun> {
     run_distributed_sim(spec)

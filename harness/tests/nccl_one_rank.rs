@@ -15,6 +15,7 @@ use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_harness::drivers::distributed::{resident_run_with_model, run_rank_with_model, DistributedRunSpec};
 use weightferry_harness::engine::compute::Compute;
 use weightferry_harness::engine::cuda::{CudaCompute, GpuShape};
+use weightferry_harness::engine::synthetic::SyntheticWeights;
 
 #[test]
 #[ignore = "needs a CUDA GPU and libnccl"]
