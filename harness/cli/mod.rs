@@ -41,9 +41,25 @@ pub const DEFAULT_DIT_ONLY_CONFIG_JSON: &str =
 /// The preset `run` and `plan` use when no pipeline is given.
 pub const DEFAULT_PRESET: &str = "flux-tiny";
 
-/// Streams diffusion-model weights between host and device memory; runs and plans offload on a simulated device.
+/// `weightferry -h`: what the tool does for its user.
+pub const ABOUT: &str =
+    "Runs a diffusion model larger than the GPU by streaming its weights between host and GPU memory";
+
+/// `weightferry --help`: [`ABOUT`], then what each command is for.
+pub const LONG_ABOUT: &str = "\
+Runs a diffusion model larger than the GPU by streaming its weights between host and GPU memory, block by block,
+while it computes.
+
+Try it on a pipeline (a built-in preset, a pipeline file or a safetensors checkpoint) and an offload config:
+`run` runs it fully resident, then offloaded, and checks that the outputs are identical bit for bit; `plan` shows
+what the config does (what streams, what stays resident, the GPU memory it needs) without running anything;
+`inspect` shows what a checkpoint holds and what can be streamed from it; `launch` starts the ranks of a
+distributed run on this machine; `bench` and `bench-gather` measure offload on GPUs. Runs use a simulated device
+unless given `--platform cuda`.";
+
+/// The command line.
 #[derive(Debug, Parser)]
-#[command(name = "weightferry", version = VERSION, about, long_about = None)]
+#[command(name = "weightferry", version = VERSION, about = ABOUT, long_about = LONG_ABOUT)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -86,13 +102,13 @@ pub struct BenchGatherArgs {
     #[arg(long, value_name = "MIB", value_delimiter = ',', default_value = "16,64,256,0")]
     pub chunk_mib: Vec<u64>,
     /// Timed blocks per run.
-    #[arg(long, value_name = "N", default_value_t = 24)]
+    #[arg(long, value_name = "N", default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..))]
     pub blocks: u32,
     /// Untimed blocks before each configuration.
     #[arg(long, value_name = "N", default_value_t = 2)]
     pub warmup: u32,
     /// Timed runs per configuration (the median is reported).
-    #[arg(long, value_name = "N", default_value_t = 3)]
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeats: u32,
     /// Group sizes to measure, one thread per GPU 0..N (default: 1 and the number of visible GPUs).
     #[arg(long, value_name = "N", value_delimiter = ',')]
@@ -104,13 +120,13 @@ pub struct BenchGatherArgs {
     #[arg(long, value_name = "M,N,K", value_delimiter = ',', default_value = "4096,12288,3072")]
     pub gemm: Vec<usize>,
     /// GEMMs per timed loop.
-    #[arg(long, value_name = "N", default_value_t = 300)]
+    #[arg(long, value_name = "N", default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..))]
     pub gemm_iters: u32,
     /// Chunk size (MiB, 0 = whole block) of the transfers running beside the GEMMs.
     #[arg(long, value_name = "MIB", default_value_t = 64)]
     pub compute_chunk_mib: u64,
-    /// Mode of the gathering transfers beside the GEMMs.
-    #[arg(long, value_enum, default_value_t = GatherModeArg::Gather)]
+    /// Mode of the gathering transfers beside the GEMMs (one that gathers: gather or in-place).
+    #[arg(long, value_name = "MODE", default_value = "gather", value_parser = gathering_mode())]
     pub compute_mode: GatherModeArg,
     /// Use NCCL's copy-engine AllGather (symmetric windows, `NCCL_CTA_POLICY_ZERO`; NCCL 2.28 or later).
     #[arg(long)]
@@ -124,6 +140,18 @@ pub struct BenchGatherArgs {
     /// Also write the JSON report to this file.
     #[arg(long, value_name = "FILE")]
     pub json_out: Option<PathBuf>,
+}
+
+/// `--compute-mode`: a [`GatherModeArg`] that gathers (not `h2d-only`).
+fn gathering_mode() -> impl clap::builder::TypedValueParser<Value = GatherModeArg> {
+    use clap::builder::{PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(["gather", "in-place"]).map(|s| {
+        if s == "in-place" {
+            GatherModeArg::InPlace
+        } else {
+            GatherModeArg::Gather
+        }
+    })
 }
 
 /// How `bench-gather` rebuilds a block.
@@ -183,7 +211,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "DIR")]
     pub trace: Option<std::path::PathBuf>,
     /// Rounds over the configuration list, interleaved; each configuration reports its median step time.
-    #[arg(long, value_name = "R", default_value_t = 1)]
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub rounds: u32,
     /// Let the engine's host thread run at most K blocks ahead of the device (default: unbounded, like eager
     /// frameworks, until the driver's launch queue pushes back).
