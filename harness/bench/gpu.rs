@@ -1,6 +1,5 @@
-//! The GPU drivers: `run --platform cuda` (resident vs offloaded, bit for bit, on a real device) and the benchmark
-//! matrix behind `weightferry bench` (step time of every configuration as a ratio to its physical bound, measured in
-//! the same process as the bound's inputs).
+//! The benchmark matrix behind `weightferry bench`: the step time of every offload configuration as a ratio to its
+//! physical bound, measured in the same process as the bound's inputs.
 //!
 //! Timing: a pipeline execution runs encoders → DiT × steps → VAE and ends by reading the output back (a device
 //! synchronisation), so wall time is device time. The time of one DiT step is the difference between executions
@@ -8,20 +7,18 @@
 //! streamed per step are taken the same way from the scheduler's counters. The bound of a configuration is
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
-use crate::drivers::compare::{compare, run_resident, single_process_backend};
-use crate::engine::cuda::{CudaCompute, GpuShape};
+use crate::drivers::compare::run_resident;
+use crate::engine::cuda::{default_tokens, CudaCompute, GpuShape};
 use crate::engine::synthetic::SyntheticWeights;
 use crate::engine::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
-use crate::engine::timing::{hook_percentiles_us, median, ms, stack_h2d_bytes, time_rounds, timed_execution, Timed};
+use crate::engine::timing::{hook_percentiles_us, median, stack_h2d_bytes, time_rounds, timed_execution, Timed};
 use crate::engine::{Engine, EngineError, ExecOptions, ExecOutput};
-use crate::report::progress::StepWatch;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
 use weightferry::config::{CopySubmission, OffloadConfig};
 use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
-use weightferry::offload::backend::EnableProgress;
 use weightferry::offload::{get_offload_backend, StreamingBackend, WeightSource};
 use weightferry::plan::{resolve_offload_plan, PipelineDesc};
 use weightferry::platform::cuda::CudaPlatform;
@@ -29,17 +26,6 @@ use weightferry_actors::platform::{Platform, PlatformRef};
 
 /// Label of the configuration that keeps every block resident through the backend.
 pub const RESIDENT_VIA_BACKEND: &str = "all resident (backend)";
-
-/// Default token counts of a preset: (DiT tokens, encoder tokens).
-pub fn default_tokens(preset: &str) -> (usize, usize) {
-    match preset {
-        // 1024² image: 64×64 latent patches + 512 text tokens.
-        "flux-dev" | "qwen-image" => (4096 + 512, 512),
-        // 480p × 81 frames: 30 × 52 patches × 21 latent frames.
-        "wan-14b" => (30 * 52 * 21, 512),
-        _ => (256, 64),
-    }
-}
 
 /// One measured configuration.
 #[derive(Debug, Clone, Serialize)]
@@ -632,99 +618,4 @@ pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&str)) -> Result<BenchRe
         bench_preset(spec, p, &mut report, progress)?;
     }
     Ok(report)
-}
-
-/// The result of a GPU run: resident vs offloaded.
-#[derive(Debug, Clone, Serialize)]
-pub struct GpuRunReport {
-    /// Device name.
-    pub device: String,
-    /// Strategy.
-    pub strategy: String,
-    /// Resident output checksum.
-    pub resident_checksum: String,
-    /// Offloaded output checksum.
-    pub offloaded_checksum: String,
-    /// Outputs equal bit for bit.
-    pub outputs_match: bool,
-    /// Host weights equal bit for bit after disable.
-    pub weights_match: bool,
-    /// Peak device weight memory of the offloaded run.
-    pub peak_device_weight_bytes: u64,
-    /// The plan's bound.
-    pub planned_device_weight_bytes: u64,
-    /// Bytes copied host → device by the offloaded run.
-    pub h2d_bytes: u64,
-    /// Synchronous fetches.
-    pub sync_fetches: u64,
-    /// Resident wall time, ms.
-    pub resident_wall_ms: f64,
-    /// Offloaded wall time, ms.
-    pub offloaded_wall_ms: f64,
-    /// Median hook latency, µs.
-    pub hook_latency_p50_us: f64,
-    /// 99th percentile hook latency, µs.
-    pub hook_latency_p99_us: f64,
-}
-
-/// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
-/// weights: synthetic weights from `seed`, or `checkpoint`'s bytes. With `slow_copies` every host → device copy waits
-/// behind a dummy one ([`crate::engine::slow::SlowCopies`]). `observer` sees `enable` build masters and the DiT steps complete
-/// on the device (progress bars).
-#[allow(clippy::too_many_arguments)]
-pub fn gpu_run(
-    desc: &PipelineDesc,
-    checkpoint: Option<&crate::drivers::run::CheckpointWeights>,
-    config: &OffloadConfig,
-    steps: u32,
-    shape: GpuShape,
-    seed: u64,
-    skip_seed: Option<u64>,
-    ordering_fault: weightferry_actors::OrderingFault,
-    slow_copies: bool,
-    observer: Option<Arc<dyn crate::report::progress::RunObserver>>,
-) -> Result<GpuRunReport, EngineError> {
-    let plan = resolve_offload_plan(desc, config).map_err(weightferry::offload::OffloadError::from)?;
-    let cuda = Arc::new(CudaPlatform::new(0)?);
-    let platform: PlatformRef =
-        if slow_copies { Arc::new(crate::engine::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
-    let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
-    let mut model = match checkpoint {
-        Some(w) => HostModel::from_checkpoint(platform, Arc::new(desc.clone()), &w.checkpoint, &w.component)
-            .map_err(crate::drivers::run::checkpoint_error)?,
-        None => HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?,
-    };
-    let engine = Engine::new(compute, desc)?;
-    let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
-    let enable_observer = observer.clone();
-    let mut offload = |p: &PlatformRef| {
-        let mut backend = single_process_backend(config, p, ordering_fault)?;
-        if let (Some(b), Some(o)) = (backend.as_mut(), enable_observer.clone()) {
-            b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
-        }
-        Ok(backend)
-    };
-    let mut watch = StepWatch::new(cuda.clone(), engine.stream(), observer);
-    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |stage, p| watch.observe(stage, p));
-    watch.finish();
-    model.release();
-    let cmp = cmp?;
-    let backend = cmp.backend.as_ref();
-    let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
-    Ok(GpuRunReport {
-        device: cuda.device_name().to_string(),
-        strategy: plan.strategy.report_name().to_string(),
-        resident_checksum: format!("{:016x}", cmp.resident.checksum),
-        offloaded_checksum: format!("{:016x}", cmp.offloaded.checksum),
-        outputs_match: cmp.outputs_match(),
-        weights_match: cmp.weights_match(),
-        peak_device_weight_bytes: cmp.offloaded_peak_bytes,
-        planned_device_weight_bytes: plan.budget.device_weight_bytes,
-        h2d_bytes: backend.map_or(0, stack_h2d_bytes),
-        sync_fetches: backend.map_or(0, |b| b.stacks.iter().map(|s| s.sync_fetches).sum()),
-        resident_wall_ms: ms(cmp.resident.wall),
-        offloaded_wall_ms: ms(cmp.offloaded_wall),
-        hook_latency_p50_us: p50,
-        hook_latency_p99_us: p99,
-    })
 }

@@ -1,8 +1,8 @@
 //! Benchmarks on GPUs.
 //!
-//! - [`gpu`] (feature `cuda`): `weightferry bench`, every offload configuration's step time against its physical
-//!   bound, and `run --platform cuda` (the GPU reference engine, resident against offloaded).
-//! - [`gather`] (feature `nccl`): `weightferry bench-gather`, the block-rebuild rate of shard H2D + NCCL AllGather
+//! - `gpu` (feature `cuda`): `weightferry bench`, every offload configuration's step time against its physical
+//!   bound.
+//! - `gather` (feature `nccl`): `weightferry bench-gather`, the block-rebuild rate of shard H2D + NCCL AllGather
 //!   and the compute slowdown it causes.
 
 #[cfg(feature = "nccl")]

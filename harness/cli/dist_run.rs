@@ -856,7 +856,7 @@ fn cuda_rank(
     spec: &DistributedRunSpec,
     weights: Option<&CheckpointWeights>,
 ) -> Result<RankOutcome, CliError> {
-    use crate::bench::gpu::default_tokens;
+    use crate::engine::cuda::default_tokens;
     use crate::engine::cuda::{CudaCompute, GpuShape};
     use weightferry::dist::nccl_bootstrap::{bootstrap_nccl, open_rank_gpu, NcclBootstrap};
     let rank = env.rank;

@@ -71,7 +71,8 @@ fn run_cuda(
     checkpoint: Option<&crate::drivers::run::CheckpointWeights>,
     config: &weightferry::config::OffloadConfig,
 ) -> Result<i32, CliError> {
-    use crate::bench::gpu::{default_tokens, gpu_run};
+    use crate::drivers::gpu::gpu_run;
+    use crate::engine::cuda::default_tokens;
     use crate::engine::cuda::GpuShape;
     let (mut tokens, context_tokens) = default_tokens(name);
     if let Some(t) = a.tokens {

@@ -45,6 +45,17 @@ pub struct GpuShape {
     pub context_tokens: usize,
 }
 
+/// Default token counts of a preset: (DiT tokens, encoder tokens).
+pub fn default_tokens(preset: &str) -> (usize, usize) {
+    match preset {
+        // 1024² image: 64×64 latent patches + 512 text tokens.
+        "flux-dev" | "qwen-image" => (4096 + 512, 512),
+        // 480p × 81 frames: 30 × 52 patches × 21 latent frames.
+        "wan-14b" => (30 * 52 * 21, 512),
+        _ => (256, 64),
+    }
+}
+
 struct Scratch {
     /// Two product buffers, `tokens × max_dim` each.
     prod: [DeviceBufferId; 2],

@@ -9,7 +9,7 @@
 use weightferry::config::OffloadConfig;
 use weightferry::plan::presets::preset;
 use weightferry_actors::OrderingFault;
-use weightferry_harness::bench::gpu::gpu_run;
+use weightferry_harness::drivers::gpu::gpu_run;
 use weightferry_harness::engine::cuda::GpuShape;
 
 const SHAPE: GpuShape = GpuShape { tokens: 256, context_tokens: 64 };
