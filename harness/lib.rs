@@ -4,7 +4,7 @@
 //!   would call); on GPUs (feature `cuda`) its cuBLAS compute.
 //! - [`drivers`]: what runs the engine through the library — the single-process `run` driver, resident against
 //!   offloaded compared bit for bit, one rank of a distributed run, and the local process launcher.
-//! - [`bench`]: GPU measurements — the offload benchmark matrix (feature `cuda`) and the shard-gather bench
+//! - [`bench`](mod@bench): GPU measurements — the offload benchmark matrix (feature `cuda`) and the shard-gather bench
 //!   (feature `nccl`).
 //! - [`report`]: the text / JSON run report, the checkpoint summary, the Chrome / Perfetto timeline and the
 //!   terminal progress bars.

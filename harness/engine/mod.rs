@@ -5,7 +5,7 @@
 //! - [`math`]: what one module does to the activations (matrix products, bounded mixing, byte hashing).
 //! - [`compute`]: the [`compute::Compute`] trait kernels are enqueued through, and its sim implementation.
 //! - [`synthetic`]: the deterministic synthetic weights the engine runs on when no checkpoint is given.
-//! - [`cuda`] (feature `cuda`): the GPU engine's compute, cuBLAS GEMMs over the module's real weights; [`slow`]: a
+//! - `cuda` (feature `cuda`): the GPU engine's compute, cuBLAS GEMMs over the module's real weights; `slow`: a
 //!   platform whose copies are slowed behind dummy ones (a check that the hazards are real on a GPU).
 //! - [`timing`]: per-step time and bytes from two executions, and the median of repeated runs.
 //! - [`timeline`]: device timelines (GPU timing spans) summarised into compute busy time, stalls and copy overlap.
