@@ -529,3 +529,39 @@ impl HostModel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weightferry_actors::sim::{SimConfig, SimPlatform};
+
+    fn sim() -> Arc<SimPlatform> {
+        Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap())
+    }
+
+    #[test]
+    fn from_fn_loads_each_storage_from_its_bytes() {
+        let sim = sim();
+        let desc = Arc::new(crate::plan::presets::preset("flux-tiny").unwrap());
+        let bytes = |id: StorageId, s: &StorageDesc| vec![id.0 as u8; s.byte_size() as usize];
+        let model = HostModel::from_fn(sim.clone(), desc.clone(), bytes).unwrap();
+        for (&id, s) in &desc.storages {
+            assert_eq!(model.home(id).map(|h| h.name()), Some("loaded"));
+            assert_eq!(model.read_storage(id).unwrap(), bytes(id, s), "{id:?}");
+        }
+        model.release();
+        assert_eq!(sim.host_memory().in_use, 0);
+    }
+
+    #[test]
+    fn from_fn_refuses_bytes_of_the_wrong_length_and_frees_what_it_allocated() {
+        let sim = sim();
+        let desc = Arc::new(crate::plan::presets::preset("flux-tiny").unwrap());
+        let last = *desc.storages.keys().last().unwrap();
+        let expected = desc.storages[&last].byte_size();
+        let short = |id: StorageId, s: &StorageDesc| vec![0; s.byte_size() as usize - usize::from(id == last)];
+        let e = HostModel::from_fn(sim.clone(), desc, short).unwrap_err();
+        assert_eq!(e, ModelError::WrongLength { storage: last.0, expected, got: expected - 1 });
+        assert_eq!(sim.host_memory().in_use, 0);
+    }
+}
