@@ -1,4 +1,4 @@
-//! The `weightferry` command line: `weightferry run` and `weightferry plan` (see [`weightferry_harness::cli`]).
+//! The `weightferry` command line (see [`weightferry_harness::cli`]): runs, plans, checkpoints, launches and benches.
 //!
 //! Logging goes to stderr, filtered by `RUST_LOG` (default: errors only, so a failing command prints one line).
 

@@ -10,7 +10,7 @@
 //! tests prove weights are bit-identical after enable/disable cycles and faults. A storage whose bytes are not on
 //! this host ([`Home::Sharded`]) is never read: every read of it is [`ModelError::Sharded`].
 
-use crate::pipeline::{DType, PipelineDesc, StorageId};
+use crate::pipeline::{PipelineDesc, StorageDesc, StorageId};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
@@ -110,83 +110,6 @@ pub struct HostModel {
     caller: Vec<StorageId>,
 }
 
-/// splitmix64: the tiny deterministic generator behind synthetic weights (the simulated device's fault plans use
-/// the same one).
-pub use weightferry_actors::sim::fault::splitmix64;
-
-/// f32 → bf16 bits (round to nearest even).
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let round = 0x7FFF + ((bits >> 16) & 1);
-    ((bits.wrapping_add(round)) >> 16) as u16
-}
-
-/// bf16 bits → f32.
-pub fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
-/// f32 → IEEE half bits (round toward zero; synthetic weights are small and normal).
-pub fn f32_to_f16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    let exp = ((bits >> 23) & 0xFF) as i32 - 127 + 15;
-    let mant = bits & 0x7F_FFFF;
-    if exp <= 0 {
-        sign
-    } else if exp >= 31 {
-        sign | 0x7C00
-    } else {
-        sign | ((exp as u16) << 10) | ((mant >> 13) as u16)
-    }
-}
-
-/// IEEE half bits → f32.
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let exp = ((h >> 10) & 0x1F) as u32;
-    let mant = (h & 0x3FF) as u32;
-    let bits = if exp == 0 {
-        if mant == 0 {
-            sign
-        } else {
-            // Subnormal half: normalise.
-            let mut e = 127 - 15 + 1;
-            let mut m = mant;
-            while m & 0x400 == 0 {
-                m <<= 1;
-                e -= 1;
-            }
-            sign | ((e as u32) << 23) | ((m & 0x3FF) << 13)
-        }
-    } else if exp == 31 {
-        sign | 0x7F80_0000 | (mant << 13)
-    } else {
-        sign | ((exp + 127 - 15) << 23) | (mant << 13)
-    };
-    f32::from_bits(bits)
-}
-
-/// Deterministic synthetic bytes for a storage: small values so deep stacks stay finite.
-pub fn synthetic_bytes(dtype: DType, numel: u64, seed: u64, storage: StorageId) -> Vec<u8> {
-    let mut st = seed ^ storage.0.wrapping_mul(0xA24B_AED4_963E_E407);
-    let n = numel as usize;
-    let mut out = Vec::with_capacity(n * dtype.size_bytes() as usize);
-    let unit = |st: &mut u64| ((splitmix64(st) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-    for _ in 0..n {
-        match dtype {
-            DType::F32 => out.extend_from_slice(&(unit(&mut st) * 0.05).to_le_bytes()),
-            DType::Bf16 => out.extend_from_slice(&f32_to_bf16(unit(&mut st) * 0.05).to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&f32_to_f16(unit(&mut st) * 0.05).to_le_bytes()),
-            DType::F8e4m3 => out.push((splitmix64(&mut st) & 0x3F) as u8 | 0x20),
-            DType::I64 => out.extend_from_slice(&((splitmix64(&mut st) % 1024) as i64).to_le_bytes()),
-            DType::I32 => out.extend_from_slice(&((splitmix64(&mut st) % 1024) as i32).to_le_bytes()),
-            DType::U8 => out.push(splitmix64(&mut st) as u8),
-        }
-    }
-    out
-}
-
 /// FNV-1a over bytes, continuing from `h`.
 pub fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
     for &b in bytes {
@@ -203,7 +126,7 @@ pub const FNV_OFFSET: u64 = 0xCBF2_9CE4_8422_2325;
 pub const CHECKSUM_READ_BYTES: usize = 8 << 20;
 
 /// What one generation thread returns: its storages' buffers, or the error and the buffers to free.
-type GenResult = Result<Vec<(StorageId, HostBufferId)>, (PlatformError, Vec<HostBufferId>)>;
+type GenResult = Result<Vec<(StorageId, HostBufferId)>, (ModelError, Vec<HostBufferId>)>;
 
 /// A zero-filled pageable host buffer of exactly its size for each of `ids` (one byte for an empty storage:
 /// platforms refuse empty allocations). If an allocation fails, the buffers allocated so far are freed.
@@ -230,10 +153,41 @@ pub(crate) fn zeroed_buffers(
     Ok(loaded)
 }
 
+/// A pageable host buffer holding the bytes `bytes_of` gives for storage `id` ([`HostModel::from_fn`]); freed again
+/// if they are not exactly the storage's size or cannot be written.
+fn fill_storage<F>(
+    platform: &PlatformRef,
+    id: StorageId,
+    storage: &StorageDesc,
+    bytes_of: &F,
+) -> Result<HostBufferId, ModelError>
+where
+    F: Fn(StorageId, &StorageDesc) -> Vec<u8>,
+{
+    let bytes = bytes_of(id, storage);
+    let expected = storage.byte_size();
+    if bytes.len() as u64 != expected {
+        return Err(ModelError::WrongLength { storage: id.0, expected, got: bytes.len() as u64 });
+    }
+    let buf = platform.alloc_host(expected.max(1), HostMemoryKind::Pageable)?;
+    if let Err(e) = platform.write_host(buf, 0, &bytes) {
+        let _ = platform.free_host(buf);
+        return Err(e.into());
+    }
+    Ok(buf)
+}
+
 impl HostModel {
-    /// Loads `desc` with deterministic synthetic weights (pageable host buffers, one per storage). Storages are
-    /// generated on all available cores; the result does not depend on the thread count.
-    pub fn synthetic(platform: PlatformRef, desc: Arc<PipelineDesc>, seed: u64) -> Result<HostModel, PlatformError> {
+    /// A model whose every storage is loaded in its own pageable host buffer holding the bytes `bytes_of` gives for
+    /// it (called once per storage with its id and description; it must return exactly the storage's
+    /// [`byte_size`](StorageDesc::byte_size), [`ModelError::WrongLength`] otherwise). The storages are filled on all
+    /// available cores (at most 32), so `bytes_of` must give the same bytes whatever thread calls it; the model does
+    /// not depend on the thread count. On an error every buffer allocated so far is freed; the error is that of the
+    /// first thread, in storage order, that failed.
+    pub fn from_fn<F>(platform: PlatformRef, desc: Arc<PipelineDesc>, bytes_of: F) -> Result<HostModel, ModelError>
+    where
+        F: Fn(StorageId, &StorageDesc) -> Vec<u8> + Sync,
+    {
         let ids: Vec<StorageId> = desc.storages.keys().copied().collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 32);
         let chunk = ids.len().div_ceil(threads).max(1);
@@ -241,23 +195,11 @@ impl HostModel {
             let handles: Vec<_> = ids
                 .chunks(chunk)
                 .map(|part| {
-                    let platform = &platform;
-                    let desc = &desc;
+                    let (platform, desc, bytes_of) = (&platform, &desc, &bytes_of);
                     scope.spawn(move || {
                         let mut made = Vec::new();
                         for &id in part {
-                            let s = &desc.storages[&id];
-                            let bytes = synthetic_bytes(s.dtype, s.numel, seed, id);
-                            let r = platform.alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable).and_then(
-                                |buf| match platform.write_host(buf, 0, &bytes) {
-                                    Ok(()) => Ok(buf),
-                                    Err(e) => {
-                                        let _ = platform.free_host(buf);
-                                        Err(e)
-                                    }
-                                },
-                            );
-                            match r {
+                            match fill_storage(platform, id, &desc.storages[&id], bytes_of) {
                                 Ok(buf) => made.push((id, buf)),
                                 Err(e) => return Err((e, made.into_iter().map(|(_, b)| b).collect())),
                             }
@@ -270,17 +212,18 @@ impl HostModel {
                 .into_iter()
                 .map(|h| {
                     h.join().unwrap_or_else(|_| {
-                        Err((PlatformError::Driver("weight generation thread panicked".into()), Vec::new()))
+                        let e = PlatformError::Driver("weight generation thread panicked".into());
+                        Err((e.into(), Vec::new()))
                     })
                 })
                 .collect()
         });
-        let mut homes = BTreeMap::new();
+        let mut loaded = BTreeMap::new();
         let mut first_err = None;
         let mut orphans = Vec::new();
         for r in results {
             match r {
-                Ok(made) => homes.extend(made.into_iter().map(|(id, buf)| (id, Home::Loaded { buf }))),
+                Ok(made) => loaded.extend(made),
                 Err((e, made)) => {
                     first_err.get_or_insert(e);
                     orphans.extend(made);
@@ -288,15 +231,12 @@ impl HostModel {
             }
         }
         if let Some(e) = first_err {
-            for b in orphans.into_iter().chain(homes.values().filter_map(|h| match h {
-                Home::Loaded { buf } => Some(*buf),
-                Home::File { .. } | Home::Master { .. } | Home::Sharded => None,
-            })) {
+            for b in orphans.into_iter().chain(loaded.into_values()) {
                 let _ = platform.free_host(b);
             }
             return Err(e);
         }
-        Ok(HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new(), caller: Vec::new() })
+        Ok(HostModel::from_loaded(platform, desc, loaded))
     }
 
     /// A model whose every storage is loaded in its own host buffer of `platform` (`loaded` holds one buffer per
@@ -587,5 +527,41 @@ impl HostModel {
         for &f in &self.files {
             let _ = self.platform.free_host(f);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weightferry_actors::sim::{SimConfig, SimPlatform};
+
+    fn sim() -> Arc<SimPlatform> {
+        Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap())
+    }
+
+    #[test]
+    fn from_fn_loads_each_storage_from_its_bytes() {
+        let sim = sim();
+        let desc = Arc::new(crate::pipeline::presets::preset("flux-tiny").unwrap());
+        let bytes = |id: StorageId, s: &StorageDesc| vec![id.0 as u8; s.byte_size() as usize];
+        let model = HostModel::from_fn(sim.clone(), desc.clone(), bytes).unwrap();
+        for (&id, s) in &desc.storages {
+            assert_eq!(model.home(id).map(|h| h.name()), Some("loaded"));
+            assert_eq!(model.read_storage(id).unwrap(), bytes(id, s), "{id:?}");
+        }
+        model.release();
+        assert_eq!(sim.host_memory().in_use, 0);
+    }
+
+    #[test]
+    fn from_fn_refuses_bytes_of_the_wrong_length_and_frees_what_it_allocated() {
+        let sim = sim();
+        let desc = Arc::new(crate::pipeline::presets::preset("flux-tiny").unwrap());
+        let last = *desc.storages.keys().last().unwrap();
+        let expected = desc.storages[&last].byte_size();
+        let short = |id: StorageId, s: &StorageDesc| vec![0; s.byte_size() as usize - usize::from(id == last)];
+        let e = HostModel::from_fn(sim.clone(), desc, short).unwrap_err();
+        assert_eq!(e, ModelError::WrongLength { storage: last.0, expected, got: expected - 1 });
+        assert_eq!(sim.host_memory().in_use, 0);
     }
 }

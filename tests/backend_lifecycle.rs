@@ -25,6 +25,10 @@ use weightferry_actors::platform::{Platform, PlatformError, PlatformRef, StreamI
 use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
 use weightferry_actors::SchedulerError;
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];
 const FLUX_DIT_STACK: &str = "transformer[transformer_blocks+single_transformer_blocks]";
 const NOT_LOADED: &str = "its block is not loaded (call pre_forward on the module first)";

@@ -15,6 +15,10 @@ use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::{HostBufferId, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 #[test]
 fn enable_reports_master_bytes_per_batch_and_names_every_master() {
     let desc = Arc::new(preset("flux-tiny").expect("preset"));

@@ -22,6 +22,10 @@ use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 /// What one rank saw.
 struct RankResult {
     /// `(sequence, tag)` of every AllGather this rank issued (read after disable, when every one completed).

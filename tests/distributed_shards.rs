@@ -21,6 +21,10 @@ use weightferry_actors::platform::{HostMemoryKind, Platform, PlatformError, Plat
 use weightferry_actors::shard::{reassemble, ShardError};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];
 
 /// Chunk sizes (gathered bytes per AllGather): none, smaller than most sections and not dividing them, larger

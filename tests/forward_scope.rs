@@ -11,6 +11,10 @@ use weightferry::pipeline::presets::preset;
 use weightferry_actors::platform::PlatformRef;
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 #[test]
 fn a_vae_scope_swaps_the_vae_in_and_the_dit_scope_swaps_it_out() {
     let desc = preset("flux-tiny").unwrap();

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use weightferry::config::OffloadConfig;
 use weightferry::hooks::HookRegistry;
-use weightferry::model::{fnv1a, synthetic_bytes, Home, HostModel, ModelError, CHECKSUM_READ_BYTES, FNV_OFFSET};
+use weightferry::model::{fnv1a, Home, HostModel, ModelError, CHECKSUM_READ_BYTES, FNV_OFFSET};
 use weightferry::offload::backend::{master_batches, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS};
 use weightferry::offload::layout::{section_bytes, write_section, Section, ALIGN, MASTER_BOUNCE_BYTES};
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
@@ -32,6 +32,10 @@ use weightferry_actors::platform::{
     PlatformResult, StreamId,
 };
 use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
+
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::{splitmix64, synthetic_bytes, SyntheticWeights};
 
 const SEED: u64 = 11;
 const GARBAGE: u8 = 0xA5;
@@ -506,10 +510,10 @@ fn master_batches_fill_mixed_units_up_to_the_cap_inclusive() {
 fn master_batches_cover_every_unit_in_order_and_are_maximal() {
     let mut st = 0x1234_5678u64;
     for case in 0..500 {
-        let n = (weightferry::model::splitmix64(&mut st) % 60) as usize;
-        let cap = 1 + weightferry::model::splitmix64(&mut st) % 1000;
-        let max_units = 1 + (weightferry::model::splitmix64(&mut st) % 20) as usize;
-        let sizes: Vec<u64> = (0..n).map(|_| weightferry::model::splitmix64(&mut st) % (cap * 3 / 2 + 1)).collect();
+        let n = (splitmix64(&mut st) % 60) as usize;
+        let cap = 1 + splitmix64(&mut st) % 1000;
+        let max_units = 1 + (splitmix64(&mut st) % 20) as usize;
+        let sizes: Vec<u64> = (0..n).map(|_| splitmix64(&mut st) % (cap * 3 / 2 + 1)).collect();
         let batches = master_batches(&sizes, cap, max_units);
         let what = format!("case {case}: {sizes:?} cap {cap} max {max_units} -> {batches:?}");
         let mut next = 0;

@@ -17,6 +17,10 @@ use weightferry::plan::resolve_offload_plan;
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{Access, SimConfig, SimPlatform};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 /// Steps (passes over every streamed block).
 const STEPS: usize = 50_000;
 /// Steps before the resident set is taken as the reference.

@@ -21,6 +21,10 @@ use weightferry::plan::{resolve_offload_plan, ResolvedPlan};
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 
+#[path = "support/synthetic.rs"]
+mod synthetic;
+use synthetic::SyntheticWeights;
+
 // ------------------------------------------------------------------------------------------------------------
 // Helpers
 

@@ -1,7 +1,7 @@
 //! `weightferry run` as one rank of a distributed run (the launch environment has `WORLD_SIZE > 1`, as set by
 //! `weightferry launch`, torchrun or a job script): this process joins the TCP rendezvous, checks that every rank runs
 //! the same spec, runs its rank of distributed layerwise offload on the simulated device through
-//! [`run_rank`](crate::distributed_run::run_rank) with a [`TcpCollective`], compares its output with the
+//! [`run_rank`](crate::drivers::distributed::run_rank) with a [`TcpCollective`], compares its output with the
 //! fully resident run, and exchanges the verdicts; rank 0 prints the report (text, or one JSON object with `--json`).
 //! Every rank exits 1 when any rank's output differs or its hazard detector fired, and a rank whose run fails exits 1
 //! naming itself — or exits [`PEER_FAILED_EXIT`] (3) when it stopped only because another rank failed (a peer left, or
@@ -29,18 +29,19 @@
 //! message when it does not.
 
 use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DEFAULT_PRESET};
-use crate::distributed_run::{
+use crate::drivers::distributed::{
     resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
 };
+use crate::drivers::launch::PEER_FAILED_EXIT;
+use crate::drivers::run::{checkpoint_error, CheckpointWeights};
 use crate::engine::compute::{Compute, SimCompute};
-use crate::engine::driver::{checkpoint_error, CheckpointWeights};
+use crate::engine::synthetic::SyntheticWeights;
 use crate::report::human_bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
 use weightferry::config::OffloadConfig;
 use weightferry::dist::allgather_engine::AllGatherEngine;
-use weightferry::dist::launch::PEER_FAILED_EXIT;
 use weightferry::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use weightferry::model::HostModel;
 use weightferry::model::{fnv1a, ModelError, FNV_OFFSET};
@@ -295,7 +296,7 @@ pub struct RankTimelineReport {
 
 impl RankTimelineReport {
     /// The per-step report of a rank's trace, written to `trace_file`.
-    pub fn new(t: &crate::distributed_run::RankTrace, trace_file: String) -> Self {
+    pub fn new(t: &crate::drivers::distributed::RankTrace, trace_file: String) -> Self {
         let per_step = crate::engine::timeline::StepTimeline::per_step(t.summary.clone(), t.steps, t.dropped);
         RankTimelineReport { steps: t.steps, per_step, trace_file }
     }
@@ -773,7 +774,7 @@ struct RankOutcome {
 /// Which part of a rank's run failed.
 enum RankError {
     Resident(crate::engine::EngineError),
-    Run(crate::distributed_run::DistributedRunError),
+    Run(crate::drivers::distributed::DistributedRunError),
     /// The weights after the run are not the ones before ([`check_restored_weights`]'s message).
     Weights(String),
 }
@@ -855,8 +856,8 @@ fn cuda_rank(
     spec: &DistributedRunSpec,
     weights: Option<&CheckpointWeights>,
 ) -> Result<RankOutcome, CliError> {
+    use crate::engine::cuda::default_tokens;
     use crate::engine::cuda::{CudaCompute, GpuShape};
-    use crate::engine::gpu::default_tokens;
     use weightferry::dist::nccl_bootstrap::{bootstrap_nccl, open_rank_gpu, NcclBootstrap};
     let rank = env.rank;
     let cuda = open_rank_gpu(env).map_err(|e| CliError::invalid(format!("rank {rank}: --platform cuda: {e}")))?;
@@ -882,7 +883,7 @@ fn cuda_rank(
     );
     let mut spec = spec.clone();
     if a.trace.is_some() {
-        spec.trace = Some(crate::distributed_run::RunTracer(cuda.clone()));
+        spec.trace = Some(crate::drivers::distributed::RunTracer(cuda.clone()));
     }
     let (run, resident) = rank_with_model(platform, compute, factory, (rank, env.world), &spec, weights)
         .map_err(|e| e.into_cli(rank, false))?;
@@ -929,7 +930,7 @@ mod tests {
 
     #[test]
     fn the_timeline_report_is_per_step_and_flat_in_json() {
-        use crate::distributed_run::RankTrace;
+        use crate::drivers::distributed::RankTrace;
         use crate::engine::timeline::TimelineSummary;
         let summary = TimelineSummary { window_us: 4000.0, comm_busy_us: 1000.0, ..Default::default() };
         let t = RankTrace { steps: 2, spans: Vec::new(), dropped: 1, summary };

@@ -2,7 +2,7 @@
 //! found (text, or one JSON object with `--json`). Nothing is loaded into buffers.
 
 use super::{emit, load_checkpoint, CliError, InspectArgs};
-use weightferry::checkpoint::summary::Summary;
+use crate::report::checkpoint::Summary;
 
 /// Runs `weightferry inspect`; returns the exit code.
 pub fn inspect(a: &InspectArgs) -> Result<i32, CliError> {

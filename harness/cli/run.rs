@@ -1,17 +1,17 @@
-//! `weightferry run`: loads the pipeline and config, runs the [`driver`](crate::engine::driver) on the simulated
+//! `weightferry run`: loads the pipeline and config, runs the [`driver`](crate::drivers::run) on the simulated
 //! platform (or, when the launch environment has `WORLD_SIZE > 1`, one rank of a distributed run: see
 //! [`super::dist_run`]), prints the report (text, or one JSON object with `--json`), writes the trace, and maps
 //! the outcome to an exit code (1 when outputs or weights differ or the hazard detector fired). On a terminal it
-//! draws progress bars on stderr ([`crate::progress`]). With `--checkpoint`, the pipeline is derived from a safetensors
+//! draws progress bars on stderr ([`crate::report::progress`]). With `--checkpoint`, the pipeline is derived from a safetensors
 //! checkpoint and both runs compute over its bytes (simulated platform, one process).
 
 use super::{
     check_blockless, emit, load_checkpoint, load_config, load_pipeline, CliError, FaultArg, LoadedPipeline,
     PlatformArg, RunArgs, DEFAULT_PRESET,
 };
-use crate::engine::driver::{run as drive, CheckpointWeights, RunSpec};
+use crate::drivers::run::{run as drive, CheckpointWeights, RunSpec};
 use crate::engine::EngineError;
-use crate::progress::{RunBars, RunObserver};
+use crate::report::progress::{RunBars, RunObserver};
 use std::io::IsTerminal;
 use std::sync::Arc;
 use weightferry::dist::allgather_engine::AllGatherEngine;
@@ -68,11 +68,12 @@ fn run_cuda(
     a: &RunArgs,
     name: &str,
     desc: &weightferry::pipeline::PipelineDesc,
-    checkpoint: Option<&crate::engine::driver::CheckpointWeights>,
+    checkpoint: Option<&crate::drivers::run::CheckpointWeights>,
     config: &weightferry::config::OffloadConfig,
 ) -> Result<i32, CliError> {
+    use crate::drivers::gpu::gpu_run;
+    use crate::engine::cuda::default_tokens;
     use crate::engine::cuda::GpuShape;
-    use crate::engine::gpu::{default_tokens, gpu_run};
     let (mut tokens, context_tokens) = default_tokens(name);
     if let Some(t) = a.tokens {
         tokens = t;

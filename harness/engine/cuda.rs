@@ -17,10 +17,11 @@
 
 use super::compute::{Compute, ModuleKernel};
 use super::math::Phase;
+use super::synthetic::splitmix64;
 use super::EngineError;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use weightferry::model::{f32_to_bf16, splitmix64};
-use weightferry::pipeline::{DType, PipelineDesc, TensorDesc};
+use weightferry::pipeline::{DType, PipelineDesc, StorageId, TensorDesc};
 use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
 use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef, StreamId};
@@ -42,6 +43,17 @@ pub struct GpuShape {
     pub tokens: usize,
     /// Tokens of the context (encoder) activation.
     pub context_tokens: usize,
+}
+
+/// Default token counts of a preset: (DiT tokens, encoder tokens).
+pub fn default_tokens(preset: &str) -> (usize, usize) {
+    match preset {
+        // 1024² image: 64×64 latent patches + 512 text tokens.
+        "flux-dev" | "qwen-image" => (4096 + 512, 512),
+        // 480p × 81 frames: 30 × 52 patches × 21 latent frames.
+        "wan-14b" => (30 * 52 * 21, 512),
+        _ => (256, 64),
+    }
 }
 
 struct Scratch {
@@ -201,6 +213,137 @@ impl CudaCompute {
     }
 }
 
+/// Device pointers and shapes one module's GEMMs work on.
+struct Operands {
+    /// The phase's activation (`rows × width`, bf16), which the module updates.
+    x: u64,
+    rows: usize,
+    width: usize,
+    /// The other phase's activation (`other_rows × other_width`), read when its width fits a weight.
+    other: u64,
+    other_rows: usize,
+    other_width: usize,
+    /// The two product buffers, used in turn.
+    prod: [u64; 2],
+    /// The zeros: the input of a product whose width matches no activation.
+    zeros: u64,
+}
+
+impl CudaCompute {
+    /// The operands of `kernel`'s GEMMs: the phase's activation, the other one, the product buffers and the zeros.
+    fn operands(&self, kernel: &ModuleKernel) -> Result<Operands, EngineError> {
+        let (x_buf, x_rows, width, other_buf, other_rows, other_width) = match kernel.phase {
+            Phase::Encoder => (
+                kernel.activations.context,
+                self.shape.context_tokens,
+                self.context_width,
+                kernel.activations.latent,
+                self.shape.tokens,
+                self.latent_width,
+            ),
+            Phase::Dit | Phase::Vae => (
+                kernel.activations.latent,
+                self.shape.tokens,
+                self.latent_width,
+                kernel.activations.context,
+                self.shape.context_tokens,
+                self.context_width,
+            ),
+        };
+        let x = self.ptr(x_buf)?;
+        let other = self.ptr(other_buf)?;
+        let prod = [self.ptr(self.scratch.prod[0])?, self.ptr(self.scratch.prod[1])?];
+        let zeros = self.ptr(self.scratch.zeros)?;
+        Ok(Operands { x, rows: x_rows.max(1), width, other, other_rows, other_width, prod, zeros })
+    }
+
+    /// One GEMM per bf16 weight of rank ≥ 2 (in tensor order, skipping weights wider than `max_dim`): each reads the
+    /// latest product when it is wide enough, else the activation, else the other activation, else zeros, and
+    /// writes the other product buffer; a product as wide as the activation is added to it (× `RESIDUAL`).
+    fn weight_gemms(
+        &self,
+        blas: &Blas,
+        tensors: &[TensorDesc],
+        wptr: &HashMap<StorageId, u64>,
+        o: &Operands,
+    ) -> Result<(), EngineError> {
+        let (rows, width) = (o.rows, o.width);
+        // (pointer, valid width, row stride) of the latest product; which product buffer it is in.
+        let mut cur: Option<(u64, usize, usize, usize)> = None;
+        let mut next = 0usize;
+        for t in tensors {
+            let Some((out, inn, layout, ld)) = gemm_view(t) else { continue };
+            let Some(&base) = wptr.get(&t.storage) else { continue };
+            if out > self.max_dim || inn > self.max_dim {
+                continue;
+            }
+            let w = base + t.storage_offset * 2;
+            let (a, lda) = match cur {
+                Some((p, wdt, ld, _)) if wdt >= inn => (p, ld),
+                _ if width >= inn => (o.x, width),
+                _ if o.other_width >= inn && o.other_rows >= rows => (o.other, o.other_width),
+                _ => (o.zeros, inn),
+            };
+            let c = o.prod[next];
+            let alpha = 1.0 / ((inn as f32).sqrt() * WEIGHT_STD);
+            blas.gemm(&Gemm {
+                m: rows,
+                n: out,
+                k: inn,
+                a: (a, lda),
+                b: (w, ld),
+                b_layout: layout,
+                c: (c, out),
+                alpha,
+                beta: 0.0,
+            })?;
+            if out == width {
+                blas.axpy_bf16(rows * width, RESIDUAL, c, o.x)?;
+            }
+            cur = Some((c, out, out, next));
+            next ^= 1;
+        }
+        Ok(())
+    }
+
+    /// A block's attention proxy over the activation `x` (`rows × width`), in chunks of [`ATTN_CHUNK`] rows:
+    /// scores = chunk · xᵀ / width, then out = scores · x / rows; the output is added to `x` (× `RESIDUAL`).
+    fn attention(&self, blas: &Blas, x: u64, rows: usize, width: usize) -> Result<(), EngineError> {
+        let scores = self.ptr(self.scratch.scores)?;
+        let o = self.ptr(self.scratch.attn_out)?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let c = ATTN_CHUNK.min(rows - r0);
+            let xr = x + (r0 * width * 2) as u64;
+            blas.gemm(&Gemm {
+                m: c,
+                n: rows,
+                k: width,
+                a: (xr, width),
+                b: (x, width),
+                b_layout: BLayout::WeightRowMajor,
+                c: (scores, rows),
+                alpha: 1.0 / width as f32,
+                beta: 0.0,
+            })?;
+            blas.gemm(&Gemm {
+                m: c,
+                n: width,
+                k: rows,
+                a: (scores, rows),
+                b: (x, width),
+                b_layout: BLayout::Plain,
+                c: (o + (r0 * width * 2) as u64, width),
+                alpha: 1.0 / rows as f32,
+                beta: 0.0,
+            })?;
+            r0 += c;
+        }
+        blas.axpy_bf16(rows * width, RESIDUAL, o, x)?;
+        Ok(())
+    }
+}
+
 impl Drop for CudaCompute {
     fn drop(&mut self) {
         let p: &dyn Platform = self.platform.as_ref();
@@ -237,7 +380,7 @@ impl Compute for CudaCompute {
         let mut out = Vec::with_capacity(n * 2);
         for _ in 0..n {
             let v = ((splitmix64(&mut st) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-            out.extend_from_slice(&f32_to_bf16(v).to_le_bytes());
+            out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
         }
         out
     }
@@ -254,31 +397,9 @@ impl Compute for CudaCompute {
     }
 
     fn launch_module(&self, stream: StreamId, kernel: ModuleKernel) -> Result<(), EngineError> {
-        let (x_buf, x_rows, width, other_buf, other_rows, other_width) = match kernel.phase {
-            Phase::Encoder => (
-                kernel.activations.context,
-                self.shape.context_tokens,
-                self.context_width,
-                kernel.activations.latent,
-                self.shape.tokens,
-                self.latent_width,
-            ),
-            Phase::Dit | Phase::Vae => (
-                kernel.activations.latent,
-                self.shape.tokens,
-                self.latent_width,
-                kernel.activations.context,
-                self.shape.context_tokens,
-                self.context_width,
-            ),
-        };
-        let rows = x_rows.max(1);
-        let x = self.ptr(x_buf)?;
-        let other = self.ptr(other_buf)?;
-        let prod = [self.ptr(self.scratch.prod[0])?, self.ptr(self.scratch.prod[1])?];
-        let zeros = self.ptr(self.scratch.zeros)?;
+        let ops = self.operands(&kernel)?;
         // Weight pointer of each storage in this kernel.
-        let mut wptr = std::collections::HashMap::new();
+        let mut wptr = HashMap::new();
         for w in &kernel.weights {
             if w.len > 0 {
                 wptr.insert(w.storage, self.ptr(w.buffer)? + w.offset);
@@ -286,73 +407,9 @@ impl Compute for CudaCompute {
         }
         let span = self.platform.timeline_begin(stream, super::timeline::COMPUTE_LANE, &kernel.label);
         let r = self.with_blas(stream, |blas| {
-            // (pointer, valid width, row stride) of the latest product; which product buffer it is in.
-            let mut cur: Option<(u64, usize, usize, usize)> = None;
-            let mut next = 0usize;
-            for t in kernel.tensors.iter() {
-                let Some((out, inn, layout, ld)) = gemm_view(t) else { continue };
-                let Some(&base) = wptr.get(&t.storage) else { continue };
-                if out > self.max_dim || inn > self.max_dim {
-                    continue;
-                }
-                let w = base + t.storage_offset * 2;
-                let (a, lda) = match cur {
-                    Some((p, wdt, ld, _)) if wdt >= inn => (p, ld),
-                    _ if width >= inn => (x, width),
-                    _ if other_width >= inn && other_rows >= rows => (other, other_width),
-                    _ => (zeros, inn),
-                };
-                let c = prod[next];
-                let alpha = 1.0 / ((inn as f32).sqrt() * WEIGHT_STD);
-                blas.gemm(&Gemm {
-                    m: rows,
-                    n: out,
-                    k: inn,
-                    a: (a, lda),
-                    b: (w, ld),
-                    b_layout: layout,
-                    c: (c, out),
-                    alpha,
-                    beta: 0.0,
-                })?;
-                if out == width {
-                    blas.axpy_bf16(rows * width, RESIDUAL, c, x)?;
-                }
-                cur = Some((c, out, out, next));
-                next ^= 1;
-            }
+            self.weight_gemms(blas, &kernel.tensors, &wptr, &ops)?;
             if kernel.phase != Phase::Vae && is_block(&kernel.label) {
-                let scores = self.ptr(self.scratch.scores)?;
-                let o = self.ptr(self.scratch.attn_out)?;
-                let mut r0 = 0;
-                while r0 < rows {
-                    let c = ATTN_CHUNK.min(rows - r0);
-                    let xr = x + (r0 * width * 2) as u64;
-                    blas.gemm(&Gemm {
-                        m: c,
-                        n: rows,
-                        k: width,
-                        a: (xr, width),
-                        b: (x, width),
-                        b_layout: BLayout::WeightRowMajor,
-                        c: (scores, rows),
-                        alpha: 1.0 / width as f32,
-                        beta: 0.0,
-                    })?;
-                    blas.gemm(&Gemm {
-                        m: c,
-                        n: width,
-                        k: rows,
-                        a: (scores, rows),
-                        b: (x, width),
-                        b_layout: BLayout::Plain,
-                        c: (o + (r0 * width * 2) as u64, width),
-                        alpha: 1.0 / rows as f32,
-                        beta: 0.0,
-                    })?;
-                    r0 += c;
-                }
-                blas.axpy_bf16(rows * width, RESIDUAL, o, x)?;
+                self.attention(blas, ops.x, ops.rows, ops.width)?;
             }
             Ok(())
         });

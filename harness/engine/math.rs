@@ -15,8 +15,9 @@
 //! Each module ends with a per-row RMS normalisation, so values stay finite over any number of steps. Everything is
 //! sequential `f32` arithmetic in a fixed order: the same inputs always give the same bits.
 
+use super::synthetic::splitmix64;
 use std::collections::HashMap;
-use weightferry::model::{bf16_to_f32, f16_to_f32, fnv1a, splitmix64, FNV_OFFSET};
+use weightferry::model::{fnv1a, FNV_OFFSET};
 use weightferry::pipeline::{DType, StorageId, TensorDesc};
 
 /// Rows (tokens) of each activation matrix.
@@ -117,8 +118,8 @@ pub fn element_offsets(t: &TensorDesc, storage_len: u64) -> Result<Vec<u64>, Str
 fn decode(dtype: DType, b: &[u8]) -> Option<f32> {
     match dtype {
         DType::F32 => Some(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::Bf16 => Some(bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-        DType::F16 => Some(f16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+        DType::Bf16 => Some(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        DType::F16 => Some(half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
         _ => None,
     }
 }
@@ -258,7 +259,7 @@ mod tests {
     #[test]
     fn every_byte_matters_and_results_stay_finite() {
         let t = tensor(DType::Bf16, &[8, 40], &[40, 1], 0);
-        let bytes = weightferry::model::synthetic_bytes(DType::Bf16, 320, 7, StorageId(1));
+        let bytes = crate::engine::synthetic::synthetic_bytes(DType::Bf16, 320, 7, StorageId(1));
         let run = |bytes: &[u8]| {
             let mut lat = f32s_from_bytes(&initial_activation(1, 1));
             let mut ctx = f32s_from_bytes(&initial_activation(1, 2));

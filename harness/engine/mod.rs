@@ -4,8 +4,9 @@
 //! - [`program`]: the execution order (components, block lists, non-block children) computed from the description.
 //! - [`math`]: what one module does to the activations (matrix products, bounded mixing, byte hashing).
 //! - [`compute`]: the [`compute::Compute`] trait kernels are enqueued through, and its sim implementation.
-//! - [`compare`]: resident, then offloaded, through one engine, compared bit for bit (every run driver's sequence).
-//! - [`driver`]: the `run` driver on the simulated platform — the comparison and its report.
+//! - [`synthetic`]: the deterministic synthetic weights the engine runs on when no checkpoint is given.
+//! - `cuda` (feature `cuda`): the GPU engine's compute, cuBLAS GEMMs over the module's real weights; `slow`: a
+//!   platform whose copies are slowed behind dummy ones (a check that the hazards are real on a GPU).
 //! - [`timing`]: per-step time and bytes from two executions, and the median of repeated runs.
 //! - [`timeline`]: device timelines (GPU timing spans) summarised into compute busy time, stalls and copy overlap.
 //!
@@ -16,19 +17,14 @@
 //! [`WeightSource`] looked up between the hooks. The output is the latent matrix read
 //! back after the compute stream is synchronised.
 
-pub mod compare;
 pub mod compute;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod driver;
-#[cfg(feature = "nccl")]
-pub mod gather_bench;
-#[cfg(feature = "cuda")]
-pub mod gpu;
 pub mod math;
 pub mod program;
 #[cfg(feature = "cuda")]
 pub mod slow;
+pub mod synthetic;
 pub mod timeline;
 pub mod timing;
 
@@ -38,8 +34,9 @@ use program::{ComponentProgram, Op, Program};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use synthetic::splitmix64;
 use weightferry::hooks::{HookError, HookRegistry, Residency};
-use weightferry::model::{fnv1a, splitmix64, ModelError, FNV_OFFSET};
+use weightferry::model::{fnv1a, ModelError, FNV_OFFSET};
 use weightferry::offload::{OffloadError, WeightSource};
 use weightferry::pipeline::{PipelineDesc, StorageId};
 use weightferry_actors::platform::{EventId, PlatformError, PlatformRef, StreamId};
@@ -447,6 +444,7 @@ impl Run<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::synthetic::SyntheticWeights;
     use super::*;
     use std::sync::Mutex;
     use weightferry::hooks::ModelHook;

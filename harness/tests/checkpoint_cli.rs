@@ -163,6 +163,45 @@ fn inspect_json_reports_exact_figures() {
     assert!(text.contains(&line), "{text}");
 }
 
+/// `inspect` predicts from the headers alone what `host_masters = "auto"` serves from the file: here every block
+/// but one, whose f32 tensors cannot be one file range (a 12-byte tensor the file stores first breaks the
+/// alignment), so that section gets a pinned master.
+#[test]
+fn inspect_predicts_what_auto_serves_from_the_file() {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("checkpoint-cli-predict");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let mut all = BTreeMap::new();
+    for i in 0..4u32 {
+        all.insert(format!("transformer_blocks.{i}.attn.to_q.weight"), tensor(S::BF16, &[16, 16], i));
+        all.insert(format!("transformer_blocks.{i}.norm.bias"), tensor(S::F32, &[128], 10 + i));
+    }
+    all.insert("transformer_blocks.1.a_odd".into(), tensor(S::F32, &[3], 20));
+    all.insert("x_embedder.weight".into(), tensor(S::BF16, &[16, 8], 21));
+    let f = d.join("model.safetensors");
+    write(&f, &all.iter().map(|(k, v)| (k.clone(), v)).collect());
+    let v = ok_json(&["inspect", "--json", f.to_str().unwrap()]);
+    let served: u64 = v["served_from_file"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum();
+    // Every block's bf16 section (512 bytes each) and the f32 sections of blocks 0, 2 and 3 (512 bytes each).
+    assert_eq!(served, 4 * 512 + 3 * 512);
+    let c = d.join("auto.json");
+    let cfg = json!({"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "host_masters": "auto"}});
+    std::fs::write(&c, cfg.to_string()).unwrap();
+    let r = ok_json(&[
+        "run",
+        "--json",
+        "--steps",
+        "1",
+        "--checkpoint",
+        f.to_str().unwrap(),
+        "--config",
+        c.to_str().unwrap(),
+    ]);
+    assert_eq!(r["mapped_host_bytes"], served);
+    assert!(r["master_host_bytes"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["outputs_match"], true);
+}
+
 #[test]
 fn plan_checkpoint_streams_the_derived_block_lists() {
     let f = checkpoint("plan", false);

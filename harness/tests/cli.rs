@@ -328,6 +328,21 @@ fn bench_gather_rejects_bad_arguments_in_one_line() {
 }
 
 #[test]
+fn counts_and_modes_out_of_range_are_refused_by_the_parser() {
+    // Checked while parsing, whatever the build's GPU support: one line naming the flag, exit 2.
+    for (args, flag) in [
+        (&["bench", "--rounds", "0"][..], "'--rounds <R>'"),
+        (&["bench-gather", "--blocks", "0"], "'--blocks <N>'"),
+        (&["bench-gather", "--repeats", "0"], "'--repeats <N>'"),
+        (&["bench-gather", "--gemm-iters", "0"], "'--gemm-iters <N>'"),
+        (&["bench-gather", "--compute-mode", "h2d-only"], "'--compute-mode <MODE>'"),
+    ] {
+        let e = invalid(args);
+        assert!(e.starts_with("error: invalid value ") && e.contains(flag), "{args:?}: {e}");
+    }
+}
+
+#[test]
 fn bench_budgets_take_fractions_or_none() {
     assert_eq!(
         invalid(&["bench", "--preset", "flux-tiny", "--budgets", "0"]),

@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weightferry::config::OffloadConfig;
-use weightferry::model::{synthetic_bytes, Home, HostModel, ModelError};
+use weightferry::model::{Home, HostModel, ModelError};
 use weightferry::offload::shard_restore::{is_restore_tag, RESTORE_TAG};
 use weightferry::offload::units::build_unit_plan;
 use weightferry::pipeline::presets::preset;
@@ -28,11 +28,12 @@ use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGro
 use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
 use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformError, PlatformRef, StreamId};
 use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
-use weightferry_harness::distributed_run::{
+use weightferry_harness::drivers::distributed::{
     resident_output, run_distributed_sim, run_rank_with_model, DistributedRunError, DistributedRunSpec, RankRun,
     RunProbe, RunningRank,
 };
 use weightferry_harness::engine::compute::{Compute, SimCompute};
+use weightferry_harness::engine::synthetic::{synthetic_bytes, SyntheticWeights};
 
 const SEED: u64 = 5;
 

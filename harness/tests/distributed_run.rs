@@ -21,12 +21,13 @@ use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGro
 use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
-use weightferry_harness::distributed_run::run_rank;
-use weightferry_harness::distributed_run::{
+use weightferry_harness::drivers::distributed::run_rank;
+use weightferry_harness::drivers::distributed::{
     resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, Jitter, RankRun,
 };
+use weightferry_harness::drivers::run::{run, RunSpec};
 use weightferry_harness::engine::compute::{Compute, SimCompute};
-use weightferry_harness::engine::driver::{run, RunSpec};
+use weightferry_harness::engine::synthetic::SyntheticWeights;
 
 fn ok_ranks(spec: &DistributedRunSpec) -> Vec<RankRun> {
     run_distributed_sim(spec)
@@ -463,7 +464,7 @@ fn an_untimed_run_has_no_timing_and_bad_timed_steps_are_refused() {
 
 #[test]
 fn step_seconds_is_the_difference_over_the_extra_steps() {
-    use weightferry_harness::distributed_run::step_seconds;
+    use weightferry_harness::drivers::distributed::step_seconds;
     let s = step_seconds((1, 3), Duration::from_millis(500), Duration::from_millis(900));
     assert!((s - 0.2).abs() < 1e-12, "{s}");
     assert_eq!(step_seconds((2, 2), Duration::from_secs(1), Duration::from_secs(2)), 0.0);
@@ -472,7 +473,7 @@ fn step_seconds_is_the_difference_over_the_extra_steps() {
 #[test]
 fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     use weightferry::model::HostModel;
-    use weightferry_harness::distributed_run::{resident_run_with_model, run_rank_with_model};
+    use weightferry_harness::drivers::distributed::{resident_run_with_model, run_rank_with_model};
     let desc = preset("flux-tiny").unwrap();
     let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
     let platform: PlatformRef = sim.clone();
@@ -530,7 +531,7 @@ impl weightferry_harness::engine::timeline::DeviceTracer for FakeTracer {
         _stream: weightferry_actors::platform::StreamId,
         capacity: usize,
     ) -> Result<(), weightferry_actors::platform::PlatformError> {
-        assert_eq!(capacity, weightferry_harness::distributed_run::TRACE_CAPACITY);
+        assert_eq!(capacity, weightferry_harness::drivers::distributed::TRACE_CAPACITY);
         if self.fail_arm {
             return Err(weightferry_actors::platform::PlatformError::Driver("no timing events left".into()));
         }
@@ -559,7 +560,7 @@ impl weightferry_harness::engine::timeline::DeviceTracer for FakeTracer {
 
 #[test]
 fn a_traced_timed_run_traces_one_more_lo_execution_and_summarises_the_dit_window() {
-    use weightferry_harness::distributed_run::RunTracer;
+    use weightferry_harness::drivers::distributed::RunTracer;
     use weightferry_harness::engine::timeline::{DeviceSpan, COMM_LANE, COMPUTE_LANE, COPY_LANE};
     let desc = preset("flux-tiny").unwrap();
     let root = desc.components.as_ref().unwrap().dit[0].clone();

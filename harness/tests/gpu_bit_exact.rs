@@ -9,8 +9,8 @@
 use weightferry::config::OffloadConfig;
 use weightferry::pipeline::presets::preset;
 use weightferry_actors::OrderingFault;
+use weightferry_harness::drivers::gpu::gpu_run;
 use weightferry_harness::engine::cuda::GpuShape;
-use weightferry_harness::engine::gpu::gpu_run;
 
 const SHAPE: GpuShape = GpuShape { tokens: 256, context_tokens: 64 };
 
@@ -106,6 +106,7 @@ fn an_execution_does_not_depend_on_earlier_executions() {
     use weightferry::platform::cuda::CudaPlatform;
     use weightferry_actors::platform::PlatformRef;
     use weightferry_harness::engine::cuda::CudaCompute;
+    use weightferry_harness::engine::synthetic::SyntheticWeights;
     use weightferry_harness::engine::{Engine, ExecOptions};
     // flux-dev's VAE has products wider than any activation: they must not read what an earlier run left behind.
     let desc = preset("flux-dev").unwrap();

@@ -12,9 +12,10 @@ use weightferry::platform::cuda::CudaPlatform;
 use weightferry_actors::collective::Collective;
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::{Platform, PlatformRef};
-use weightferry_harness::distributed_run::{resident_run_with_model, run_rank_with_model, DistributedRunSpec};
+use weightferry_harness::drivers::distributed::{resident_run_with_model, run_rank_with_model, DistributedRunSpec};
 use weightferry_harness::engine::compute::Compute;
 use weightferry_harness::engine::cuda::{CudaCompute, GpuShape};
+use weightferry_harness::engine::synthetic::SyntheticWeights;
 
 #[test]
 #[ignore = "needs a CUDA GPU and libnccl"]

@@ -23,7 +23,7 @@ use weightferry::offload::units::build_unit_plan;
 use weightferry::pipeline::json::load_pipeline_json;
 use weightferry::pipeline::PipelineDesc;
 use weightferry::plan::{resolve_offload_plan, ResolvedPlan};
-use weightferry_harness::engine::driver::{run, RunSpec};
+use weightferry_harness::drivers::run::{run, RunSpec};
 
 /// Size unit (bytes): the device packing alignment.
 const U: u64 = 256;

@@ -12,6 +12,7 @@ use weightferry::pipeline::StorageId;
 use weightferry_actors::platform::{Platform, PlatformRef};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 use weightferry_harness::engine::compute::SimCompute;
+use weightferry_harness::engine::synthetic::SyntheticWeights;
 use weightferry_harness::engine::{Engine, ExecOptions};
 
 fn cfg(json: &str) -> OffloadConfig {

@@ -8,7 +8,7 @@ use weightferry::offload::layout::UnitLayout;
 use weightferry::offload::units::build_unit_plan;
 use weightferry::pipeline::presets::preset;
 use weightferry::plan::resolve_offload_plan;
-use weightferry_harness::engine::driver::{run, RunSpec};
+use weightferry_harness::drivers::run::{run, RunSpec};
 use weightferry_harness::report::RunReport;
 
 const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];
@@ -171,7 +171,7 @@ fn the_checks_can_fail() {
 
 #[test]
 fn a_pipeline_over_the_engines_limit_is_refused() {
-    use weightferry_harness::engine::driver::DEFAULT_MAX_WEIGHT_BYTES;
+    use weightferry_harness::drivers::run::DEFAULT_MAX_WEIGHT_BYTES;
     // A pipeline larger than the engine's limit is refused before anything runs.
     let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
     spec.max_weight_bytes = 1000;

@@ -14,7 +14,7 @@ use weightferry_actors::collective::{Collective, CollectiveError};
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::PlatformRef;
 use weightferry_actors::sim::{SimConfig, SimPlatform};
-use weightferry_harness::distributed_run::{resident_output, run_rank, DistributedRunSpec};
+use weightferry_harness::drivers::distributed::{resident_output, run_rank, DistributedRunSpec};
 use weightferry_harness::engine::compute::{Compute, SimCompute};
 
 /// Joins `world` rendezvous ranks on a fresh loopback port; runs `f(rank, rendezvous)` on a thread per rank.

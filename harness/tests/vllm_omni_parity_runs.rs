@@ -6,7 +6,7 @@
 use weightferry::config::OffloadConfig;
 use weightferry::pipeline::presets::preset;
 use weightferry::pipeline::PipelineDesc;
-use weightferry_harness::engine::driver::{run, RunSpec};
+use weightferry_harness::drivers::run::{run, RunSpec};
 use weightferry_harness::report::RunReport;
 
 const PRESETS: [&str; 3] = ["flux-tiny", "wan-tiny", "qwen-tiny"];

@@ -1,7 +1,6 @@
 //! Real checkpoints: safetensors files (one file, or a sharded folder with its index) mapped read-only and
 //! checked before any byte is used ([`reader`], [`index`]); a pipeline description derived from their tensor
-//! names ([`describe`]); a [`HostModel`](crate::model::HostModel) filled from the mapping ([`load`]); what
-//! `weightferry inspect` prints ([`summary`]).
+//! names ([`describe`]); a [`HostModel`](crate::model::HostModel) filled from the mapping ([`load`]).
 //!
 //! Every failure is a [`CheckpointError`] naming the file and the tensor; nothing panics on bad input and nothing
 //! is read outside a mapping.
@@ -12,7 +11,6 @@ pub mod index;
 pub mod load;
 pub mod reader;
 pub mod region;
-pub mod summary;
 
 pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
 pub use error::CheckpointError;

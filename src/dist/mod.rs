@@ -10,11 +10,11 @@
 //! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
 //! - [`nccl_bootstrap`]: a rank's NCCL bootstrap as one call (the engine agreement, the symmetric heap, rank 0's
 //!   unique id) over any [`RankExchange`] (the rendezvous, or a host engine's store); the CUDA side under `nccl`.
-//! - [`launch`](mod@launch): `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
-//!   prefixed; SIGINT / SIGTERM forwarded to every rank.
 //!
-//! The rendezvous and launch are the control plane and run on tokio (each owns a current-thread runtime behind a
-//! blocking API); the scheduler stays on OS threads.
+//! The launcher that starts local ranks (`weightferry launch`) belongs to the harness crate, not to the library.
+//!
+//! The rendezvous is the control plane and runs on tokio (it owns a current-thread runtime behind a blocking API);
+//! the scheduler stays on OS threads.
 //!
 //! Invariant: every rank of a run calls the same rendezvous operations and the same AllGathers in the same order;
 //! any failure (bad environment, a rank out of step or gone, a failed AllGather) is an error naming the rank,
@@ -22,13 +22,11 @@
 
 pub mod allgather_engine;
 pub mod env;
-pub mod launch;
 pub mod nccl_bootstrap;
 pub mod rendezvous;
 pub mod tcp_collective;
 
 pub use env::{LaunchEnv, LaunchEnvError};
-pub use launch::{launch, launch_forwarding_signals, LaunchError, LaunchSpec};
 #[cfg(feature = "nccl")]
 pub use nccl_bootstrap::{bootstrap_nccl, bootstrap_nccl_from_env, NcclBootstrap};
 pub use nccl_bootstrap::{BootstrapError, ExchangeError, RankExchange};

@@ -1,4 +1,4 @@
-//! The process launcher (`weightferry::dist::launch`) with `sh` as the program: every rank gets the launch
+//! The process launcher (`weightferry_harness::drivers::launch`) with `sh` as the program: every rank gets the launch
 //! environment; a failing rank stops the others (a sleeping rank is killed, not waited for) and is named with its
 //! exit status; a rank that exits with `PEER_FAILED_EXIT` (it failed because another did) is named only when no
 //! rank failed on its own; a rank stopped by SIGSTOP is named instead of the healthy rank that gave up on it; every
@@ -8,7 +8,7 @@
 
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
-use weightferry::dist::launch::{launch, LaunchError, LaunchSpec, PEER_FAILED_EXIT};
+use weightferry_harness::drivers::launch::{launch, LaunchError, LaunchSpec, PEER_FAILED_EXIT};
 
 fn sh(nproc: usize, script: &str) -> LaunchSpec {
     LaunchSpec {

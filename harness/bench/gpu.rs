@@ -1,6 +1,5 @@
-//! The GPU drivers: `run --platform cuda` (resident vs offloaded, bit for bit, on a real device) and the benchmark
-//! matrix behind `weightferry bench` (step time of every configuration as a ratio to its physical bound, measured in
-//! the same process as the bound's inputs).
+//! The benchmark matrix behind `weightferry bench`: the step time of every offload configuration as a ratio to its
+//! physical bound, measured in the same process as the bound's inputs.
 //!
 //! Timing: a pipeline execution runs encoders → DiT × steps → VAE and ends by reading the output back (a device
 //! synchronisation), so wall time is device time. The time of one DiT step is the difference between executions
@@ -8,19 +7,18 @@
 //! streamed per step are taken the same way from the scheduler's counters. The bound of a configuration is
 //! `max(resident step time, streamed bytes per step / pinned H2D bandwidth)`, all measured in the same run.
 
-use super::compare::{compare, run_resident, single_process_backend};
-use super::cuda::{CudaCompute, GpuShape};
-use super::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
-use super::timing::{hook_percentiles_us, median, ms, stack_h2d_bytes, time_rounds, timed_execution, Timed};
-use super::{Engine, EngineError, ExecOptions, ExecOutput};
-use crate::progress::StepWatch;
+use crate::drivers::compare::run_resident;
+use crate::engine::cuda::{default_tokens, CudaCompute, GpuShape};
+use crate::engine::synthetic::SyntheticWeights;
+use crate::engine::timeline::{in_modules, summarize, to_chrome_json, trace_execution, StepTimeline};
+use crate::engine::timing::{hook_percentiles_us, median, stack_h2d_bytes, time_rounds, timed_execution, Timed};
+use crate::engine::{Engine, EngineError, ExecOptions, ExecOutput};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
 use weightferry::config::{CopySubmission, OffloadConfig};
 use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
-use weightferry::offload::backend::EnableProgress;
 use weightferry::offload::{get_offload_backend, StreamingBackend, WeightSource};
 use weightferry::pipeline::PipelineDesc;
 use weightferry::plan::resolve_offload_plan;
@@ -29,17 +27,6 @@ use weightferry_actors::platform::{Platform, PlatformRef};
 
 /// Label of the configuration that keeps every block resident through the backend.
 pub const RESIDENT_VIA_BACKEND: &str = "all resident (backend)";
-
-/// Default token counts of a preset: (DiT tokens, encoder tokens).
-pub fn default_tokens(preset: &str) -> (usize, usize) {
-    match preset {
-        // 1024² image: 64×64 latent patches + 512 text tokens.
-        "flux-dev" | "qwen-image" => (4096 + 512, 512),
-        // 480p × 81 frames: 30 × 52 patches × 21 latent frames.
-        "wan-14b" => (30 * 52 * 21, 512),
-        _ => (256, 64),
-    }
-}
 
 /// One measured configuration.
 #[derive(Debug, Clone, Serialize)]
@@ -235,7 +222,305 @@ fn layer_config(
     OffloadConfig::from_value(&doc).map_err(|e| EngineError::Invalid(e.to_string()))
 }
 
-/// Measures one preset. Appends rows to `report`.
+/// A configuration to measure: its label, its config and its device budget.
+type BenchConfig = (String, OffloadConfig, Option<u64>);
+
+/// What every measurement of one preset shares.
+struct PresetRun<'a> {
+    spec: &'a BenchSpec,
+    name: &'a str,
+    cuda: &'a CudaPlatform,
+    platform: PlatformRef,
+    engine: &'a Engine,
+    tracer: Tracer<'a>,
+    /// When the preset's measurement started (progress lines give the time since).
+    t0: Instant,
+}
+
+impl PresetRun<'_> {
+    /// Seconds since the preset's measurement started.
+    fn elapsed(&self) -> f64 {
+        self.t0.elapsed().as_secs_f64()
+    }
+
+    /// Times `lo` then `hi` steps of the engine over `source` with this spec's seed and bound on blocks ahead.
+    fn timed(
+        &self,
+        source: &dyn WeightSource,
+        hooks: &HookRegistry,
+        backend: Option<&StreamingBackend>,
+    ) -> Result<Timed<ExecOutput>, EngineError> {
+        let spec = self.spec;
+        timed(self.engine, source, hooks, backend, spec.steps, spec.seed, spec.max_blocks_ahead)
+    }
+}
+
+/// The resident baseline of one preset: a warm-up execution (the first pays cuBLAS handle creation and kernel
+/// loading), the timed executions, then a traced one when the spec asks for traces.
+fn measure_resident(
+    p: &PresetRun<'_>,
+    model: &HostModel,
+) -> Result<(Timed<ExecOutput>, Option<StepTimeline>), EngineError> {
+    let upload = p.platform.create_stream("bench-upload")?;
+    let (measured, _) = run_resident(model, upload, |placement, hooks| {
+        let warm = ExecOptions { steps: 1, input_seed: p.spec.seed, ..ExecOptions::default() };
+        p.engine.execute(placement, hooks, &warm, &mut |_| {})?;
+        let t = p.timed(placement, hooks, None)?;
+        Ok((t, p.tracer.trace(placement, hooks, "resident")?))
+    })?;
+    Ok(measured)
+}
+
+/// The resident baseline's row: its step time is the compute time, and its own bound.
+fn resident_row(name: &str, compute_s: f64, weight_bytes: u64, timeline: Option<StepTimeline>) -> BenchRow {
+    BenchRow {
+        preset: name.to_string(),
+        config: "resident".into(),
+        strategy: "none".into(),
+        resident_blocks: 0,
+        depth: 0,
+        budget_bytes: None,
+        step_s: compute_s,
+        step_samples: vec![compute_s],
+        bound_s: compute_s,
+        ratio: 1.0,
+        streamed_bytes_per_step: 0,
+        peak_weight_bytes: weight_bytes,
+        planned_weight_bytes: 0,
+        hook_p50_us: 0.0,
+        hook_p99_us: 0.0,
+        outputs_match: true,
+        timeline,
+    }
+}
+
+/// The streamed configurations of one preset, in order: every block resident through the backend (each block in
+/// its own buffer, hooks running, nothing streamed: the second measurement of the compute time, the bound uses the
+/// faster of the two), each depth, each budget (with the sweep's depths where they resolve); all but the first
+/// once per copy-submission mode, labelled with the mode when there are several.
+fn bench_configs(spec: &BenchSpec, desc: &PipelineDesc, dit_bytes: u64) -> Result<Vec<BenchConfig>, EngineError> {
+    let modes = submission_modes(spec);
+    let first = modes[0];
+    // Bytes that stay on the device whatever the budget (everything but the DiT's blocks), for budget configs.
+    let probe = layer_config(Some(1), None, first)?;
+    let plan = resolve_offload_plan(desc, &probe).map_err(weightferry::offload::OffloadError::from)?;
+    let fixed = plan.budget.always_resident_bytes;
+    let mut configs: Vec<BenchConfig> = Vec::new();
+    let everything = fixed + dit_bytes + dit_bytes / 50;
+    configs.push((RESIDENT_VIA_BACKEND.to_string(), layer_config(None, Some(everything), first)?, Some(everything)));
+    let mut push_modes = |label: String, depth: Option<u32>, budget: Option<u64>| -> Result<(), EngineError> {
+        for &m in modes {
+            let label = if modes.len() > 1 { format!("{label} [{}]", m.as_str()) } else { label.clone() };
+            configs.push((label, layer_config(depth, budget, m)?, budget));
+        }
+        Ok(())
+    };
+    for &d in &spec.depths {
+        push_modes(format!("depth={d}"), Some(d), None)?;
+    }
+    for &f in &spec.budgets {
+        let budget = fixed + (f * dit_bytes as f64) as u64;
+        let pct = (f * 100.0).round();
+        push_modes(format!("budget={pct}% planner"), None, Some(budget))?;
+        if spec.sweep {
+            for d in [1u32, 4] {
+                if let Ok(cfg) = layer_config(Some(d), Some(budget), first) {
+                    if resolve_offload_plan(desc, &cfg).is_ok() {
+                        push_modes(format!("budget={pct}% depth={d}"), Some(d), Some(budget))?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(configs)
+}
+
+/// One timed measurement of a streamed configuration.
+struct Measured {
+    t: Timed<ExecOutput>,
+    /// Whether the output equals the resident run's bit for bit.
+    matches: bool,
+    /// Peak device memory above the engine's own (the weights').
+    peak: u64,
+}
+
+/// The backend's side of one preset's measurements: enabled once (host masters built once), then retuned per
+/// configuration, so only the block stacks change.
+struct Streamed {
+    hooks: HookRegistry,
+    backend: Option<StreamingBackend>,
+    /// Seconds and peak RSS of the one `enable`.
+    enable: Option<(f64, u64)>,
+    /// The peak RSS of the preset run before `enable` reset it, kept for `host_memory`.
+    peak_before_enable: u64,
+    /// Largest host master bytes of any configuration.
+    master_bytes: u64,
+    /// One row per configuration measured in the first round; later rounds add their samples.
+    rows: Vec<BenchRow>,
+    /// Device memory that is not weights (activations, engine workspace).
+    base: u64,
+}
+
+impl Streamed {
+    fn new(base: u64) -> Streamed {
+        let (hooks, backend, enable) = (HookRegistry::new(), None, None);
+        Streamed { hooks, backend, enable, peak_before_enable: 0, master_bytes: 0, rows: Vec::new(), base }
+    }
+
+    /// Runs every configuration `rounds` times, interleaved (so slow drifts of the GPU hit them alike).
+    fn measure_all(
+        &mut self,
+        p: &PresetRun<'_>,
+        model: &mut HostModel,
+        configs: &[BenchConfig],
+        resident: &ExecOutput,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<(), EngineError> {
+        for round in 0..p.spec.rounds.max(1) {
+            for (i, (label, cfg, budget)) in configs.iter().enumerate() {
+                self.apply(p, model, cfg, progress)?;
+                let Some(b) = self.backend.as_ref() else { continue };
+                p.cuda.reset_peak();
+                let t = p.timed(b, &self.hooks, Some(b))?;
+                let matches = t.out.output == resident.output;
+                let peak = p.cuda.device_memory().peak.saturating_sub(self.base);
+                let m = Measured { t, matches, peak };
+                if round > 0 {
+                    if let Some(row) = self.rows.get_mut(i) {
+                        row.step_samples.push(m.t.step_s());
+                        row.outputs_match &= m.matches;
+                        row.peak_weight_bytes = row.peak_weight_bytes.max(m.peak);
+                        let (step_s, secs) = (m.t.step_s(), p.elapsed());
+                        progress(&format!(
+                            "{} {label} (round {}): {step_s:.4} s/step ({secs:.1} s)",
+                            p.name,
+                            round + 1
+                        ));
+                    }
+                    continue;
+                }
+                let (row, master_bytes) = config_row(p, b, &self.hooks, label, *budget, m)?;
+                self.master_bytes = self.master_bytes.max(master_bytes);
+                progress(&format!(
+                    "{} {}: {:.4} s/step, {} resident, depth {}, bit-exact {} ({:.1} s)",
+                    p.name,
+                    row.config,
+                    row.step_s,
+                    row.resident_blocks,
+                    row.depth,
+                    row.outputs_match,
+                    p.elapsed()
+                ));
+                self.rows.push(row);
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts `cfg` in force: the first configuration with a backend enables it (measuring the time and the peak RSS
+    /// of `enable`), every later one retunes it.
+    fn apply(
+        &mut self,
+        p: &PresetRun<'_>,
+        model: &mut HostModel,
+        cfg: &OffloadConfig,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<(), EngineError> {
+        if let Some(b) = self.backend.as_mut() {
+            b.retune(cfg.clone(), model, &self.hooks, p.engine.stream())?;
+            return Ok(());
+        }
+        let Some(mut b) = get_offload_backend(cfg, p.platform.clone(), None)? else { return Ok(()) };
+        self.peak_before_enable = rss_bytes("VmHWM:");
+        reset_peak_rss();
+        let t = Instant::now();
+        b.enable(model, &self.hooks, p.engine.stream())?;
+        let (secs, rss) = (t.elapsed().as_secs_f64(), rss_bytes("VmHWM:"));
+        progress(&format!("{}: enable {secs:.1} s, peak RSS during enable {:.2} GB", p.name, rss as f64 / 1e9));
+        self.enable = Some((secs, rss));
+        self.backend = Some(b);
+        Ok(())
+    }
+}
+
+/// Row of configuration `label` from its first round (its bound and ratio are settled once every round ran), and
+/// the host master bytes of the backend under it. Traces one more execution when the spec asks for traces.
+fn config_row(
+    p: &PresetRun<'_>,
+    b: &StreamingBackend,
+    hooks: &HookRegistry,
+    label: &str,
+    budget: Option<u64>,
+    m: Measured,
+) -> Result<(BenchRow, u64), EngineError> {
+    if p.tracer.dir.is_some() {
+        p.tracer.cuda.timeline_name(b.master_units(), None);
+    }
+    let timeline = p.tracer.trace(b, hooks, label)?;
+    let rep = b.report();
+    let planned = b.plan().map_or(0, |p| p.budget.device_weight_bytes);
+    let dit_stack = rep.stacks.first();
+    let (hook_p50, hook_p99) = hook_percentiles_us(&m.t.out.hook_latencies);
+    let row = BenchRow {
+        preset: p.name.to_string(),
+        config: label.to_string(),
+        strategy: rep.strategy.clone(),
+        resident_blocks: dit_stack.map_or(0, |s| s.resident),
+        depth: dit_stack.map_or(0, |s| s.depth),
+        budget_bytes: budget,
+        step_s: m.t.step_s(),
+        step_samples: vec![m.t.step_s()],
+        bound_s: 0.0,
+        ratio: 0.0,
+        streamed_bytes_per_step: m.t.bytes_per_step,
+        peak_weight_bytes: m.peak,
+        planned_weight_bytes: planned,
+        hook_p50_us: hook_p50,
+        hook_p99_us: hook_p99,
+        outputs_match: m.matches,
+        timeline,
+    };
+    Ok((row, rep.master_host_bytes))
+}
+
+/// Settles the rows once every round ran and appends them to `report`: a configuration's step time is the median
+/// of its rounds; the compute time is the faster of the resident placement (`compute_s`) and the median of the
+/// configuration that keeps every block resident through the backend; each row's bound is
+/// `max(compute time, streamed bytes per step / bw)`.
+fn settle_rows(
+    name: &str,
+    mut rows: Vec<BenchRow>,
+    mut compute_s: f64,
+    bw: f64,
+    report: &mut BenchReport,
+    progress: &mut dyn FnMut(&str),
+) {
+    for row in &mut rows {
+        row.step_s = median(row.step_samples.clone());
+        if row.config == RESIDENT_VIA_BACKEND && row.streamed_bytes_per_step == 0 {
+            compute_s = compute_s.min(row.step_s);
+        }
+    }
+    if let Some(c) = report.compute_s.iter_mut().find(|(p, _)| p == name) {
+        c.1 = compute_s;
+    }
+    for mut row in rows {
+        row.bound_s = compute_s.max(row.streamed_bytes_per_step as f64 / bw);
+        row.ratio = row.step_s / row.bound_s;
+        progress(&format!(
+            "{name} {}: median {:.4} s/step of {} rounds, bound {:.4} s, ratio {:.3}",
+            row.config,
+            row.step_s,
+            row.step_samples.len(),
+            row.bound_s,
+            row.ratio
+        ));
+        report.rows.push(row);
+    }
+}
+
+/// Measures one preset: the resident baseline, then every streamed configuration under one enabled backend.
+/// Appends rows to `report`.
 fn bench_preset(
     spec: &BenchSpec,
     name: &str,
@@ -263,8 +548,6 @@ fn bench_preset(
     progress(&format!("{name}: weights generated ({:.1} s)", t0.elapsed().as_secs_f64()));
     let engine = Engine::new(compute, &desc)?;
     let dit_bytes: u64 = desc.components.as_ref().map_or(0, |c| c.dit.iter().map(|d| desc.subtree_bytes(d)).sum());
-
-    // Resident baseline: the compute time.
     let tracer = Tracer {
         cuda: &cuda,
         engine: &engine,
@@ -278,203 +561,34 @@ fn bench_preset(
         dir: spec.trace_dir.as_deref(),
         preset: name,
     };
-    let upload = platform.create_stream("bench-upload")?;
-    let ((resident, resident_timeline), _) = run_resident(&model, upload, |placement, hooks| {
-        // Warm up first: the first execution pays cuBLAS handle creation and kernel loading.
-        let warm = ExecOptions { steps: 1, input_seed: spec.seed, ..ExecOptions::default() };
-        engine.execute(placement, hooks, &warm, &mut |_| {})?;
-        let t = timed(&engine, placement, hooks, None, spec.steps, spec.seed, spec.max_blocks_ahead)?;
-        Ok((t, tracer.trace(placement, hooks, "resident")?))
-    })?;
-    let mut compute_s = resident.step_s();
-    progress(&format!("{name}: resident {compute_s:.4} s/step ({:.1} s)", t0.elapsed().as_secs_f64()));
+    let p = PresetRun { spec, name, cuda: &cuda, platform: platform.clone(), engine: &engine, tracer, t0 };
+
+    let (resident, resident_timeline) = measure_resident(&p, &model)?;
+    let compute_s = resident.step_s();
+    progress(&format!("{name}: resident {compute_s:.4} s/step ({:.1} s)", p.elapsed()));
     report.compute_s.push((name.to_string(), compute_s));
-    report.rows.push(BenchRow {
-        preset: name.to_string(),
-        config: "resident".into(),
-        strategy: "none".into(),
-        resident_blocks: 0,
-        depth: 0,
-        budget_bytes: None,
-        step_s: compute_s,
-        step_samples: vec![compute_s],
-        bound_s: compute_s,
-        ratio: 1.0,
-        streamed_bytes_per_step: 0,
-        peak_weight_bytes: desc.storages.keys().map(|s| model.storage_bytes(*s)).sum(),
-        planned_weight_bytes: 0,
-        hook_p50_us: 0.0,
-        hook_p99_us: 0.0,
-        outputs_match: true,
-        timeline: resident_timeline,
-    });
+    let weight_bytes = desc.storages.keys().map(|s| model.storage_bytes(*s)).sum();
+    report.rows.push(resident_row(name, compute_s, weight_bytes, resident_timeline));
 
-    // Bytes that stay on the device whatever the budget (everything but the DiT's blocks), for budget configs.
-    let modes = submission_modes(spec);
-    let first = modes[0];
-    let probe = layer_config(Some(1), None, first)?;
-    let plan = resolve_offload_plan(&desc, &probe).map_err(weightferry::offload::OffloadError::from)?;
-    let fixed = plan.budget.always_resident_bytes;
-
-    let mut configs: Vec<(String, OffloadConfig, Option<u64>)> = Vec::new();
-    // Every block resident through the backend (each block in its own buffer, hooks running, nothing streamed):
-    // the second measurement of the compute time. The bound uses the faster of the two.
-    let everything = fixed + dit_bytes + dit_bytes / 50;
-    configs.push((RESIDENT_VIA_BACKEND.to_string(), layer_config(None, Some(everything), first)?, Some(everything)));
-    // One configuration per mode (labelled with the mode when there are several).
-    let mut push_modes = |label: String, depth: Option<u32>, budget: Option<u64>| -> Result<(), EngineError> {
-        for &m in modes {
-            let label = if modes.len() > 1 { format!("{label} [{}]", m.as_str()) } else { label.clone() };
-            configs.push((label, layer_config(depth, budget, m)?, budget));
-        }
-        Ok(())
-    };
-    for &d in &spec.depths {
-        push_modes(format!("depth={d}"), Some(d), None)?;
-    }
-    for &f in &spec.budgets {
-        let budget = fixed + (f * dit_bytes as f64) as u64;
-        let pct = (f * 100.0).round();
-        push_modes(format!("budget={pct}% planner"), None, Some(budget))?;
-        if spec.sweep {
-            for d in [1u32, 4] {
-                if let Ok(cfg) = layer_config(Some(d), Some(budget), first) {
-                    if resolve_offload_plan(&desc, &cfg).is_ok() {
-                        push_modes(format!("budget={pct}% depth={d}"), Some(d), Some(budget))?;
-                    }
-                }
-            }
-        }
-    }
-    // One enable (host masters built once), then a retune per configuration: only the block stacks change.
-    let mut master_bytes = 0;
-    let hooks = HookRegistry::new();
-    let mut backend: Option<StreamingBackend> = None;
-    let mut enable: Option<(f64, u64)> = None;
-    let mut peak_before_enable = 0u64;
-    // Device memory that is not weights (activations, engine workspace).
-    let base = cuda.device_memory().in_use;
-    let mut rows: Vec<BenchRow> = Vec::new();
-    let rounds = spec.rounds.max(1);
-    let result = (|| -> Result<(), EngineError> {
-        for round in 0..rounds {
-            for (i, (label, cfg, budget)) in configs.iter().enumerate() {
-                match backend.as_mut() {
-                    None => {
-                        let Some(mut b) = get_offload_backend(cfg, platform.clone(), None)? else { continue };
-                        // The peak RSS of the preset run so far, kept before the reset for `host_memory`.
-                        peak_before_enable = rss_bytes("VmHWM:");
-                        reset_peak_rss();
-                        let t = Instant::now();
-                        b.enable(&mut model, &hooks, engine.stream())?;
-                        let (secs, rss) = (t.elapsed().as_secs_f64(), rss_bytes("VmHWM:"));
-                        progress(&format!(
-                            "{name}: enable {secs:.1} s, peak RSS during enable {:.2} GB",
-                            rss as f64 / 1e9
-                        ));
-                        enable = Some((secs, rss));
-                        backend = Some(b);
-                    }
-                    Some(b) => b.retune(cfg.clone(), &model, &hooks, engine.stream())?,
-                }
-                let Some(b) = backend.as_ref() else { continue };
-                cuda.reset_peak();
-                let t = timed(&engine, b, &hooks, Some(b), spec.steps, spec.seed, spec.max_blocks_ahead)?;
-                let matches = t.out.output == resident.out.output;
-                let peak = cuda.device_memory().peak.saturating_sub(base);
-                if round > 0 {
-                    if let Some(row) = rows.get_mut(i) {
-                        row.step_samples.push(t.step_s());
-                        row.outputs_match &= matches;
-                        row.peak_weight_bytes = row.peak_weight_bytes.max(peak);
-                        progress(&format!(
-                            "{name} {label} (round {}): {:.4} s/step ({:.1} s)",
-                            round + 1,
-                            t.step_s(),
-                            t0.elapsed().as_secs_f64()
-                        ));
-                    }
-                    continue;
-                }
-                if tracer.dir.is_some() {
-                    tracer.cuda.timeline_name(b.master_units(), None);
-                }
-                let timeline = tracer.trace(b, &hooks, label)?;
-                let rep = b.report();
-                master_bytes = master_bytes.max(rep.master_host_bytes);
-                let planned = b.plan().map_or(0, |p| p.budget.device_weight_bytes);
-                let dit_stack = rep.stacks.first();
-                let (hook_p50, hook_p99) = hook_percentiles_us(&t.out.hook_latencies);
-                let row = BenchRow {
-                    preset: name.to_string(),
-                    config: label.clone(),
-                    strategy: rep.strategy.clone(),
-                    resident_blocks: dit_stack.map_or(0, |s| s.resident),
-                    depth: dit_stack.map_or(0, |s| s.depth),
-                    budget_bytes: *budget,
-                    step_s: t.step_s(),
-                    step_samples: vec![t.step_s()],
-                    bound_s: 0.0,
-                    ratio: 0.0,
-                    streamed_bytes_per_step: t.bytes_per_step,
-                    peak_weight_bytes: peak,
-                    planned_weight_bytes: planned,
-                    hook_p50_us: hook_p50,
-                    hook_p99_us: hook_p99,
-                    outputs_match: matches,
-                    timeline,
-                };
-                progress(&format!(
-                    "{name} {}: {:.4} s/step, {} resident, depth {}, bit-exact {} ({:.1} s)",
-                    row.config,
-                    row.step_s,
-                    row.resident_blocks,
-                    row.depth,
-                    row.outputs_match,
-                    t0.elapsed().as_secs_f64()
-                ));
-                rows.push(row);
-            }
-        }
-        Ok(())
-    })();
-    // Step time of a configuration: the median of its rounds. The compute time: the faster of the resident
-    // placement and the median of the configuration that keeps every block resident through the backend.
-    for row in &mut rows {
-        row.step_s = median(row.step_samples.clone());
-        if row.config == RESIDENT_VIA_BACKEND && row.streamed_bytes_per_step == 0 {
-            compute_s = compute_s.min(row.step_s);
-        }
-    }
-    if let Some(c) = report.compute_s.iter_mut().find(|(p, _)| p == name) {
-        c.1 = compute_s;
-    }
-    for mut row in rows {
-        row.bound_s = compute_s.max(row.streamed_bytes_per_step as f64 / bw);
-        row.ratio = row.step_s / row.bound_s;
-        progress(&format!(
-            "{name} {}: median {:.4} s/step of {} rounds, bound {:.4} s, ratio {:.3}",
-            row.config,
-            row.step_s,
-            row.step_samples.len(),
-            row.bound_s,
-            row.ratio
-        ));
-        report.rows.push(row);
-    }
+    let configs = bench_configs(spec, &desc, dit_bytes)?;
+    let mut streamed = Streamed::new(cuda.device_memory().in_use);
+    let result = streamed.measure_all(&p, &mut model, &configs, &resident.out, progress);
+    let rows = std::mem::take(&mut streamed.rows);
+    settle_rows(name, rows, compute_s, bw, report, progress);
     let rss_offloaded = rss_bytes("VmRSS:");
-    if let Some(mut b) = backend {
-        let d = b.disable(&mut model, &hooks);
+    if let Some(mut b) = streamed.backend {
+        let d = b.disable(&mut model, &streamed.hooks);
         result?;
         d?;
     } else {
         result?;
     }
-    let peak = rss_bytes("VmHWM:").max(peak_before_enable);
-    report.host_memory.push((name.to_string(), total, master_bytes, peak, rss_offloaded));
-    if let Some((secs, rss)) = enable {
+    let peak = rss_bytes("VmHWM:").max(streamed.peak_before_enable);
+    report.host_memory.push((name.to_string(), total, streamed.master_bytes, peak, rss_offloaded));
+    if let Some((secs, rss)) = streamed.enable {
         report.enable.push((name.to_string(), secs, rss));
     }
+    drop(p);
     drop(engine);
     model.release();
     Ok(())
@@ -505,99 +619,4 @@ pub fn bench(spec: &BenchSpec, progress: &mut dyn FnMut(&str)) -> Result<BenchRe
         bench_preset(spec, p, &mut report, progress)?;
     }
     Ok(report)
-}
-
-/// The result of a GPU run: resident vs offloaded.
-#[derive(Debug, Clone, Serialize)]
-pub struct GpuRunReport {
-    /// Device name.
-    pub device: String,
-    /// Strategy.
-    pub strategy: String,
-    /// Resident output checksum.
-    pub resident_checksum: String,
-    /// Offloaded output checksum.
-    pub offloaded_checksum: String,
-    /// Outputs equal bit for bit.
-    pub outputs_match: bool,
-    /// Host weights equal bit for bit after disable.
-    pub weights_match: bool,
-    /// Peak device weight memory of the offloaded run.
-    pub peak_device_weight_bytes: u64,
-    /// The plan's bound.
-    pub planned_device_weight_bytes: u64,
-    /// Bytes copied host → device by the offloaded run.
-    pub h2d_bytes: u64,
-    /// Synchronous fetches.
-    pub sync_fetches: u64,
-    /// Resident wall time, ms.
-    pub resident_wall_ms: f64,
-    /// Offloaded wall time, ms.
-    pub offloaded_wall_ms: f64,
-    /// Median hook latency, µs.
-    pub hook_latency_p50_us: f64,
-    /// 99th percentile hook latency, µs.
-    pub hook_latency_p99_us: f64,
-}
-
-/// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
-/// weights: synthetic weights from `seed`, or `checkpoint`'s bytes. With `slow_copies` every host → device copy waits
-/// behind a dummy one ([`super::slow::SlowCopies`]). `observer` sees `enable` build masters and the DiT steps complete
-/// on the device (progress bars).
-#[allow(clippy::too_many_arguments)]
-pub fn gpu_run(
-    desc: &PipelineDesc,
-    checkpoint: Option<&super::driver::CheckpointWeights>,
-    config: &OffloadConfig,
-    steps: u32,
-    shape: GpuShape,
-    seed: u64,
-    skip_seed: Option<u64>,
-    ordering_fault: weightferry_actors::OrderingFault,
-    slow_copies: bool,
-    observer: Option<Arc<dyn crate::progress::RunObserver>>,
-) -> Result<GpuRunReport, EngineError> {
-    let plan = resolve_offload_plan(desc, config).map_err(weightferry::offload::OffloadError::from)?;
-    let cuda = Arc::new(CudaPlatform::new(0)?);
-    let platform: PlatformRef =
-        if slow_copies { Arc::new(super::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
-    let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
-    let mut model = match checkpoint {
-        Some(w) => HostModel::from_checkpoint(platform, Arc::new(desc.clone()), &w.checkpoint, &w.component)
-            .map_err(super::driver::checkpoint_error)?,
-        None => HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?,
-    };
-    let engine = Engine::new(compute, desc)?;
-    let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
-    let enable_observer = observer.clone();
-    let mut offload = |p: &PlatformRef| {
-        let mut backend = single_process_backend(config, p, ordering_fault)?;
-        if let (Some(b), Some(o)) = (backend.as_mut(), enable_observer.clone()) {
-            b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
-        }
-        Ok(backend)
-    };
-    let mut watch = StepWatch::new(cuda.clone(), engine.stream(), observer);
-    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |stage, p| watch.observe(stage, p));
-    watch.finish();
-    model.release();
-    let cmp = cmp?;
-    let backend = cmp.backend.as_ref();
-    let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
-    Ok(GpuRunReport {
-        device: cuda.device_name().to_string(),
-        strategy: plan.strategy.report_name().to_string(),
-        resident_checksum: format!("{:016x}", cmp.resident.checksum),
-        offloaded_checksum: format!("{:016x}", cmp.offloaded.checksum),
-        outputs_match: cmp.outputs_match(),
-        weights_match: cmp.weights_match(),
-        peak_device_weight_bytes: cmp.offloaded_peak_bytes,
-        planned_device_weight_bytes: plan.budget.device_weight_bytes,
-        h2d_bytes: backend.map_or(0, stack_h2d_bytes),
-        sync_fetches: backend.map_or(0, |b| b.stacks.iter().map(|s| s.sync_fetches).sum()),
-        resident_wall_ms: ms(cmp.resident.wall),
-        offloaded_wall_ms: ms(cmp.offloaded_wall),
-        hook_latency_p50_us: p50,
-        hook_latency_p99_us: p99,
-    })
 }

@@ -1,10 +1,21 @@
 //! Reports: what `weightferry run` measured ([`RunReport`]), as a serialisable struct with a readable text rendering
-//! (`Display`); what `weightferry plan` resolved is the library's [`PlanReport`], re-exported.
+//! (`Display`); what `weightferry plan` resolved is the library's [`PlanReport`], re-exported. Beside it: what
+//! `weightferry inspect` prints ([`checkpoint`]), the Chrome / Perfetto timeline ([`trace`]), the terminal progress
+//! bars ([`progress`]) and, on GPUs, the markdown of `bench` (`bench`, feature `cuda`) and `bench-gather`
+//! (`gather`, feature `nccl`).
 //!
 //! The JSON field names are a public contract of the CLI: `run --json` always carries `outputs_match`,
 //! `peak_device_weight_bytes`, `planned_device_weight_bytes`, `h2d_bytes` and `sync_fetches`; `plan --json` always
 //! carries `strategy` (`none|model|layer|distributed_layer`), `components` (each with `path`, `kind`, `selected`
 //! and `stacks` of `{blocks, resident, streaming}`), `skip_reason` and `device_weight_bytes`.
+
+#[cfg(feature = "cuda")]
+pub mod bench;
+pub mod checkpoint;
+#[cfg(feature = "nccl")]
+pub mod gather;
+pub mod progress;
+pub mod trace;
 
 use serde::Serialize;
 use std::fmt;

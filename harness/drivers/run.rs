@@ -8,13 +8,14 @@
 //! weight memory (peak minus the activations allocated before it) against the plan's bound.
 
 use super::compare::{compare, single_process_backend, Comparison, OffloadedSource};
-use super::timing::{hook_percentiles_us, ms};
-use super::{EngineError, ExecOptions, Progress};
 use crate::engine::compute::SimCompute;
+use crate::engine::synthetic::SyntheticWeights;
+use crate::engine::timing::{hook_percentiles_us, ms};
 use crate::engine::Engine;
-use crate::progress::{RunObserver, StepWatch};
+use crate::engine::{EngineError, ExecOptions, Progress};
+use crate::report::progress::{RunObserver, StepWatch};
+use crate::report::trace::RunTrace;
 use crate::report::RunReport;
-use crate::trace::RunTrace;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::checkpoint::{Checkpoint, CheckpointError};

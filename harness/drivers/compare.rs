@@ -9,7 +9,7 @@
 //! Invariant: once `enable` was called, `disable` is called before [`run_offloaded`] returns — also when `enable`
 //! or the execution failed — so host weights are back in their own buffers whatever failed.
 
-use super::{Engine, EngineError, ExecOptions, ExecOutput, Progress};
+use crate::engine::{Engine, EngineError, ExecOptions, ExecOutput, Progress};
 use std::fmt;
 use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
@@ -298,6 +298,7 @@ fn resident_again(
 mod tests {
     use super::*;
     use crate::engine::compute::SimCompute;
+    use crate::engine::synthetic::SyntheticWeights;
     use std::sync::Arc;
     use weightferry::pipeline::presets::preset;
     use weightferry::pipeline::PipelineDesc;

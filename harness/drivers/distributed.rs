@@ -34,16 +34,16 @@
 //! either restored bit-exactly or still released when it returns (the model's checksum after a successful run equals
 //! the one before).
 
-use crate::engine::compare::{run_offloaded, run_resident, UPLOAD_STREAM};
+use crate::drivers::compare::{run_offloaded, run_resident, UPLOAD_STREAM};
 use crate::engine::compute::{Compute, SimCompute};
 use crate::engine::math::Phase;
+use crate::engine::synthetic::{splitmix64, SyntheticWeights};
 use crate::engine::timeline::{in_modules, summarize, trace_execution, DeviceSpan, DeviceTracer, TimelineSummary};
 use crate::engine::{Engine, EngineError, ExecOptions};
 use std::sync::Arc;
 use std::time::Duration;
 use weightferry::config::{Component, OffloadConfig, Strategy};
 use weightferry::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
-use weightferry::model::splitmix64;
 use weightferry::model::{Home, HostModel, ModelError};
 use weightferry::offload::distributed::DistributedError;
 use weightferry::offload::units::{build_unit_plan, UnitPlan};

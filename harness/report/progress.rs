@@ -1,4 +1,4 @@
-//! Progress of a run, for terminal progress bars: what the [`driver`](crate::engine::driver) reports
+//! Progress of a run, for terminal progress bars: what the [`driver`](crate::drivers::run) reports
 //! ([`RunObserver`]: host masters built at `enable`, DiT steps completed on the device), the [`StepWatch`] that
 //! follows the device, and the `indicatif` bars of `weightferry run` ([`RunBars`]).
 //!
@@ -11,7 +11,7 @@
 //! Bars are drawn only on a terminal stderr, never with `--json`, and only once the work is expected to take about
 //! a second ([`draw_bar`]); until then they exist hidden.
 
-use crate::engine::driver::RunStage;
+use crate::drivers::run::RunStage;
 use crate::engine::math::Phase;
 use crate::engine::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};

@@ -24,12 +24,12 @@
 //! order; a rank that fails breaks the group barrier, so its peers stop at their next barrier instead of entering
 //! a collective the failed rank will never issue.
 
-use super::timing::median;
-use super::EngineError;
+use crate::engine::synthetic::splitmix64;
+use crate::engine::timing::median;
+use crate::engine::EngineError;
 use serde::Serialize;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
-use weightferry::model::splitmix64;
 use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
 use weightferry::platform::cuda::nccl::{
     nccl_version, NcclCollective, NcclOptions, NcclUniqueId, NCCL_UNIQUE_ID_BYTES,
@@ -302,7 +302,7 @@ fn gemm_fill(elems: usize, salt: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(elems * 2);
     for i in 0..elems as u64 {
         let v = (((i.wrapping_mul(7919) ^ salt) % 255) as f32 - 127.0) / 512.0;
-        out.extend_from_slice(&weightferry::model::f32_to_bf16(v).to_le_bytes());
+        out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
     }
     out
 }
@@ -547,82 +547,118 @@ fn rank_main(
     Ok(RankResult { rates, compute })
 }
 
-/// Median GEMM-loop seconds alone, beside the copies, beside copies + AllGather; the FLOP rate alone.
-fn compute_slowdown(r: &mut Rank<'_>, g: &GemmSpec, spec: &GatherBenchSpec) -> Result<ComputeTimes, EngineError> {
-    let (m, n, k) = g.shape;
-    let p = r.p.clone();
-    let compute = p.create_stream("compute")?;
-    let upload = |elems: usize, salt: u64| -> Result<DeviceBufferId, EngineError> {
-        let bytes = gemm_fill(elems, salt);
-        let len = bytes.len() as u64;
-        let h = p.alloc_host(len, HostMemoryKind::Pinned)?;
-        p.write_host(h, 0, &bytes)?;
-        let d = p.alloc_device(len)?;
-        p.copy_h2d(compute, h, 0, d, 0, len)?;
-        p.stream_synchronize(compute)?;
-        p.free_host(h)?;
-        Ok(d)
-    };
-    let a = upload(m * k, 1)?;
-    let b = upload(n * k, 2)?;
-    let c = p.alloc_device((m * n * 2) as u64)?;
-    let ptr = |buf: DeviceBufferId| {
-        p.device_ptr(buf).map(|(ptr, _)| ptr).ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })
-    };
-    let gemm = Gemm {
-        m,
-        n,
-        k,
-        a: (ptr(a)?, k),
-        b: (ptr(b)?, k),
-        b_layout: BLayout::WeightRowMajor,
-        c: (ptr(c)?, n),
-        alpha: 1.0,
-        beta: 0.0,
-    };
-    let blas = Blas::new(&p, compute)?;
-    let chunks = chunk_plan(r.block, g.chunk_bytes, r.world);
-    // The GEMM loop alone: enqueued back to back, timed to the compute stream's completion.
-    let gemm_loop = |iters: u32| -> Result<f64, EngineError> {
+/// One rank's bf16 GEMM loop on a compute stream of its own: its operands (filled with small values), its cuBLAS
+/// handle, and the chunking of the transfers it runs beside.
+struct GemmLoop {
+    p: Arc<CudaPlatform>,
+    compute: StreamId,
+    buffers: [DeviceBufferId; 3],
+    gemm: Gemm,
+    blas: Blas,
+    /// GEMMs per timed loop.
+    iters: u32,
+    chunks: Vec<(u64, u64)>,
+}
+
+impl GemmLoop {
+    /// Uploads the operands of `g`'s shape and creates the handle on a new compute stream.
+    fn new(r: &Rank<'_>, g: &GemmSpec) -> Result<GemmLoop, EngineError> {
+        let (m, n, k) = g.shape;
+        let p = r.p.clone();
+        let compute = p.create_stream("compute")?;
+        let upload = |elems: usize, salt: u64| -> Result<DeviceBufferId, EngineError> {
+            let bytes = gemm_fill(elems, salt);
+            let len = bytes.len() as u64;
+            let h = p.alloc_host(len, HostMemoryKind::Pinned)?;
+            p.write_host(h, 0, &bytes)?;
+            let d = p.alloc_device(len)?;
+            p.copy_h2d(compute, h, 0, d, 0, len)?;
+            p.stream_synchronize(compute)?;
+            p.free_host(h)?;
+            Ok(d)
+        };
+        let a = upload(m * k, 1)?;
+        let b = upload(n * k, 2)?;
+        let c = p.alloc_device((m * n * 2) as u64)?;
+        let ptr = |buf: DeviceBufferId| {
+            p.device_ptr(buf)
+                .map(|(ptr, _)| ptr)
+                .ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })
+        };
+        let gemm = Gemm {
+            m,
+            n,
+            k,
+            a: (ptr(a)?, k),
+            b: (ptr(b)?, k),
+            b_layout: BLayout::WeightRowMajor,
+            c: (ptr(c)?, n),
+            alpha: 1.0,
+            beta: 0.0,
+        };
+        let blas = Blas::new(&p, compute)?;
+        let chunks = chunk_plan(r.block, g.chunk_bytes, r.world);
+        Ok(GemmLoop { p, compute, buffers: [a, b, c], gemm, blas, iters: g.iters, chunks })
+    }
+
+    /// The GEMM loop alone: `iters` GEMMs enqueued back to back, timed to the compute stream's completion.
+    fn alone(&self, iters: u32) -> Result<f64, EngineError> {
         let t0 = Instant::now();
         for _ in 0..iters {
-            blas.gemm(&gemm)?;
+            self.blas.gemm(&self.gemm)?;
         }
-        p.stream_synchronize(compute)?;
+        self.p.stream_synchronize(self.compute)?;
         Ok(t0.elapsed().as_secs_f64())
-    };
-    // The GEMM loop beside `n` blocks of transfers: the enqueues are interleaved (the GEMMs spread over the first
-    // two thirds of the blocks, which are sized to outlast them) so that a full launch queue on a transfer stream
-    // can never leave the compute stream without queued work; transfers start first. Timed to the compute
-    // stream's completion; the transfers are drained afterwards, untimed.
-    let gemm_beside = |r: &mut Rank<'_>, mode: GatherMode, n: u32| -> Result<f64, EngineError> {
+    }
+
+    /// The GEMM loop beside `n` blocks of transfers: the enqueues are interleaved (the GEMMs spread over the first
+    /// two thirds of the blocks, which are sized to outlast them) so that a full launch queue on a transfer stream
+    /// can never leave the compute stream without queued work; transfers start first. Timed to the compute
+    /// stream's completion; the transfers are drained afterwards, untimed.
+    fn beside(&self, r: &mut Rank<'_>, mode: GatherMode, n: u32) -> Result<f64, EngineError> {
         let spread = (u64::from(n) * 2 / 3).max(1);
         let mut issued = 0u32;
         let t0 = Instant::now();
         for blk in 0..u64::from(n) {
-            r.enqueue_blocks(mode, &chunks, 1)?;
-            let due = ((blk + 1) * u64::from(g.iters)).div_ceil(spread).min(u64::from(g.iters)) as u32;
+            r.enqueue_blocks(mode, &self.chunks, 1)?;
+            let due = ((blk + 1) * u64::from(self.iters)).div_ceil(spread).min(u64::from(self.iters)) as u32;
             while issued < due {
-                blas.gemm(&gemm)?;
+                self.blas.gemm(&self.gemm)?;
                 issued += 1;
             }
         }
-        while issued < g.iters {
-            blas.gemm(&gemm)?;
+        while issued < self.iters {
+            self.blas.gemm(&self.gemm)?;
             issued += 1;
         }
-        p.stream_synchronize(compute)?;
+        self.p.stream_synchronize(self.compute)?;
         let t = t0.elapsed().as_secs_f64();
         r.sync()?;
         Ok(t)
-    };
-    gemm_loop(10)?;
+    }
+
+    /// Drops the handle and frees the operands.
+    fn free(self) -> Result<(), EngineError> {
+        let GemmLoop { p, buffers, blas, .. } = self;
+        drop(blas);
+        for buf in buffers {
+            p.free_device(buf)?;
+        }
+        Ok(())
+    }
+}
+
+/// Median GEMM-loop seconds alone, beside the copies, beside copies + AllGather; the FLOP rate alone.
+fn compute_slowdown(r: &mut Rank<'_>, g: &GemmSpec, spec: &GatherBenchSpec) -> Result<ComputeTimes, EngineError> {
+    let (m, n, k) = g.shape;
+    let gemms = GemmLoop::new(r, g)?;
+    gemms.alone(10)?;
     // Size the transfers to outlast the GEMM loop (1.5× its time alone, at rates probed now).
     r.barrier.wait()?;
-    let t_alone = gemm_loop(g.iters)?;
+    let t_alone = gemms.alone(g.iters)?;
     let probe = 4;
-    let t_h2d = r.timed_blocks(GatherMode::H2dOnly, &chunks, probe)?;
-    let t_gather = r.timed_blocks(g.mode, &chunks, probe)?;
+    let t_h2d = r.timed_blocks(GatherMode::H2dOnly, &gemms.chunks, probe)?;
+    let t_gather = r.timed_blocks(g.mode, &gemms.chunks, probe)?;
     let blocks_for = |t_probe: f64| ((1.5 * t_alone * f64::from(probe) / t_probe).ceil() as u32 + 2).clamp(4, 10_000);
     let n_h2d = blocks_for(t_h2d);
     // Every rank must issue the same AllGathers: the ranks agree on the largest count any of them wants.
@@ -632,16 +668,13 @@ fn compute_slowdown(r: &mut Rank<'_>, g: &GemmSpec, spec: &GatherBenchSpec) -> R
     let mut beside_gather = Vec::new();
     for _ in 0..spec.repeats.max(1) {
         r.barrier.wait()?;
-        alone.push(gemm_loop(g.iters)?);
+        alone.push(gemms.alone(g.iters)?);
         r.barrier.wait()?;
-        beside_h2d.push(gemm_beside(r, GatherMode::H2dOnly, n_h2d)?);
+        beside_h2d.push(gemms.beside(r, GatherMode::H2dOnly, n_h2d)?);
         r.barrier.wait()?;
-        beside_gather.push(gemm_beside(r, g.mode, n_gather)?);
+        beside_gather.push(gemms.beside(r, g.mode, n_gather)?);
     }
-    drop(blas);
-    for buf in [a, b, c] {
-        p.free_device(buf)?;
-    }
+    gemms.free()?;
     let flops = 2.0 * m as f64 * n as f64 * k as f64 * f64::from(g.iters);
     let alone = median(alone);
     Ok(ComputeTimes {

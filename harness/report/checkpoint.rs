@@ -1,13 +1,12 @@
 //! What a checkpoint holds, as `weightferry inspect` prints it (text, or one JSON object): its files, tensors,
 //! dtypes, bytes, and the block lists the derived description declares.
 
-use super::describe::{BlockList, Derived};
-use super::Checkpoint;
-use crate::offload::mapped::{first_misplaced, FileRange};
-use crate::plan::bytes::human_bytes;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
+use weightferry::checkpoint::{BlockList, Checkpoint, Derived};
+use weightferry::offload::mapped::{first_misplaced, FileRange};
+use weightferry::plan::bytes::human_bytes;
 
 /// One file of the checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -349,42 +349,86 @@ impl SignalStream {
     }
 }
 
-async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), LaunchError> {
-    use tokio::signal::unix::SignalKind;
-    let mut sigint = SignalStream::new(forward_signals, SignalKind::interrupt());
-    let mut sigterm = SignalStream::new(forward_signals, SignalKind::terminate());
-    // SIGCHLD also arrives when a child stops or continues: the moment to look for stopped ranks; a debugger's stop
-    // sends none, so launch looks every STOP_POLL too.
-    let mut sigchld = SignalStream::new(true, SignalKind::child());
-    let mut poll = tokio::time::interval(STOP_POLL);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// The signals launch waits on: SIGINT and SIGTERM when it forwards them, and SIGCHLD, which also arrives when a
+/// child stops or continues (the moment to look for stopped ranks).
+struct Signals {
+    int: SignalStream,
+    term: SignalStream,
+    chld: SignalStream,
+}
+
+impl Signals {
+    fn new(forward_signals: bool) -> Signals {
+        use tokio::signal::unix::SignalKind;
+        Signals {
+            int: SignalStream::new(forward_signals, SignalKind::interrupt()),
+            term: SignalStream::new(forward_signals, SignalKind::terminate()),
+            chld: SignalStream::new(true, SignalKind::child()),
+        }
+    }
+}
+
+/// The spawned ranks: the channels to the tasks that own them (`None` once reaped), their pids (likewise), the
+/// tasks forwarding their output, and the channel their owners report exits on.
+struct Ranks {
+    orders: Vec<Option<mpsc::UnboundedSender<Order>>>,
+    pids: Vec<Option<u32>>,
+    output: tokio::task::JoinSet<()>,
+    done: mpsc::UnboundedReceiver<(usize, std::io::Result<ExitStatus>)>,
+    /// Ranks not reaped yet.
+    live: usize,
+    /// How each rank ended, once it did.
+    statuses: Vec<Option<String>>,
+}
+
+impl Ranks {
+    /// Sends `o` to the owner of every rank not reaped yet.
+    fn order_all(&self, o: Order) {
+        for tx in self.orders.iter().flatten() {
+            let _ = tx.send(o);
+        }
+    }
+}
+
+/// The command rank `rank` runs: the program and its arguments with the launch environment (and NCCL's defaults
+/// where the launching environment sets none), no input, output piped, killed if launch drops it.
+fn rank_command(spec: &LaunchSpec, rank: usize, port: u16, run_id: &str) -> Command {
+    let mut cmd = Command::new(&spec.program);
+    for (k, v) in NCCL_DEFAULTS {
+        if std::env::var_os(k).is_none() {
+            cmd.env(k, v);
+        }
+    }
+    cmd.args(&spec.args)
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", spec.nproc.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("WEIGHTFERRY_RUN_ID", run_id)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Spawns the ranks in order, each owned by a task of its own and its output forwarded, up to the first that
+/// cannot be spawned (whose error comes back beside the ranks already running). Runs inside the runtime.
+fn spawn_ranks(spec: &LaunchSpec, port: u16) -> (Ranks, Option<LaunchError>) {
     let run_id = run_id(port);
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
-    let mut orders: Vec<Option<mpsc::UnboundedSender<Order>>> = Vec::with_capacity(spec.nproc);
-    let mut pids: Vec<Option<u32>> = Vec::with_capacity(spec.nproc);
-    let mut output = tokio::task::JoinSet::new();
+    let (done_tx, done) = mpsc::unbounded_channel();
+    let mut ranks = Ranks {
+        orders: Vec::with_capacity(spec.nproc),
+        pids: Vec::with_capacity(spec.nproc),
+        output: tokio::task::JoinSet::new(),
+        done,
+        live: 0,
+        statuses: Vec::new(),
+    };
     let mut spawn_error = None;
     for rank in 0..spec.nproc {
-        let mut cmd = Command::new(&spec.program);
-        for (k, v) in NCCL_DEFAULTS {
-            if std::env::var_os(k).is_none() {
-                cmd.env(k, v);
-            }
-        }
-        let spawned = cmd
-            .args(&spec.args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", spec.nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("WEIGHTFERRY_RUN_ID", &run_id)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn();
-        let mut child = match spawned {
+        let mut child = match rank_command(spec, rank, port, &run_id).spawn() {
             Ok(c) => c,
             Err(e) => {
                 spawn_error = Some(LaunchError::Spawn {
@@ -397,96 +441,137 @@ async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), 
         };
         let prefix = format!("[rank {rank}] ");
         if let Some(out) = child.stdout.take() {
-            output.spawn(forward(out, prefix.clone(), false));
+            ranks.output.spawn(forward(out, prefix.clone(), false));
         }
         if let Some(err) = child.stderr.take() {
-            output.spawn(forward(err, prefix, true));
+            ranks.output.spawn(forward(err, prefix, true));
         }
-        pids.push(child.id());
+        ranks.pids.push(child.id());
         let (tx, rx) = mpsc::unbounded_channel();
-        orders.push(Some(tx));
+        ranks.orders.push(Some(tx));
         tokio::spawn(own(rank, child, rx, done_tx.clone()));
     }
-    drop(done_tx);
-    let mut live = orders.len();
-    let mut statuses: Vec<Option<String>> = vec![None; orders.len()];
-    let order_all = |orders: &mut Vec<Option<mpsc::UnboundedSender<Order>>>, o: Order| {
-        for tx in orders.iter().flatten() {
-            let _ = tx.send(o);
+    ranks.live = ranks.orders.len();
+    ranks.statuses = vec![None; ranks.orders.len()];
+    (ranks, spawn_error)
+}
+
+/// What launch has seen of the running ranks.
+struct Watch {
+    /// The first failure of a rank on its own (or of spawning or waiting for one).
+    failure: Option<LaunchError>,
+    /// The first rank that failed because another did ([`PEER_FAILED_EXIT`]), and how it ended.
+    secondary: Option<(usize, String)>,
+    /// The signal launch got and forwarded to the ranks.
+    signalled: Option<&'static str>,
+    /// Which ranks are stopped.
+    stopped: Vec<bool>,
+    /// When launch stops waiting for the rank that failed first ([`ROOT_CAUSE_GRACE`] after a secondary failure).
+    grace_end: tokio::time::Instant,
+    /// When the ranks still running after a forwarded signal are killed.
+    kill_at: tokio::time::Instant,
+    /// A time that never comes.
+    far: tokio::time::Instant,
+}
+
+impl Watch {
+    fn new(ranks: &Ranks, spawn_error: Option<LaunchError>) -> Watch {
+        let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
+        Watch {
+            failure: spawn_error,
+            secondary: None,
+            signalled: None,
+            stopped: vec![false; ranks.orders.len()],
+            grace_end: far,
+            kill_at: far,
+            far,
         }
-    };
-    // The first failure of a rank on its own, else the first rank that failed because of another.
-    let mut failure: Option<LaunchError> = spawn_error;
-    let mut secondary: Option<(usize, String)> = None;
-    let mut signalled: Option<&'static str> = None;
-    let mut stopped: Vec<bool> = vec![false; orders.len()];
-    let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
-    let mut grace_end = far;
-    let mut kill_at = far;
-    while failure.is_none() && live > 0 {
-        tokio::select! {
-            done = done_rx.recv() => {
-                let Some((rank, status)) = done else { break };
-                live -= 1;
-                orders[rank] = None;
-                pids[rank] = None;
-                match status {
-                    Ok(status) => {
-                        let text = describe_status(status);
-                        statuses[rank] = Some(text.clone());
-                        if status.success() || signalled.is_some() {
-                            continue;
-                        }
-                        if status.code() == Some(PEER_FAILED_EXIT) {
-                            if secondary.is_none() {
-                                secondary = Some((rank, text));
-                                grace_end = tokio::time::Instant::now() + ROOT_CAUSE_GRACE;
-                            }
-                        } else {
-                            failure = Some(LaunchError::RankFailed { rank, status: text });
-                        }
+    }
+
+    /// Rank `rank` was reaped. Returns whether its end may be a failure (not a success, nor after a signal).
+    fn on_exit(&mut self, ranks: &mut Ranks, rank: usize, status: std::io::Result<ExitStatus>) -> bool {
+        ranks.live -= 1;
+        ranks.orders[rank] = None;
+        ranks.pids[rank] = None;
+        match status {
+            Ok(status) => {
+                let text = describe_status(status);
+                ranks.statuses[rank] = Some(text.clone());
+                if status.success() || self.signalled.is_some() {
+                    return false;
+                }
+                if status.code() == Some(PEER_FAILED_EXIT) {
+                    if self.secondary.is_none() {
+                        self.secondary = Some((rank, text));
+                        self.grace_end = tokio::time::Instant::now() + ROOT_CAUSE_GRACE;
                     }
-                    Err(e) => failure = Some(LaunchError::Wait { rank, reason: e.to_string() }),
+                } else {
+                    self.failure = Some(LaunchError::RankFailed { rank, status: text });
                 }
             }
-            () = sigint.recv() => {
-                if signalled.is_some() { order_all(&mut orders, Order::Kill) } else {
-                    signalled = Some("SIGINT");
-                    order_all(&mut orders, Order::Signal(2));
-                    kill_at = tokio::time::Instant::now() + SIGNAL_GRACE;
-                }
-            }
-            () = sigterm.recv() => {
-                if signalled.is_some() { order_all(&mut orders, Order::Kill) } else {
-                    signalled = Some("SIGTERM");
-                    order_all(&mut orders, Order::Signal(15));
-                    kill_at = tokio::time::Instant::now() + SIGNAL_GRACE;
-                }
-            }
-            () = sigchld.recv() => watch_stopped(&pids, &mut stopped),
-            _ = poll.tick() => watch_stopped(&pids, &mut stopped),
-            () = tokio::time::sleep_until(grace_end) => break,
-            () = tokio::time::sleep_until(kill_at) => {
-                order_all(&mut orders, Order::Kill);
-                kill_at = far;
-            }
+            Err(e) => self.failure = Some(LaunchError::Wait { rank, reason: e.to_string() }),
         }
-        // A rank that gave up on its peers while one of them is stopped: the stopped one is the cause.
-        if let (Some((waiting, status)), Some(rank)) = (&secondary, stopped.iter().position(|&s| s)) {
-            if let (None, Some(pid)) = (&failure, pids[rank]) {
-                failure = Some(LaunchError::Stopped { rank, pid, waiting: *waiting, status: status.clone() });
+        true
+    }
+
+    /// Launch got `name` (signal number `sig`): the first one is sent on to every rank, which then have
+    /// [`SIGNAL_GRACE`]; a second kills them.
+    fn on_signal(&mut self, ranks: &Ranks, name: &'static str, sig: i32) {
+        if self.signalled.is_some() {
+            ranks.order_all(Order::Kill)
+        } else {
+            self.signalled = Some(name);
+            ranks.order_all(Order::Signal(sig));
+            self.kill_at = tokio::time::Instant::now() + SIGNAL_GRACE;
+        }
+    }
+
+    /// A rank that gave up on its peers while one of them is stopped: the stopped one is the cause.
+    fn blame_stopped(&mut self, pids: &[Option<u32>]) {
+        if let (Some((waiting, status)), Some(rank)) = (&self.secondary, self.stopped.iter().position(|&s| s)) {
+            if let (None, Some(pid)) = (&self.failure, pids[rank]) {
+                self.failure = Some(LaunchError::Stopped { rank, pid, waiting: *waiting, status: status.clone() });
             }
         }
     }
-    let failure = failure.or(secondary.map(|(rank, status)| LaunchError::RankFailed { rank, status }));
-    // Stop every child still running and reap it (SIGKILL also ends a stopped process).
-    order_all(&mut orders, Order::Kill);
-    while live > 0 {
-        match tokio::time::timeout(Duration::from_secs(10), done_rx.recv()).await {
+}
+
+/// Waits on the ranks, the signals and the timers until a rank failed on its own, every rank was reaped, or the
+/// grace for the root cause of a secondary failure ran out.
+async fn supervise(ranks: &mut Ranks, watch: &mut Watch, signals: &mut Signals, poll: &mut tokio::time::Interval) {
+    while watch.failure.is_none() && ranks.live > 0 {
+        tokio::select! {
+            done = ranks.done.recv() => {
+                let Some((rank, status)) = done else { break };
+                if !watch.on_exit(ranks, rank, status) {
+                    continue;
+                }
+            }
+            () = signals.int.recv() => watch.on_signal(ranks, "SIGINT", 2),
+            () = signals.term.recv() => watch.on_signal(ranks, "SIGTERM", 15),
+            () = signals.chld.recv() => watch_stopped(&ranks.pids, &mut watch.stopped),
+            _ = poll.tick() => watch_stopped(&ranks.pids, &mut watch.stopped),
+            () = tokio::time::sleep_until(watch.grace_end) => break,
+            () = tokio::time::sleep_until(watch.kill_at) => {
+                ranks.order_all(Order::Kill);
+                watch.kill_at = watch.far;
+            }
+        }
+        watch.blame_stopped(&ranks.pids);
+    }
+}
+
+/// Kills every rank still running (SIGKILL also ends a stopped process), reaps them, lets their output drain, and
+/// says how the launch ended.
+async fn finish(mut ranks: Ranks, watch: Watch) -> Result<(), LaunchError> {
+    let failure = watch.failure.or(watch.secondary.map(|(rank, status)| LaunchError::RankFailed { rank, status }));
+    ranks.order_all(Order::Kill);
+    while ranks.live > 0 {
+        match tokio::time::timeout(Duration::from_secs(10), ranks.done.recv()).await {
             Ok(Some((rank, status))) => {
-                live -= 1;
+                ranks.live -= 1;
                 if let Ok(s) = status {
-                    statuses[rank].get_or_insert(describe_status(s));
+                    ranks.statuses[rank].get_or_insert(describe_status(s));
                 }
             }
             Ok(None) | Err(_) => break,
@@ -494,9 +579,11 @@ async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), 
     }
     // Every child has exited; its output ends when its pipes close. A grandchild it left behind may hold them
     // open: forwarding stops waiting after a grace period (its tasks end with the runtime).
+    let output = &mut ranks.output;
     let _ = tokio::time::timeout(OUTPUT_GRACE, async { while output.join_next().await.is_some() {} }).await;
-    if let Some(signal) = signalled {
-        let ended = statuses
+    if let Some(signal) = watch.signalled {
+        let ended = ranks
+            .statuses
             .iter()
             .enumerate()
             .map(|(r, s)| format!("rank {r}: {}", s.as_deref().unwrap_or("not reaped")))
@@ -508,6 +595,19 @@ async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), 
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Spawns the ranks and supervises them; see the module docs. The signal handlers and the stop poll exist before
+/// the first child does.
+async fn run(spec: &LaunchSpec, port: u16, forward_signals: bool) -> Result<(), LaunchError> {
+    let mut signals = Signals::new(forward_signals);
+    // A debugger's stop sends no SIGCHLD, so launch also looks for stopped ranks every STOP_POLL.
+    let mut poll = tokio::time::interval(STOP_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut ranks, spawn_error) = spawn_ranks(spec, port);
+    let mut watch = Watch::new(&ranks, spawn_error);
+    supervise(&mut ranks, &mut watch, &mut signals, &mut poll).await;
+    finish(ranks, watch).await
 }
 
 #[cfg(test)]

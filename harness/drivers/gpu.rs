@@ -1,0 +1,113 @@
+//! `run --platform cuda`: the GPU reference engine on a real device, fully resident, then offloaded, compared bit
+//! for bit (outputs and host weights), with the offloaded run's memory, bytes and hook latency.
+
+use crate::drivers::compare::{compare, single_process_backend};
+use crate::engine::cuda::{CudaCompute, GpuShape};
+use crate::engine::synthetic::SyntheticWeights;
+use crate::engine::timing::{hook_percentiles_us, ms, stack_h2d_bytes};
+use crate::engine::{Engine, EngineError, ExecOptions};
+use crate::report::progress::StepWatch;
+use serde::Serialize;
+use std::sync::Arc;
+use weightferry::config::OffloadConfig;
+use weightferry::model::HostModel;
+use weightferry::offload::backend::EnableProgress;
+use weightferry::pipeline::PipelineDesc;
+use weightferry::plan::resolve_offload_plan;
+use weightferry::platform::cuda::CudaPlatform;
+use weightferry_actors::platform::PlatformRef;
+
+/// The result of a GPU run: resident vs offloaded.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuRunReport {
+    /// Device name.
+    pub device: String,
+    /// Strategy.
+    pub strategy: String,
+    /// Resident output checksum.
+    pub resident_checksum: String,
+    /// Offloaded output checksum.
+    pub offloaded_checksum: String,
+    /// Outputs equal bit for bit.
+    pub outputs_match: bool,
+    /// Host weights equal bit for bit after disable.
+    pub weights_match: bool,
+    /// Peak device weight memory of the offloaded run.
+    pub peak_device_weight_bytes: u64,
+    /// The plan's bound.
+    pub planned_device_weight_bytes: u64,
+    /// Bytes copied host → device by the offloaded run.
+    pub h2d_bytes: u64,
+    /// Synchronous fetches.
+    pub sync_fetches: u64,
+    /// Resident wall time, ms.
+    pub resident_wall_ms: f64,
+    /// Offloaded wall time, ms.
+    pub offloaded_wall_ms: f64,
+    /// Median hook latency, µs.
+    pub hook_latency_p50_us: f64,
+    /// 99th percentile hook latency, µs.
+    pub hook_latency_p99_us: f64,
+}
+
+/// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
+/// weights: synthetic weights from `seed`, or `checkpoint`'s bytes. With `slow_copies` every host → device copy waits
+/// behind a dummy one ([`crate::engine::slow::SlowCopies`]). `observer` sees `enable` build masters and the DiT steps complete
+/// on the device (progress bars).
+#[allow(clippy::too_many_arguments)]
+pub fn gpu_run(
+    desc: &PipelineDesc,
+    checkpoint: Option<&crate::drivers::run::CheckpointWeights>,
+    config: &OffloadConfig,
+    steps: u32,
+    shape: GpuShape,
+    seed: u64,
+    skip_seed: Option<u64>,
+    ordering_fault: weightferry_actors::OrderingFault,
+    slow_copies: bool,
+    observer: Option<Arc<dyn crate::report::progress::RunObserver>>,
+) -> Result<GpuRunReport, EngineError> {
+    let plan = resolve_offload_plan(desc, config).map_err(weightferry::offload::OffloadError::from)?;
+    let cuda = Arc::new(CudaPlatform::new(0)?);
+    let platform: PlatformRef =
+        if slow_copies { Arc::new(crate::engine::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
+    let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
+    let mut model = match checkpoint {
+        Some(w) => HostModel::from_checkpoint(platform, Arc::new(desc.clone()), &w.checkpoint, &w.component)
+            .map_err(crate::drivers::run::checkpoint_error)?,
+        None => HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?,
+    };
+    let engine = Engine::new(compute, desc)?;
+    let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
+    let enable_observer = observer.clone();
+    let mut offload = |p: &PlatformRef| {
+        let mut backend = single_process_backend(config, p, ordering_fault)?;
+        if let (Some(b), Some(o)) = (backend.as_mut(), enable_observer.clone()) {
+            b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
+        }
+        Ok(backend)
+    };
+    let mut watch = StepWatch::new(cuda.clone(), engine.stream(), observer);
+    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |stage, p| watch.observe(stage, p));
+    watch.finish();
+    model.release();
+    let cmp = cmp?;
+    let backend = cmp.backend.as_ref();
+    let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
+    Ok(GpuRunReport {
+        device: cuda.device_name().to_string(),
+        strategy: plan.strategy.report_name().to_string(),
+        resident_checksum: format!("{:016x}", cmp.resident.checksum),
+        offloaded_checksum: format!("{:016x}", cmp.offloaded.checksum),
+        outputs_match: cmp.outputs_match(),
+        weights_match: cmp.weights_match(),
+        peak_device_weight_bytes: cmp.offloaded_peak_bytes,
+        planned_device_weight_bytes: plan.budget.device_weight_bytes,
+        h2d_bytes: backend.map_or(0, stack_h2d_bytes),
+        sync_fetches: backend.map_or(0, |b| b.stacks.iter().map(|s| s.sync_fetches).sum()),
+        resident_wall_ms: ms(cmp.resident.wall),
+        offloaded_wall_ms: ms(cmp.offloaded_wall),
+        hook_latency_p50_us: p50,
+        hook_latency_p99_us: p99,
+    })
+}
