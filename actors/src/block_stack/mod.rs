@@ -24,7 +24,8 @@
 //!   actor (and the resident head loads this way on every path);
 //! - `hook_path.rs` — [`Submission::Hook`]: the hook enqueues the load itself and completions are polled;
 //! - `gather_path.rs` — [`BlockStack::with_gather`]: shard copies, then AllGathers through the collective actor;
-//! - `faults.rs` — the deliberately broken orderings ([`OrderingFault`]), only under `--cfg weightferry_broken`.
+//! - `ordering_fault.rs` — [`OrderingFault`], the names of the deliberately broken orderings (in every build);
+//! - `faults.rs` — the broken orderings themselves, only under `--cfg weightferry_broken`.
 //!
 //! The facade picks the slot, the ticket and the waits of every load (`issue_load`) and hands it to its
 //! `LoadPath`; a path enqueues it and says how "recorded", "completed" and "fenced" are observed on it. Every path
@@ -35,9 +36,11 @@ mod actor_path;
 mod faults;
 mod gather_path;
 mod hook_path;
+mod ordering_fault;
 mod ring;
 
 pub use gather_path::{GatherBlock, GatherPath, GatherSection, GatherSequence, MAX_GATHERS_PER_BLOCK};
+pub use ordering_fault::OrderingFault;
 
 use crate::error::SchedulerError;
 use crate::messages::{Completion, TicketBoard};
@@ -95,28 +98,6 @@ impl BlockSpec {
     pub fn copy_bytes(&self) -> u64 {
         self.segments.iter().map(|s| s.len).sum()
     }
-}
-
-/// Deliberately broken orderings, for tests that prove the hazard checks can fail. Never set in production.
-///
-/// Every variant exists in every build, so callers compile anywhere, but only a build with
-/// `RUSTFLAGS="--cfg weightferry_broken"` contains the broken orderings: elsewhere a stack asking for anything but
-/// `None` is refused at construction with [`SchedulerError::FaultNotBuilt`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OrderingFault {
-    /// Correct behaviour.
-    #[default]
-    None,
-    /// Compute does not wait for the ready event of a slot it reads.
-    SkipReadyWait,
-    /// A load overwrites a slot without waiting for its last-use event.
-    SkipLastUseWait,
-    /// `fence` replies once earlier loads are enqueued (recorded) instead of completed.
-    FenceOnRecord,
-    /// `disable` frees slot memory without observing completion of the copies and reads touching it.
-    FreeWithoutSync,
-    /// Waits for a load to be recorded ignore that the stream actor stopped (a lost wake-up when it stops).
-    IgnoreActorStop,
 }
 
 /// Who enqueues a rank-local streamed load on the stack's copy stream.
