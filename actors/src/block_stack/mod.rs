@@ -30,6 +30,10 @@
 //! The facade picks the slot, the ticket and the waits of every load (`issue_load`) and hands it to its
 //! `LoadPath`; a path enqueues it and says how "recorded", "completed" and "fenced" are observed on it. Every path
 //! enqueues the same waits before it overwrites a slot, so invariants (1) and (2) are argued once, here.
+//!
+//! A path's own state is held in its variant, not in the facade: what hooks read without the stack's lock in
+//! `LoadPath` (the gather path's collective, numbering and board), what they change under it in `PathState` (the
+//! hook path's loads in flight, the gather path's shard slots).
 
 mod actor_path;
 #[cfg(weightferry_broken)]
@@ -188,7 +192,9 @@ pub struct StackStats {
     pub device_bytes: u64,
 }
 
-/// The load path of a stack's streamed blocks (the resident head always loads through the stream actor).
+/// The load path of a stack's streamed blocks (the resident head always loads through the stream actor), with
+/// the state only that path has which hooks read without the stack's lock; what they change under the lock is the
+/// same variant of [`PathState`].
 #[derive(Debug)]
 enum LoadPath {
     /// [`Submission::Actor`]: `actor_path.rs`.
@@ -197,6 +203,31 @@ enum LoadPath {
     Hook,
     /// [`BlockStack::with_gather`]: `gather_path.rs`.
     Gather(gather_path::GatherLink),
+}
+
+/// The state only the stack's load path has, under the stack's lock (the variant of its [`LoadPath`]).
+#[derive(Debug)]
+enum PathState {
+    /// The actor path keeps nothing: the stream actor reports completions in the mailbox.
+    Actor,
+    /// The hook path's loads in flight, polled at every hook.
+    Hook(hook_path::InFlight),
+    /// The gather path's shard buffers and events.
+    Gather(gather_path::ShardSlots),
+}
+
+impl PathState {
+    /// Forgets the loads in flight and takes the shard buffers and events to free (disable).
+    fn release(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>) {
+        match self {
+            PathState::Actor => (Vec::new(), Vec::new()),
+            PathState::Hook(in_flight) => {
+                in_flight.clear();
+                (Vec::new(), Vec::new())
+            }
+            PathState::Gather(shards) => shards.take(),
+        }
+    }
 }
 
 /// One streamed load, as the facade hands it to a load path: the slot (already `Loading` under `ticket`) and the
@@ -313,10 +344,8 @@ fn cleanup(platform: &PlatformRef, bufs: &[DeviceBufferId], events: &[EventId]) 
 struct Inner {
     ring: Ring,
     mem: SlotMemory,
-    /// Hook submission's loads in flight (empty on the other paths).
-    hook: hook_path::InFlight,
-    /// The gather path's shard buffers and events (empty on the other paths).
-    shards: gather_path::ShardSlots,
+    /// The load path's own state.
+    path: PathState,
     mailbox: Receiver<Completion>,
     notify: Sender<Completion>,
     stats: StackStats,
@@ -415,35 +444,7 @@ impl BlockStack {
         stream: StreamHandle,
         gather: Option<GatherPath>,
     ) -> Result<BlockStack, SchedulerError> {
-        #[cfg(not(weightferry_broken))]
-        if spec.ordering_fault != OrderingFault::None {
-            return Err(SchedulerError::FaultNotBuilt { stack: spec.name, fault: spec.ordering_fault });
-        }
-        let n = spec.blocks.len();
-        let invalid = |reason: String| SchedulerError::InvalidSpec { stack: spec.name.clone(), reason };
-        if n == 0 {
-            return Err(invalid("it has no blocks".into()));
-        }
-        let resident = match resident {
-            Some(mask) if mask.len() != n => {
-                return Err(invalid(format!("resident set has {} entries for {n} blocks", mask.len())))
-            }
-            Some(mask) => mask,
-            None if spec.resident_head > n => {
-                return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)))
-            }
-            None => (0..n).map(|i| i < spec.resident_head).collect(),
-        };
-        for (i, b) in spec.blocks.iter().enumerate() {
-            for s in &b.segments {
-                if s.device_offset.checked_add(s.len).is_none_or(|end| end > b.device_bytes) {
-                    return Err(invalid(format!(
-                        "block {i}: segment {}+{} exceeds its device region of {} bytes",
-                        s.device_offset, s.len, b.device_bytes
-                    )));
-                }
-            }
-        }
+        let resident = Self::check_spec(&spec, resident)?;
         // Per block: bytes its slot must hold (the gathered sections may extend past the region by their padding).
         let mut region: Vec<u64> = spec.blocks.iter().map(|b| b.device_bytes).collect();
         let layout = match &gather {
@@ -478,10 +479,12 @@ impl BlockStack {
             spec.blocks.iter().zip(&resident).filter(|(_, r)| **r).map(|(b, _)| b.device_bytes.max(1)).sum::<u64>()
                 + slots as u64 * slot_size.max(1)
                 + shard_bytes;
-        let (shards, path) = match gather {
-            Some((shards, link)) => (shards, LoadPath::Gather(link)),
-            None if spec.submission == Submission::Hook => (Default::default(), LoadPath::Hook),
-            None => (Default::default(), LoadPath::Actor),
+        let (state, path) = match gather {
+            Some((shards, link)) => (PathState::Gather(shards), LoadPath::Gather(link)),
+            None if spec.submission == Submission::Hook => {
+                (PathState::Hook(hook_path::InFlight::with_capacity(slots)), LoadPath::Hook)
+            }
+            None => (PathState::Actor, LoadPath::Actor),
         };
         let (notify, mailbox) = mailbox::unbounded();
         let stack = BlockStack {
@@ -497,8 +500,7 @@ impl BlockStack {
             inner: Mutex::new(Inner {
                 ring: Ring::new(resident, spec.prefetch_depth),
                 mem,
-                hook: hook_path::InFlight::with_capacity(slots),
-                shards,
+                path: state,
                 mailbox,
                 notify,
                 stats: StackStats { resident_blocks: resident_count as u64, device_bytes, ..Default::default() },
@@ -519,6 +521,41 @@ impl BlockStack {
             return Err(e);
         }
         Ok(stack)
+    }
+
+    /// Checks a stack's spec before anything is allocated (a fault this build lacks, no blocks, a resident set of
+    /// the wrong length or a head past the end, a segment outside its block's region); returns the resident set.
+    fn check_spec(spec: &StackSpec, resident: Option<Vec<bool>>) -> Result<Vec<bool>, SchedulerError> {
+        #[cfg(not(weightferry_broken))]
+        if spec.ordering_fault != OrderingFault::None {
+            return Err(SchedulerError::FaultNotBuilt { stack: spec.name.clone(), fault: spec.ordering_fault });
+        }
+        let n = spec.blocks.len();
+        let invalid = |reason: String| SchedulerError::InvalidSpec { stack: spec.name.clone(), reason };
+        if n == 0 {
+            return Err(invalid("it has no blocks".into()));
+        }
+        let resident = match resident {
+            Some(mask) if mask.len() != n => {
+                return Err(invalid(format!("resident set has {} entries for {n} blocks", mask.len())))
+            }
+            Some(mask) => mask,
+            None if spec.resident_head > n => {
+                return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)))
+            }
+            None => (0..n).map(|i| i < spec.resident_head).collect(),
+        };
+        for (i, b) in spec.blocks.iter().enumerate() {
+            for s in &b.segments {
+                if s.device_offset.checked_add(s.len).is_none_or(|end| end > b.device_bytes) {
+                    return Err(invalid(format!(
+                        "block {i}: segment {}+{} exceeds its device region of {} bytes",
+                        s.device_offset, s.len, b.device_bytes
+                    )));
+                }
+            }
+        }
+        Ok(resident)
     }
 
     /// The stack's name.
@@ -812,7 +849,7 @@ impl BlockStack {
         if let LoadPath::Gather(link) = &self.path {
             g = link.sync_for_release(self, g, &mut sync_err);
         }
-        for &e in g.mem.events().chain(g.shards.events()) {
+        for &e in g.mem.events().chain(gather_path::shards(&g).events()) {
             if let Err(err) = self.platform.event_synchronize(e) {
                 sync_err.get_or_insert(err.into());
             }
@@ -827,11 +864,10 @@ impl BlockStack {
     /// events, and destroys the gather path's shard stream; the stack is disabled after.
     fn release_all(&self) -> Result<(), SchedulerError> {
         let (mut g, observed) = fault_point!(self, FreeWithoutSync => (lock(&self.inner), Ok(())), self.observe_all());
-        g.hook.clear();
+        let (shard_bufs, shard_events) = g.path.release();
         g.disabled = true;
         g.ring.free_all();
         let (mut bufs, mut events) = g.mem.take();
-        let (shard_bufs, shard_events) = g.shards.take();
         bufs.extend(shard_bufs);
         events.extend(shard_events);
         g.stats.device_bytes = 0;
