@@ -38,6 +38,16 @@
 //! peer why (best effort), and every later operation fails at once with the first error, so no rank waits on a
 //! peer that already gave up. One operation at a time holds the connections (a lock), so the rendezvous can be
 //! shared between threads. A world size outside `1..=`[`MAX_WORLD`] is an error before anything is allocated.
+//!
+//! # Layout
+//!
+//! - `wire.rs` — the frame: header, kinds, limits, reading and writing one;
+//! - `identity.rs` — [`RunId`] and [`Fingerprint`], what a hello says of its rank;
+//! - `options.rs` — [`RendezvousOptions`];
+//! - `error.rs` — [`RendezvousError`];
+//! - `accept.rs` — rank 0's side of the join: accepting connections and judging their hellos;
+//! - `join.rs` — the constructors of a [`Rendezvous`], and another rank's join of rank 0;
+//! - `ops.rs` — [`Rendezvous`] and its operations (broadcast, all-gather, barrier).
 
 mod accept;
 mod error;
