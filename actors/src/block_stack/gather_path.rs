@@ -116,10 +116,12 @@ pub(super) struct GatherLink {
 pub(super) struct ShardSlots {
     bufs: Vec<DeviceBufferId>,
     ready: Vec<Vec<EventId>>,
+    /// The shard stream ([`GatherLink::shard_stream`]) is not destroyed yet: the first disable destroys it.
+    stream_live: bool,
 }
 
 /// No shard slots: what [`shards`] gives on the other load paths.
-static NO_SHARDS: ShardSlots = ShardSlots { bufs: Vec::new(), ready: Vec::new() };
+static NO_SHARDS: ShardSlots = ShardSlots { bufs: Vec::new(), ready: Vec::new(), stream_live: false };
 
 /// The stack's shard slots (none on the other load paths).
 pub(super) fn shards(g: &Inner) -> &ShardSlots {
@@ -134,9 +136,11 @@ impl ShardSlots {
     pub(super) fn events(&self) -> impl Iterator<Item = &EventId> {
         self.ready.iter().flatten()
     }
-    /// Takes the buffers and events to free (disable).
-    pub(super) fn take(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>) {
-        (std::mem::take(&mut self.bufs), std::mem::take(&mut self.ready).into_iter().flatten().collect())
+    /// Takes the buffers and events to free (disable), and whether the shard stream is still to be destroyed
+    /// (true once).
+    pub(super) fn take(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>, bool) {
+        let events = std::mem::take(&mut self.ready).into_iter().flatten().collect();
+        (std::mem::take(&mut self.bufs), events, std::mem::replace(&mut self.stream_live, false))
     }
 }
 
@@ -223,6 +227,7 @@ pub(super) fn alloc(
         board: Arc::new(TicketBoard::new()),
         blocks: gp.blocks,
     };
+    shards.stream_live = true;
     Ok((shards, link))
 }
 

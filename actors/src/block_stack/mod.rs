@@ -217,13 +217,14 @@ enum PathState {
 }
 
 impl PathState {
-    /// Forgets the loads in flight and takes the shard buffers and events to free (disable).
-    fn release(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>) {
+    /// Forgets the loads in flight and takes the shard buffers and events to free (disable), and whether the
+    /// shard stream is still to be destroyed (once).
+    fn release(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>, bool) {
         match self {
-            PathState::Actor => (Vec::new(), Vec::new()),
+            PathState::Actor => (Vec::new(), Vec::new(), false),
             PathState::Hook(in_flight) => {
                 in_flight.clear();
-                (Vec::new(), Vec::new())
+                (Vec::new(), Vec::new(), false)
             }
             PathState::Gather(shards) => shards.take(),
         }
@@ -350,8 +351,6 @@ struct Inner {
     notify: Sender<Completion>,
     stats: StackStats,
     disabled: bool,
-    /// `release_all` ran (the gather path's shard stream is destroyed once).
-    released: bool,
     failure: Option<SchedulerError>,
 }
 
@@ -505,7 +504,6 @@ impl BlockStack {
                 notify,
                 stats: StackStats { resident_blocks: resident_count as u64, device_bytes, ..Default::default() },
                 disabled: false,
-                released: false,
                 failure: None,
             }),
         };
@@ -864,17 +862,16 @@ impl BlockStack {
     /// events, and destroys the gather path's shard stream; the stack is disabled after.
     fn release_all(&self) -> Result<(), SchedulerError> {
         let (mut g, observed) = fault_point!(self, FreeWithoutSync => (lock(&self.inner), Ok(())), self.observe_all());
-        let (shard_bufs, shard_events) = g.path.release();
+        let (shard_bufs, shard_events, destroy_shard_stream) = g.path.release();
         g.disabled = true;
         g.ring.free_all();
         let (mut bufs, mut events) = g.mem.take();
         bufs.extend(shard_bufs);
         events.extend(shard_events);
         g.stats.device_bytes = 0;
-        let first_release = !std::mem::replace(&mut g.released, true);
         drop(g);
         cleanup(&self.platform, &bufs, &events);
-        if let (LoadPath::Gather(link), true) = (&self.path, first_release) {
+        if let (LoadPath::Gather(link), true) = (&self.path, destroy_shard_stream) {
             // The stack created it; nothing is enqueued on it any more. A failure of its work was observed above.
             let _ = self.platform.destroy_stream(link.shard_stream());
         }
