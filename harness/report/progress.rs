@@ -11,7 +11,7 @@
 //! Bars are drawn only on a terminal stderr, never with `--json`, and only once the work is expected to take about
 //! a second ([`draw_bar`]); until then they exist hidden.
 
-use crate::drivers::run::RunStage;
+use crate::drivers::compare::RunStage;
 use crate::engine::math::Phase;
 use crate::engine::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};

@@ -169,6 +169,9 @@ impl<'de> serde::Deserialize<'de> for Entries {
     }
 }
 
+/// A header's tensor entries: name and what the header says of it.
+type RawEntries = Vec<(String, RawInfo)>;
+
 #[derive(serde::Deserialize)]
 struct RawInfo {
     dtype: String,
@@ -178,6 +181,21 @@ struct RawInfo {
 
 /// Parses and checks the header of the file whose bytes are `bytes` (`path` names it in errors).
 pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError> {
+    let len = bytes.len() as u64;
+    let (text, data_start) = header_text(path, bytes)?;
+    let (metadata, raw) = header_entries(path, text)?;
+    let mut tensors = file_tensors(path, &raw)?;
+    check_coverage(path, &tensors, data_start, len)?;
+    safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|source| CheckpointError::Rejected { file: path.to_path_buf(), source })?;
+    for t in &mut tensors {
+        t.offset += data_start;
+    }
+    Ok(Header { tensors, metadata, data_start })
+}
+
+/// The header's JSON text (after its 8-byte length) and where the data region starts.
+fn header_text<'b>(path: &Path, bytes: &'b [u8]) -> Result<(&'b str, u64), CheckpointError> {
     let file = || path.to_path_buf();
     let len = bytes.len() as u64;
     let Some(n) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))) else {
@@ -193,8 +211,14 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError
     let Some(text) = bytes.get(8..data_start as usize) else {
         return Err(CheckpointError::Truncated { file: file(), tensor: None, expected: data_start, actual: len });
     };
-    let corrupt = |reason: String| CheckpointError::CorruptHeader { file: file(), reason };
-    let text = std::str::from_utf8(text).map_err(|e| corrupt(format!("not UTF-8: {e}")))?;
+    let text = std::str::from_utf8(text)
+        .map_err(|e| CheckpointError::CorruptHeader { file: file(), reason: format!("not UTF-8: {e}") })?;
+    Ok((text, data_start))
+}
+
+/// The header's `__metadata__` and its tensor entries, sorted by their data offsets (then names).
+fn header_entries(path: &Path, text: &str) -> Result<(BTreeMap<String, String>, RawEntries), CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::CorruptHeader { file: path.to_path_buf(), reason };
     let Entries(entries) = serde_json::from_str(text).map_err(|e| corrupt(format!("invalid JSON: {e}")))?;
     let mut metadata = BTreeMap::new();
     let mut raw = Vec::with_capacity(entries.len());
@@ -209,12 +233,17 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError
         raw.push((name, info));
     }
     raw.sort_by(|(a, x), (b, y)| x.data_offsets.cmp(&y.data_offsets).then(a.cmp(b)));
-    let data_len = len - data_start;
+    Ok((metadata, raw))
+}
+
+/// The tensors of the entries, each with a dtype this crate reads and as many bytes as its shape needs (offsets
+/// still relative to the data region).
+fn file_tensors(path: &Path, raw: &[(String, RawInfo)]) -> Result<Vec<FileTensor>, CheckpointError> {
     let mut tensors = Vec::with_capacity(raw.len());
-    for (name, info) in &raw {
+    for (name, info) in raw {
         let Some(dtype) = dtype_from_safetensors(&info.dtype) else {
             return Err(CheckpointError::UnsupportedDtype {
-                file: file(),
+                file: path.to_path_buf(),
                 tensor: name.clone(),
                 dtype: info.dtype.clone(),
             });
@@ -224,7 +253,7 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError
         let actual = end.saturating_sub(start);
         if end < start || expected != actual as u128 {
             return Err(CheckpointError::ShapeBytesMismatch {
-                file: file(),
+                file: path.to_path_buf(),
                 tensor: name.clone(),
                 dtype: info.dtype.clone(),
                 shape: info.shape.clone(),
@@ -234,7 +263,14 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError
         }
         tensors.push(FileTensor { name: name.clone(), dtype, shape: info.shape.clone(), offset: start, len: actual });
     }
-    // Offsets are still relative to the data region here.
+    Ok(tensors)
+}
+
+/// Checks that the tensors (sorted, offsets relative to the data region) tile the data region of a file of `len`
+/// bytes exactly: none past its end, none overlapping, no gap.
+fn check_coverage(path: &Path, tensors: &[FileTensor], data_start: u64, len: u64) -> Result<(), CheckpointError> {
+    let file = || path.to_path_buf();
+    let data_len = len - data_start;
     let tiles = tensors.iter().try_fold(0u64, |at, t| (t.offset == at).then_some(t.offset + t.len)).is_some();
     if let Some(t) = tensors.iter().find(|t| t.offset + t.len > data_len) {
         if tiles {
@@ -256,7 +292,7 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError
     }
     let mut at = 0u64;
     let mut prev: Option<&FileTensor> = None;
-    for t in &tensors {
+    for t in tensors {
         if let Some(p) = prev.filter(|p| t.offset < p.offset + p.len) {
             return Err(CheckpointError::Overlap { file: file(), tensor: t.name.clone(), other: p.name.clone() });
         }
@@ -279,10 +315,5 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError
             end: data_len,
         });
     }
-    safetensors::SafeTensors::read_metadata(bytes)
-        .map_err(|source| CheckpointError::Rejected { file: file(), source })?;
-    for t in &mut tensors {
-        t.offset += data_start;
-    }
-    Ok(Header { tensors, metadata, data_start })
+    Ok(())
 }

@@ -641,48 +641,90 @@ fn resolve_legacy(legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig,
             o.weight_transfer = WeightTransfer::Allgather;
         }
     }
-    let components = match &migrated.layerwise_components {
-        None => None,
-        Some(set) => {
-            if !matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise) {
-                return Err(ConfigError::invalid(
-                    "layerwise_offload_components",
-                    format!(
-                        "selects components for layerwise offload, but {}; set enable_layerwise_offload = true, or \
-                         use diffusion_offload_config with mode = \"layer\" and components",
-                        match strategy {
-                            Strategy::ModelLevel => "enable_cpu_offload selects model-level offload",
-                            _ => "no layerwise offload flag is set",
-                        }
-                    ),
-                ));
-            }
-            let names: Vec<String> = set.iter().map(|c| format!("\"{}\"", c.name())).collect();
-            warnings.push(format!(
-                "layerwise_offload_components is deprecated: it maps to diffusion_offload_config.components = [{}] \
-                 (with mode = \"layer\")",
-                names.join(", ")
-            ));
-            Some(set.clone())
-        }
-    };
-    if migrated.encoder_resident_layers > 0 {
-        if !dlo {
-            return Err(ConfigError::invalid(
-                "dlo_encoder_resident_layers",
-                "resident encoder layers require distributed layerwise offload; set \
-                 enable_distributed_layerwise_offload = true, or use \
-                 diffusion_offload_config.layer_options.text_encoder.resident_layers",
-            ));
-        }
-        if legacy.dlo_use_allgather {
-            return Err(ConfigError::invalid(
-                "dlo_encoder_resident_layers",
-                "resident encoder layers keep the rank-local weights the loader produced; set dlo_use_allgather = \
-                 false, or set dlo_encoder_resident_layers = 0",
-            ));
-        }
+    let components = legacy_components(strategy, migrated, &mut warnings)?;
+    check_legacy_encoder_residents(legacy, migrated, dlo)?;
+    migrated_warnings(migrated, &mut layer_options, &mut warnings);
+    for w in &warnings {
+        tracing::warn!("{w}");
     }
+    Ok(OffloadConfig {
+        strategy,
+        components,
+        layer_options,
+        resident_layers: if dlo { legacy.dlo_resident_layers } else { 0 },
+        encoder_resident_layers: if dlo { migrated.encoder_resident_layers } else { 0 },
+        pin_memory: legacy.pin_cpu_memory,
+        host_masters: HostMasters::Auto,
+        device_budget: None,
+        device_budget_auto: false,
+        keep_dit_resident: false,
+        parallel: ParallelConfig::default(),
+        group: OffloadGroup { size: 1, axis: GroupAxis::Single },
+        compact: false,
+        warnings,
+    })
+}
+
+/// The components `layerwise_offload_components` selects (a deprecation warning), which needs a layerwise strategy.
+fn legacy_components(
+    strategy: Strategy,
+    migrated: &Migrated,
+    warnings: &mut Vec<String>,
+) -> Result<Option<BTreeSet<Component>>, ConfigError> {
+    let Some(set) = &migrated.layerwise_components else { return Ok(None) };
+    if !matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise) {
+        return Err(ConfigError::invalid(
+            "layerwise_offload_components",
+            format!(
+                "selects components for layerwise offload, but {}; set enable_layerwise_offload = true, or \
+                 use diffusion_offload_config with mode = \"layer\" and components",
+                match strategy {
+                    Strategy::ModelLevel => "enable_cpu_offload selects model-level offload",
+                    _ => "no layerwise offload flag is set",
+                }
+            ),
+        ));
+    }
+    let names: Vec<String> = set.iter().map(|c| format!("\"{}\"", c.name())).collect();
+    warnings.push(format!(
+        "layerwise_offload_components is deprecated: it maps to diffusion_offload_config.components = [{}] \
+         (with mode = \"layer\")",
+        names.join(", ")
+    ));
+    Ok(Some(set.clone()))
+}
+
+/// Resident encoder layers (`dlo_encoder_resident_layers`) need distributed layerwise offload with rank-local
+/// weights.
+fn check_legacy_encoder_residents(legacy: &Legacy, migrated: &Migrated, dlo: bool) -> Result<(), ConfigError> {
+    if migrated.encoder_resident_layers == 0 {
+        return Ok(());
+    }
+    if !dlo {
+        return Err(ConfigError::invalid(
+            "dlo_encoder_resident_layers",
+            "resident encoder layers require distributed layerwise offload; set \
+             enable_distributed_layerwise_offload = true, or use \
+             diffusion_offload_config.layer_options.text_encoder.resident_layers",
+        ));
+    }
+    if legacy.dlo_use_allgather {
+        return Err(ConfigError::invalid(
+            "dlo_encoder_resident_layers",
+            "resident encoder layers keep the rank-local weights the loader produced; set dlo_use_allgather = \
+             false, or set dlo_encoder_resident_layers = 0",
+        ));
+    }
+    Ok(())
+}
+
+/// The warnings of migrated vLLM-Omni settings weightferry has no use for, and the DiT chunk size
+/// `dlo_chunk_size_mb` maps to.
+fn migrated_warnings(
+    migrated: &Migrated,
+    layer_options: &mut BTreeMap<Component, LayerOptions>,
+    warnings: &mut Vec<String>,
+) {
     if migrated.host_weight_runtime == HostWeightRuntime::Preferred {
         warnings.push(
             "host_weight_runtime_mode = \"preferred\": weightferry has no Host Weight Runtime, so host masters are \
@@ -709,25 +751,6 @@ fn resolve_legacy(legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig,
                 .push(format!("dlo_chunk_size_mb has no effect without DiT AllGather transfer (it maps to {target})")),
         }
     }
-    for w in &warnings {
-        tracing::warn!("{w}");
-    }
-    Ok(OffloadConfig {
-        strategy,
-        components,
-        layer_options,
-        resident_layers: if dlo { legacy.dlo_resident_layers } else { 0 },
-        encoder_resident_layers: if dlo { migrated.encoder_resident_layers } else { 0 },
-        pin_memory: legacy.pin_cpu_memory,
-        host_masters: HostMasters::Auto,
-        device_budget: None,
-        device_budget_auto: false,
-        keep_dit_resident: false,
-        parallel: ParallelConfig::default(),
-        group: OffloadGroup { size: 1, axis: GroupAxis::Single },
-        compact: false,
-        warnings,
-    })
 }
 
 /// How to switch AllGather off, phrased for the config form in use.

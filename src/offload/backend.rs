@@ -636,47 +636,7 @@ impl StreamingBackend {
         si: usize,
         first_ui: usize,
     ) -> Result<Vec<BlockSpec>, OffloadError> {
-        let platform = &self.platform;
-        let shared: &HostModel = model;
-        type Built = Result<Vec<Option<(HostBufferId, u64)>>, (OffloadError, Vec<HostBufferId>)>;
-        let built: Vec<Built> = std::thread::scope(|scope| {
-            let handles: Vec<_> = batch
-                .iter()
-                .zip(served)
-                .map(|(unit, mapped)| {
-                    scope.spawn(move || {
-                        let mut made: Vec<Option<(HostBufferId, u64)>> = Vec::new();
-                        for (k, sec) in unit.sections.iter().enumerate() {
-                            if mapped.get(k).copied().flatten().is_some() {
-                                made.push(None);
-                                continue;
-                            }
-                            let r = (|| -> Result<HostBufferId, OffloadError> {
-                                let buf = platform.alloc_host(sec.len.max(1), kind)?;
-                                if let Err(e) = write_section(platform, buf, shared, sec, MASTER_BOUNCE_BYTES) {
-                                    let _ = platform.free_host(buf);
-                                    return Err(e.into());
-                                }
-                                Ok(buf)
-                            })();
-                            match r {
-                                Ok(buf) => made.push(Some((buf, sec.len))),
-                                Err(e) => return Err((e, made.into_iter().flatten().map(|(b, _)| b).collect())),
-                            }
-                        }
-                        Ok(made)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err((OffloadError::Unsupported("master building thread panicked".into()), Vec::new()))
-                    })
-                })
-                .collect()
-        });
+        let built = fill_masters(&self.platform, model, batch, served, kind);
         // Record every buffer first so a failure anywhere frees them all on rollback.
         let mut first_err = None;
         let mut per_unit = Vec::new();
@@ -946,4 +906,64 @@ impl WeightSource for StreamingBackend {
             None => Err(OffloadError::NotResident { storage: storage.0, reason: "no placement".into() }),
         }
     }
+}
+
+/// One unit's new masters, per section (`None` for a section served from its file), or the first error and the
+/// buffers made before it.
+type UnitMasters = Result<Vec<Option<(HostBufferId, u64)>>, (OffloadError, Vec<HostBufferId>)>;
+
+/// Allocates and fills the masters of a batch of units, one thread per unit (see `build_masters`).
+fn fill_masters(
+    platform: &PlatformRef,
+    model: &HostModel,
+    batch: &[UnitLayout],
+    served: &[Vec<Option<MappedSection>>],
+    kind: HostMemoryKind,
+) -> Vec<UnitMasters> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = batch
+            .iter()
+            .zip(served)
+            .map(|(unit, mapped)| scope.spawn(move || unit_masters(platform, model, unit, mapped, kind)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err((OffloadError::Unsupported("master building thread panicked".into()), Vec::new()))
+                })
+            })
+            .collect()
+    })
+}
+
+/// The masters of one unit's sections not served from their file: each allocated and filled in place through a
+/// bounce buffer (see [`write_section`]).
+fn unit_masters(
+    platform: &PlatformRef,
+    model: &HostModel,
+    unit: &UnitLayout,
+    mapped: &[Option<MappedSection>],
+    kind: HostMemoryKind,
+) -> UnitMasters {
+    let mut made: Vec<Option<(HostBufferId, u64)>> = Vec::new();
+    for (k, sec) in unit.sections.iter().enumerate() {
+        if mapped.get(k).copied().flatten().is_some() {
+            made.push(None);
+            continue;
+        }
+        let r = (|| -> Result<HostBufferId, OffloadError> {
+            let buf = platform.alloc_host(sec.len.max(1), kind)?;
+            if let Err(e) = write_section(platform, buf, model, sec, MASTER_BOUNCE_BYTES) {
+                let _ = platform.free_host(buf);
+                return Err(e.into());
+            }
+            Ok(buf)
+        })();
+        match r {
+            Ok(buf) => made.push(Some((buf, sec.len))),
+            Err(e) => return Err((e, made.into_iter().flatten().map(|(b, _)| b).collect())),
+        }
+    }
+    Ok(made)
 }

@@ -16,7 +16,8 @@
 
 use super::distributed::{build_sharded_masters, ShardedMasters};
 use super::layout::UnitLayout;
-use super::shard_restore::{restore_released, RestoreFailure, MAX_STACKS};
+use super::shard_restore::{restore_released, RestoreFailure};
+use super::tags::{tag_of, MAX_STACKS};
 use super::OffloadError;
 use crate::model::{Home, HostModel};
 use crate::pipeline::StorageId;
@@ -27,12 +28,6 @@ use weightferry_actors::{GatherBlock, GatherPath, GatherSection, GatherSequence}
 
 /// Name of a rank's comm stream (the collective actor's stream).
 pub const COMM_STREAM: &str = "comm";
-
-/// Tag of chunk `j` of section `k` of unit `ui` of gathered stack `gi`: equal on every rank, distinct per gather
-/// (chunks stay below 2^20, sections below 2^8, units below 2^24).
-pub(crate) fn tag_of(gi: usize, ui: usize, k: usize, j: u64) -> u64 {
-    ((gi as u64 + 1) << 52) | ((ui as u64) << 28) | ((k as u64) << 20) | j
-}
 
 /// Which block each AllGather gathers, by tag: the unit's module path (for naming trace spans).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 //! - Distributed layerwise offload is the same backend given this rank's collective: `group.rs` holds the
 //!   collective actor and the gathered stacks' state, [`distributed`] builds the rank's sharded host masters, and
 //!   [`shard_restore`] gives the storages released to the group's shards their loaded host buffers back at
-//!   `disable`, by one final gather to host.
+//!   `disable`, by one final gather to host; `tags.rs` numbers both kinds of AllGather alike on every rank.
 //!
 //! Lifecycle contract: `enable` is transactional (any failure removes every installed hook, frees every device
 //! buffer and gives every storage its own host buffer back, so the pipeline can be retried); `disable` releases
@@ -21,6 +21,7 @@ pub mod layout;
 pub mod mapped;
 pub mod resident;
 pub mod shard_restore;
+mod tags;
 pub mod units;
 
 use crate::config::{Component, OffloadConfig, Strategy, WeightTransfer};

@@ -19,11 +19,10 @@
 //! peers' restore is not held up; nothing is freed while work that touches it may still be pending.
 
 use super::distributed::ShardedMasters;
-use super::group::tag_of;
 use super::layout::UnitLayout;
 use crate::model::{Home, HostModel, ModelError};
 use crate::pipeline::StorageId;
-use weightferry_actors::collective_actor::{CollectiveHandle, GatherCmd, WARM_UP_TAG};
+use weightferry_actors::collective_actor::{CollectiveHandle, GatherCmd};
 use weightferry_actors::messages::TicketBoard;
 use weightferry_actors::platform::{
     DeviceBufferId, EventId, HostBufferId, HostMemoryKind, PlatformError, PlatformRef, StreamId,
@@ -31,22 +30,7 @@ use weightferry_actors::platform::{
 use weightferry_actors::sync::Arc;
 use weightferry_actors::GatherSequence;
 
-/// Bit set in the tag of every restore AllGather (block gathers of fewer than 1023 stacks never set it).
-pub const RESTORE_TAG: u64 = 1 << 62;
-
-/// Most DiT stacks a run may have so that block-gather tags never carry [`RESTORE_TAG`].
-pub const MAX_STACKS: usize = 1022;
-
-/// Tag of the restore AllGather of chunk `j` of section `k` of unit `ui` of stack `si`: the block gather's tag with
-/// [`RESTORE_TAG`] set; equal on every rank.
-pub fn restore_tag(si: usize, ui: usize, k: usize, j: u64) -> u64 {
-    tag_of(si, ui, k, j) | RESTORE_TAG
-}
-
-/// Whether `tag` is the tag of a restore AllGather (not a block gather, not the warm-up).
-pub fn is_restore_tag(tag: u64) -> bool {
-    tag != WARM_UP_TAG && tag & RESTORE_TAG != 0
-}
+pub use super::tags::{is_restore_tag, restore_tag, MAX_STACKS, RESTORE_TAG};
 
 /// Why a restore stopped short.
 #[derive(Debug)]

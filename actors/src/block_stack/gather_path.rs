@@ -25,7 +25,7 @@
 //! The resident blocks of a gather stack load their full [`BlockSpec`](super::BlockSpec) segments through the
 //! stream actor, as on the other paths.
 
-use super::{Allocated, BlockStack, Inner, Load, StackSpec, Submission};
+use super::{Allocated, BlockStack, Inner, Load, PathState, StackSpec, Submission};
 use crate::collective_actor::{CollectiveHandle, GatherCmd, GatherError};
 use crate::error::SchedulerError;
 use crate::messages::TicketBoard;
@@ -111,12 +111,24 @@ pub(super) struct GatherLink {
     blocks: Vec<GatherBlock>,
 }
 
-/// Per slot: its shard buffer and one shard-ready event per gather of the largest block. Empty on the other load
-/// paths; taken at disable.
+/// Per slot: its shard buffer and one shard-ready event per gather of the largest block; taken at disable.
 #[derive(Debug, Default)]
 pub(super) struct ShardSlots {
     bufs: Vec<DeviceBufferId>,
     ready: Vec<Vec<EventId>>,
+    /// The shard stream ([`GatherLink::shard_stream`]) is not destroyed yet: the first disable destroys it.
+    stream_live: bool,
+}
+
+/// No shard slots: what [`shards`] gives on the other load paths.
+static NO_SHARDS: ShardSlots = ShardSlots { bufs: Vec::new(), ready: Vec::new(), stream_live: false };
+
+/// The stack's shard slots (none on the other load paths).
+pub(super) fn shards(g: &Inner) -> &ShardSlots {
+    match &g.path {
+        PathState::Gather(shards) => shards,
+        PathState::Actor | PathState::Hook(_) => &NO_SHARDS,
+    }
 }
 
 impl ShardSlots {
@@ -124,9 +136,11 @@ impl ShardSlots {
     pub(super) fn events(&self) -> impl Iterator<Item = &EventId> {
         self.ready.iter().flatten()
     }
-    /// Takes the buffers and events to free (disable).
-    pub(super) fn take(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>) {
-        (std::mem::take(&mut self.bufs), std::mem::take(&mut self.ready).into_iter().flatten().collect())
+    /// Takes the buffers and events to free (disable), and whether the shard stream is still to be destroyed
+    /// (true once).
+    pub(super) fn take(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>, bool) {
+        let events = std::mem::take(&mut self.ready).into_iter().flatten().collect();
+        (std::mem::take(&mut self.bufs), events, std::mem::replace(&mut self.stream_live, false))
     }
 }
 
@@ -213,6 +227,7 @@ pub(super) fn alloc(
         board: Arc::new(TicketBoard::new()),
         blocks: gp.blocks,
     };
+    shards.stream_live = true;
     Ok((shards, link))
 }
 
@@ -238,9 +253,9 @@ impl GatherLink {
     /// failure to enqueue or to reach the collective poisons the stack (the caller frees the slot).
     pub(super) fn issue(&self, st: &BlockStack, g: &mut Inner, load: &Load<'_>) -> Result<(), SchedulerError> {
         let (s, block) = (load.slot, load.block);
-        let (shard_buf, slot_buf, slot_ready) = (g.shards.bufs[s], g.mem.slot_bufs[s], g.mem.ready_ev[s]);
+        let (shard_buf, slot_buf, slot_ready) = (shards(g).bufs[s], g.mem.slot_bufs[s], g.mem.ready_ev[s]);
         let gb = &self.blocks[block];
-        let shard_ready = &g.shards.ready[s];
+        let shard_ready = &shards(g).ready[s];
         let p = &st.platform;
         let enqueued = (|| {
             if gb.sections.len() > shard_ready.len() {
@@ -270,7 +285,7 @@ impl GatherLink {
         let mut off = 0u64;
         for (k, sec) in gb.sections.iter().enumerate() {
             let last = k + 1 == count;
-            let mut waits = vec![g.shards.ready[s][k]];
+            let mut waits = vec![shards(g).ready[s][k]];
             if k == 0 {
                 waits.extend_from_slice(load.waits);
             }

@@ -12,15 +12,14 @@
 //! (`LoadFailed` naming the block). Invariants (1) and (2) hold unchanged: the same waits are enqueued on the same
 //! streams, only from another thread.
 
-use super::{BlockStack, Inner, Load};
+use super::{BlockStack, Inner, Load, PathState};
 use crate::error::SchedulerError;
 use crate::platform::EventId;
 use crate::sync::lock;
 use std::collections::VecDeque;
 
 /// Loads enqueued by the hooks whose completion has not been observed yet, in the order of each slot's oldest
-/// unobserved load. At most one entry per slot (depth + 1 in all): a reload merges into it. Empty on the other
-/// load paths.
+/// unobserved load. At most one entry per slot (depth + 1 in all): a reload merges into it.
 #[derive(Debug, Default)]
 pub(super) struct InFlight(VecDeque<Entry>);
 
@@ -83,22 +82,26 @@ pub(super) fn issue(st: &BlockStack, g: &mut Inner, load: &Load<'_>) -> Result<(
         return Err(g.poison(SchedulerError::LoadFailed { stack: st.name.to_string(), block: load.block, source }));
     }
     g.ring.table.mark_ready(load.slot, load.ticket)?;
-    g.hook.track(load.slot, load.block, ready);
+    if let PathState::Hook(in_flight) = &mut g.path {
+        in_flight.track(load.slot, load.block, ready);
+    }
     Ok(())
 }
 
 /// Observes the completion of the loads in flight, oldest entry first, stopping at the first one not complete:
 /// later entries are observed at a later hook, so one `event_query` per hook when nothing completed. A failed one
 /// poisons the stack exactly as a failed completion reported by a watcher does (`LoadFailed` naming the entry's
-/// block).
+/// block). Nothing on the other load paths.
 pub(super) fn poll(st: &BlockStack, g: &mut Inner) {
-    while let Some(f) = g.hook.0.front().copied() {
+    loop {
+        let PathState::Hook(in_flight) = &mut g.path else { return };
+        let Some(f) = in_flight.0.front().copied() else { return };
         let done = match st.platform.event_query(f.ready) {
             Ok(false) => break,
             Ok(true) => Ok(()),
             Err(e) => Err(e),
         };
-        g.hook.0.pop_front();
+        in_flight.0.pop_front();
         g.stats.completions += f.loads;
         if let Err(source) = done {
             g.poison(SchedulerError::LoadFailed { stack: st.name.to_string(), block: f.block, source });

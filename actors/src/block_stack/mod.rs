@@ -24,20 +24,27 @@
 //!   actor (and the resident head loads this way on every path);
 //! - `hook_path.rs` — [`Submission::Hook`]: the hook enqueues the load itself and completions are polled;
 //! - `gather_path.rs` — [`BlockStack::with_gather`]: shard copies, then AllGathers through the collective actor;
-//! - `faults.rs` — the deliberately broken orderings ([`OrderingFault`]), only under `--cfg weightferry_broken`.
+//! - `ordering_fault.rs` — [`OrderingFault`], the names of the deliberately broken orderings (in every build);
+//! - `faults.rs` — the broken orderings themselves, only under `--cfg weightferry_broken`.
 //!
 //! The facade picks the slot, the ticket and the waits of every load (`issue_load`) and hands it to its
 //! `LoadPath`; a path enqueues it and says how "recorded", "completed" and "fenced" are observed on it. Every path
 //! enqueues the same waits before it overwrites a slot, so invariants (1) and (2) are argued once, here.
+//!
+//! A path's own state is held in its variant, not in the facade: what hooks read without the stack's lock in
+//! `LoadPath` (the gather path's collective, numbering and board), what they change under it in `PathState` (the
+//! hook path's loads in flight, the gather path's shard slots).
 
 mod actor_path;
 #[cfg(weightferry_broken)]
 mod faults;
 mod gather_path;
 mod hook_path;
+mod ordering_fault;
 mod ring;
 
 pub use gather_path::{GatherBlock, GatherPath, GatherSection, GatherSequence, MAX_GATHERS_PER_BLOCK};
+pub use ordering_fault::OrderingFault;
 
 use crate::error::SchedulerError;
 use crate::messages::{Completion, TicketBoard};
@@ -95,28 +102,6 @@ impl BlockSpec {
     pub fn copy_bytes(&self) -> u64 {
         self.segments.iter().map(|s| s.len).sum()
     }
-}
-
-/// Deliberately broken orderings, for tests that prove the hazard checks can fail. Never set in production.
-///
-/// Every variant exists in every build, so callers compile anywhere, but only a build with
-/// `RUSTFLAGS="--cfg weightferry_broken"` contains the broken orderings: elsewhere a stack asking for anything but
-/// `None` is refused at construction with [`SchedulerError::FaultNotBuilt`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OrderingFault {
-    /// Correct behaviour.
-    #[default]
-    None,
-    /// Compute does not wait for the ready event of a slot it reads.
-    SkipReadyWait,
-    /// A load overwrites a slot without waiting for its last-use event.
-    SkipLastUseWait,
-    /// `fence` replies once earlier loads are enqueued (recorded) instead of completed.
-    FenceOnRecord,
-    /// `disable` frees slot memory without observing completion of the copies and reads touching it.
-    FreeWithoutSync,
-    /// Waits for a load to be recorded ignore that the stream actor stopped (a lost wake-up when it stops).
-    IgnoreActorStop,
 }
 
 /// Who enqueues a rank-local streamed load on the stack's copy stream.
@@ -207,7 +192,9 @@ pub struct StackStats {
     pub device_bytes: u64,
 }
 
-/// The load path of a stack's streamed blocks (the resident head always loads through the stream actor).
+/// The load path of a stack's streamed blocks (the resident head always loads through the stream actor), with
+/// the state only that path has which hooks read without the stack's lock; what they change under the lock is the
+/// same variant of [`PathState`].
 #[derive(Debug)]
 enum LoadPath {
     /// [`Submission::Actor`]: `actor_path.rs`.
@@ -216,6 +203,32 @@ enum LoadPath {
     Hook,
     /// [`BlockStack::with_gather`]: `gather_path.rs`.
     Gather(gather_path::GatherLink),
+}
+
+/// The state only the stack's load path has, under the stack's lock (the variant of its [`LoadPath`]).
+#[derive(Debug)]
+enum PathState {
+    /// The actor path keeps nothing: the stream actor reports completions in the mailbox.
+    Actor,
+    /// The hook path's loads in flight, polled at every hook.
+    Hook(hook_path::InFlight),
+    /// The gather path's shard buffers and events.
+    Gather(gather_path::ShardSlots),
+}
+
+impl PathState {
+    /// Forgets the loads in flight and takes the shard buffers and events to free (disable), and whether the
+    /// shard stream is still to be destroyed (once).
+    fn release(&mut self) -> (Vec<DeviceBufferId>, Vec<EventId>, bool) {
+        match self {
+            PathState::Actor => (Vec::new(), Vec::new(), false),
+            PathState::Hook(in_flight) => {
+                in_flight.clear();
+                (Vec::new(), Vec::new(), false)
+            }
+            PathState::Gather(shards) => shards.take(),
+        }
+    }
 }
 
 /// One streamed load, as the facade hands it to a load path: the slot (already `Loading` under `ticket`) and the
@@ -332,16 +345,12 @@ fn cleanup(platform: &PlatformRef, bufs: &[DeviceBufferId], events: &[EventId]) 
 struct Inner {
     ring: Ring,
     mem: SlotMemory,
-    /// Hook submission's loads in flight (empty on the other paths).
-    hook: hook_path::InFlight,
-    /// The gather path's shard buffers and events (empty on the other paths).
-    shards: gather_path::ShardSlots,
+    /// The load path's own state.
+    path: PathState,
     mailbox: Receiver<Completion>,
     notify: Sender<Completion>,
     stats: StackStats,
     disabled: bool,
-    /// `release_all` ran (the gather path's shard stream is destroyed once).
-    released: bool,
     failure: Option<SchedulerError>,
 }
 
@@ -434,35 +443,7 @@ impl BlockStack {
         stream: StreamHandle,
         gather: Option<GatherPath>,
     ) -> Result<BlockStack, SchedulerError> {
-        #[cfg(not(weightferry_broken))]
-        if spec.ordering_fault != OrderingFault::None {
-            return Err(SchedulerError::FaultNotBuilt { stack: spec.name, fault: spec.ordering_fault });
-        }
-        let n = spec.blocks.len();
-        let invalid = |reason: String| SchedulerError::InvalidSpec { stack: spec.name.clone(), reason };
-        if n == 0 {
-            return Err(invalid("it has no blocks".into()));
-        }
-        let resident = match resident {
-            Some(mask) if mask.len() != n => {
-                return Err(invalid(format!("resident set has {} entries for {n} blocks", mask.len())))
-            }
-            Some(mask) => mask,
-            None if spec.resident_head > n => {
-                return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)))
-            }
-            None => (0..n).map(|i| i < spec.resident_head).collect(),
-        };
-        for (i, b) in spec.blocks.iter().enumerate() {
-            for s in &b.segments {
-                if s.device_offset.checked_add(s.len).is_none_or(|end| end > b.device_bytes) {
-                    return Err(invalid(format!(
-                        "block {i}: segment {}+{} exceeds its device region of {} bytes",
-                        s.device_offset, s.len, b.device_bytes
-                    )));
-                }
-            }
-        }
+        let resident = Self::check_spec(&spec, resident)?;
         // Per block: bytes its slot must hold (the gathered sections may extend past the region by their padding).
         let mut region: Vec<u64> = spec.blocks.iter().map(|b| b.device_bytes).collect();
         let layout = match &gather {
@@ -497,10 +478,12 @@ impl BlockStack {
             spec.blocks.iter().zip(&resident).filter(|(_, r)| **r).map(|(b, _)| b.device_bytes.max(1)).sum::<u64>()
                 + slots as u64 * slot_size.max(1)
                 + shard_bytes;
-        let (shards, path) = match gather {
-            Some((shards, link)) => (shards, LoadPath::Gather(link)),
-            None if spec.submission == Submission::Hook => (Default::default(), LoadPath::Hook),
-            None => (Default::default(), LoadPath::Actor),
+        let (state, path) = match gather {
+            Some((shards, link)) => (PathState::Gather(shards), LoadPath::Gather(link)),
+            None if spec.submission == Submission::Hook => {
+                (PathState::Hook(hook_path::InFlight::with_capacity(slots)), LoadPath::Hook)
+            }
+            None => (PathState::Actor, LoadPath::Actor),
         };
         let (notify, mailbox) = mailbox::unbounded();
         let stack = BlockStack {
@@ -516,13 +499,11 @@ impl BlockStack {
             inner: Mutex::new(Inner {
                 ring: Ring::new(resident, spec.prefetch_depth),
                 mem,
-                hook: hook_path::InFlight::with_capacity(slots),
-                shards,
+                path: state,
                 mailbox,
                 notify,
                 stats: StackStats { resident_blocks: resident_count as u64, device_bytes, ..Default::default() },
                 disabled: false,
-                released: false,
                 failure: None,
             }),
         };
@@ -538,6 +519,41 @@ impl BlockStack {
             return Err(e);
         }
         Ok(stack)
+    }
+
+    /// Checks a stack's spec before anything is allocated (a fault this build lacks, no blocks, a resident set of
+    /// the wrong length or a head past the end, a segment outside its block's region); returns the resident set.
+    fn check_spec(spec: &StackSpec, resident: Option<Vec<bool>>) -> Result<Vec<bool>, SchedulerError> {
+        #[cfg(not(weightferry_broken))]
+        if spec.ordering_fault != OrderingFault::None {
+            return Err(SchedulerError::FaultNotBuilt { stack: spec.name.clone(), fault: spec.ordering_fault });
+        }
+        let n = spec.blocks.len();
+        let invalid = |reason: String| SchedulerError::InvalidSpec { stack: spec.name.clone(), reason };
+        if n == 0 {
+            return Err(invalid("it has no blocks".into()));
+        }
+        let resident = match resident {
+            Some(mask) if mask.len() != n => {
+                return Err(invalid(format!("resident set has {} entries for {n} blocks", mask.len())))
+            }
+            Some(mask) => mask,
+            None if spec.resident_head > n => {
+                return Err(invalid(format!("resident head {} exceeds its {n} blocks", spec.resident_head)))
+            }
+            None => (0..n).map(|i| i < spec.resident_head).collect(),
+        };
+        for (i, b) in spec.blocks.iter().enumerate() {
+            for s in &b.segments {
+                if s.device_offset.checked_add(s.len).is_none_or(|end| end > b.device_bytes) {
+                    return Err(invalid(format!(
+                        "block {i}: segment {}+{} exceeds its device region of {} bytes",
+                        s.device_offset, s.len, b.device_bytes
+                    )));
+                }
+            }
+        }
+        Ok(resident)
     }
 
     /// The stack's name.
@@ -831,7 +847,7 @@ impl BlockStack {
         if let LoadPath::Gather(link) = &self.path {
             g = link.sync_for_release(self, g, &mut sync_err);
         }
-        for &e in g.mem.events().chain(g.shards.events()) {
+        for &e in g.mem.events().chain(gather_path::shards(&g).events()) {
             if let Err(err) = self.platform.event_synchronize(e) {
                 sync_err.get_or_insert(err.into());
             }
@@ -846,18 +862,16 @@ impl BlockStack {
     /// events, and destroys the gather path's shard stream; the stack is disabled after.
     fn release_all(&self) -> Result<(), SchedulerError> {
         let (mut g, observed) = fault_point!(self, FreeWithoutSync => (lock(&self.inner), Ok(())), self.observe_all());
-        g.hook.clear();
+        let (shard_bufs, shard_events, destroy_shard_stream) = g.path.release();
         g.disabled = true;
         g.ring.free_all();
         let (mut bufs, mut events) = g.mem.take();
-        let (shard_bufs, shard_events) = g.shards.take();
         bufs.extend(shard_bufs);
         events.extend(shard_events);
         g.stats.device_bytes = 0;
-        let first_release = !std::mem::replace(&mut g.released, true);
         drop(g);
         cleanup(&self.platform, &bufs, &events);
-        if let (LoadPath::Gather(link), true) = (&self.path, first_release) {
+        if let (LoadPath::Gather(link), true) = (&self.path, destroy_shard_stream) {
             // The stack created it; nothing is enqueued on it any more. A failure of its work was observed above.
             let _ = self.platform.destroy_stream(link.shard_stream());
         }

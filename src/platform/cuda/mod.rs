@@ -21,6 +21,8 @@ pub mod blas;
 mod driver;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nccl")]
+mod nccl_lib;
 mod resources;
 #[cfg(feature = "nccl")]
 pub mod symmetric;

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::nccl::sys;
 
-use super::nccl::{nccl_version, NcclError};
+use super::nccl_lib::{nccl_version, NcclError};
 use super::resources::ExternalDeviceMemory;
 
 /// `NCCL_WIN_COLL_SYMMETRIC`: every rank passes its buffers at the same offset of the same registration.
