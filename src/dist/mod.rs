@@ -10,6 +10,8 @@
 //! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
 //! - [`nccl_bootstrap`]: a rank's NCCL bootstrap as one call (the engine agreement, the symmetric heap, rank 0's
 //!   unique id) over any [`RankExchange`] (the rendezvous, or a host engine's store); the CUDA side under `nccl`.
+//! - [`rank`]: [`rank::rank_collective`], a rank's collective built from the launch environment (world check,
+//!   rendezvous with a fingerprint, then the simulated collective or NCCL), typed errors for each front end.
 //! - [`launch`](mod@launch): `weightferry launch --nproc N -- …`, N local ranks with the environment set and their output
 //!   prefixed; SIGINT / SIGTERM forwarded to every rank.
 //!
@@ -24,6 +26,7 @@ pub mod allgather_engine;
 pub mod env;
 pub mod launch;
 pub mod nccl_bootstrap;
+pub mod rank;
 pub mod rendezvous;
 pub mod tcp_collective;
 
