@@ -5,9 +5,10 @@
 //! `write_storage` → `enable` → `pre_forward` / `post_forward` → `retune` → `disable`. Every front end (the Python
 //! binding, the harness drivers) drives offload through it.
 //!
-//! - [`device`]: which device, and the opened platform.
-//! - [`error`]: [`SessionError`], a failure by kind, its message on one line.
-//! - [`load`]: a config and a pipeline description read from text, failures worded as the CLI words them.
+//! - `device.rs`: which device ([`DeviceSpec`], [`CudaDevice`]), and the opened platform ([`Device`]).
+//! - `error.rs`: [`SessionError`], a failure by kind, its message on one line.
+//! - `load.rs`: a config ([`ConfigSource`]) and a pipeline description read from text, failures worded as the CLI
+//!   words them.
 //!
 //! ```
 //! use weightferry::config::OffloadConfig;
@@ -26,7 +27,8 @@
 //!     .dit("transformer")
 //!     .class_block_attrs("TinyDiT", &["blocks"])
 //!     .build()?;
-//! let config = OffloadConfig::from_json_str(r#"{"diffusion_offload_config": {"mode": "layer"}}"#)?;
+//! let config = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
+//! let config = OffloadConfig::from_json_str(config)?;
 //! let mut session = Session::new(desc, config, DeviceSpec::Sim(SimConfig::default()), SessionOptions::default())?;
 //!
 //! // The host engine hands over its weights, then runs its forward pass between the hooks.
@@ -35,17 +37,18 @@
 //! }
 //! assert!(session.enable()?);
 //! for block in ["transformer.blocks.0", "transformer.blocks.1"] {
-//!     let residency = session.pre_forward(block)?.expect("a streamed block");
-//!     // ... run the block's kernels on `residency.buffer` at `residency.base` ...
+//!     let on_device = session.pre_forward(block)?.expect("a streamed block");
+//!     // The block's weights are on the device now: run its kernels on them.
+//!     assert_eq!(session.read_device(on_device.buffer, on_device.base, 128)?, vec![1; 128]);
 //!     session.post_forward(block)?;
 //! }
 //! session.disable()?; // every storage has its own host bytes back, bit-identical
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod device;
-pub mod error;
-pub mod load;
+mod device;
+mod error;
+mod load;
 #[cfg(test)]
 mod tests;
 
