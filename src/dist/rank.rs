@@ -4,9 +4,7 @@
 //! simulated device, NCCL bootstrapped through it on CUDA (feature `nccl`). The library session uses it for a
 //! distributed session; each front end words its failures from the typed [`RankError`].
 
-use super::rendezvous::{Fingerprint, Rendezvous, RendezvousError, RendezvousOptions};
-use super::tcp_collective::TcpCollective;
-use super::{LaunchEnv, LaunchEnvError};
+use super::{Fingerprint, LaunchEnv, LaunchEnvError, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use crate::config::{Component, OffloadConfig};
 use std::sync::Arc;
 use weightferry_actors::collective::Collective;
