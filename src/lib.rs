@@ -10,6 +10,10 @@
 //!   bootstrap.
 //! - [`model`], [`offload`], [`platform`]: the host model, the backends every strategy runs on, the hardware.
 //! - [`textfile`]: reading user-given text files with a size cap.
+//! - [`session`]: the library session, the one way to offload a pipeline: plan, device, collective, host model,
+//!   backend and hooks from enable to disable. Start here when embedding weightferry in a host engine.
+//! - [`scheduler`]: the scheduler types an embedder needs (platforms, the simulated device, collectives),
+//!   re-exported from `weightferry-actors` so that front ends depend on `weightferry` alone.
 
 pub mod checkpoint;
 pub mod config;
@@ -21,4 +25,17 @@ pub mod offload;
 pub mod pipeline;
 pub mod plan;
 pub mod platform;
+pub mod session;
 pub mod textfile;
+
+/// The scheduler types an embedder needs, re-exported from `weightferry-actors`: the platform interface and its
+/// handles, the simulated device with its config and fault plan, and the collective a distributed rank gathers
+/// through.
+pub mod scheduler {
+    pub use weightferry_actors::collective::Collective;
+    pub use weightferry_actors::collective_actor::CollectiveFactory;
+    pub use weightferry_actors::platform::{
+        DeviceBufferId, HostBufferId, Platform, PlatformError, PlatformRef, StreamId,
+    };
+    pub use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
+}

@@ -538,6 +538,30 @@ fn parse_fault(text: &str) -> Result<(usize, u64), CliError> {
 /// Runs this process's rank of the distributed run `env` describes; returns the exit code.
 pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let (rank, world) = (env.rank, env.world);
+    let fault = check_distributed_args(a, world)?;
+    let timed = a.time_steps.as_deref().map(parse_time_steps).transpose()?;
+    let (pipeline, weights, config, mut spec) = load_rank_inputs(a, world)?;
+    spec.steps = timed.map_or(a.steps, |(_, hi)| hi);
+    spec.timed_steps = timed;
+    spec.timed_rounds = a.time_rounds;
+    spec.seed = a.seed;
+    // Measure the contract: only the shards stay on host while the run executes.
+    let (h2d_bytes_per_sec, copy_latency) = super::sim_args::sim_throttles(a)?;
+    let sim_config = SimConfig { tracing: false, h2d_bytes_per_sec, copy_latency, ..SimConfig::default() };
+
+    let rdv = join_ranks(a, env, &pipeline, &config, &spec, fault)?;
+    let outcome = if a.platform == PlatformArg::Cuda {
+        cuda_rank(a, env, &rdv, &pipeline.desc, &pipeline.name, &spec, weights.as_ref())?
+    } else {
+        sim_rank(&rdv, sim_config, (rank, world), &spec, weights.as_ref(), fault)?
+    };
+    let ctx = RankContext { a, rank, world, name: &pipeline.name, spec: &spec, timed };
+    let (summary, resident, engine) = rank_summary(&ctx, outcome)?;
+    report_group(&ctx, &rdv, summary, &resident, engine)
+}
+
+/// Refuses the flags a distributed run does not support, and parses `--inject-gather-failure`.
+fn check_distributed_args(a: &RunArgs, world: usize) -> Result<Option<(usize, u64)>, CliError> {
     let unsupported = |flag: &str| {
         CliError::invalid(format!(
             "{flag} is not supported in a distributed run (WORLD_SIZE={world}); remove it, or run one process \
@@ -597,7 +621,15 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             )));
         }
     }
-    let timed = a.time_steps.as_deref().map(parse_time_steps).transpose()?;
+    Ok(fault)
+}
+
+/// The pipeline (a preset, a file, or derived from `--checkpoint` with its weights), the config (given, or the
+/// built-in distributed one) and the run spec they make, checked against the launch's world.
+fn load_rank_inputs(
+    a: &RunArgs,
+    world: usize,
+) -> Result<(super::LoadedPipeline, Option<CheckpointWeights>, OffloadConfig, DistributedRunSpec), CliError> {
     let loaded = a.checkpoint.as_deref().map(|p| super::load_checkpoint(p, &a.component)).transpose()?;
     let (pipeline, weights) = match (&a.checkpoint, loaded) {
         (Some(path), Some(l)) => {
@@ -611,7 +643,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         None => OffloadConfig::from_json_str(&default_distributed_config(world))
             .map_err(|e| CliError::failed(format!("the built-in distributed config is invalid: {e}")))?,
     };
-    let mut spec = DistributedRunSpec::from_config(pipeline.desc.clone(), &config)
+    let spec = DistributedRunSpec::from_config(pipeline.desc.clone(), &config)
         .map_err(|e| CliError::invalid(format!("invalid config for a distributed run: {e}")))?;
     if spec.world != world {
         return Err(CliError::invalid(format!(
@@ -621,16 +653,19 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
             spec.world, spec.world
         )));
     }
-    spec.steps = timed.map_or(a.steps, |(_, hi)| hi);
-    spec.timed_steps = timed;
-    spec.timed_rounds = a.time_rounds;
-    spec.seed = a.seed;
-    // Measure the contract: only the shards stay on host while the run executes.
-    let (h2d_bytes_per_sec, copy_latency) = super::sim_args::sim_throttles(a)?;
-    let sim_config = SimConfig { tracing: false, h2d_bytes_per_sec, copy_latency, ..SimConfig::default() };
+    Ok((pipeline, weights, config, spec))
+}
 
-    let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
-    // Every rank must run the same thing, or the AllGathers would not match.
+/// Joins the rendezvous and checks that every rank runs the same thing (or the AllGathers would not match).
+fn join_ranks(
+    a: &RunArgs,
+    env: &LaunchEnv,
+    pipeline: &super::LoadedPipeline,
+    config: &OffloadConfig,
+    spec: &DistributedRunSpec,
+    fault: Option<(usize, u64)>,
+) -> Result<Arc<Rendezvous>, CliError> {
+    let rank = env.rank;
     let content = |what: &str, json: serde_json::Result<Vec<u8>>| {
         json.map(|b| format!("{:016x}", fnv1a(FNV_OFFSET, &b)))
             .map_err(|e| CliError::failed(format!("rank {rank}: cannot serialize the {what} for the rank check: {e}")))
@@ -638,7 +673,7 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let fingerprint = RankFingerprint {
         pipeline: pipeline.name.clone(),
         pipeline_content: content("pipeline", serde_json::to_vec(&pipeline.desc))?,
-        config: content("config", serde_json::to_vec(&config))?,
+        config: content("config", serde_json::to_vec(config))?,
         steps: spec.steps,
         seed: spec.seed,
         depth: spec.depth,
@@ -664,32 +699,60 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
         )));
     }
 
-    let outcome = if a.platform == PlatformArg::Cuda {
-        cuda_rank(a, env, &rdv, &pipeline.desc, &pipeline.name, &spec, weights.as_ref())?
-    } else {
-        let sim = Arc::new(SimPlatform::new(sim_config.clone()).map_err(|e| failed("simulated device", &e))?);
-        let platform: PlatformRef = sim.clone();
-        let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
-        let collective = TcpCollective::new(rdv.clone(), sim.clone());
-        let peer_flag = collective.peer_failed_flag();
-        if let Some((r, n)) = fault {
-            if r == rank {
-                collective.fail_nth_call(n);
-            }
+    Ok(rdv)
+}
+
+/// This rank on the simulated device: the AllGathers over the rendezvous (`fault` fails one of them).
+fn sim_rank(
+    rdv: &Arc<Rendezvous>,
+    sim_config: SimConfig,
+    (rank, world): (usize, usize),
+    spec: &DistributedRunSpec,
+    weights: Option<&CheckpointWeights>,
+    fault: Option<(usize, u64)>,
+) -> Result<RankOutcome, CliError> {
+    let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
+    let sim = Arc::new(SimPlatform::new(sim_config.clone()).map_err(|e| failed("simulated device", &e))?);
+    let platform: PlatformRef = sim.clone();
+    let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
+    let collective = TcpCollective::new(rdv.clone(), sim.clone());
+    let peer_flag = collective.peer_failed_flag();
+    if let Some((r, n)) = fault {
+        if r == rank {
+            collective.fail_nth_call(n);
         }
-        let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
-        let outcome = rank_with_model(platform, compute, factory, (rank, world), &spec, weights.as_ref());
-        let hazards = sim.violations().len();
-        sim.shutdown();
-        let (run, resident) =
-            outcome.map_err(|e| e.into_cli(rank, peer_flag.load(std::sync::atomic::Ordering::SeqCst)))?;
-        RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec, engine: None }
-    };
+    }
+    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
+    let outcome = rank_with_model(platform, compute, factory, (rank, world), spec, weights);
+    let hazards = sim.violations().len();
+    sim.shutdown();
+    let (run, resident) = outcome.map_err(|e| e.into_cli(rank, peer_flag.load(std::sync::atomic::Ordering::SeqCst)))?;
+    Ok(RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec, engine: None })
+}
+
+/// What every step after a rank's run needs to know about it.
+struct RankContext<'a> {
+    a: &'a RunArgs,
+    rank: usize,
+    world: usize,
+    /// Preset name or pipeline file.
+    name: &'a str,
+    spec: &'a DistributedRunSpec,
+    timed: Option<(u32, u32)>,
+}
+
+/// This rank's summary (its trace written, when asked for), with its resident run and the agreed AllGather engine.
+fn rank_summary(
+    ctx: &RankContext<'_>,
+    outcome: RankOutcome,
+) -> Result<(RankSummary, ResidentRun, Option<weightferry::dist::allgather_engine::EngineChoice>), CliError> {
+    let RankContext { a, rank, world, timed, .. } = *ctx;
+    let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
     let RankOutcome { run, hazards, resident, h2d_bytes_per_s, engine } = outcome;
     let timeline = match (&run.trace, &a.trace) {
         (Some(t), Some(file)) => {
             let path = rank_trace_path(file, rank);
-            let title = format!("{} rank {rank} of {world}", pipeline.name);
+            let title = format!("{} rank {rank} of {world}", ctx.name);
             let text = crate::engine::timeline::to_chrome_json(&t.spans, &title).to_string();
             std::fs::write(&path, text).map_err(|e| failed(&format!("writing trace `{}`", path.display()), &e))?;
             Some(RankTimelineReport::new(t, path.display().to_string()))
@@ -713,6 +776,20 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     if timed.is_some() && summary.timing.is_none() {
         return Err(failed("timing", &"the timed run returned no timing"));
     }
+    Ok((summary, resident, engine))
+}
+
+/// Gathers every rank's summary, prints the group's report on rank 0, and fails unless every rank matched the
+/// resident output without hazards.
+fn report_group(
+    ctx: &RankContext<'_>,
+    rdv: &Rendezvous,
+    summary: RankSummary,
+    resident: &ResidentRun,
+    engine: Option<weightferry::dist::allgather_engine::EngineChoice>,
+) -> Result<i32, CliError> {
+    let RankContext { a, rank, world, spec, timed, .. } = *ctx;
+    let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
     let encoded = serde_json::to_vec(&summary).map_err(|e| failed("encode", &e))?;
     let all = rdv.all_gather_bytes(&encoded).map_err(|e| rendezvous_error(rank, e))?;
     let ranks: Vec<RankSummary> = all
@@ -723,11 +800,11 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let outputs_match = ranks.iter().all(|r| r.outputs_match);
     let hazard_violations = ranks.iter().map(|r| r.hazard_violations).sum::<usize>();
     let group_timing = timed.and_then(|steps| {
-        let cmd = single_gpu_command(&pipeline.name, steps, spec.depth, a.tokens);
+        let cmd = single_gpu_command(ctx.name, steps, spec.depth, a.tokens);
         GroupTiming::new(steps, &ranks, cmd)
     });
     let report = DistributedReport {
-        pipeline: pipeline.name,
+        pipeline: ctx.name.to_string(),
         platform: if a.platform == PlatformArg::Cuda { "cuda+nccl".into() } else { "sim".into() },
         world,
         steps: spec.steps,

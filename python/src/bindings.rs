@@ -1,14 +1,14 @@
 //! The pyo3 module `weightferry._core` (feature `python`): the exception classes (`weightferry.Error` and its
-//! subclasses), thin functions over [`crate::api`], and the class `Session` over [`api::Session`] (calls that can
+//! subclasses), thin functions over [`crate::api`], the class `Session` over [`api::Session`], built from a `SessionOptions` (with a `TorchCuda` on CUDA) (calls that can
 //! block release the GIL). Every function runs its Rust work under
 //! [`crate::api::guarded`], so a panic reaches Python as `weightferry.Error`, never as pyo3's `PanicException` (a
 //! `BaseException` that `except Exception` does not catch).
 
 use crate::api::{self, guarded, CoreError, ResidencyParts};
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::PyByteArray;
+use pyo3::types::{PyByteArray, PyDict};
 use std::sync::{Mutex, MutexGuard};
 
 create_exception!(weightferry, Error, PyException, "Base class of every error weightferry raises.");
@@ -82,6 +82,61 @@ fn _panic_for_test(message: &str) -> PyResult<()> {
     guarded("_panic_for_test", || -> Result<(), CoreError> { panic!("{message}") }).map_err(raise)
 }
 
+/// torch's side of a CUDA session: `stream` is torch's current stream on the device (its `cuda_stream`),
+/// `probe_ptr` the `data_ptr()` of a live torch tensor there (the shared-context check), `free_bytes` the device's
+/// free memory (for `device_budget = "auto"`), `default_cuda` the ordinal `device="cuda"` means. Ignored on the
+/// simulated device.
+#[pyclass(frozen, module = "weightferry._core", name = "TorchCuda")]
+struct PyTorchCuda(api::TorchCuda);
+
+#[pymethods]
+impl PyTorchCuda {
+    #[new]
+    #[pyo3(signature = (*, stream = 0, probe_ptr = 0, free_bytes = 0, default_cuda = 0))]
+    fn new(stream: u64, probe_ptr: u64, free_bytes: u64, default_cuda: usize) -> Self {
+        PyTorchCuda(api::TorchCuda { stream, probe_ptr, free_bytes, default_cuda })
+    }
+}
+
+/// How a `Session` is opened: `config_format` (`"json"`, `"toml"` or `"file"`, as for `plan`), `name` (how errors
+/// name the pipeline, default `"<python>"`), `device` (`"sim"`, `"cuda"` or `"cuda:N"`), `checkpoint` (a
+/// safetensors file or sharded folder) with the `component` it fills, `rendezvous_port` (a distributed session's
+/// rendezvous port, when torch.distributed holds `MASTER_PORT`), `torch` (a `TorchCuda`, for a CUDA device) and
+/// `sim_faults` (tests: a JSON fault plan for the simulated device).
+#[pyclass(frozen, module = "weightferry._core", name = "SessionOptions")]
+struct PySessionOptions(api::SessionOptions);
+
+#[pymethods]
+impl PySessionOptions {
+    #[new]
+    #[pyo3(signature = (**kwargs))]
+    fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let mut o = api::SessionOptions::default();
+        for (key, value) in kwargs.into_iter().flat_map(|k| k.iter()) {
+            let key: String = key.extract()?;
+            match key.as_str() {
+                "config_format" => o.config_format = value.extract()?,
+                "name" => o.name = value.extract()?,
+                "device" => o.device = value.extract()?,
+                "checkpoint" => o.checkpoint = value.extract()?,
+                "component" => o.component = value.extract()?,
+                "rendezvous_port" => o.rendezvous_port = value.extract()?,
+                "torch" => {
+                    let torch: Option<PyRef<'_, PyTorchCuda>> = value.extract()?;
+                    o.torch = torch.map(|t| t.0).unwrap_or_default();
+                }
+                "sim_faults" => o.sim_faults = value.extract()?,
+                other => {
+                    return Err(PyTypeError::new_err(format!(
+                        "SessionOptions() got an unexpected keyword argument '{other}'"
+                    )))
+                }
+            }
+        }
+        Ok(PySessionOptions(o))
+    }
+}
+
 /// One pipeline offloaded on the simulated device (see `weightferry.enable`, which drives it). Every method raises
 /// a subclass of `weightferry.Error`.
 #[pyclass(frozen, module = "weightferry._core", name = "Session")]
@@ -110,55 +165,19 @@ impl PySession {
 #[pymethods]
 impl PySession {
     /// Resolves the plan (raising `ConfigError`, `PipelineError` or `PlanError` before anything is allocated),
-    /// opens `device` (`"sim"`, `"cuda"` meaning `cuda:{default_cuda}`, or `"cuda:N"`; `DeviceError`) and builds a
-    /// zero-filled host model. On CUDA, `torch_stream` is torch's current stream on the device (its
-    /// `cuda_stream`), `probe_ptr` the `data_ptr()` of a live torch tensor there (the shared-context check) and
-    /// `free_bytes` the device's free memory (for `device_budget = "auto"`). With `checkpoint` (a safetensors file or
-    /// sharded folder) and `component`, every storage is read from the file (`CheckpointError` on a mismatch).
-    /// `sim_faults` (tests): a JSON fault plan for the simulated device (see `parse_sim_faults`).
-    /// `rendezvous_port`: a distributed session's rendezvous port, when torch.distributed holds `MASTER_PORT`.
+    /// opens the device `options.device` names (`DeviceError`) and builds a zero-filled host model, or one read
+    /// from `options.checkpoint` (`CheckpointError` on a mismatch). See `SessionOptions` and `TorchCuda`.
     #[new]
-    #[pyo3(signature = (pipeline_json, config, config_format = "json", name = None, device = "sim", default_cuda = 0,
-        torch_stream = 0, probe_ptr = 0, free_bytes = 0, checkpoint = None, component = None, sim_faults = None,
-        rendezvous_port = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (pipeline_json, config, options = None))]
     fn new(
         py: Python<'_>,
         pipeline_json: &str,
         config: &str,
-        config_format: &str,
-        name: Option<&str>,
-        device: &str,
-        default_cuda: usize,
-        torch_stream: u64,
-        probe_ptr: u64,
-        free_bytes: u64,
-        checkpoint: Option<&str>,
-        component: Option<&str>,
-        sim_faults: Option<&str>,
-        rendezvous_port: Option<u16>,
+        options: Option<&PySessionOptions>,
     ) -> PyResult<PySession> {
-        let name = name.unwrap_or("<python>");
-        let torch = api::TorchCuda { stream: torch_stream, probe_ptr, free_bytes };
-        let session = py
-            .detach(|| {
-                guarded("Session", || {
-                    let spec = api::parse_device(device, default_cuda)?;
-                    let checkpoint = match (checkpoint, component) {
-                        (Some(path), Some(component)) => Some((path, component)),
-                        (None, None) => None,
-                        _ => {
-                            return Err(CoreError::Checkpoint(
-                                "a checkpoint needs both its path and the component it fills".into(),
-                            ))
-                        }
-                    };
-                    let sim_faults = sim_faults.map(api::parse_sim_faults).transpose()?.unwrap_or_default();
-                    let options = api::SessionOptions { checkpoint, sim_faults, rendezvous_port };
-                    api::Session::new(pipeline_json, config, config_format, name, spec, torch, options)
-                })
-            })
-            .map_err(raise)?;
+        let options = options.map(|o| o.0.clone()).unwrap_or_default();
+        let session =
+            py.detach(|| guarded("Session", || api::Session::new(pipeline_json, config, &options))).map_err(raise)?;
         Ok(PySession { inner: Mutex::new(session) })
     }
 
@@ -295,6 +314,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add_class::<PySession>()?;
+    m.add_class::<PySessionOptions>()?;
+    m.add_class::<PyTorchCuda>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(check_pipeline, m)?)?;

@@ -396,7 +396,7 @@ def test_the_native_session_raises_typed_errors_never_a_panic():
     import json
 
     p = pipe(2)
-    s = wf._core.Session(json.dumps(wf.describe(p)), json.dumps(layer(1)), "json", "p", "sim")
+    s = wf._core.Session(json.dumps(wf.describe(p)), json.dumps(layer(1)), wf._core.SessionOptions(name="p"))
     storages = s.storages()
     sid, size, unit = storages[0]
     with pytest.raises(wf.OffloadError) as e:

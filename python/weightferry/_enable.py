@@ -613,8 +613,9 @@ def _open_session(desc_json, text, fmt, name, device, checkpoint=None):
     port = _rendezvous_port(text, fmt)
     if index is None:
         faults = json.dumps(_SIM_FAULTS) if _SIM_FAULTS is not None else None
-        session = _Session(desc_json, text, fmt, name, device, checkpoint=path, component=component,
-                           sim_faults=faults, rendezvous_port=port)
+        session = _Session(desc_json, text, _core.SessionOptions(
+            config_format=fmt, name=name, device=device, checkpoint=path, component=component, sim_faults=faults,
+            rendezvous_port=port))
         return session, _SimBinder(session), None
     import torch
 
@@ -624,8 +625,10 @@ def _open_session(desc_json, text, fmt, name, device, checkpoint=None):
     probe = torch.empty(1, dtype=torch.uint8, device=dev)  # a torch allocation, for the shared-context check
     torch.cuda.empty_cache()  # device_budget = "auto" plans from the free memory, with torch's cache given back
     free, _total = torch.cuda.mem_get_info(index)
-    session = _Session(desc_json, text, fmt, name, device, index, stream, probe.data_ptr(), free, checkpoint=path,
-                       component=component, rendezvous_port=port)
+    torch_cuda = _core.TorchCuda(stream=stream, probe_ptr=probe.data_ptr(), free_bytes=free, default_cuda=index)
+    session = _Session(desc_json, text, _core.SessionOptions(
+        config_format=fmt, name=name, device=device, checkpoint=path, component=component, rendezvous_port=port,
+        torch=torch_cuda))
     del probe
     return session, _CudaBinder(session, dev), (stream, current)
 

@@ -10,6 +10,8 @@
 //! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
 //! - [`nccl_bootstrap`]: a rank's NCCL bootstrap as one call (the engine agreement, the symmetric heap, rank 0's
 //!   unique id) over any [`RankExchange`] (the rendezvous, or a host engine's store); the CUDA side under `nccl`.
+//! - [`rank`]: [`rank::rank_collective`], a rank's collective built from the launch environment (world check,
+//!   rendezvous with a fingerprint, then the simulated collective or NCCL), typed errors for each front end.
 //!
 //! The launcher that starts local ranks (`weightferry launch`) belongs to the harness crate, not to the library.
 //!
@@ -23,6 +25,7 @@
 pub mod allgather_engine;
 pub mod env;
 pub mod nccl_bootstrap;
+pub mod rank;
 pub mod rendezvous;
 pub mod tcp_collective;
 

@@ -1,7 +1,7 @@
 //! The streaming backend: the one machine all three strategies run on.
 //!
-//! `enable` resolves the plan (pure), builds the unit plan, then commits step by step — copy-stream actor, fixed
-//! placement, host masters (one flat buffer per unit per dtype; each storage's loaded buffer is freed as soon as its
+//! `enable` resolves the plan (pure; `enable_planned` takes it resolved), builds the unit plan, then commits step
+//! by step — copy-stream actor, fixed placement, host masters (one flat buffer per unit per dtype; each storage's loaded buffer is freed as soon as its
 //! bytes are in a master, so the model never exists twice in host memory), block-stack actors, hooks — and undoes
 //! every committed step if a later one fails. `disable` waits for all device work, frees device memory, removes its
 //! hooks, and gives each storage its own host buffer back with a real copy out of the master; if that fails it keeps
@@ -350,6 +350,29 @@ impl StreamingBackend {
         hooks: &HookRegistry,
         compute: StreamId,
     ) -> Result<(), OffloadError> {
+        self.enable_with(model, hooks, compute, None)
+    }
+
+    /// [`enable`](Self::enable) with the plan already resolved: `plan` must be what
+    /// [`resolve_offload_plan`] gives for `model`'s description under this backend's config (a caller that resolved
+    /// it to report it need not resolve it again).
+    pub fn enable_planned(
+        &mut self,
+        model: &mut HostModel,
+        hooks: &HookRegistry,
+        compute: StreamId,
+        plan: ResolvedPlan,
+    ) -> Result<(), OffloadError> {
+        self.enable_with(model, hooks, compute, Some(plan))
+    }
+
+    fn enable_with(
+        &mut self,
+        model: &mut HostModel,
+        hooks: &HookRegistry,
+        compute: StreamId,
+        plan: Option<ResolvedPlan>,
+    ) -> Result<(), OffloadError> {
         if self.enabled {
             tracing::warn!("{} offload already enabled", self.config.strategy.report_name());
             return Ok(());
@@ -358,7 +381,10 @@ impl StreamingBackend {
             // A failed disable left state behind: finish it first.
             self.disable(model, hooks)?;
         }
-        let plan = resolve_offload_plan(model.desc(), &self.config)?;
+        let plan = match plan {
+            Some(plan) => plan,
+            None => resolve_offload_plan(model.desc(), &self.config)?,
+        };
         let mut units = build_unit_plan(model.desc(), &self.config, &plan);
         for sp in units.stacks.iter_mut().filter(|sp| !sp.allgather) {
             order_by_files(model.desc(), model, &mut sp.units);
@@ -517,10 +543,26 @@ impl StreamingBackend {
         hooks: &HookRegistry,
         compute: StreamId,
     ) -> Result<(), OffloadError> {
+        if self.state.is_none() {
+            return Err(OffloadError::Unsupported("retune needs an enabled backend; call enable first".into()));
+        }
+        let plan = resolve_offload_plan(model.desc(), &config)?;
+        self.retune_planned(config, plan, model, hooks, compute)
+    }
+
+    /// [`retune`](Self::retune) with the new config's plan already resolved (`plan` as for
+    /// [`enable_planned`](Self::enable_planned), under `config`).
+    pub fn retune_planned(
+        &mut self,
+        config: OffloadConfig,
+        plan: ResolvedPlan,
+        model: &HostModel,
+        hooks: &HookRegistry,
+        compute: StreamId,
+    ) -> Result<(), OffloadError> {
         let Some(st) = self.state.as_mut() else {
             return Err(OffloadError::Unsupported("retune needs an enabled backend; call enable first".into()));
         };
-        let plan = resolve_offload_plan(model.desc(), &config)?;
         let units = build_unit_plan(model.desc(), &config, &plan);
         let same = st.units.as_ref().is_some_and(|old| {
             old.hook_name == units.hook_name

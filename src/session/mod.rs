@@ -1,0 +1,461 @@
+//! The library session: the one way to offload a pipeline. A [`Session`] takes a pipeline description (its weights
+//! written by the caller, or read from a checkpoint), an [`OffloadConfig`], a device ([`DeviceSpec`]) and, for a
+//! distributed run, a collective or the launch environment to build one from ([`CollectiveSource`]); it resolves
+//! the plan once and owns the host model, the backend and the hook registry through
+//! `write_storage` → `enable` → `pre_forward` / `post_forward` → `retune` → `disable`. Every front end (the Python
+//! binding, the harness drivers) drives offload through it.
+//!
+//! - `device.rs`: which device ([`DeviceSpec`], [`CudaDevice`]), and the opened platform ([`Device`]).
+//! - `error.rs`: [`SessionError`], a failure by kind, its message on one line.
+//! - `load.rs`: a config ([`ConfigSource`]) and a pipeline description read from text, failures worded as the CLI
+//!   words them.
+//!
+//! ```
+//! use weightferry::config::OffloadConfig;
+//! use weightferry::pipeline::builder::PipelineBuilder;
+//! use weightferry::pipeline::DType;
+//! use weightferry::scheduler::SimConfig;
+//! use weightferry::session::{DeviceSpec, Session, SessionOptions};
+//!
+//! // A pipeline of two transformer blocks, streamed one block at a time.
+//! let desc = PipelineBuilder::new("TinyPipeline")
+//!     .module("transformer", "TinyDiT", |m| {
+//!         m.block_list("blocks", 2, "TinyBlock", |b, _| {
+//!             b.linear("fc", DType::Bf16, 8, 8, false);
+//!         });
+//!     })
+//!     .dit("transformer")
+//!     .class_block_attrs("TinyDiT", &["blocks"])
+//!     .build()?;
+//! let config = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
+//! let config = OffloadConfig::from_json_str(config)?;
+//! let mut session = Session::new(desc, config, DeviceSpec::Sim(SimConfig::default()), SessionOptions::default())?;
+//!
+//! // The host engine hands over its weights, then runs its forward pass between the hooks.
+//! for (storage, bytes, _unit) in session.storages() {
+//!     session.write_storage(storage, &vec![1; bytes as usize])?;
+//! }
+//! assert!(session.enable()?);
+//! for block in ["transformer.blocks.0", "transformer.blocks.1"] {
+//!     let on_device = session.pre_forward(block)?.expect("a streamed block");
+//!     // The block's weights are on the device now: run its kernels on them.
+//!     assert_eq!(session.read_device(on_device.buffer, on_device.base, 128)?, vec![1; 128]);
+//!     session.post_forward(block)?;
+//! }
+//! session.disable()?; // every storage has its own host bytes back, bit-identical
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod device;
+mod error;
+mod load;
+#[cfg(test)]
+mod tests;
+
+pub use device::{CudaDevice, Device, DeviceSpec};
+pub use error::{one_line, SessionError};
+pub use load::{load_config, load_pipeline, ConfigSource};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::OffloadConfig;
+use crate::dist::rank::{rank_collective, RankOptions};
+use crate::hooks::{HookRegistry, Residency};
+use crate::model::HostModel;
+use crate::offload::units::build_unit_plan;
+use crate::offload::{get_offload_backend, BackendReport, StreamingBackend, WeightSource};
+use crate::pipeline::{PipelineDesc, StorageId};
+use crate::plan::report::PlanReport;
+use crate::plan::{resolve_offload_plan, ResolvedPlan};
+use error::offload_err;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use weightferry_actors::collective_actor::CollectiveFactory;
+use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformRef, StreamId};
+
+/// A checkpoint the session reads every weight from: the description's tensor `<component>.K` is the file's tensor
+/// `K` (every one checked before a byte is read).
+#[derive(Debug, Clone)]
+pub struct CheckpointSource {
+    /// A safetensors file, or a folder of shards.
+    pub path: PathBuf,
+    /// The component of the pipeline the checkpoint fills (e.g. `transformer`).
+    pub component: String,
+}
+
+/// Where a distributed session's collective comes from.
+#[derive(Default)]
+pub enum CollectiveSource {
+    /// No collective: every component moves its blocks rank-locally (AllGather across a group of more than one
+    /// rank is refused).
+    #[default]
+    None,
+    /// The host engine's own communicator for this rank, built on the collective actor's thread.
+    Factory(CollectiveFactory),
+    /// Built from the launch environment when the config gathers across ranks (see [`crate::dist::rank`]).
+    Launch(LaunchExchange),
+}
+
+impl std::fmt::Debug for CollectiveSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CollectiveSource::None => f.write_str("None"),
+            CollectiveSource::Factory(_) => f.write_str("Factory(..)"),
+            CollectiveSource::Launch(l) => f.debug_tuple("Launch").field(l).finish(),
+        }
+    }
+}
+
+/// How a rank joins the others through the launch environment.
+#[derive(Debug, Clone, Default)]
+pub struct LaunchExchange {
+    /// What this rank runs (its pipeline and config): every rank must give the same bytes.
+    pub fingerprint: Vec<u8>,
+    /// The port rank 0 listens on instead of `MASTER_PORT`.
+    pub rendezvous_port: Option<u16>,
+    /// Test seam on the simulated device: this rank's AllGather call that fails at enqueue (0-based).
+    pub fail_all_gather: Option<u64>,
+}
+
+/// What else a session is built with.
+#[derive(Debug, Default)]
+pub struct SessionOptions {
+    /// How errors and the plan report name the pipeline (empty: `<pipeline>`).
+    pub name: String,
+    /// A checkpoint to read the weights from (else the host model starts zero-filled and the caller writes it).
+    pub checkpoint: Option<CheckpointSource>,
+    /// The rank's collective, for a distributed session.
+    pub collective: CollectiveSource,
+}
+
+/// One offloaded pipeline: its host model (filled by the caller storage by storage, or from a checkpoint), the
+/// backend of its config, the hook registry, and the compute stream the hooks order. Created with the plan already
+/// resolved, so a bad pipeline or config fails before anything is allocated. Dropping it disables the backend and
+/// shuts the simulated device down.
+pub struct Session {
+    device: Device,
+    compute: StreamId,
+    model: HostModel,
+    backend: Option<StreamingBackend>,
+    hooks: HookRegistry,
+    /// Storage → the unit (module path) that streams it; fixed placement when absent.
+    streamed: BTreeMap<StorageId, String>,
+    written: BTreeSet<StorageId>,
+    plan: ResolvedPlan,
+    report: PlanReport,
+    /// The simulated device's capacity (what `device_budget = "auto"` plans from there).
+    sim_capacity: Option<u64>,
+    /// How errors name the pipeline.
+    name: String,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("backend", &self.backend).field("written", &self.written.len()).finish()
+    }
+}
+
+/// The plan of `desc` under `config` (its automatic budget resolved from `free` device bytes), resolved once, and
+/// its report.
+fn resolve(
+    name: &str,
+    desc: &PipelineDesc,
+    config: &mut OffloadConfig,
+    free: u64,
+) -> Result<(ResolvedPlan, PlanReport), SessionError> {
+    config.resolve_auto_budget(free);
+    let plan = resolve_offload_plan(desc, config)
+        .map_err(|e| SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
+    let report = PlanReport::from_plan(name, desc, config, &plan);
+    Ok((plan, report))
+}
+
+fn checkpoint_err(e: impl std::fmt::Display) -> SessionError {
+    SessionError::Checkpoint(one_line(&e.to_string()))
+}
+
+impl Session {
+    /// Resolves the plan of `desc` under `config` ([`SessionError::Plan`]), opens the checkpoint if any
+    /// ([`SessionError::Checkpoint`]) and the device ([`SessionError::Device`]), builds the rank's collective when
+    /// the config gathers across ranks, and builds the host model: zero-filled, or read from the checkpoint.
+    /// Nothing is offloaded until every storage was written (from a checkpoint all at once, but for the
+    /// non-persistent buffers, which the caller writes: [`unwritten`](Self::unwritten)) and
+    /// [`enable`](Self::enable) runs.
+    pub fn new(
+        desc: impl Into<Arc<PipelineDesc>>,
+        mut config: OffloadConfig,
+        device: DeviceSpec,
+        options: SessionOptions,
+    ) -> Result<Session, SessionError> {
+        let desc = desc.into();
+        let name = if options.name.is_empty() { "<pipeline>".to_string() } else { options.name };
+        let (plan, report) = resolve(&name, &desc, &mut config, device.free_bytes())?;
+        let units = build_unit_plan(&desc, &config, &plan);
+        let mut streamed = BTreeMap::new();
+        for unit in units.stacks.iter().flat_map(|s| &s.units) {
+            streamed.extend(unit.storages().map(|s| (s, unit.path.clone())));
+        }
+        let checkpoint = match options.checkpoint {
+            Some(source) => Some((Checkpoint::open(&source.path).map_err(checkpoint_err)?, source.component)),
+            None => None,
+        };
+        let sim_capacity = match &device {
+            DeviceSpec::Sim(sim) => Some(sim.device_capacity),
+            DeviceSpec::Cuda(_) => None,
+        };
+        let (device, platform, compute) = Device::open(&device)?;
+        let collective = match options.collective {
+            CollectiveSource::None => None,
+            CollectiveSource::Factory(factory) => Some(factory),
+            CollectiveSource::Launch(l) => {
+                let rank = RankOptions {
+                    fingerprint: &l.fingerprint,
+                    rendezvous_port: l.rendezvous_port,
+                    fail_all_gather: l.fail_all_gather,
+                };
+                rank_collective(&config, device.rank_device(), rank).map_err(offload_err)?
+            }
+        };
+        let (model, written) = Self::host_model(platform.clone(), desc, checkpoint)?;
+        let backend = get_offload_backend(&config, platform, collective).map_err(offload_err)?;
+        Ok(Session {
+            device,
+            compute,
+            model,
+            backend,
+            hooks: HookRegistry::new(),
+            streamed,
+            written,
+            plan,
+            report,
+            sim_capacity,
+            name,
+        })
+    }
+
+    /// The host model, zero-filled or read from the checkpoint, and the storages already written.
+    fn host_model(
+        platform: PlatformRef,
+        desc: Arc<PipelineDesc>,
+        checkpoint: Option<(Checkpoint, String)>,
+    ) -> Result<(HostModel, BTreeSet<StorageId>), SessionError> {
+        match checkpoint {
+            Some((ckpt, component)) => {
+                let model =
+                    HostModel::from_checkpoint(platform, desc.clone(), &ckpt, &component).map_err(checkpoint_err)?;
+                let caller: BTreeSet<StorageId> = model.caller_storages().iter().copied().collect();
+                Ok((model, desc.storages.keys().filter(|s| !caller.contains(s)).copied().collect()))
+            }
+            None => Ok((HostModel::zeroed(platform, desc).map_err(offload_err)?, BTreeSet::new())),
+        }
+    }
+
+    /// The plan report (what `weightferry plan` prints for the same pipeline and config).
+    pub fn plan_report(&self) -> &PlanReport {
+        &self.report
+    }
+
+    /// The resolved plan.
+    pub fn plan(&self) -> &ResolvedPlan {
+        &self.plan
+    }
+
+    /// `(tensor path, storage)` of every tensor of the description, depth first (paths dotted from the pipeline
+    /// root).
+    pub fn tensor_storages(&self) -> Vec<(String, StorageId)> {
+        self.model.desc().root.tensors_recursive().into_iter().map(|(p, t)| (p, t.storage)).collect()
+    }
+
+    /// `(storage, bytes, the module path of the unit streaming it or None for the fixed placement)` of every
+    /// storage, in id order.
+    pub fn storages(&self) -> Vec<(StorageId, u64, Option<String>)> {
+        let desc = self.model.desc();
+        desc.storages.iter().map(|(&id, s)| (id, s.byte_size(), self.streamed.get(&id).cloned())).collect()
+    }
+
+    /// Storages not written yet, in id order (after opening from a checkpoint: its non-persistent buffers).
+    pub fn unwritten(&self) -> Vec<StorageId> {
+        self.model.desc().storages.keys().filter(|s| !self.written.contains(s)).copied().collect()
+    }
+
+    /// Fills a storage's host bytes (exactly its size; only before `enable` or after `disable`).
+    pub fn write_storage(&mut self, storage: StorageId, bytes: &[u8]) -> Result<(), SessionError> {
+        self.model.write_storage(storage, bytes).map_err(offload_err)?;
+        self.written.insert(storage);
+        Ok(())
+    }
+
+    /// Offloads: builds host masters, the fixed placement and the block stacks over the plan resolved at
+    /// [`new`](Self::new), and installs the hooks. Refuses while a storage was never written. Returns whether
+    /// anything is offloaded (`false` for a config that disables offload, or a plan with nothing to stream: then
+    /// nothing moved). Transactional, as the backend's.
+    pub fn enable(&mut self) -> Result<bool, SessionError> {
+        if let Some(missing) = self.model.desc().storages.keys().find(|s| !self.written.contains(s)) {
+            return Err(SessionError::Offload(format!(
+                "storage {} was never written; write every storage's bytes before enable",
+                missing.0
+            )));
+        }
+        let Some(backend) = self.backend.as_mut() else { return Ok(false) };
+        backend.enable_planned(&mut self.model, &self.hooks, self.compute, self.plan.clone()).map_err(offload_err)?;
+        Ok(backend.is_enabled())
+    }
+
+    /// Retunes the enabled backend to `config` (`device_budget = "auto"` resolved from `free_bytes` on CUDA, from
+    /// the capacity on the simulated device): prefetch depths, resident layers and the device budget change
+    /// without rebuilding host masters or the fixed placement; a config that would offload other components or
+    /// blocks is refused before anything changes. Returns the new plan report.
+    pub fn retune(&mut self, mut config: OffloadConfig, free_bytes: u64) -> Result<&PlanReport, SessionError> {
+        let free = self.sim_capacity.unwrap_or(free_bytes);
+        let (plan, report) = resolve(&self.name, self.model.desc(), &mut config, free)?;
+        let Some(backend) = self.backend.as_mut().filter(|b| b.is_enabled()) else {
+            return Err(SessionError::Offload("retune needs an enabled offload; nothing is offloaded now".into()));
+        };
+        backend.retune_planned(config, plan.clone(), &self.model, &self.hooks, self.compute).map_err(offload_err)?;
+        self.plan = plan;
+        self.report = report;
+        Ok(&self.report)
+    }
+
+    /// Whether the backend is enabled.
+    pub fn is_enabled(&self) -> bool {
+        self.backend.as_ref().is_some_and(StreamingBackend::is_enabled)
+    }
+
+    /// The modules that have offload hooks (dotted paths), sorted.
+    pub fn hooked_modules(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.hooks.hook_names().into_iter().map(|(m, _, _)| m).collect();
+        v.dedup();
+        v
+    }
+
+    /// Runs `module`'s pre-forward hooks. On the simulated device it then waits on the host for the compute
+    /// stream, so the block's bytes are in device memory when this returns; on CUDA nothing waits on the host: the
+    /// compute stream was ordered behind the copies, so kernels launched on it next read landed bytes. `None` for
+    /// a module whose weights no hook places.
+    pub fn pre_forward(&self, module: &str) -> Result<Option<Residency>, SessionError> {
+        let residency = self.hooks.pre_forward(module).map_err(offload_err)?;
+        if let Some(sim) = self.device.sim() {
+            sim.stream_synchronize(self.compute).map_err(offload_err)?;
+        }
+        Ok(residency)
+    }
+
+    /// Runs `module`'s post-forward hooks.
+    pub fn post_forward(&self, module: &str) -> Result<(), SessionError> {
+        self.hooks.post_forward(module).map_err(offload_err)
+    }
+
+    /// Device buffer and byte offset of a storage: always answers for the fixed placement, and for a streamed
+    /// storage between its block's `pre_forward` and `post_forward`.
+    pub fn locate(&self, storage: StorageId) -> Result<(DeviceBufferId, u64), SessionError> {
+        let Some(backend) = self.backend.as_ref() else {
+            return Err(SessionError::Offload("offload is disabled by this config: nothing is on the device".into()));
+        };
+        backend.locate(storage).map_err(offload_err)
+    }
+
+    /// Copies `len` bytes of simulated device memory out (the range is checked before anything is allocated).
+    pub fn read_device(&self, buffer: DeviceBufferId, offset: u64, len: u64) -> Result<Vec<u8>, SessionError> {
+        let Some(sim) = self.device.sim() else {
+            return Err(SessionError::Offload(
+                "read_device reads the simulated device only; on CUDA use device_ptr".into(),
+            ));
+        };
+        let size = sim.device_buffer_len(buffer).map_err(offload_err)?;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(SessionError::Offload(format!(
+                "device read {offset}+{len} exceeds device buffer {} of {size} bytes",
+                buffer.0
+            )));
+        }
+        let mut out = vec![0; len as usize];
+        sim.read_device(buffer, offset, &mut out).map_err(offload_err)?;
+        Ok(out)
+    }
+
+    /// The device address and size of a CUDA device buffer (the engine views it without a copy). Addresses stay
+    /// valid until the buffer is freed: by `disable`, or by the backend when it drops a slot.
+    pub fn device_ptr(&self, buffer: DeviceBufferId) -> Result<(u64, u64), SessionError> {
+        match &self.device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cuda) => cuda.device_ptr(buffer).ok_or_else(|| {
+                SessionError::Offload(format!("device buffer {} does not exist (it was freed)", buffer.0))
+            }),
+            Device::Sim(_) => {
+                let _ = buffer;
+                Err(SessionError::Offload(
+                    "device_ptr is for CUDA devices; on the simulated device use read_device".into(),
+                ))
+            }
+        }
+    }
+
+    /// The opened device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Whether the session drives a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        self.device.sim().is_none()
+    }
+
+    /// The stream the hooks order the copies against.
+    pub fn compute_stream(&self) -> StreamId {
+        self.compute
+    }
+
+    /// The host model.
+    pub fn model(&self) -> &HostModel {
+        &self.model
+    }
+
+    /// The backend, or `None` when the config disables offload.
+    pub fn backend(&self) -> Option<&StreamingBackend> {
+        self.backend.as_ref()
+    }
+
+    /// Waits for the device, frees it, removes the hooks and gives every storage its own host buffer back
+    /// (bit-identical). A no-op when not enabled; an incomplete disable can be called again.
+    pub fn disable(&mut self) -> Result<(), SessionError> {
+        match self.backend.as_mut() {
+            Some(b) => b.disable(&mut self.model, &self.hooks).map_err(offload_err),
+            None => Ok(()),
+        }
+    }
+
+    /// A storage's host bytes, read through its current home.
+    pub fn read_storage(&self, storage: StorageId) -> Result<Vec<u8>, SessionError> {
+        self.model.read_storage(storage).map_err(offload_err)
+    }
+
+    /// The ordering violations the simulated device's hazard detector recorded so far (each as its debug text):
+    /// a read of a slot before its copy landed, an overwrite before its last reader finished. Empty when the hooks
+    /// kept every order, and on CUDA (which has no detector).
+    pub fn hazard_violations(&self) -> Vec<String> {
+        let Some(sim) = self.device.sim() else { return Vec::new() };
+        sim.violations().iter().map(|v| format!("{v:?}")).collect()
+    }
+
+    /// The backend's report (`strategy` `"none"` and nothing else when the config disables offload).
+    pub fn report(&self) -> BackendReport {
+        match &self.backend {
+            Some(b) => b.report(),
+            None => BackendReport { strategy: "none".into(), ..Default::default() },
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(b) = self.backend.as_mut() {
+            if let Err(e) = b.disable(&mut self.model, &self.hooks) {
+                eprintln!("weightferry: disabling a dropped session failed: {e}");
+            }
+        }
+        if let Some(sim) = self.device.sim() {
+            sim.shutdown();
+        }
+    }
+}

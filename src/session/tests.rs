@@ -1,0 +1,101 @@
+//! Tests of the library session on the simulated device.
+
+use super::*;
+use crate::pipeline::json::load_pipeline_json;
+use weightferry_actors::sim::SimConfig;
+
+const PIPELINE: &str = r#"{"class": "P", "modules": {"transformer": {"class": "D", "children": {
+    "blocks": {"repeat": 2, "block": {"class": "B", "tensors": {"w": {"dtype": "bf16", "shape": [128]}}}}}}},
+    "components": {"dit": ["transformer"]}, "class_block_attrs": {"D": ["blocks"]}}"#;
+
+const LAYER: &str = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+    "layer_options": {"dit": {"prefetch_depth": 1}}}}"#;
+
+fn sim() -> DeviceSpec {
+    DeviceSpec::Sim(SimConfig { tracing: false, ..SimConfig::default() })
+}
+
+fn open(config: &str) -> Result<Session, SessionError> {
+    let desc = load_pipeline_json(PIPELINE).unwrap();
+    let config = load_config(ConfigSource::Json(config))?;
+    Session::new(desc, config, sim(), SessionOptions { name: "p".into(), ..SessionOptions::default() })
+}
+
+/// A session whose every storage holds `id + 1` in every byte.
+fn written(config: &str) -> Session {
+    let mut s = open(config).unwrap();
+    for (id, len, _) in s.storages() {
+        s.write_storage(id, &vec![id.0 as u8 + 1; len as usize]).unwrap();
+    }
+    s
+}
+
+#[test]
+fn the_plan_is_resolved_once_and_enable_uses_it() {
+    let mut s = written(LAYER);
+    let desc = load_pipeline_json(PIPELINE).unwrap();
+    let config = load_config(ConfigSource::Json(LAYER)).unwrap();
+    assert_eq!(s.plan_report(), &PlanReport::resolve("p", &desc, &config).unwrap());
+    assert_eq!(s.plan(), &resolve_offload_plan(&desc, &config).unwrap());
+    assert_eq!(s.enable(), Ok(true));
+    assert_eq!(s.backend().and_then(StreamingBackend::plan), Some(s.plan()));
+}
+
+#[test]
+fn enable_and_disable_give_the_bytes_back_bit_identical() {
+    let mut s = written(LAYER);
+    let before: Vec<Vec<u8>> = s.storages().iter().map(|(id, _, _)| s.read_storage(*id).unwrap()).collect();
+    let blocks = ["transformer.blocks.0", "transformer.blocks.1"];
+    assert_eq!(s.enable(), Ok(true));
+    assert_eq!(s.hooked_modules(), blocks);
+    for _step in 0..2 {
+        for (i, block) in blocks.iter().enumerate() {
+            let r = s.pre_forward(block).unwrap().unwrap();
+            assert_eq!(s.read_device(r.buffer, r.base, 256).unwrap(), vec![i as u8 + 1; 256]);
+            assert_eq!(s.locate(StorageId(i as u64)), Ok((r.buffer, r.base)));
+            s.post_forward(block).unwrap();
+        }
+    }
+    let retuned = s.retune(load_config(ConfigSource::Json(LAYER)).unwrap(), 0).unwrap().clone();
+    assert_eq!(&retuned, s.plan_report());
+    assert!(s.hazard_violations().is_empty());
+    s.disable().unwrap();
+    assert!(s.hooked_modules().is_empty());
+    let after: Vec<Vec<u8>> = s.storages().iter().map(|(id, _, _)| s.read_storage(*id).unwrap()).collect();
+    assert_eq!(before, after);
+    assert_eq!(s.enable(), Ok(true), "a disabled session enables again");
+}
+
+#[test]
+fn each_failure_has_its_kind() {
+    let Err(SessionError::Config(m)) = open(r#"{"x": 1}"#) else { panic!("a bad config was accepted") };
+    assert!(m.starts_with("invalid config: "), "{m}");
+    let Err(SessionError::Pipeline(m)) = load_pipeline("{}", "p") else { panic!("a bad pipeline was accepted") };
+    assert!(m.starts_with("pipeline p: class: required key is missing;"), "{m}");
+    let encoders = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["text_encoder"]}}"#;
+    let Err(SessionError::Plan(m)) = open(encoders) else { panic!("an unservable config was accepted") };
+    assert!(m.starts_with("the config cannot be applied to p: "), "{m}");
+    let desc = load_pipeline_json(PIPELINE).unwrap();
+    let config = load_config(ConfigSource::Json(LAYER)).unwrap();
+    let missing = CheckpointSource { path: "/nonexistent/weightferry.safetensors".into(), component: "t".into() };
+    let options = SessionOptions { checkpoint: Some(missing), ..SessionOptions::default() };
+    let Err(SessionError::Checkpoint(_)) = Session::new(desc, config, sim(), options) else {
+        panic!("a missing checkpoint was opened")
+    };
+    let mut s = open(LAYER).unwrap();
+    assert_eq!(
+        s.enable(),
+        Err(SessionError::Offload("storage 0 was never written; write every storage's bytes before enable".into()))
+    );
+    #[cfg(not(feature = "cuda"))]
+    {
+        let desc = load_pipeline_json(PIPELINE).unwrap();
+        let config = load_config(ConfigSource::Json(LAYER)).unwrap();
+        // SAFETY: the device is never opened (this build has no CUDA), so the stream is never used.
+        let cuda = DeviceSpec::Cuda(unsafe { CudaDevice::adopting(0, 0, 0, 0) });
+        assert_eq!(
+            Session::new(desc, config, cuda, SessionOptions::default()).map(|_| ()),
+            Err(SessionError::Device("this build of weightferry has no CUDA support".into()))
+        );
+    }
+}
