@@ -1,6 +1,7 @@
 #!/usr/bin/env sh
-# Installs what python/tests need (python/requirements-test.txt: torch, diffusers, transformers, numpy, pytest, maturin) into the
-# git-ignored virtualenv .venv-py/ at the repository root; a few seconds when they are already there.
+# Installs what python/tests and the package's lint need (python/requirements-test.txt: torch, diffusers, transformers,
+# numpy, pytest, maturin, ruff, mypy) into the git-ignored virtualenv .venv-py/ at the repository root; a few seconds
+# when they are already there.
 # torch has no CPU-only wheel on PyPI for Linux x86_64: the first install downloads about 2.6 GB.
 # Usage (from anywhere): sh python/install-test-deps.sh   (PYTHON=python3.X picks the interpreter, >= 3.9)
 set -eu

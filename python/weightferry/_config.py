@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from . import _core
 
 if TYPE_CHECKING:
     from typing_extensions import TypeAlias
 
-__all__ = ["ConfigLike", "config_arg"]
+__all__ = ["ConfigFormat", "ConfigLike", "config_arg"]
+
+ConfigFormat: TypeAlias = Literal["json", "toml", "file"]
+"""How the native module is given a config: JSON text, TOML text, or a path to a ``.json`` / ``.toml`` file."""
 
 ConfigLike: TypeAlias = Union[dict[str, Any], str, "os.PathLike[str]"]
 """A config: a dict in the config file's vocabulary, or a path to a ``.json`` / ``.toml`` file."""
 
 
-def config_arg(config: ConfigLike) -> tuple[str, _core.ConfigFormat]:
+def config_arg(config: ConfigLike) -> tuple[str, ConfigFormat]:
     """Returns ``(text, format)`` for ``_core``: a dict as JSON text, a path as ``"file"`` (read by Rust exactly as
     the CLI's ``--config`` reads it)."""
     if isinstance(config, dict):

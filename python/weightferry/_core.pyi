@@ -26,21 +26,16 @@ class DeviceError(Error):
 class CheckpointError(Error):
     """A checkpoint that cannot be read or does not match the pipeline."""
 
-ConfigFormat = Literal["json", "toml", "file"]
-"""How ``config`` is given: JSON text, TOML text, or a path to a ``.json`` / ``.toml`` file."""
-
-Strategy = Literal["none", "model", "layer", "distributed_layer"]
-"""The strategy a config selects."""
-
-ResidencyParts = tuple[int, int, list[tuple[int, int]]]
-"""``(buffer, base, [(storage id, offset in the block)])``: where a module's block is on the device."""
-
-def plan(pipeline_json: str, config: str, config_format: ConfigFormat = "json", name: str | None = None) -> str:
+def plan(
+    pipeline_json: str, config: str, config_format: Literal["json", "toml", "file"] = "json", name: str | None = None
+) -> str:
     """The plan report of ``pipeline_json`` under ``config`` as JSON text (what ``weightferry plan --json`` prints);
     ``name`` is its ``pipeline`` (default ``"<python>"``). Raises ``ConfigError``, ``PipelineError`` or
     ``PlanError``."""
 
-def check_config(config: str, config_format: ConfigFormat = "json") -> Strategy:
+def check_config(
+    config: str, config_format: Literal["json", "toml", "file"] = "json"
+) -> Literal["none", "model", "layer", "distributed_layer"]:
     """Validates a config and returns the strategy it selects. Raises ``ConfigError``."""
 
 def check_pipeline(pipeline_json: str, name: str | None = None) -> None:
@@ -69,7 +64,7 @@ class SessionOptions:
     def __new__(
         cls,
         *,
-        config_format: ConfigFormat = "json",
+        config_format: Literal["json", "toml", "file"] = "json",
         name: str | None = None,
         device: str = "sim",
         checkpoint: str | None = None,
@@ -107,7 +102,7 @@ class Session:
     def enable(self) -> bool:
         """Offloads (transactional); returns whether anything is offloaded."""
 
-    def retune(self, config: str, config_format: ConfigFormat = "json", free_bytes: int = 0) -> str:
+    def retune(self, config: str, config_format: Literal["json", "toml", "file"] = "json", free_bytes: int = 0) -> str:
         """Retunes the enabled backend to a new config; returns the new plan report as JSON text."""
 
     def is_enabled(self) -> bool:
@@ -116,9 +111,11 @@ class Session:
     def hooked_modules(self) -> list[str]:
         """The modules with offload hooks (dotted paths), sorted."""
 
-    def pre_forward(self, module: str, with_offsets: bool = True) -> ResidencyParts | None:
-        """Runs the module's pre-forward hooks and waits until its bytes are on the device; the offsets list is empty
-        unless ``with_offsets``."""
+    def pre_forward(
+        self, module: str, with_offsets: bool = True
+    ) -> tuple[int, int, list[tuple[int, int]]] | None:
+        """Runs the module's pre-forward hooks and waits until its bytes are on the device: ``None``, or
+        ``(buffer, base, [(storage id, offset in the block)])``, the list empty unless ``with_offsets``."""
 
     def unwritten(self) -> list[int]:
         """Storages not written yet, in id order."""

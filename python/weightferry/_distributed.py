@@ -4,8 +4,12 @@ on a rendezvous port through torch's store."""
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from . import _core
+
+if TYPE_CHECKING:
+    from ._config import ConfigFormat
 
 __all__ = ["rendezvous_port"]
 
@@ -14,7 +18,7 @@ __all__ = ["rendezvous_port"]
 _SESSION_NUMBERS = itertools.count(1)
 
 
-def rendezvous_port(text: str, fmt: _core.ConfigFormat) -> int | None:
+def rendezvous_port(text: str, fmt: ConfigFormat) -> int | None:
     """Where the ranks of a distributed session meet, when torch.distributed already runs a process group: its
     store holds ``MASTER_PORT``, so rank 0 picks a free port, publishes it in that store, and every rank reads it
     there. ``None`` (weightferry's rendezvous listens on ``MASTER_PORT``) without a process group, or when the config

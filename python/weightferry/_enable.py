@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _core
 from ._binders import Binder, CudaBinder, SetData, SimBinder, placeholder
-from ._config import ConfigLike, config_arg
+from ._config import ConfigFormat, ConfigLike, config_arg
 from ._describe import Bound, PipelineLike, _describe
 from ._distributed import rendezvous_port
 from ._handle import Handle
@@ -237,7 +237,7 @@ class _TorchCuda(NamedTuple):
 def _open_session(
     desc_json: str,
     text: str,
-    fmt: _core.ConfigFormat,
+    fmt: ConfigFormat,
     name: str,
     device: str | torch.device,
     checkpoint: tuple[str, str] | None,
@@ -273,7 +273,7 @@ def _new_session(
     new: Callable[..., _core.Session],
     pipeline_json: str,
     config: str,
-    config_format: _core.ConfigFormat,
+    config_format: ConfigFormat,
     name: str,
     device: str,
     checkpoint: str | None,

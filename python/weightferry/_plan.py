@@ -4,17 +4,23 @@ surfaced as Python warnings."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
 from ._config import ConfigLike, config_arg
 from ._describe import PipelineLike, describe
 from ._warnings import warn_report
 
-__all__ = ["check_config", "plan"]
+if TYPE_CHECKING:
+    from typing_extensions import TypeAlias
+
+__all__ = ["Strategy", "check_config", "plan"]
+
+Strategy: TypeAlias = Literal["none", "model", "layer", "distributed_layer"]
+"""The strategy a config selects."""
 
 
-def check_config(config: ConfigLike) -> _core.Strategy:
+def check_config(config: ConfigLike) -> Strategy:
     """Validates ``config`` (a dict or a path to a ``.json`` / ``.toml`` file) and returns the strategy it selects:
     ``"none"``, ``"model"``, ``"layer"`` or ``"distributed_layer"``. Raises :class:`weightferry.ConfigError` with
     the CLI's message."""
