@@ -39,3 +39,8 @@ pub mod scheduler {
     };
     pub use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
 }
+
+/// The README's Rust quick start, compiled and run as a doctest so that it cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -53,7 +53,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pipeline_spec as ps  # noqa: E402
+import pipeline_spec as ps
 
 ALL_VARIANTS = ["resident", "group_stream", "group_stream_record", "group_stream_lowmem", "group_nostream",
                 "sequential"]
@@ -290,8 +290,8 @@ def run_variant(a, preset, variant):
     config = {}
     t0 = time.perf_counter()
     if variant.startswith("group_"):
-        from diffusers.hooks import apply_group_offloading
         import diffusers
+        from diffusers.hooks import apply_group_offloading
         res["diffusers"] = diffusers.__version__
         use_stream = variant.startswith("group_stream") and cuda
         config = dict(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
@@ -346,7 +346,7 @@ def run_variant(a, preset, variant):
         t, _, _ = one_pass()
         log(f"[{preset} {variant}] warm-up pass {i + 1}: {t:.4f} s")
     times, walls = [], []
-    for i in range(a.steps):
+    for _ in range(a.steps):
         t, wall, _ = one_pass()
         times.append(t)
         walls.append(wall)
@@ -374,7 +374,8 @@ def run_variant(a, preset, variant):
         res["h2d_bytes_per_s"] = None
     log(f"[{preset} {variant}] {res['step_s']:.4f} s/pass (min {res['step_min_s']:.4f}, max {res['step_max_s']:.4f}"
         f"{', extrapolated' if res['extrapolated'] else ''}), streamed {res['streamed_bytes'] / GB:.2f} GB, "
-        f"peak device weights {res['peak_device_weight_bytes'] / GB:.2f} GB, peak RSS {res['peak_host_rss'] / GB:.2f} GB")
+        f"peak device weights {res['peak_device_weight_bytes'] / GB:.2f} GB, "
+        f"peak RSS {res['peak_host_rss'] / GB:.2f} GB")
     return res
 
 
@@ -474,7 +475,7 @@ def print_summary(report):
             if "step_s" not in r:
                 print(f"| {p['preset']} | {r['variant']} | failed: {r.get('error')} | | | | | | | |")
                 continue
-            f = lambda k, fmt: (fmt % r[k]) if r.get(k) is not None else "n/a"  # noqa: E731
+            f = lambda k, fmt, r=r: (fmt % r[k]) if r.get(k) is not None else "n/a"  # noqa: E731
             name = r["variant"] + (f" (extrapolated from {r['extrapolated_from_blocks']} blocks/list)"
                                    if r.get("extrapolated") else "")
             bw = r.get("h2d_bytes_per_s")

@@ -57,9 +57,9 @@ class Tensor:
         if d.get("storage") is not None or int(d.get("storage_offset", 0)) != 0:
             raise NotImplementedError(f"tensor {name}: named storages / storage offsets are not supported in a DiT")
         self.numel = numel(self.shape)
-        if self.strides != contiguous_strides(self.shape):
-            if not (len(self.shape) == 2 and self.strides == [1, self.shape[0]]):
-                raise NotImplementedError(f"tensor {name}: strides {self.strides} (only contiguous or 2-D transposed)")
+        transposed = len(self.shape) == 2 and self.strides == [1, self.shape[0]]
+        if self.strides != contiguous_strides(self.shape) and not transposed:
+            raise NotImplementedError(f"tensor {name}: strides {self.strides} (only contiguous or 2-D transposed)")
         self.bytes = self.numel * DTYPE_BYTES[self.dtype]
 
     @property
@@ -92,7 +92,7 @@ class Module:
         return out
 
     def contains_block_list(self):
-        return any(c.block_list and c.children or c.contains_block_list() for _, c in self.children)
+        return any((c.block_list and c.children) or c.contains_block_list() for _, c in self.children)
 
 
 def parse_module(name, d):
@@ -153,7 +153,7 @@ class DitSpec:
     def _is_block_path(self, rel):
         m = self.root
         parts = rel.split(".")
-        for i, p in enumerate(parts[:-1]):
+        for p in parts[:-1]:
             c = dict(m.children).get(p)
             if c is None:
                 return False

@@ -27,7 +27,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pipeline_spec as ps  # noqa: E402
+import pipeline_spec as ps
 
 GB = 1e9
 
@@ -87,7 +87,9 @@ def render(ours_reports, peer_reports):
             tok = next((t[1] for t in rep.get("tokens", []) if t[0] == preset), None)
             bw = next((b for q, b in rep.get("h2d_bytes_per_s", []) if q == preset), None)
             comp = next((c for q, c in rep.get("compute_s", []) if q == preset), None)
-            head.append(f"ours: {tok} tokens, H2D {fmt(bw / GB if bw else None, '.1f')} GB/s, compute {fmt(comp, '.4f')} s")
+            head.append(
+                f"ours: {tok} tokens, H2D {fmt(bw / GB if bw else None, '.1f')} GB/s, compute {fmt(comp, '.4f')} s"
+            )
         if p:
             bws = sorted(r["h2d_bytes_per_s"] for r in p["rows"] if r.get("h2d_bytes_per_s"))
             head.append(f"peers: {p['tokens']} tokens, H2D {fmt(bws[len(bws) // 2] / GB if bws else None, '.1f')} GB/s "
@@ -119,7 +121,8 @@ def render(ours_reports, peer_reports):
                 lines.append(
                     f"| {preset} | weightferry | {r['config']} | {r['step_s']:.4f} | {r['bound_s']:.4f} "
                     f"| {r['ratio']:.3f} | {r['streamed_bytes_per_step'] / GB:.2f} "
-                    f"| {fmt(dev_dit / GB if dev_dit is not None else None, '.2f')} | {fmt(rss / GB if rss else None, '.2f')} "
+                    f"| {fmt(dev_dit / GB if dev_dit is not None else None, '.2f')} "
+                    f"| {fmt(rss / GB if rss else None, '.2f')} "
                     f"| {fmt(host_ratio, '.2f')} (masters {fmt(masters / dit if hm and dit else None, '.3f')}) "
                     f"| {'bit-exact' if r['outputs_match'] else 'NOT bit-exact'} |")
         if p:
@@ -139,7 +142,7 @@ def render(ours_reports, peer_reports):
                     f"| {r['peak_device_weight_bytes'] / GB:.2f} | {r['peak_host_rss'] / GB:.2f} "
                     f"| {r['peak_host_rss'] / dit:.2f} (after passes {fmt(after / dit if after else None, '.2f')}) "
                     f"| {'n/a' if chk is None else ('= resident' if chk else 'differs')} |")
-    return "\n".join(lines + [""] + notes) + "\n"
+    return "\n".join([*lines, "", *notes]) + "\n"
 
 
 def main():

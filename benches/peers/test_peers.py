@@ -3,6 +3,7 @@
 
     python3 benches/peers/test_peers.py
 """
+import importlib.util
 import json
 import os
 import sys
@@ -10,10 +11,8 @@ import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pipeline_spec as ps  # noqa: E402
-import table  # noqa: E402
-
-import importlib.util
+import pipeline_spec as ps
+import table
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -97,8 +96,8 @@ class TableTests(unittest.TestCase):
 @unittest.skipUnless(HAVE_TORCH, "torch not installed")
 class ModelTests(unittest.TestCase):
     def test_tiny_model_matches_spec(self):
-        import torch
         import peer_bench
+        import torch
         for p in ["flux-tiny", "wan-tiny", "qwen-tiny"]:
             s = spec(p)
             cpu = torch.device("cpu")
@@ -128,7 +127,8 @@ class ModelTests(unittest.TestCase):
                                 "--variants", "resident,group_nostream", "--json", out],
                                capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr[-2000:])
-            rep = json.load(open(out))
+            with open(out) as f:
+                rep = json.load(f)
             rows = rep["presets"][0]["rows"]
             self.assertEqual([x["variant"] for x in rows], ["resident", "group_nostream"])
             self.assertTrue(rows[1]["output_matches_resident"])

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+
 def flux_inputs(torch, c, g, tokens):
     n, t = tokens
     bf = torch.bfloat16
@@ -316,7 +317,9 @@ def variant(args):
         after = handle.stats()
         streamed = sum(a["h2d_bytes"] for a in after["stacks"]) - sum(b["h2d_bytes"] for b in before["stacks"])
         res["streamed_per_step"] = streamed / args.steps
-        res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
+        res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(
+            a.get("device_bytes", 0) for a in after["stacks"]
+        )
         res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "mapped_host_bytes", "pinned") if k in after}
         hook_ms = after["hooks"]["total_ms"] - before["hooks"]["total_ms"]
         res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / args.steps,
@@ -349,7 +352,8 @@ def table(results):
     for r in results:
         if "hook_share" in r:
             h = r["hooks"]
-            print(f"{r['variant']}: hooks {h['per_step_ms']:.3f} ms per step = {100 * r['hook_share']:.3f}% of the step "
+            print(f"{r['variant']}: hooks {h['per_step_ms']:.3f} ms per step = "
+                  f"{100 * r['hook_share']:.3f}% of the step "
                   f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls; host waits for the copy "
                   f"actor {h['record_waits']}, sync fetches {h['sync_fetches']})")
     cks = [r for r in results if "first_step_s" in r]

@@ -27,7 +27,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
-import diffusers_bench as bench  # noqa: E402
+import diffusers_bench as bench
 
 
 def timed(torch, cpu, fn, steps):

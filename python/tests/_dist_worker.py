@@ -13,9 +13,10 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import forward, inputs, on_meta, reference, weights  # noqa: E402
+from test_checkpoint import forward, inputs, on_meta, reference, weights
 
-import weightferry as wf  # noqa: E402
+import weightferry as wf
+from weightferry._enable import Seams
 
 warnings.simplefilter("ignore")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -23,8 +24,9 @@ if os.environ.get("WF_TEST_TORCH_PG"):
     # A process group of torch's own holds MASTER_PORT: weightferry must meet on another port, found in its store.
     torch.distributed.init_process_group("gloo")
 fault = os.environ.get("WF_TEST_FAULT")
+seams = Seams()
 if fault and rank == int(fault.split(":")[0]):
-    wf._enable._SIM_FAULTS = {"fail_all_gather": int(fault.split(":")[1])}
+    seams = Seams(sim_faults={"fail_all_gather": int(fault.split(":")[1])})
 config = {"data_parallel_size": int(os.environ.get("WF_TEST_GROUP", world)),
           "diffusion_offload_config": {"mode": "layer", "components": ["dit"],
                                        "layer_options": {"dit": {"weight_transfer": "allgather"}}}}
@@ -49,13 +51,13 @@ if os.environ.get("WF_TEST_CHECKPOINT"):
 res = {"rank": rank}
 h = None
 try:
-    h = wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda", **extra)
+    h = wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda", _seams=seams, **extra)
     res["group"] = h.stats()["group"]
     res["exact"] = [bool(torch.equal(forward(m, x), expected)) for _ in range(2)]
     h.disable()
     res["weights"] = all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
     if os.environ.get("WF_TEST_TWICE"):
-        with wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda"):
+        with wf.enable({"transformer": m}, config, device="sim" if device == "sim" else "cuda", _seams=seams):
             res["exact"].append(bool(torch.equal(forward(m, x), expected)))
         res["weights"] &= all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 except wf.Error as e:

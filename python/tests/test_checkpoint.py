@@ -58,7 +58,7 @@ def save_sharded(state, folder, cut):
     weight_map = {}
     for file, keys in shards.items():
         save_file({k: state[k].contiguous() for k in keys}, str(folder / file))
-        weight_map.update({k: file for k in keys})
+        weight_map.update(dict.fromkeys(keys, file))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 

@@ -66,13 +66,13 @@ def test_a_steady_pipeline_binds_each_block_once_and_tensors_view_the_slots():
     p = pipe(6)
     with wf.enable(p, layer(2), device="cuda") as h:
         binds = []
-        original = h._bind_from_device
+        original = h._hooks._bind_from_device
 
         def counting(sid, buffer, offset):
             binds.append(sid)
             original(sid, buffer, offset)
 
-        h._bind_from_device = counting
+        h._hooks._bind_from_device = counting
         run_on(p, CUDA)
         first = len(binds)
         run_on(p, CUDA, steps=4)
@@ -90,9 +90,8 @@ def test_a_forward_on_another_stream_is_refused():
     with wf.enable(p, layer(1), device="cuda"):
         side = torch.cuda.Stream()
         x = torch.zeros(2, 5, 16, dtype=BF16, device=CUDA)
-        with torch.cuda.stream(side), torch.no_grad():
-            with pytest.raises(wf.OffloadError) as e:
-                p.transformer(x)
+        with torch.cuda.stream(side), torch.no_grad(), pytest.raises(wf.OffloadError) as e:
+            p.transformer(x)
         assert "weightferry was enabled on stream" in str(e.value)
         assert "run the pipeline on that stream" in str(e.value)
         # The failed forward released its block: the pipeline still runs on the enabling stream.

@@ -1,8 +1,9 @@
 """Real diffusers and transformers models offloaded on ``device="sim"`` (CI): tiny configurations of diffusers'
 ``FluxTransformer2DModel``, ``WanTransformer3DModel`` and ``QwenImageTransformer2DModel`` and of transformers'
 ``T5EncoderModel``, found through the deprecated scan of diffusers' conventions (no declarations), at every prefetch
-depth 1-4, with resident layers, under a device budget, and model-level with the T5 encoder: outputs bit-identical to the same modules
-not offloaded, every parameter bit-identical after disable, T5's tied embedding kept as one storage."""
+depth 1-4, with resident layers, under a device budget, and model-level with the T5 encoder: outputs bit-identical to
+the same modules not offloaded, every parameter bit-identical after disable, T5's tied embedding kept as one
+storage."""
 
 import copy
 

@@ -18,7 +18,6 @@ import sys
 
 import pytest
 
-
 WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
 
 

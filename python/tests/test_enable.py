@@ -14,6 +14,10 @@ from tiny import BF16, OffloadPlan, TinyBlock, TinyDiT, TinyPipeline, TinyTextEn
 
 import weightferry as wf
 import weightferry._enable as wf_enable
+from weightferry._binders import CudaBinder
+from weightferry._clock import HookClock
+from weightferry._enable import Seams
+from weightferry._storages import View, set_data
 
 ALL = ["dit", "text_encoder", "vae"]
 
@@ -162,7 +166,8 @@ def test_offloaded_forward_is_bit_identical_and_disable_restores_every_tensor(co
     assert after[0] == before[0] and after[2] == before[2]
     assert after[1] == before[1]
     # The tied head shares the embedding's storage again.
-    assert p.text_encoder.head.weight.untyped_storage().data_ptr() == p.text_encoder.embed.weight.untyped_storage().data_ptr()
+    head, embed = p.text_encoder.head.weight, p.text_encoder.embed.weight
+    assert head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
     assert_outputs_equal(run(p), expected)
     handle.disable()  # idempotent
 
@@ -244,7 +249,7 @@ class FailingSession:
 
 
 @pytest.mark.parametrize("config", [layer(2), MODEL], ids=["layer", "model"])
-def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_were(monkeypatch, config):
+def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_were(config):
     p = pipe(3)
     expected = run(p)
     before = snapshot(p)
@@ -254,11 +259,10 @@ def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_we
         made.append(FailingSession(at, *args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(wf_enable, "_Session", factory)
     at = 1
     while True:
         try:
-            h = wf.enable(p, config)
+            h = wf.enable(p, config, _seams=Seams(session=factory))
         except wf.OffloadError as e:
             assert str(e).startswith("injected failure in "), e
             assert snapshot(p) == before, f"failure at call {at}"
@@ -273,25 +277,23 @@ def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_we
     assert snapshot(p) == before
 
 
-def test_a_failure_at_every_binding_of_enable_leaves_the_modules_as_they_were(monkeypatch):
+def test_a_failure_at_every_binding_of_enable_leaves_the_modules_as_they_were():
     p = pipe(3)
     expected = run(p)
     before = snapshot(p)
-    real = wf_enable._bind
     count = [0, 0]
 
     def failing(view, tensor):
         count[0] += 1
         if count[0] == count[1]:
             raise RuntimeError(f"injected binding failure at {view.path}")
-        real(view, tensor)
+        set_data(view, tensor)
 
-    monkeypatch.setattr(wf_enable, "_bind", failing)
     n = 1
     while True:
         count[:] = [0, n]
         try:
-            h = wf.enable(p, layer(2))
+            h = wf.enable(p, layer(2), _seams=Seams(bind=failing))
         except RuntimeError as e:
             assert "injected binding failure" in str(e)
             assert snapshot(p) == before, f"failure at binding {n}"
@@ -458,7 +460,7 @@ def test_stats_total_the_stacks_and_time_the_hooks():
 
 
 def test_the_hook_clock_keeps_a_fixed_ring():
-    clock = wf_enable._HookClock()
+    clock = HookClock()
     for ns in range(10_000):
         clock.record(ns)
     assert clock.calls == 10_000 and len(clock.ring) == clock.SAMPLES == 4096
@@ -542,15 +544,14 @@ def test_retune_changes_resident_layers():
 
 @pytest.mark.parametrize("fault", ["oom_at_alloc", "fail_host_alloc", "fail_h2d_copy"])
 @pytest.mark.parametrize("config", [layer(2), MODEL], ids=["layer", "model"])
-def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_they_were(monkeypatch, fault, config):
+def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_they_were(fault, config):
     p = pipe(3)
     expected = run(p)
     before = snapshot(p)
     n = 0
     while True:
-        monkeypatch.setattr(wf_enable, "_SIM_FAULTS", {fault: n})
         try:
-            h = wf.enable(p, config)
+            h = wf.enable(p, config, _seams=Seams(sim_faults={fault: n}))
         except wf.OffloadError:
             assert snapshot(p) == before, f"{fault} at call {n}"
             n += 1
@@ -567,7 +568,6 @@ def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_
         break
     # Model-level enable copies nothing (components move at their phases): no copy of enable to fail there.
     assert n > 0 or (fault == "fail_h2d_copy" and config is MODEL), "the fault never fired during enable"
-    monkeypatch.setattr(wf_enable, "_SIM_FAULTS", None)
     with wf.enable(p, config):
         assert_outputs_equal(run(p), expected)
     assert snapshot(p) == before
@@ -577,12 +577,12 @@ def test_the_cuda_binder_moves_a_tensor_between_slots_from_views_made_once():
     # The CUDA binder's rebinding on CPU storages (its `_storage` pointed at two CPU buffers standing in for two
     # slots): applying a rebinding makes the parameter object (kept, with its requires_grad) view its bytes in that
     # slot, and a rebinding made once is applied again later without being rebuilt.
-    binder = wf_enable._CudaBinder(None, torch.device("cpu"))
+    binder = CudaBinder(None, torch.device("cpu"))
     slots = {b: torch.arange(256, dtype=torch.uint8).add_(b).untyped_storage() for b in (1, 2)}
     binder._storage = slots.__getitem__
     p = nn.Parameter(torch.zeros(2, 3, dtype=BF16))
     tied = p.detach().view(6)  # another tensor object over the same storage
-    views = [wf_enable._View(p, "m.weight"), wf_enable._View(tied, "m.tied", like=tied)]
+    views = [View(p, "m.weight"), View(tied, "m.tied", like=tied)]
     at = {b: binder.rebinding([(views, b, 64)]) for b in (1, 2)}
     for b in (1, 2, 1):
         binder.apply(at[b])

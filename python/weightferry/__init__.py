@@ -26,8 +26,10 @@ from ._core import (
     __version__,
 )
 from ._describe import describe
-from ._enable import Handle, enable
-from ._plan import WeightferryWarning, check_config, plan
+from ._enable import enable
+from ._handle import Handle
+from ._plan import check_config, plan
+from ._warnings import WeightferryWarning
 
 __all__ = [
     "CheckpointError",

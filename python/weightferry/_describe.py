@@ -12,12 +12,35 @@ whose class declares no block lists gets diffusers' conventional ones (``transfo
 warning once per pipeline class.
 """
 
+from __future__ import annotations
+
 import dataclasses
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Union
 
 from . import _core
+from ._warnings import WeightferryWarning
 
-__all__ = ["describe"]
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+    from typing_extensions import TypeAlias
+
+__all__ = ["Bound", "Description", "Modules", "PipelineLike", "describe"]
+
+PipelineLike: TypeAlias = Union["Mapping[str, nn.Module]", "nn.Module", object]
+"""What :func:`describe` accepts: a diffusers pipeline, an object whose public attributes are the components, a dict
+of name -> ``torch.nn.Module``, or one ``torch.nn.Module``."""
+Description: TypeAlias = "dict[str, Any]"
+"""A pipeline description: JSON data in the ``weightferry-pipeline/1`` format."""
+Bound: TypeAlias = "dict[str, tuple[nn.Module, str]]"
+"""Tensor path -> (the module holding it, its attribute name there)."""
+Modules: TypeAlias = "dict[str, nn.Module]"
+"""Module path -> module (the root module, if any, at ``""``)."""
+# One tensor viewing a storage, as the walk records it: (its description entry, its path, dtype name, element size,
+# elements its view needs from the storage's start, the storage's bytes).
+_StorageView: TypeAlias = "tuple[dict[str, Any], str, str, int, int, int]"
 
 FORMAT = "weightferry-pipeline/1"
 
@@ -36,12 +59,12 @@ _FALLBACK_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blo
 _FALLBACK_ENCODER_BLOCKS = ("encoder.block", "text_model.encoder.layers", "encoder.layers", "model.layers", "layers")
 _FALLBACK_ENCODER_PREFIX = "text_encoder"
 # Pipeline classes the fallback scan already warned about (once per class).
-_WARNED = set()
+_WARNED: set[str] = set()
 
 _SUPPORTED = "float32, float16, bfloat16, float8_e4m3fn, int64, int32, uint8"
 
 
-def _dtype_names():
+def _dtype_names() -> dict[torch.dtype, str]:
     import torch
 
     return {
@@ -55,23 +78,23 @@ def _dtype_names():
     }
 
 
-def _error(message):
+def _error(message: str) -> _core.PipelineError:
     return _core.PipelineError(message)
 
 
-def _path_list(value, where):
+def _path_list(value: object, where: str) -> list[str]:
     """A declaration that must be a list (or tuple) of dotted-path strings."""
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return list(value)
     raise _error(f"{where} must be a list of dotted module paths (str), got {value!r}")
 
 
-def _plain(value, where):
+def _plain(value: object, where: str) -> Any:
     """A declaration value as JSON data: mappings to dicts, tuples / lists / sets to lists, strings as they are."""
     if isinstance(value, str) or value is None or isinstance(value, bool):
         return value
     if isinstance(value, Mapping):
-        out = {}
+        out: dict[str, Any] = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise _error(f"{where} has a key {k!r} that is not a str; use dotted module paths as keys")
@@ -84,7 +107,7 @@ def _plain(value, where):
     raise _error(f"{where} holds {value!r} ({type(value).__name__}); use str, lists and dicts")
 
 
-def _offload_plan(decl, where):
+def _offload_plan(decl: object, where: str) -> dict[str, Any]:
     """The pipeline's ``_offload_plan`` (a dataclass such as vLLM-Omni's ``OffloadPlan``, a mapping, or an object
     with attributes) as the format's ``offload_plan`` object. Unknown fields pass through, so the Rust loader
     rejects them with its message."""
@@ -100,7 +123,7 @@ def _offload_plan(decl, where):
     return {k: _plain(v, f"{where}.{k}") for k, v in fields.items() if v not in (None, (), [], {})}
 
 
-def _root_modules(pipeline):
+def _root_modules(pipeline: PipelineLike) -> tuple[str, nn.Module | None, list[tuple[str, nn.Module]]]:
     """``(class name, root nn.Module or None, [(name, nn.Module)])``: the components of ``pipeline``, in order."""
     import torch.nn as nn
 
@@ -135,18 +158,18 @@ def _root_modules(pipeline):
 class _Describer:
     """One walk over the module tree: tensor entries, storage identity, class block attributes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.dtypes = _dtype_names()
         # storage key -> [(entry, path, dtype name, element size, elements the view needs, storage bytes)]
-        self.storages = {}
-        self.class_attrs = {}
-        self.class_attr = {}
-        self.class_owner = {}
+        self.storages: dict[tuple[str, int], list[_StorageView]] = {}
+        self.class_attrs: dict[str, list[str]] = {}
+        self.class_attr: dict[str, str] = {}
+        self.class_owner: dict[tuple[str, str], type] = {}
         # tensor path -> (module, attribute name); module path -> module (for enable's binding and hooks)
-        self.bound = {}
-        self.modules = {}
+        self.bound: Bound = {}
+        self.modules: Modules = {}
 
-    def tensor(self, t, path, kind):
+    def tensor(self, t: torch.Tensor, path: str, kind: str) -> dict[str, Any]:
         import torch
 
         if t.layout != torch.strided:
@@ -169,7 +192,7 @@ class _Describer:
             )
         shape = list(t.shape)
         strides = list(t.stride())
-        offset = t.storage_offset()
+        offset = int(t.storage_offset())
         span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
         entry = {"dtype": dtype, "shape": shape, "strides": strides, "kind": kind, "storage_offset": offset}
         storage = t.untyped_storage()
@@ -180,19 +203,19 @@ class _Describer:
         self.storages.setdefault(key, []).append((entry, path, dtype, t.element_size(), offset + span, nbytes))
         return entry
 
-    def module(self, m, path, active):
+    def module(self, m: nn.Module, path: str, active: set[int]) -> dict[str, Any]:
         if id(m) in active:
             raise _error(f"module '{path}' contains itself; weightferry needs a module tree without cycles")
         active.add(id(m))
         self.modules[path] = m
         self._class_decls(m, path)
-        node = {"class": type(m).__name__}
+        node: dict[str, Any] = {"class": type(m).__name__}
         if callable(getattr(m, "load_to_device", None)) and callable(getattr(m, "offload_to_cpu", None)):
             node["has_lifecycle"] = True
         tensors = self.tensors(m, path)
         if tensors:
             node["tensors"] = tensors
-        children = {}
+        children: dict[str, Any] = {}
         for name, child in m._modules.items():
             if child is not None:
                 children[name] = self.module(child, f"{path}.{name}", active)
@@ -201,9 +224,9 @@ class _Describer:
         active.discard(id(m))
         return node
 
-    def tensors(self, m, path):
+    def tensors(self, m: nn.Module, path: str) -> dict[str, Any]:
         prefix = f"{path}." if path else ""
-        out = {}
+        out: dict[str, Any] = {}
         for name, p in m._parameters.items():
             if p is not None:
                 out[name] = self.tensor(p, prefix + name, "parameter")
@@ -216,7 +239,7 @@ class _Describer:
                 self.bound[prefix + name] = (m, name)
         return out
 
-    def _class_decls(self, m, path):
+    def _class_decls(self, m: nn.Module, path: str) -> None:
         """Records the block-list declarations of ``m``'s class (keyed by class name, as the format keys them)."""
         cls = type(m)
         plural = getattr(cls, "_layerwise_offload_blocks_attrs", None)
@@ -232,7 +255,7 @@ class _Describer:
                 )
             self._record(self.class_attr, cls, path, "_layerwise_offload_blocks_attr", singular)
 
-    def _record(self, table, cls, path, attr, value):
+    def _record(self, table: dict[str, Any], cls: type, path: str, attr: str, value: object) -> None:
         owner = self.class_owner.setdefault((cls.__name__, attr), cls)
         if owner is not cls and getattr(owner, attr) != getattr(cls, attr):
             raise _error(
@@ -242,12 +265,12 @@ class _Describer:
             )
         table[cls.__name__] = value
 
-    def storage_table(self):
+    def storage_table(self) -> dict[str, Any]:
         """Names the storages several tensors share (or that are larger than their one view) and points their
         tensors at them; every other tensor owns a storage of exactly its view's size."""
-        table = {}
+        table: dict[str, Any] = {}
         for views in self.storages.values():
-            entry, path, dtype, size, needed, nbytes = views[0]
+            _, path, dtype, size, needed, nbytes = views[0]
             if len(views) == 1 and needed * size == nbytes:
                 continue
             for _, other_path, other_dtype, _, _, _ in views[1:]:
@@ -265,7 +288,7 @@ class _Describer:
         return table
 
 
-def describe(pipeline):
+def describe(pipeline: PipelineLike) -> Description:
     """Describes ``pipeline`` as a dict in the pipeline-description format (``json.dumps`` of it is a file
     ``weightferry plan --pipeline`` reads).
 
@@ -278,7 +301,7 @@ def describe(pipeline):
     return _describe(pipeline)[0]
 
 
-def _module_list_at(m, dotted):
+def _module_list_at(m: nn.Module | None, dotted: str) -> nn.ModuleList | None:
     """The ``nn.ModuleList`` at dotted path ``dotted`` under ``m`` (with at least one block), or ``None``."""
     import torch.nn as nn
 
@@ -289,7 +312,7 @@ def _module_list_at(m, dotted):
     return m if isinstance(m, nn.ModuleList) and len(m) > 0 else None
 
 
-def _fallback_scan(cls, items, desc):
+def _fallback_scan(cls: str, items: Iterable[tuple[str, nn.Module]], desc: Description) -> None:
     """Block lists of components that declare none, for a pipeline that declares neither components nor an offload
     plan, from diffusers' conventions (the deprecated fallback scan): DiT block-list attributes into
     ``class_block_attrs`` (and those DiTs into ``offload_plan.resident_dit_paths``, so they may keep resident
@@ -297,7 +320,10 @@ def _fallback_scan(cls, items, desc):
     naming what it found."""
     declared = desc.get("class_block_attrs", {})
     singular = desc.get("class_block_attr", {})
-    found, dit_attrs, encoder_attrs, dit_paths = [], {}, {}, []
+    found: list[str] = []
+    dit_attrs: dict[str, list[str]] = {}
+    encoder_attrs: dict[str, list[str]] = {}
+    dit_paths: list[str] = []
     for name, m in items:
         mcls = type(m).__name__
         if name.startswith(_FALLBACK_ENCODER_PREFIX):
@@ -315,7 +341,7 @@ def _fallback_scan(cls, items, desc):
             found.extend(f"{name}.{a}" for a in attrs)
     if dit_attrs:
         desc["class_block_attrs"] = {**declared, **dit_attrs}
-    plan = {}
+    plan: dict[str, Any] = {}
     if encoder_attrs:
         plan["encoder_block_attrs"] = encoder_attrs
     if dit_paths:
@@ -323,10 +349,6 @@ def _fallback_scan(cls, items, desc):
     if plan:
         desc["offload_plan"] = plan
     if found and cls not in _WARNED:
-        import warnings
-
-        from ._plan import WeightferryWarning
-
         _WARNED.add(cls)
         warnings.warn(
             f"pipeline {cls} declares no block lists for some components; using the deprecated scan of diffusers' "
@@ -337,12 +359,12 @@ def _fallback_scan(cls, items, desc):
         )
 
 
-def _describe(pipeline):
+def _describe(pipeline: PipelineLike) -> tuple[Description, Bound, Modules]:
     """``(description, {tensor path: (module, attribute)}, {module path: module})``: :func:`describe` with the
     objects its paths name (the root module, if any, at path ``""``)."""
     cls, root, items = _root_modules(pipeline)
     d = _Describer()
-    desc = {"format": FORMAT, "class": cls}
+    desc: Description = {"format": FORMAT, "class": cls}
     if root is not None:
         d.modules[""] = root
         tensors = d.tensors(root, "")
@@ -356,7 +378,7 @@ def _describe(pipeline):
         desc["storages"] = storages
 
     if not isinstance(pipeline, Mapping):
-        declared = {}
+        declared: dict[str, list[str]] = {}
         for attr, key in _COMPONENT_DECLS:
             value = getattr(pipeline, attr, None)
             if value is not None:

@@ -1,49 +1,34 @@
-"""``plan()`` and ``check_config()``: the config argument (a dict in the config file's vocabulary, or a path to a
-``.json`` / ``.toml`` file) handed to the Rust resolver, and the resolver's warnings surfaced as Python warnings."""
+"""``plan()`` and ``check_config()``: the config argument handed to the Rust resolver, and the resolver's warnings
+surfaced as Python warnings."""
+
+from __future__ import annotations
 
 import json
-import os
-import warnings
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
-from ._describe import describe
+from ._config import ConfigLike, config_arg
+from ._describe import PipelineLike, describe
+from ._warnings import warn_report
 
-__all__ = ["WeightferryWarning", "check_config", "plan"]
+if TYPE_CHECKING:
+    from typing_extensions import TypeAlias
 
+__all__ = ["Strategy", "check_config", "plan"]
 
-class WeightferryWarning(UserWarning):
-    """A warning of weightferry's resolver (e.g. the deprecated component scan of a pipeline without
-    declarations)."""
-
-
-def _config_arg(config):
-    """Returns ``(text, format)`` for ``_core``: a dict as JSON text, a path as ``"file"`` (read by Rust exactly as
-    the CLI's ``--config`` reads it)."""
-    if isinstance(config, dict):
-        try:
-            return json.dumps(config, allow_nan=False), "json"
-        except (TypeError, ValueError) as e:
-            raise _core.ConfigError(
-                f"invalid config: <root>: the config dict is not JSON data ({e}); use str, int, float, bool, "
-                "None, lists and dicts with str keys"
-            ) from None
-    if isinstance(config, (str, os.PathLike)):
-        return os.fspath(config), "file"
-    raise _core.ConfigError(
-        f"invalid config: <root>: expected a dict in the config file's vocabulary or a path to a .json or .toml "
-        f"file, got {type(config).__name__}"
-    )
+Strategy: TypeAlias = Literal["none", "model", "layer", "distributed_layer"]
+"""The strategy a config selects."""
 
 
-def check_config(config):
+def check_config(config: ConfigLike) -> Strategy:
     """Validates ``config`` (a dict or a path to a ``.json`` / ``.toml`` file) and returns the strategy it selects:
     ``"none"``, ``"model"``, ``"layer"`` or ``"distributed_layer"``. Raises :class:`weightferry.ConfigError` with
     the CLI's message."""
-    text, fmt = _config_arg(config)
+    text, fmt = config_arg(config)
     return _core.check_config(text, fmt)
 
 
-def plan(pipeline, config, *, name=None):
+def plan(pipeline: PipelineLike, config: ConfigLike, *, name: str | None = None) -> dict[str, Any]:
     """The resolved offload plan of ``pipeline`` under ``config``, as a dict: the object
     ``weightferry plan --pipeline FILE --config FILE --json`` prints for ``describe(pipeline)`` written to FILE
     (``"strategy"``, ``"components"``, ``"device_weight_bytes"``, ``"total_weight_bytes"``, ...).
@@ -57,8 +42,9 @@ def plan(pipeline, config, *, name=None):
     :class:`weightferry.PlanError` with the CLI's message.
     """
     desc = describe(pipeline)
-    text, fmt = _config_arg(config)
-    report = json.loads(_core.plan(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name)))
-    for message in report.get("warnings", []):
-        warnings.warn(message, WeightferryWarning, stacklevel=2)
+    text, fmt = config_arg(config)
+    report: dict[str, Any] = json.loads(
+        _core.plan(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name))
+    )
+    warn_report(report, stacklevel=2)
     return report

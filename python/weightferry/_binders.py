@@ -1,0 +1,153 @@
+"""Binders: how a device's bytes become what a torch tensor holds, one per device.
+
+- ``"cuda"`` / ``"cuda:N"`` (:class:`CudaBinder`): torch views weightferry's device buffers in place
+  (``__cuda_array_interface__``, one torch storage per buffer, made once). A tensor is bound with ``set_`` to its
+  bytes in a buffer; a streamed block is rebound only when its slot changed since its last forward, and then with one
+  ``set_`` per tensor from views made the first time the block landed in that slot (:meth:`CudaBinder.rebinding`).
+- ``"sim"`` (:class:`SimBinder`, the simulated device: device buffers in host memory, compute on the CPU): a tensor
+  "on the device" is a CPU tensor holding a copy of the simulated device memory, rebuilt at each streamed block's
+  ``pre_forward`` and emptied after it: the sim is the test device, so the copy is acceptable there.
+
+Every binding of a tensor goes through the binder's ``set_data`` (``_storages.set_data`` unless a test injects
+another).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Union
+
+from . import _core
+from ._storages import View, set_data, tensors_over
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import TypeAlias
+
+__all__ = ["Binder", "CudaBinder", "Rebinding", "SetData", "SimBinder", "placeholder"]
+
+SetData: TypeAlias = "Callable[[View, torch.Tensor], None]"
+"""Makes a view's tensor object hold a tensor's data."""
+Rebinding: TypeAlias = "list[tuple[torch.Tensor, torch.Tensor]]"
+"""Pairs of (a pipeline tensor, a tensor viewing its bytes on the device)."""
+
+
+def placeholder(view: View, device: str | torch.device = "cpu") -> torch.Tensor:
+    """What a tensor holds before its bytes are bound (and, on the sim, between its block's forwards): nothing (an
+    empty tensor of its dtype on ``device``)."""
+    import torch
+
+    return torch.empty(0, dtype=view.dtype, device=device)
+
+
+class SimBinder:
+    """Binds tensors to copies of simulated device memory (see the module doc)."""
+
+    unbinds_after_forward = True
+    device = "cpu"
+
+    def __init__(self, session: _core.Session, bind: SetData = set_data) -> None:
+        self._session = session
+        self.set_data = bind
+
+    def bind(self, views: list[View], nbytes: int, buffer: int, offset: int) -> None:
+        """Binds the views of one storage to its ``nbytes`` at ``offset`` of device buffer ``buffer``."""
+        data = self._session.read_device(buffer, offset, nbytes)
+        for view, tensor in zip(views, tensors_over(data, views)):
+            self.set_data(view, tensor)
+
+    def unbind(self, views: list[View]) -> None:
+        """Empties the views of a streamed storage after its block's forward."""
+        for view in views:
+            self.set_data(view, placeholder(view))
+
+    def clear(self) -> None:
+        """Forgets what the binder made of the device buffers (none here)."""
+
+
+class _CudaArray:
+    """One of weightferry's CUDA buffers as torch can view it (``__cuda_array_interface__``, flat bytes). torch keeps
+    this object alive as long as a view exists; it owns nothing, the session owns the memory."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+class CudaBinder:
+    """Binds tensors in place to weightferry's CUDA buffers (see the module doc)."""
+
+    unbinds_after_forward = False
+
+    def __init__(self, session: _core.Session, device: torch.device, bind: SetData = set_data) -> None:
+        self._session = session
+        self.device = self._device = device
+        self.set_data = bind
+        self._storages: dict[int, torch.UntypedStorage] = {}  # buffer id -> torch UntypedStorage viewing it
+        import torch
+
+        self._no_grad = torch.no_grad
+
+    def _storage(self, buffer: int) -> torch.UntypedStorage:
+        import torch
+
+        st = self._storages.get(buffer)
+        if st is None:
+            ptr, n = self._session.device_ptr(buffer)
+            if n:
+                st = torch.as_tensor(_CudaArray(ptr, n), device=self._device).untyped_storage()
+            else:
+                st = torch.empty(0, dtype=torch.uint8, device=self._device).untyped_storage()
+            self._storages[buffer] = st
+        return st
+
+    def rebinding(self, items: list[tuple[list[View], int, int]]) -> Rebinding:
+        """What binding tensors to device bytes takes, built once and applied by :meth:`apply` as often as the bytes
+        are there: ``items`` are ``(views, buffer, offset)`` (a storage's tensors and where its bytes are); the result
+        pairs each tensor with a tensor viewing its bytes, so applying it is one ``set_`` per tensor with no
+        geometry to convert (a streamed block lands in one of a few slots: the hooks keep one per slot)."""
+        import torch
+
+        pairs = []
+        for views, buffer, offset in items:
+            st = self._storage(buffer)
+            for view in views:
+                item = view.dtype.itemsize
+                if offset % item:
+                    raise _core.OffloadError(
+                        f"internal error: tensor '{view.path}' would start at byte {offset} of device buffer {buffer}, "
+                        f"not a multiple of its {item}-byte elements"
+                    )
+                t = view.tensor
+                if t.device != self._device:
+                    self.set_data(view, placeholder(view, self._device))
+                src = torch.empty(0, dtype=view.dtype, device=self._device)
+                src.set_(st, offset // item + view.offset, view.shape, view.strides)
+                pairs.append((t, src))
+        return pairs
+
+    def apply(self, pairs: Rebinding) -> None:
+        """Binds each tensor of a :meth:`rebinding` to its bytes."""
+        with self._no_grad():
+            for t, src in pairs:
+                t.set_(src)  # type: ignore[call-overload]  # torch's stubs omit set_(tensor)
+
+    def bind(self, views: list[View], nbytes: int, buffer: int, offset: int) -> None:
+        """Binds the views of one storage to its bytes at ``offset`` of device buffer ``buffer``."""
+        self.apply(self.rebinding([(views, buffer, offset)]))
+
+    def unbind(self, views: list[View]) -> None:
+        """Nothing: a streamed tensor keeps viewing its last slot between forwards."""
+
+    def clear(self) -> None:
+        """Forgets the torch storages over the device buffers (new buffers after a retune, none after disable)."""
+        self._storages.clear()
+
+
+Binder: TypeAlias = Union[SimBinder, CudaBinder]
+"""The binder of a session's device."""

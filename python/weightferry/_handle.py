@@ -1,0 +1,184 @@
+""":class:`Handle`, what :func:`weightferry.enable` returns: an offloaded pipeline, disabled by its
+:meth:`Handle.disable` (or by leaving its ``with`` block), retuned by :meth:`Handle.retune`, read by
+:meth:`Handle.state_dict` and :meth:`Handle.stats`."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import _core
+from ._config import ConfigLike, config_arg
+from ._hooks import Hooks, StreamCheck
+from ._registry import mark
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._binders import Binder
+    from ._describe import Modules
+    from ._storages import StorageMap
+
+__all__ = ["Handle"]
+
+
+class Handle:
+    """An offloaded pipeline. :meth:`disable` gives every tensor ordinary CPU storage back (bit-identical);
+    :meth:`stats` reports what the backend holds and did. A context manager: leaving the ``with`` block disables."""
+
+    def __init__(
+        self,
+        session: _core.Session,
+        storages: StorageMap,
+        modules: Modules,
+        binder: Binder,
+        stream: StreamCheck | None,
+        config: dict[str, Any] | None,
+    ) -> None:
+        """Made by ``enable``, which then offloads (:meth:`_offload`) or not."""
+        self._session = session
+        self._storages = storages
+        self._binder = binder
+        self._stream = stream  # on CUDA only
+        self._hooks = Hooks(session, storages, binder, modules, stream)
+        self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
+        self._offloaded = False
+        self._disabled = False
+
+    def _offload(self) -> None:
+        """Binds the fixed placement, installs the hooks and registers the tensors as offloaded (after the session
+        enabled). ``enable``'s undo stack undoes each step."""
+        self._offloaded = True
+        self._hooks.install()
+        mark(self._storages.tensors(), True)
+
+    def _unmark(self) -> None:
+        mark(self._storages.tensors(), False)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the pipeline is offloaded now (``False`` after :meth:`disable`, and when the plan streamed
+        nothing)."""
+        return self._offloaded and not self._disabled
+
+    def disable(self) -> None:
+        """Removes the hooks, disables the backend and rebinds every tensor to an ordinary CPU tensor rebuilt from
+        the host model: bit-identical to before :func:`enable`, tensors that shared a storage sharing one again.
+        Idempotent. If the backend cannot finish, raises :class:`weightferry.OffloadError` and can be called
+        again."""
+        if self._disabled:
+            return
+        self._hooks.remove()
+        self._session.disable()
+        self._binder.clear()
+        if self._offloaded:
+            self._storages.rebuild(self._session, self._binder.set_data)
+            self._unmark()
+        self._disabled = True
+
+    def stats(self) -> dict[str, Any]:
+        """The backend's report as a dict: ``strategy``, ``enabled``, ``stacks`` (per stack: ``loads``,
+        ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches`` (blocks not prefetched in time: the
+        forward waited for their copy), ``record_waits`` (hook calls that waited on the host for the copy actor to
+        enqueue their block's load), ``device_bytes``, ...), ``fixed_device_bytes``, ``master_host_bytes``,
+        ``mapped_host_bytes`` (blocks served straight from a checkpoint file, no master), ``pinned``; and the totals
+        ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes`` (fixed placement and every
+        stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
+        ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
+        4096 calls, ``max_us``, ``total_ms``)."""
+        report: dict[str, Any] = json.loads(self._session.report())
+        stacks = report.get("stacks", [])
+        report["bytes_streamed"] = sum(s.get("h2d_bytes", 0) for s in stacks)
+        report["device_bytes"] = report.get("fixed_device_bytes", 0) + sum(s.get("device_bytes", 0) for s in stacks)
+        report["host_bytes"] = report.get("master_host_bytes", 0)
+        report["stalls"] = sum(s.get("sync_fetches", 0) for s in stacks)
+        report["hooks"] = self._hooks.clock.summary()
+        return report
+
+    def retune(
+        self,
+        config: ConfigLike | None = None,
+        *,
+        prefetch_depth: int | None = None,
+        resident_layers: int | None = None,
+        device_budget: int | str | None = None,
+    ) -> dict[str, Any]:
+        """Changes the DiT's prefetch depth, its resident layers and the device budget without rebuilding host
+        masters or the fixed placement, and returns the new plan (the dict :func:`weightferry.plan` gives).
+
+        ``config`` is a whole new config (dict or path, same vocabulary); without it the keywords edit the config
+        dict given to :func:`enable` (``layer_options.dit.prefetch_depth``, ``layer_options.dit.resident_layers``,
+        ``device_budget``; ``device_budget="auto"`` is planned from the device's free memory now). A config that
+        would offload other components or blocks raises :class:`weightferry.OffloadError` and changes nothing
+        (disable and enable instead); a bad config raises :class:`weightferry.ConfigError` /
+        :class:`weightferry.PlanError`. Each streamed block is rebound to its new slot at its next forward."""
+        if not self.enabled:
+            raise _core.OffloadError("retune needs an enabled handle; this one is disabled or offloads nothing")
+        config = self._edited(config, prefetch_depth, resident_layers, device_budget)
+        text, fmt = config_arg(config)
+        free = 0
+        if self._stream is not None:
+            import torch
+
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(self._binder.device)[0]
+        try:
+            plan = self._session.retune(text, fmt, free)
+        except _core.Error:
+            if not self._session.hooked_modules():
+                self._hooks.broken = (
+                    "a retune failed after the old block stacks were taken down, so this pipeline has no offload "
+                    "hooks; call disable() (which restores every weight) and enable again"
+                )
+            raise
+        self._hooks.forget_slots()  # the slots are new: every streamed block is bound again at its next forward
+        self._binder.clear()
+        self._config = config if isinstance(config, dict) else None
+        result: dict[str, Any] = json.loads(plan)
+        return result
+
+    def _edited(
+        self,
+        config: ConfigLike | None,
+        prefetch_depth: int | None,
+        resident_layers: int | None,
+        device_budget: int | str | None,
+    ) -> ConfigLike:
+        """The config :meth:`retune` applies: ``config`` (default: enable's) with the keywords' edits."""
+        edits = {"prefetch_depth": prefetch_depth, "resident_layers": resident_layers}
+        if config is None:
+            if self._config is None:
+                raise _core.ConfigError(
+                    "invalid config: <root>: retune(prefetch_depth=..., resident_layers=..., device_budget=...) "
+                    "edits the config dict given to enable, but this handle was enabled from a file; pass the new "
+                    "config to retune instead"
+                )
+            config = json.loads(json.dumps(self._config))
+        if any(v is not None for v in edits.values()) or device_budget is not None:
+            if not isinstance(config, dict):
+                raise _core.ConfigError("invalid config: <root>: retune's keywords edit a config dict, not a path")
+            edited: dict[str, Any] = json.loads(json.dumps(config))
+            dcfg = edited.setdefault("diffusion_offload_config", {})
+            for key, value in edits.items():
+                if value is not None:
+                    dcfg.setdefault("layer_options", {}).setdefault("dit", {})[key] = value
+            if device_budget is not None:
+                dcfg["device_budget"] = device_budget
+            return edited
+        return config
+
+    def state_dict(self, component: str | None = None) -> dict[str, torch.Tensor]:
+        """The pipeline's weights as ordinary CPU tensors read from weightferry's own copy (the host masters while
+        offloaded): bit-identical to what :func:`enable` took, and the right values while enabled, when a streamed
+        module's own tensors view recycled device slots. Parameters and persistent buffers, as torch's
+        ``state_dict`` has them; names are ``describe()``'s (dotted from the pipeline), or relative to
+        ``component`` (``handle.state_dict("transformer")`` has the keys of ``transformer.state_dict()``). Tensors
+        that shared a storage share one here too."""
+        return self._storages.state_dict(self._session, component)
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> Literal[False]:
+        self.disable()
+        return False

@@ -1,0 +1,169 @@
+"""The torch forward hooks of an enabled pipeline, on the modules the backend hooks: each runs the session's
+``pre_forward`` / ``post_forward`` and binds the module's streamed block to its device bytes for its forward.
+
+On CUDA the hooks never wait on the host: Rust orders torch's current stream behind the copies and records the
+block's reads on it. A streamed block is rebound only when its slot changed since its last forward (a steady
+pipeline whose streamed blocks divide among the slots does no tensor surgery per step). Between its forwards a
+streamed tensor still views its last slot, whose bytes may already belong to another block: read weights through
+the handle, not the modules."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from . import _core
+from ._binders import Binder, CudaBinder, Rebinding, placeholder
+from ._clock import HookClock
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.hooks import RemovableHandle
+    from typing_extensions import TypeAlias
+
+    from ._describe import Modules
+    from ._storages import StorageMap
+
+__all__ = ["Hooks", "StreamCheck"]
+
+StreamCheck: TypeAlias = "tuple[int, Callable[[], int]]"
+"""On CUDA: (torch's raw stream at enable, a reader of the current one); the hooks refuse another stream."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _compiler_disabled(fn: _F) -> _F:
+    """``fn`` marked for torch.compile to run as is, never traced (``torch.compiler.disable``, torch >= 2.1)."""
+    import torch
+
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+class Hooks:
+    """The hooks of one handle, and what they know of the slots the streamed blocks landed in."""
+
+    def __init__(
+        self,
+        session: _core.Session,
+        storages: StorageMap,
+        binder: Binder,
+        modules: Modules,
+        stream: StreamCheck | None,
+    ) -> None:
+        self._session = session
+        self._storages = storages
+        self._binder = binder
+        self._modules = modules  # module path -> nn.Module
+        self._stream = stream
+        self.clock = HookClock()
+        self.broken: str | None = None  # why the hooks refuse to run (a retune that failed half-way), else None
+        self._slot_of: dict[str, tuple[int, int]] = {}  # unit module path -> (buffer, base) its tensors view now
+        # unit module path -> [(storage id, offset in its block)], asked once per enable/retune
+        self._offsets: dict[str, list[tuple[int, int]]] = {}
+        # (unit module path, buffer, base) -> the binder's rebinding of its tensors there
+        self._rebindings: dict[tuple[str, int, int], Rebinding] = {}
+        self._torch_hooks: list[RemovableHandle] = []
+        self._entered: set[str] = set()
+
+    def _bind_from_device(self, sid: int, buffer: int, offset: int) -> None:
+        self._binder.bind(self._storages.views[sid], self._storages.nbytes[sid], buffer, offset)
+
+    def _check_stream(self, stream: StreamCheck) -> None:
+        enabled_on, current = stream
+        now = current()
+        if now != enabled_on:
+            raise _core.OffloadError(
+                f"this forward runs on CUDA stream {now:#x}, but weightferry was enabled on stream {enabled_on:#x} "
+                "(torch's current stream at enable): run the pipeline on that stream, or disable and enable again "
+                "under the stream you use"
+            )
+
+    def _pre(self, path: str) -> Callable[[torch.nn.Module, Any], None]:
+        clock = self.clock
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            start = time.perf_counter_ns()
+            try:
+                if self.broken is not None:
+                    raise _core.OffloadError(self.broken)
+                if self._stream is not None:
+                    self._check_stream(self._stream)
+                offsets = self._offsets.get(path)
+                residency = self._session.pre_forward(path, offsets is None)
+                self._entered.add(path)
+                if residency is not None:
+                    buffer, base, listed = residency
+                    if offsets is None:
+                        offsets = self._offsets[path] = listed
+                    if self._binder.unbinds_after_forward:
+                        for sid, off in offsets:
+                            self._bind_from_device(sid, buffer, base + off)
+                    elif self._slot_of.get(path) != (buffer, base):
+                        self._move(path, offsets, buffer, base)
+            finally:
+                clock.record(time.perf_counter_ns() - start)
+
+        return hook
+
+    def _move(self, path: str, offsets: list[tuple[int, int]], buffer: int, base: int) -> None:
+        """The block landed in another slot than at its last forward: its tensors move there (CUDA)."""
+        binder = cast(CudaBinder, self._binder)  # the binder that keeps tensors bound between forwards
+        key = (path, buffer, base)
+        pairs = self._rebindings.get(key)
+        if pairs is None:
+            views = self._storages.views
+            pairs = self._rebindings[key] = binder.rebinding([(views[sid], buffer, base + off) for sid, off in offsets])
+        binder.apply(pairs)
+        self._slot_of[path] = (buffer, base)
+
+    def _post(self, path: str) -> Callable[[torch.nn.Module, Any, Any], None]:
+        clock = self.clock
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if path not in self._entered:
+                return  # its pre_forward failed: nothing to release
+            start = time.perf_counter_ns()
+            try:
+                self._entered.discard(path)
+                if self._binder.unbinds_after_forward:
+                    for sid in self._storages.streamed_by.get(path, ()):
+                        self._binder.unbind(self._storages.views[sid])
+                self._session.post_forward(path)
+            finally:
+                clock.record(time.perf_counter_ns() - start)
+
+        return hook
+
+    def install(self) -> None:
+        """Binds the fixed placement once, releases the streamed tensors' host copies, installs the torch hooks."""
+        streamed = self._storages.streamed()
+        for sid in self._storages.views:
+            if sid not in streamed:
+                self._bind_from_device(sid, *self._session.locate(sid))
+        for sid in streamed:
+            for view in self._storages.views[sid]:
+                self._binder.set_data(view, placeholder(view, self._binder.device))
+        for path in self._session.hooked_modules():
+            module = self._modules.get(path)
+            if module is None:
+                raise _core.Error(f"internal error: the backend hooks module '{path}', which describe() did not name")
+            # torch.compile must not trace into the hooks (they call into Rust and rebind tensors): each hook is one
+            # graph break, and the compiled regions between them stay valid across rebinding.
+            pre, post = _compiler_disabled(self._pre(path)), _compiler_disabled(self._post(path))
+            self._torch_hooks.append(module.register_forward_pre_hook(pre))
+            self._torch_hooks.append(module.register_forward_hook(post, always_call=True))
+
+    def remove(self) -> None:
+        """Removes every torch hook and forgets the slots."""
+        while self._torch_hooks:
+            self._torch_hooks.pop().remove()
+        self._entered.clear()
+        self.forget_slots()
+
+    def forget_slots(self) -> None:
+        """Drops what the hooks know of the slots (new slots after a retune, none after disable)."""
+        self._slot_of.clear()
+        self._offsets.clear()
+        self._rebindings.clear()

@@ -1,0 +1,202 @@
+"""The storage map of an enabled pipeline: which torch tensor objects view each storage (as the Rust side numbers
+them) and where, and the hand-over of their bytes: to the session at enable (torch's host copy released storage by
+storage), back to ordinary CPU tensors rebuilt from the session's bytes at disable or after a failed enable."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from . import _core
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._describe import Bound
+    from ._undo import UndoStack
+
+__all__ = ["StorageMap", "View", "materialize_meta", "set_data", "tensors_over"]
+
+
+class View:
+    """One torch tensor object viewing a storage: where its elements are (offset, shape, strides, dtype)."""
+
+    __slots__ = ("dtype", "offset", "path", "shape", "strides", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, path: str, like: torch.Tensor | None = None) -> None:
+        """``like``: the tensor whose geometry this object takes (a meta tensor it replaced), else its own."""
+        like = tensor if like is None else like
+        self.tensor = tensor
+        self.path = path
+        self.dtype: torch.dtype = like.dtype
+        self.shape = tuple(like.shape)
+        self.strides = tuple(like.stride())
+        self.offset = like.storage_offset()
+
+
+def set_data(view: View, tensor: torch.Tensor) -> None:
+    """Makes ``view``'s tensor object hold ``tensor``'s data (the object, its ``requires_grad`` and every reference
+    to it stay): how a binder binds a tensor unless told otherwise (see ``Seams.bind``)."""
+    view.tensor.data = tensor
+
+
+def tensors_over(data: bytearray, views: list[View]) -> list[torch.Tensor]:
+    """One new CPU storage holding ``data`` (a ``bytearray``, shared, not copied) and a tensor per view over it, so
+    views of one storage share it again."""
+    import torch
+
+    if len(data):
+        storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    else:
+        storage = torch.empty(0, dtype=torch.uint8).untyped_storage()
+    return [torch.empty(0, dtype=v.dtype).set_(storage, v.offset, v.shape, v.strides) for v in views]
+
+
+def _storage_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of the whole (CPU) storage ``tensor`` views: one copy, no numpy needed."""
+    storage = tensor.untyped_storage()
+    n = storage.nbytes()
+    return ctypes.string_at(storage.data_ptr(), n) if n else b""
+
+
+def _write_storage(session: _core.Session, sid: int, tensor: torch.Tensor, nbytes: int) -> None:
+    """Gives the session the bytes of the (CPU) storage ``tensor`` views, read in place by Rust. A storage whose size
+    differs from the description's goes through a Python copy, so the size check names it."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != nbytes or storage.data_ptr() == 0:
+        session.write_storage(sid, _storage_bytes(tensor))
+    else:
+        session._write_storage_at(sid, storage.data_ptr(), nbytes)
+
+
+def materialize_meta(bound: Bound, undo: UndoStack) -> dict[int, torch.Tensor]:
+    """Replaces every ``meta`` tensor of the pipeline by an empty CPU tensor of its dtype (a ``Parameter`` with its
+    ``requires_grad`` for a parameter; one new object per old one, so tied attributes stay tied): a meta tensor
+    cannot take CPU data (``.data`` refuses the type change). Each replacement is undone by ``undo``. Returns
+    ``{id(new tensor): the meta tensor it replaced}``."""
+    import torch
+    import torch.nn as nn
+
+    new_of: dict[int, torch.Tensor] = {}
+    replaced: dict[int, torch.Tensor] = {}
+    for module, attr in bound.values():
+        old = getattr(module, attr)
+        if old.device.type != "meta":
+            continue
+        new = new_of.get(id(old))
+        if new is None:
+            empty = torch.empty(0, dtype=old.dtype)
+            new = nn.Parameter(empty, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else empty
+            new_of[id(old)] = new
+            replaced[id(new)] = old
+        table: dict[str, Any] = module._parameters if attr in module._parameters else module._buffers
+        undo.push(_put_back(table, attr, old))
+        table[attr] = new
+    return replaced
+
+
+def _put_back(table: dict[str, Any], attr: str, old: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        table[attr] = old
+
+    return step
+
+
+class StorageMap:
+    """Storage id -> the tensor objects viewing it (:class:`View`), its size, and which unit streams it."""
+
+    def __init__(self, session: _core.Session, bound: Bound, replaced: dict[int, torch.Tensor]) -> None:
+        """Maps the pipeline's tensors (``bound``, from ``describe``) to the session's storages; ``replaced`` names
+        the meta tensor an empty CPU tensor stands for (its geometry is the view's)."""
+        paths = dict(session.tensor_storages())
+        if set(paths) != set(bound):
+            raise _core.Error("internal error: the description's tensors and the pipeline's differ")
+        self.views: dict[int, list[View]] = {}
+        seen = set()
+        for path, (module, attr) in bound.items():
+            t = getattr(module, attr)
+            key = (paths[path], id(t))
+            if key not in seen:  # a tensor object registered twice (a tied attribute) is bound once
+                seen.add(key)
+                self.views.setdefault(paths[path], []).append(View(t, path, replaced.get(id(t))))
+        self.nbytes: dict[int, int] = {}
+        self.streamed_by: dict[str, list[int]] = {}  # unit module path -> its storages
+        for sid, size, unit in session.storages():
+            self.nbytes[sid] = size
+            if unit is not None:
+                self.streamed_by.setdefault(unit, []).append(sid)
+        # Every parameter and persistent buffer's path -> (storage, index of its tensor object among the views).
+        index_of = {id(v.tensor): (sid, i) for sid, vs in self.views.items() for i, v in enumerate(vs)}
+        self.state_paths: dict[str, tuple[int, int]] = {
+            path: index_of[id(getattr(module, attr))]
+            for path, (module, attr) in bound.items()
+            if attr in module._parameters or attr not in module._non_persistent_buffers_set
+        }
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor object of the map."""
+        for views in self.views.values():
+            for view in views:
+                yield view.tensor
+
+    def streamed(self) -> set[int]:
+        """The storages some unit streams (the rest is the fixed placement)."""
+        return {sid for sids in self.streamed_by.values() for sid in sids}
+
+    def hand_over(
+        self, session: _core.Session, sids: set[int], release: Callable[[View], None], handed: list[int]
+    ) -> None:
+        """Storage by storage, gives the session the bytes of ``sids`` and releases torch's host copy at once (each
+        tensor passes to ``release``), so host memory holds about one copy of the weights throughout. Appends each
+        storage to ``handed`` once the session holds its only copy."""
+        for sid, views in self.views.items():
+            if sid not in sids:
+                continue
+            _write_storage(session, sid, views[0].tensor, self.nbytes[sid])
+            handed.append(sid)
+            for view in views:
+                release(view)
+
+    def restore(self, session: _core.Session, sids: list[int]) -> None:
+        """Gives the tensors of ``sids`` ordinary CPU tensors rebuilt from the session's bytes (the undo of a failed
+        or empty enable; plain assignments, so it cannot fail half-way on a binding). A storage the session cannot
+        read back is reported after every other one was restored."""
+        lost = []
+        for sid in sids:
+            views = self.views[sid]
+            try:
+                data = session.read_storage(sid)
+            except _core.Error as e:
+                lost.append(f"{views[0].path}: {e}")
+                continue
+            for view, tensor in zip(views, tensors_over(data, views)):
+                view.tensor.data = tensor
+        if lost:
+            raise _core.OffloadError(
+                "weightferry could not give back the weights of "
+                + "; ".join(lost)
+                + " after a failed enable; keep the pipeline's handle and report this"
+            )
+
+    def rebuild(self, session: _core.Session, bind: Callable[[View, torch.Tensor], None]) -> None:
+        """Binds every tensor to an ordinary CPU tensor rebuilt from the session's host bytes (after disable)."""
+        for sid, views in self.views.items():
+            data = session.read_storage(sid)
+            for view, tensor in zip(views, tensors_over(data, views)):
+                bind(view, tensor)
+
+    def state_dict(self, session: _core.Session, component: str | None) -> dict[str, torch.Tensor]:
+        """The weights read from the session (see ``Handle.state_dict``)."""
+        prefix = None if component is None else f"{component}."
+        wanted = {p: v for p, v in self.state_paths.items() if prefix is None or p.startswith(prefix)}
+        if prefix is not None and not wanted:
+            raise _core.PipelineError(f"the pipeline has no component '{component}' with weights")
+        built: dict[int, list[torch.Tensor]] = {}
+        out = {}
+        for path, (sid, index) in wanted.items():
+            if sid not in built:
+                views = self.views[sid]
+                built[sid] = tensors_over(session.read_storage(sid), views)
+            out[path if prefix is None else path[len(prefix) :]] = built[sid][index]
+        return out
