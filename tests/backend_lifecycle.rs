@@ -1,5 +1,5 @@
-//! Lifecycle contracts of the offload backend on the simulated platform (inventory §3.1, DESIGN.md invariants 5, 6,
-//! 7 and 8), driven directly through the hook registry and `locate` — no engine.
+//! Lifecycle contracts of the offload backend on the simulated platform (ARCHITECTURE.md's invariants 5, 6, 7 and
+//! 8), driven directly through the hook registry and `locate` — no engine.
 //!
 //! Covered: enable → disable cycles restore every storage to its own host buffer with bit-identical bytes, remove
 //! every hook and the offload owner, and return device memory to its baseline; while enabled every streamed

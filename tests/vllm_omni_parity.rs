@@ -1,8 +1,8 @@
-//! vLLM-Omni parity (issue 18): every row of the README's "Migrating from vLLM-Omni" table — each vLLM-Omni
-//! config key and pipeline declaration, accepted with its meaning, accepted as deprecated with the exact warning, or
-//! rejected with the exact message — plus the resolver rules: a pipeline-managed encoder that also streams blocks
-//! stays on demand (non-block weights staged between its phases), encoder resident layers (plan, budget and the
-//! backend), the VAE selection that needs a declared lifecycle, and blocks claimed twice through tied weights.
+//! vLLM-Omni parity (issue 18): every row of docs/vllm-omni.md's "Keys and declarations" table — each vLLM-Omni config
+//! key and pipeline declaration, accepted with its meaning, accepted as deprecated with the exact warning, or rejected
+//! with the exact message — plus the resolver rules: a pipeline-managed encoder that also streams blocks stays on
+//! demand (non-block weights staged between its phases), encoder resident layers (plan, budget and the backend), the
+//! VAE selection that needs a declared lifecycle, and blocks claimed twice through tied weights.
 //!
 //! Every assertion pins exact fields, messages or warnings, so a changed rule fails a test.
 

@@ -6,7 +6,7 @@
 //! that sleep a few hundred microseconds). Every block runs as one kernel on the compute stream that reads the
 //! block's device region and records whether each segment holds exactly the block's bytes.
 //!
-//! After each case it asserts: no hazard violation (DESIGN.md invariants 1 and 2); every kernel ran and saw exact
+//! After each case it asserts: no hazard violation (ARCHITECTURE.md invariants 1 and 2); every kernel ran and saw exact
 //! bytes; every `fence()` returned only after every copy issued so far had executed (the platform's completed-copy
 //! byte count equals the stack's issued-copy byte count) and after every kernel that a released slot's last use
 //! covers had completed (invariant 3); device memory peaked at exactly resident head + slots (invariant 7); after

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Mapped against pinned checkpoint masters on one GPU (issue 15's benchmark), from the repository root, with the
-# wheels staged by `../shared/tools/py-stage python` carried in .whl/ (the run installs them into /tmp/site) and,
-# for part (3), `.devbin/weightferry` from `../shared/tools/gpu-stage cuda`.
+# wheels (the package's, diffusers) built and carried in .whl/ as docs/gpus.md ("A GPU machine without cargo")
+# describes (the run installs them into /tmp/site) and, for part (3), `.devbin/weightferry` built with
+# `--features cuda` and staged the same way.
 #
 # Usage: bash benches/gpu/checkpoint.sh [model]        (default flux-dev)
 #

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # NCCL's copy-engine AllGather against the kernel AllGather, on a 2-GPU machine, from the repository root, with the
-# binary staged by `../shared/tools/gpu-stage nccl` carried in .devbin/ (needed: .devbin/weightferry).
+# binary built with `--features nccl` and carried in .devbin/ as docs/gpus.md ("A GPU machine without cargo")
+# describes (needed: .devbin/weightferry).
 #
 # Usage: bash benches/gpu/copy-engine.sh [preset]        (default flux-dev)
 #
@@ -16,7 +17,7 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 out="${OUT:-/tmp}"
 preset="${1:-flux-dev}"
 wf=.devbin/weightferry
-[ -x "$wf" ] || { echo "$wf missing: stage it with ../shared/tools/gpu-stage nccl and carry .devbin"; exit 2; }
+[ -x "$wf" ] || { echo "$wf missing: build it with --features nccl and carry .devbin (docs/gpus.md)"; exit 2; }
 log="$out/copy-engine.log"
 : > "$log"
 status=0

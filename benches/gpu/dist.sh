@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Distributed layerwise vs single-GPU layerwise (issue 6), on a 2-GPU machine, from the repository root, with the
-# binary staged by `../shared/tools/gpu-stage nccl` carried in .devbin/ (needed: .devbin/weightferry).
+# binary built with `--features nccl` and carried in .devbin/ as docs/gpus.md ("A GPU machine without cargo")
+# describes (needed: .devbin/weightferry).
 #
 # Usage: bash benches/gpu/dist.sh [presets]        (default "flux-dev wan-14b")
 #        SKIP_SINGLE=1 bash benches/gpu/dist.sh      (the distributed runs only)
@@ -24,7 +25,7 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 out="${OUT:-/tmp}"
 presets="${1:-flux-dev wan-14b}"
 wf=.devbin/weightferry
-[ -x "$wf" ] || { echo "$wf missing: stage it with ../shared/tools/gpu-stage nccl and carry .devbin"; exit 2; }
+[ -x "$wf" ] || { echo "$wf missing: build it with --features nccl and carry .devbin (docs/gpus.md)"; exit 2; }
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -3
 nproc; free -g | head -2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# NCCL tests and the block-rebuild benchmark, on the GPU machine, from the repository root, with the binaries
-# staged by `../shared/tools/gpu-stage nccl` carried in .devbin/ (needed: .devbin/weightferry and
-# .devbin/tests/nccl_collective; .devbin/tests/cuda_platform too if present).
+# NCCL tests and the block-rebuild benchmark, on the GPU machine, from the repository root, with the binaries built
+# with `--features nccl` and carried in .devbin/ as docs/gpus.md ("A GPU machine without cargo") describes (needed:
+# .devbin/weightferry and .devbin/tests/nccl_collective; .devbin/tests/cuda_platform too if present).
 #
 # Usage: bash benches/gpu/nccl.sh [--skip-tests] [--skip-bench] [-- extra bench-gather arguments]
 #

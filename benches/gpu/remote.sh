@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the repository root, with the binaries staged by `../shared/tools/gpu-stage cuda`
-# in .devbin/ (see benches/gpu/README.md). Usage: sh benches/gpu/remote.sh "<bench presets>" [--skip-tests]
+# Runs on the GPU machine, from the repository root, with the binaries built with `--features cuda` and carried in
+# .devbin/ as docs/gpus.md ("A GPU machine without cargo") describes (see benches/gpu/README.md).
+# Usage: sh benches/gpu/remote.sh "<bench presets>" [--skip-tests]
 # Writes the bench table to $OUT/bench.md (when $OUT is set) and prints a short summary last.
 set -u
 presets="${1:-flux-dev wan-14b qwen-image}"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Distributed layerwise offload of a real diffusers transformer from PyTorch at 1, 2, 4 and 8 GPUs (issue 16's
-# scaling table), from the repository root, with the wheels staged by `../shared/tools/py-stage python` carried in
-# .whl/ (the wheel is built with NCCL). One torchrun job per GPU count up to the GPUs present
-# (benches/torch/dist_bench.py: each rank binds the model from one checkpoint written in the first job, holds 1/N of
-# every block, and measures every term of its bound).
+# scaling table), from the repository root, with the wheels (the package's, diffusers) built and carried in .whl/
+# as docs/gpus.md ("A GPU machine without cargo") describes (the package's wheel has NCCL: maturin enables `nccl`).
+# One torchrun job per GPU count up to the GPUs present (benches/torch/dist_bench.py: each rank binds the model from one
+# checkpoint written in the first job, holds 1/N of every block, and measures every term of its bound).
 #
 # Usage: bash benches/gpu/scaling_torch.sh [model] [counts]     (default flux-dev, "1 2 4 8")
 # Writes $OUT/scaling-<model>.log (else /tmp) and prints each job's table.

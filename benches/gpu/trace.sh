@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the repository root, with `.devbin/` staged by `../shared/tools/gpu-stage cuda`
-# (keep .devbin/weightferry, .devbin/tests/cuda_platform and .devbin/tests/gpu_bit_exact). Runs the GPU tests,
-# then the traced benchmarks that explain the compute-bound (Wan-14B) figures: device timelines of every
-# configuration, interleaved rounds, and the same run with the host's run-ahead bounded (hook latency without
-# driver back-pressure). Writes tables, logs, an `nvidia-smi dmon` log (power, clocks) and the traces (one tarball)
-# under $OUT; prints the tables last.
+# Runs on the GPU machine, from the repository root, with `.devbin/` built with `--features cuda` and carried as
+# docs/gpus.md ("A GPU machine without cargo") describes (keep .devbin/weightferry, .devbin/tests/cuda_platform and
+# .devbin/tests/gpu_bit_exact). Runs the GPU tests, then the traced benchmarks that explain the compute-bound (Wan-14B)
+# figures: device timelines of every configuration, interleaved rounds, and the same run with the host's run-ahead
+# bounded (hook latency without driver back-pressure). Writes tables, logs, an `nvidia-smi dmon` log (power, clocks) and
+# the traces (one tarball) under $OUT; prints the tables last.
 set -u
 out="${OUT:-/tmp/wf-out}"; mkdir -p "$out"
 tr=/tmp/wf-traces; mkdir -p "$tr"

@@ -3,12 +3,12 @@
 offloaders people use today (diffusers group offloading, accelerate sequential CPU offload), each as a ratio to the
 bound `weightferry bench` uses: max(compute time, streamed bytes / pinned H2D bandwidth), all measured here.
 
-Model. Built from benches/peers/pipelines/<preset>.json, the preset exported by our own library (see README): the
-same modules, block lists, tensor shapes and dtypes (bf16 weights, f32 tables, buffers), so the same per-block weight
-bytes (checked against `weightferry plan --json` before anything runs). Every module of the description is an
-nn.Module holding its own tensors as parameters/buffers; block lists are nn.ModuleList, so diffusers' block-level
-group offloading sees exactly our blocks and accelerate's hooks see every leaf. Weights are deterministic (uniform,
-scaled by 1/sqrt(fan-in); not the same values as ours).
+Model. Built from benches/peers/pipelines/<preset>.json, the preset exported by our own library (see
+benches/peers/README.md): the same modules, block lists, tensor shapes and dtypes (bf16 weights, f32 tables, buffers),
+so the same per-block weight bytes (checked against `weightferry plan --json` before anything runs). Every module of the
+description is an nn.Module holding its own tensors as parameters/buffers; block lists are nn.ModuleList, so diffusers'
+block-level group offloading sees exactly our blocks and accelerate's hooks see every leaf. Weights are deterministic
+(uniform, scaled by 1/sqrt(fan-in); not the same values as ours).
 
 Work per pass: exactly what our GPU reference engine computes per DiT step (pipeline_spec.py's docstring): one GEMM
 per bf16 weight of rank >= 2 over `tokens` rows, with the same [tokens, in] x [in, out] shapes and the same residual
@@ -36,9 +36,9 @@ workspace hold before any weight is placed ("peak weights"). Peak host memory: V
 (read before the bandwidth probe), with its RSS before the model was built reported as `base_rss`.
 
 Needs torch and, for the group variants, diffusers 0.42.1 (pure Python wheel diffusers-0.42.1-py3-none-any.whl,
-installed with --no-deps: every dependency it imports is already on the GPU machine; see README.md); accelerate for
-`sequential`. Runs on CPU for testing (`--device cpu`: streams are unavailable there, so the group variants run
-with use_stream=False and record_stream off, labelled as such).
+installed with --no-deps: every dependency it imports is already on the GPU machine; see benches/peers/README.md);
+accelerate for `sequential`. Runs on CPU for testing (`--device cpu`: streams are unavailable there, so the group
+variants run with use_stream=False and record_stream off, labelled as such).
 
     python3 benches/peers/peer_bench.py --preset flux-dev --preset wan-14b --json peers.json
     python3 benches/peers/peer_bench.py --preset flux-tiny --device cpu --tokens 64 --steps 2

@@ -1,8 +1,8 @@
-"""The DiT of a weightferry pipeline description (the `weightferry-pipeline/1` JSON format, see the README), as the
-GPU reference engine runs it. Pure Python (no torch): `peer_bench.py` builds its PyTorch model from it and
-`check_shapes.py` compares its byte totals with `weightferry plan --json`.
+"""The DiT of a weightferry pipeline description (the `weightferry-pipeline/1` JSON format, see
+docs/pipeline-format.md), as the GPU reference engine runs it. Pure Python (no torch): `peer_bench.py` builds its
+PyTorch model from it and `check_shapes.py` compares its byte totals with `weightferry plan --json`.
 
-What one DiT step computes in our engine (src/engine/program.rs, src/engine/cuda.rs), reproduced here:
+What one DiT step computes in our engine (harness/engine/program.rs, harness/engine/cuda.rs), reproduced here:
 - the DiT component runs as a list of kernels: the component's own tensors; then its children in declaration order:
   every block of a block list (`repeat`, or a ModuleList/Sequential with children 0..n-1) is one kernel over all the
   block's tensors; a child that holds a block list deeper down is entered and walked the same way; any other child
@@ -218,7 +218,7 @@ class DitSpec:
         }
 
 
-# Default tokens of a preset (src/engine/gpu.rs `default_tokens`): (DiT tokens, encoder tokens).
+# Default tokens of a preset (harness/engine/cuda.rs `default_tokens`): (DiT tokens, encoder tokens).
 def default_tokens(preset):
     if preset in ("flux-dev", "qwen-image"):
         return 4096 + 512

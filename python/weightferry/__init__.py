@@ -5,7 +5,7 @@ Public API:
 
 - :func:`plan` — the resolved offload plan of a pipeline under a config (the JSON of
   ``weightferry plan --json``), touching nothing.
-- :func:`describe` — a torch pipeline as a pipeline description (the JSON format of the README).
+- :func:`describe` — a torch pipeline as a pipeline description (the JSON format of docs/pipeline-format.md).
 - :func:`enable` — offloads a pipeline on a CUDA GPU (``device="cuda"``) or the simulated device (``"sim"``),
   optionally reading its weights from a safetensors checkpoint, and returns a :class:`Handle` (``disable()``,
   ``stats()``, a context manager).

@@ -1,5 +1,5 @@
-"""``describe()``: a torch pipeline as a pipeline description (the ``weightferry-pipeline/1`` JSON format of the
-README), reading metadata only.
+"""``describe()``: a torch pipeline as a pipeline description (the ``weightferry-pipeline/1`` JSON format of
+docs/pipeline-format.md), reading metadata only.
 
 What it reads: the module tree in registration order (the execution order), every parameter and buffer's dtype,
 shape, strides, storage offset and kind, storage identity (``untyped_storage().data_ptr()``, so tied and shared

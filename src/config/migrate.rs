@@ -1,6 +1,6 @@
 //! vLLM-Omni's offload keys that have no native spelling here: read, type-checked and given one meaning each —
 //! the same behaviour, deprecated with a warning that names the compact key it maps to, or rejected with a
-//! message that names the replacement. The README's "Migrating from vLLM-Omni" table lists every row.
+//! message that names the replacement. docs/vllm-omni.md's "Keys and declarations" table lists every row.
 //!
 //! Invariant: nothing here changes what a config made only of native keys means; every key is read before the
 //! strategy is resolved, so a rejected key fails before anything else is decided.
