@@ -29,15 +29,23 @@ pub mod session;
 pub mod textfile;
 
 /// The scheduler types an embedder needs, re-exported from `weightferry-actors`: the platform interface and its
-/// handles, the simulated device with its config and fault plan, and the collective a distributed rank gathers
-/// through.
+/// handles, the simulated device with its config, fault plan, hazard checks, statistics and trace, the collective a
+/// distributed rank gathers through (and its simulated group), and the knobs a strategy's block stacks take
+/// (copy submission, ordering faults for the checks that must fail).
 pub mod scheduler {
-    pub use weightferry_actors::collective::Collective;
-    pub use weightferry_actors::collective_actor::CollectiveFactory;
-    pub use weightferry_actors::platform::{
-        DeviceBufferId, HostBufferId, Platform, PlatformError, PlatformRef, StreamId,
+    pub use weightferry_actors::collective::{
+        Collective, CollectiveError, SimCollective, SimCollectiveGroup, SimCollectiveOptions,
     };
-    pub use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
+    pub use weightferry_actors::collective_actor::{CollectiveFactory, GatherError, WARM_UP_TAG};
+    pub use weightferry_actors::platform::{
+        DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, HostRegion, Platform, PlatformError,
+        PlatformRef, PlatformResult, StreamId,
+    };
+    pub use weightferry_actors::sim::fault::splitmix64;
+    pub use weightferry_actors::sim::{
+        Access, FaultPlan, SimConfig, SimKernelCtx, SimPlatform, SimStats, TraceEvent, TraceKind,
+    };
+    pub use weightferry_actors::{OrderingFault, Submission};
 }
 
 /// The README's Rust quick start, compiled and run as a doctest so that it cannot drift from the API.

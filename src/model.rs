@@ -518,13 +518,19 @@ impl HostModel {
 
     /// Frees every loaded buffer and unmaps every file (the model is dropped). Masters belong to their backend;
     /// released storages hold no buffer of the model.
-    pub fn release(self) {
-        for h in self.homes.values() {
+    pub fn release(mut self) {
+        self.release_buffers();
+    }
+
+    /// [`release`](Self::release) in place, for an owner about to drop the model with itself: afterwards the
+    /// model holds no storage at all.
+    pub(crate) fn release_buffers(&mut self) {
+        for (_, h) in std::mem::take(&mut self.homes) {
             if let Home::Loaded { buf } = h {
-                let _ = self.platform.free_host(*buf);
+                let _ = self.platform.free_host(buf);
             }
         }
-        for &f in &self.files {
+        for f in std::mem::take(&mut self.files) {
             let _ = self.platform.free_host(f);
         }
     }

@@ -20,17 +20,6 @@ use std::path::{Path, PathBuf};
 /// The longest a library function may be, in lines.
 const MAX_FN_LINES: usize = 100;
 
-/// Long functions other helpers of issue 24 are still splitting (`path:fn`), outside the files this check's author
-/// owns (`src/plan/`, `src/dist/launch.rs`, `src/session/`). The coordinator empties this list at merge.
-const PENDING: &[&str] = &[];
-
-/// Where [`PENDING`] entries may point.
-const PENDING_OWNERS: &[&str] = &["src/plan/", "src/dist/launch.rs", "src/session/"];
-
-/// Import circles other helpers of issue 24 are still removing (the files of each, sorted). The coordinator
-/// empties this list at merge.
-const PENDING_CYCLES: &[&[&str]] = &[&["python/weightferry/_describe.py", "python/weightferry/_plan.py"]];
-
 // ---------------------------------------------------------------------------------------------------------------
 // Tokens
 
@@ -774,15 +763,12 @@ fn rust_cycles(roots: &[&str], read: &dyn Fn(&str) -> Option<String>) -> Vec<(Ve
 }
 
 /// Functions of the files under `prefixes` longer than [`MAX_FN_LINES`] (outside `#[cfg(test)]`), as
-/// `path:line fn name (N lines)`, except those [`PENDING`] lists.
-fn long_functions(crates: &Crates, prefixes: &[&str], pending: &[&str]) -> Vec<String> {
+/// `path:line fn name (N lines)`.
+fn long_functions(crates: &Crates, prefixes: &[&str]) -> Vec<String> {
     let mut out = Vec::new();
     for f in &crates.fns {
         let path = &crates.files[f.file];
         if f.test || f.lines <= MAX_FN_LINES || !prefixes.iter().any(|p| path.starts_with(p)) {
-            continue;
-        }
-        if pending.contains(&format!("{path}:{}", f.name).as_str()) {
             continue;
         }
         out.push(format!("{path}:{} fn {} ({} lines)", f.line, f.name, f.lines));
@@ -920,16 +906,8 @@ fn read_repo(path: &str) -> Option<String> {
 const RUST_ROOTS: &[&str] =
     &["src/lib.rs", "actors/src/lib.rs", "harness/lib.rs", "harness/main.rs", "python/src/lib.rs"];
 
-fn pending_cycle(files: &[String]) -> bool {
-    PENDING_CYCLES.iter().any(|p| p.len() == files.len() && p.iter().zip(files).all(|(a, b)| a == b))
-}
-
 fn report_cycles(found: Vec<(Vec<String>, Vec<String>)>) -> Vec<String> {
-    found
-        .into_iter()
-        .filter(|(files, _)| !pending_cycle(files))
-        .map(|(files, uses)| format!("{}:\n    {}", files.join(" <-> "), uses.join("\n    ")))
-        .collect()
+    found.into_iter().map(|(files, uses)| format!("{}:\n    {}", files.join(" <-> "), uses.join("\n    "))).collect()
 }
 
 #[test]
@@ -960,19 +938,12 @@ fn no_python_import_circles() {
 #[test]
 fn no_long_library_functions() {
     let crates = Crates::load(&["src/lib.rs", "actors/src/lib.rs"], &read_repo);
-    let long = long_functions(&crates, &["src/", "actors/src/"], PENDING);
+    let long = long_functions(&crates, &["src/", "actors/src/"]);
     assert!(
         long.is_empty(),
         "library functions over {MAX_FN_LINES} lines (split them by what they decide):\n{}",
         long.join("\n")
     );
-}
-
-#[test]
-fn pending_lists_only_what_others_are_changing() {
-    for p in PENDING {
-        assert!(PENDING_OWNERS.iter().any(|o| p.starts_with(o)), "{p} is not another helper's to split");
-    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1043,8 +1014,8 @@ fn finds_a_long_function_but_not_in_tests() {
     );
     let read = from_map(&[("src/lib.rs", &src)]);
     let crates = Crates::load(&["src/lib.rs"], &read);
-    assert_eq!(long_functions(&crates, &["src/"], &[]), vec!["src/lib.rs:102 fn long (102 lines)".to_string()]);
-    assert!(long_functions(&crates, &["src/"], &["src/lib.rs:long"]).is_empty());
+    assert_eq!(long_functions(&crates, &["src/"]), vec!["src/lib.rs:102 fn long (102 lines)".to_string()]);
+    assert!(long_functions(&crates, &["harness/"]).is_empty());
 }
 
 #[test]

@@ -36,7 +36,7 @@ use weightferry::platform::cuda::nccl::{
 };
 use weightferry::platform::cuda::symmetric::SymmetricHeap;
 use weightferry::platform::cuda::CudaPlatform;
-use weightferry_actors::platform::{
+use weightferry::scheduler::{
     DeviceBufferId, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, StreamId,
 };
 

@@ -23,7 +23,7 @@ use weightferry::offload::{get_offload_backend, StreamingBackend, WeightSource};
 use weightferry::pipeline::PipelineDesc;
 use weightferry::plan::resolve_offload_plan;
 use weightferry::platform::cuda::CudaPlatform;
-use weightferry_actors::platform::{Platform, PlatformRef};
+use weightferry::scheduler::{Platform, PlatformRef};
 
 /// Label of the configuration that keeps every block resident through the backend.
 pub const RESIDENT_VIA_BACKEND: &str = "all resident (backend)";

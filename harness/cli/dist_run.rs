@@ -22,7 +22,7 @@
 //! rank 0 reports per rank and for the group the step time against the bound `max(compute, shard bytes per step /
 //! H2D bandwidth)`, and the single-GPU bound `max(compute, full-block bytes per step / H2D bandwidth)`.
 //!
-//! Every rank runs with [`DistributedRunSpec::release_loaded`]: after the resident run (which needs every weight on
+//! Every rank releases its loaded DiT weights: after the resident run (which needs every weight on
 //! host), the distributed run keeps only the rank's shards of the DiT blocks on host while it runs — what the
 //! report's `dit_host_bytes_while_running` shows — and restores the loaded weights by a final gather to host at its
 //! end; the rank then checks that the model's checksum equals the one before the run and fails with an exact
@@ -30,7 +30,7 @@
 
 use super::{emit, load_config, load_pipeline, CliError, PlatformArg, RunArgs, DEFAULT_PRESET};
 use crate::drivers::distributed::{
-    resident_run_with_model, run_rank_with_model, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
+    rank_session, resident_run_with_model, run_rank_in_session, step_seconds, DistributedRunSpec, RankRun, ResidentRun,
 };
 use crate::drivers::launch::PEER_FAILED_EXIT;
 use crate::drivers::run::{checkpoint_error, CheckpointWeights};
@@ -45,10 +45,7 @@ use weightferry::dist::allgather_engine::AllGatherEngine;
 use weightferry::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
 use weightferry::model::HostModel;
 use weightferry::model::{fnv1a, ModelError, FNV_OFFSET};
-use weightferry_actors::collective::Collective;
-use weightferry_actors::collective_actor::CollectiveFactory;
-use weightferry_actors::platform::PlatformRef;
-use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry::scheduler::{Collective, CollectiveFactory, PlatformRef, SimConfig, SimPlatform};
 
 /// The config a distributed `run` uses without `--config`: the DiT gathered across a data-parallel group of
 /// `world` ranks, prefetch depth 2.
@@ -895,30 +892,26 @@ fn rank_with_model(
     weights: Option<&CheckpointWeights>,
 ) -> Result<(RankRun, ResidentRun), RankError> {
     let desc = Arc::new(spec.pipeline.clone());
-    let mut model = match weights {
+    let model = match weights {
         None => HostModel::synthetic(platform.clone(), desc, spec.seed).map_err(|e| RankError::Resident(e.into()))?,
         Some(w) => HostModel::from_checkpoint(platform.clone(), desc, &w.checkpoint, &w.component)
             .map_err(|e| RankError::Resident(checkpoint_error(e)))?,
     };
-    let run = (|| {
-        let resident = resident_run_with_model(
-            compute.clone(),
-            &model,
-            &spec.pipeline,
-            spec.steps,
-            spec.seed,
-            spec.timed_steps,
-            spec.timed_rounds,
-        )
-        .map_err(RankError::Resident)?;
-        let before = model.checksum().map_err(|e| RankError::Resident(e.into()))?;
-        let run =
-            run_rank_with_model(platform, compute, factory, rank, world, spec, &mut model).map_err(RankError::Run)?;
-        check_restored_weights(before, model.checksum()).map_err(RankError::Weights)?;
-        Ok((run, resident))
-    })();
-    model.release();
-    run
+    let mut session = rank_session(model, factory, rank, world, spec).map_err(RankError::Run)?;
+    let resident = resident_run_with_model(
+        compute.clone(),
+        session.model(),
+        &spec.pipeline,
+        spec.steps,
+        spec.seed,
+        spec.timed_steps,
+        spec.timed_rounds,
+    )
+    .map_err(RankError::Resident)?;
+    let before = session.model().checksum().map_err(|e| RankError::Resident(e.into()))?;
+    let run = run_rank_in_session(compute, &mut session, rank, world, spec).map_err(RankError::Run)?;
+    check_restored_weights(before, session.model().checksum()).map_err(RankError::Weights)?;
+    Ok((run, resident))
 }
 
 /// This rank on a GPU: device `LOCAL_RANK`, the library's NCCL bootstrap over the rendezvous (the AllGather

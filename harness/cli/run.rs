@@ -17,12 +17,15 @@ use std::sync::Arc;
 use weightferry::dist::allgather_engine::AllGatherEngine;
 use weightferry::dist::LaunchEnv;
 use weightferry::offload::OffloadError;
-use weightferry_actors::OrderingFault;
+use weightferry::scheduler::OrderingFault;
+use weightferry::session::SessionError;
 
 /// Maps an engine error to the CLI contract: input problems exit 2, everything else 1.
 fn engine_error(e: EngineError) -> CliError {
     match &e {
-        EngineError::Invalid(_) | EngineError::Offload(OffloadError::Plan(_) | OffloadError::Unsupported(_)) => {
+        EngineError::Invalid(_)
+        | EngineError::Offload(OffloadError::Plan(_) | OffloadError::Unsupported(_))
+        | EngineError::Session(SessionError::Plan(_) | SessionError::Config(_) | SessionError::Pipeline(_)) => {
             CliError::invalid(e.to_string())
         }
         _ => CliError::failed(format!("run failed: {e}")),
@@ -97,7 +100,7 @@ fn run_cuda(
         b.clear();
     }
     let r = r.map_err(|e| match e {
-        EngineError::Platform(weightferry_actors::platform::PlatformError::Unavailable(m)) => {
+        EngineError::Platform(weightferry::scheduler::PlatformError::Unavailable(m)) => {
             CliError::invalid(format!("--platform cuda: {m}; run with --platform sim"))
         }
         e => engine_error(e),

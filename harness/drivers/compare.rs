@@ -1,10 +1,12 @@
 //! Resident, then offloaded, through one engine, compared bit for bit: the sequence every run driver makes.
 //!
-//! [`compare`] checksums the host weights, runs the resident stage ([`run_resident`]: every storage uploaded once
-//! with [`ResidentPlacement`], no hooks), then the offloaded stage through the same [`Engine`] on the backend an
-//! [`OffloadedSource`] builds ([`run_offloaded`]: `enable` → execute → `disable`), checksums the host weights again
-//! and compares the outputs ([`compare_outputs`]). The two stages are public on their own for the distributed rank
-//! runner, which runs them apart (the resident baseline, then the rank's part of a group run).
+//! [`compare`] takes a library [`Session`] over the engine's platform and host model ([`Session::from_model`]),
+//! checksums the host weights, runs the resident stage ([`run_resident`]: every storage uploaded once with
+//! [`ResidentPlacement`], no hooks), then the offloaded stage through the same [`Engine`] and the session
+//! ([`run_offloaded`]: `enable` → execute with the session's hooks → `disable`), checksums the host weights again
+//! and compares the outputs ([`compare_outputs`]). An [`OffloadedStage`] brackets the offloaded stage (trace and
+//! counters). The two stages are public on their own for the distributed rank runner, which runs them apart (the
+//! resident baseline, then the rank's part of a group run).
 //!
 //! Invariant: once `enable` was called, `disable` is called before [`run_offloaded`] returns — also when `enable`
 //! or the execution failed — so host weights are back in their own buffers whatever failed.
@@ -12,15 +14,12 @@
 use crate::engine::{Engine, EngineError, ExecOptions, ExecOutput, Progress};
 use std::fmt;
 use std::time::{Duration, Instant};
-use weightferry::config::OffloadConfig;
 use weightferry::hooks::HookRegistry;
 use weightferry::model::HostModel;
-use weightferry::offload::{
-    get_offload_backend, BackendReport, OffloadError, ResidentPlacement, StreamingBackend, WeightSource,
-};
+use weightferry::offload::{BackendReport, OffloadError, ResidentPlacement, WeightSource};
 use weightferry::pipeline::StorageId;
-use weightferry_actors::platform::{HostBufferId, PlatformRef, StreamId};
-use weightferry_actors::OrderingFault;
+use weightferry::scheduler::{HostBufferId, StreamId};
+use weightferry::session::Session;
 
 /// Name of the stream [`compare`] uploads resident placements on.
 pub const UPLOAD_STREAM: &str = "resident-upload";
@@ -44,45 +43,19 @@ impl RunStage {
     }
 }
 
-/// The caller's side of [`compare`]: builds the offloaded source and brackets the offloaded stage. A closure
-/// `FnMut(&PlatformRef) -> Result<Option<StreamingBackend>, EngineError>` is one that only builds.
-pub trait OffloadedSource {
-    /// Builds the backend on `platform` (the model's), e.g. with [`single_process_backend`]; `None`: offload is
-    /// off, and the offloaded stage runs resident too. Called once, after the resident stage; must touch nothing
-    /// (as [`get_offload_backend`] does not): the offloaded stage's measurements start after it.
-    fn build(&mut self, platform: &PlatformRef) -> Result<Option<StreamingBackend>, EngineError>;
+/// The caller's side of [`compare`]: brackets the offloaded stage. `()` brackets nothing.
+pub trait OffloadedStage {
     /// Options of the offloaded execution (by default the resident execution's).
     fn options(&self, resident: &ExecOptions) -> ExecOptions {
         resident.clone()
     }
-    /// Called after [`OffloadedSource::build`], right before the offloaded stage's measurements start.
+    /// Called right before the offloaded stage's measurements start.
     fn begin(&mut self) {}
     /// Called right after the offloaded stage ended (after `disable`), also when it failed.
     fn end(&mut self) {}
 }
 
-impl<F> OffloadedSource for F
-where
-    F: FnMut(&PlatformRef) -> Result<Option<StreamingBackend>, EngineError>,
-{
-    fn build(&mut self, platform: &PlatformRef) -> Result<Option<StreamingBackend>, EngineError> {
-        self(platform)
-    }
-}
-
-/// The backend of a single-process run: [`get_offload_backend`] for `config` without a collective, its block
-/// stacks run with `fault` (a test hook: a deliberately broken ordering).
-pub fn single_process_backend(
-    config: &OffloadConfig,
-    platform: &PlatformRef,
-    fault: OrderingFault,
-) -> Result<Option<StreamingBackend>, EngineError> {
-    let mut backend = get_offload_backend(config, platform.clone(), None)?;
-    if let Some(b) = backend.as_mut() {
-        b.set_ordering_fault(fault);
-    }
-    Ok(backend)
-}
+impl OffloadedStage for () {}
 
 /// Where the offloaded output differs from the resident one.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,52 +152,51 @@ pub fn run_resident<T>(
     Ok((out?, bytes))
 }
 
-/// Enables `backend` on `model` with `hooks` and the engine's `compute` stream, runs `exec` on it when that
-/// succeeded, then disables it — also when `enable` or `exec` failed. Returns `exec`'s result (or `enable`'s
-/// error) and `disable`'s, for the caller to weigh: a distributed rank maps a failed restore to its own errors.
+/// Enables the session (its hooks ordering copies against the engine's compute stream, given at
+/// [`Session::from_model`]), runs `exec` on it when that succeeded, then disables it — also when `enable` or `exec`
+/// failed. Returns `exec`'s result (or `enable`'s error) and `disable`'s, for the caller to weigh: a distributed rank
+/// maps a failed restore to its own errors.
 pub fn run_offloaded<T, E: From<OffloadError>>(
-    backend: &mut StreamingBackend,
-    model: &mut HostModel,
-    hooks: &HookRegistry,
-    compute: StreamId,
-    exec: impl FnOnce(&StreamingBackend, &HostModel) -> Result<T, E>,
+    session: &mut Session,
+    exec: impl FnOnce(&Session) -> Result<T, E>,
 ) -> (Result<T, E>, Result<(), OffloadError>) {
-    let out = match backend.enable(model, hooks, compute) {
-        Ok(()) => exec(backend, model),
+    let out = match session.enable_offload() {
+        Ok(_) => exec(session),
         Err(e) => Err(e.into()),
     };
-    let disabled = backend.disable(model, hooks);
+    let disabled = session.disable_offload();
     (out, disabled)
 }
 
-/// Runs `engine` on `model` fully resident, then offloaded on the backend `source` builds, and compares: outputs
-/// bit for bit, host weights by checksum before and after. `progress` sees every component (and DiT step) of both
-/// executions start. Without a backend, or when `enable` finds nothing to offload, the offloaded execution runs
-/// resident as well. Fails on any failure of either stage; a mismatch is no failure ([`Comparison::mismatch`]).
+/// Runs `engine` on the session's host model fully resident, then offloaded through the session, and compares:
+/// outputs bit for bit, host weights by checksum before and after. `progress` sees every component (and DiT step)
+/// of both executions start. When the config disables offload, or `enable` finds nothing to offload, the offloaded
+/// execution runs resident as well. Fails on any failure of either stage; a mismatch is no failure
+/// ([`Comparison::mismatch`]).
 pub fn compare(
     engine: &Engine,
-    model: &mut HostModel,
+    session: &mut Session,
     opts: &ExecOptions,
-    source: &mut dyn OffloadedSource,
+    stage: &mut dyn OffloadedStage,
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
 ) -> Result<Comparison, EngineError> {
-    let platform = model.platform().clone();
-    let before = model.checksum()?;
+    let platform = session.model().platform().clone();
+    let before = session.model().checksum()?;
     let upload = platform.create_stream(UPLOAD_STREAM)?;
-    let (resident, resident_weight_bytes) =
-        run_resident(model, upload, |p, hooks| execute(engine, p, hooks, opts, RunStage::Resident, progress))?;
-    let mut backend = source.build(&platform)?;
-    let off_opts = source.options(opts);
-    source.begin();
+    let (resident, resident_weight_bytes) = run_resident(session.model(), upload, |p, hooks| {
+        execute(engine, p, hooks, opts, RunStage::Resident, progress)
+    })?;
+    let off_opts = stage.options(opts);
+    stage.begin();
     platform.reset_peak();
     let base = platform.device_memory().in_use;
     let t0 = Instant::now();
-    let offloaded = offloaded_stage(engine, model, backend.as_mut(), upload, &off_opts, progress);
+    let offloaded = offloaded_stage(engine, session, upload, &off_opts, progress);
     let offloaded_wall = t0.elapsed();
     let offloaded_peak_bytes = platform.device_memory().peak.saturating_sub(base);
-    source.end();
+    stage.end();
     let (offloaded, backend, master_units) = offloaded?;
-    let after = model.checksum()?;
+    let after = session.model().checksum()?;
     Ok(Comparison {
         mismatch: compare_outputs(&resident.output, &offloaded.output),
         resident,
@@ -251,29 +223,23 @@ fn execute(
 }
 
 /// The offloaded execution, and when it ran through an enabled backend, the backend's report and master units.
-type OffloadedStage = (ExecOutput, Option<BackendReport>, Vec<(HostBufferId, String)>);
+type StageOutput = (ExecOutput, Option<BackendReport>, Vec<(HostBufferId, String)>);
 
 /// The offloaded execution and, when it ran through an enabled backend, the backend's report.
 fn offloaded_stage(
     engine: &Engine,
-    model: &mut HostModel,
-    backend: Option<&mut StreamingBackend>,
+    session: &mut Session,
     upload: StreamId,
     opts: &ExecOptions,
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
-) -> Result<OffloadedStage, EngineError> {
-    let Some(backend) = backend else {
-        let (out, _) = resident_again(engine, model, upload, opts, progress)?;
-        return Ok((out, None, Vec::new()));
-    };
-    let hooks = HookRegistry::new();
-    let (out, disabled) = run_offloaded(backend, model, &hooks, engine.stream(), |b, model| {
-        if !b.is_enabled() {
-            // The plan had nothing to offload: the pipeline runs resident.
-            let (out, _) = resident_again(engine, model, upload, opts, progress)?;
+) -> Result<StageOutput, EngineError> {
+    let (out, disabled) = run_offloaded(session, |session| {
+        let Some(b) = session.backend().filter(|b| b.is_enabled()) else {
+            // Offload is off, or the plan had nothing to offload: the pipeline runs resident.
+            let (out, _) = resident_again(engine, session.model(), upload, opts, progress)?;
             return Ok::<_, EngineError>((out, None, Vec::new()));
-        }
-        let out = execute(engine, b, &hooks, opts, RunStage::Offloaded, progress)?;
+        };
+        let out = execute(engine, b, session.hooks(), opts, RunStage::Offloaded, progress)?;
         Ok((out, Some(b.report()), b.master_units()))
     });
     let out = out?;
@@ -300,10 +266,12 @@ mod tests {
     use crate::engine::compute::SimCompute;
     use crate::engine::synthetic::SyntheticWeights;
     use std::sync::Arc;
+    use weightferry::config::OffloadConfig;
     use weightferry::pipeline::presets::preset;
     use weightferry::pipeline::PipelineDesc;
-    use weightferry_actors::platform::Platform;
-    use weightferry_actors::sim::{SimConfig, SimPlatform};
+    use weightferry::scheduler::Platform;
+    use weightferry::scheduler::{SimConfig, SimPlatform};
+    use weightferry::session::SessionOptions;
 
     #[test]
     fn a_mismatch_names_the_first_differing_byte_and_counts_the_rest() {
@@ -323,28 +291,26 @@ mod tests {
         );
     }
 
-    /// A simulated device with a synthetic model of `desc` and an engine.
+    /// A simulated device, a session over a synthetic model of `desc` under `config`, and an engine.
     struct Fixture {
         sim: Arc<SimPlatform>,
-        model: HostModel,
+        session: Session,
         engine: Engine,
     }
 
     impl Fixture {
-        fn new(desc: &PipelineDesc, seed: u64) -> Fixture {
+        fn new(desc: &PipelineDesc, seed: u64, config: OffloadConfig) -> Fixture {
             let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
             let model = HostModel::synthetic(sim.clone(), Arc::new(desc.clone()), seed).unwrap();
             let engine = Engine::new(Arc::new(SimCompute::new(sim.clone())), desc).unwrap();
-            Fixture { sim, model, engine }
-        }
-        fn platform(&self) -> PlatformRef {
-            self.sim.clone()
+            let session = Session::from_model(model, engine.stream(), config, SessionOptions::default()).unwrap();
+            Fixture { sim, session, engine }
         }
         /// Releases everything; the device then holds nothing, and saw no hazard.
         fn finish(self) {
-            let Fixture { sim, model, mut engine } = self;
+            let Fixture { sim, session, mut engine } = self;
             engine.release().unwrap();
-            model.release();
+            drop(session);
             assert!(sim.violations().is_empty());
             assert_eq!(sim.device_memory().in_use, 0);
             sim.shutdown();
@@ -360,15 +326,13 @@ mod tests {
     }
 
     #[test]
-    fn the_offloaded_stage_runs_through_the_backend_and_matches_the_resident_one() {
+    fn the_offloaded_stage_runs_through_the_session_and_matches_the_resident_one() {
         use crate::engine::math::Phase;
         let desc = preset("flux-tiny").unwrap();
-        let mut f = Fixture::new(&desc, 3);
+        let mut f = Fixture::new(&desc, 3, layer_config());
         let opts = ExecOptions { steps: 2, input_seed: 3, ..ExecOptions::default() };
-        let config = layer_config();
         let mut stages = Vec::new();
-        let mut off = |p: &PlatformRef| single_process_backend(&config, p, OrderingFault::None);
-        let cmp = compare(&f.engine, &mut f.model, &opts, &mut off, &mut |s, p| {
+        let cmp = compare(&f.engine, &mut f.session, &opts, &mut (), &mut |s, p| {
             if stages.last() != Some(&(s, p.phase)) {
                 stages.push((s, p.phase));
             }
@@ -391,11 +355,11 @@ mod tests {
     }
 
     #[test]
-    fn without_a_backend_the_offloaded_stage_runs_resident() {
-        let mut f = Fixture::new(&preset("flux-tiny").unwrap(), 0);
+    fn with_offload_disabled_the_offloaded_stage_runs_resident() {
+        let mut f = Fixture::new(&preset("flux-tiny").unwrap(), 0, OffloadConfig::disabled());
+        assert!(f.session.backend().is_none());
         let opts = ExecOptions { steps: 1, ..ExecOptions::default() };
-        let mut off = |_: &PlatformRef| Ok(None);
-        let cmp = compare(&f.engine, &mut f.model, &opts, &mut off, &mut |_, _| {}).unwrap();
+        let cmp = compare(&f.engine, &mut f.session, &opts, &mut (), &mut |_, _| {}).unwrap();
         assert!(cmp.outputs_match() && cmp.weights_match());
         assert!(cmp.backend.is_none());
         assert_eq!(cmp.offloaded_peak_bytes, cmp.resident_weight_bytes);
@@ -416,15 +380,10 @@ mod tests {
             .build()
             .unwrap();
         let config = OffloadConfig::from_json_str(r#"{"enable_layerwise_offload": true}"#).unwrap();
-        let mut f = Fixture::new(&desc, 0);
+        let mut f = Fixture::new(&desc, 0, config);
+        assert!(f.session.backend().is_some());
         let opts = ExecOptions { steps: 1, ..ExecOptions::default() };
-        let mut built = false;
-        let mut off = |p: &PlatformRef| {
-            built = true;
-            single_process_backend(&config, p, OrderingFault::None)
-        };
-        let cmp = compare(&f.engine, &mut f.model, &opts, &mut off, &mut |_, _| {}).unwrap();
-        assert!(built);
+        let cmp = compare(&f.engine, &mut f.session, &opts, &mut (), &mut |_, _| {}).unwrap();
         assert!(cmp.outputs_match() && cmp.weights_match());
         assert!(cmp.backend.is_none(), "{:?}", cmp.backend);
         assert_eq!(cmp.offloaded_peak_bytes, cmp.resident_weight_bytes);
@@ -433,19 +392,17 @@ mod tests {
     }
 
     #[test]
-    fn the_backend_is_disabled_when_the_execution_fails() {
-        let mut f = Fixture::new(&preset("flux-tiny").unwrap(), 0);
-        let before = f.model.checksum().unwrap();
-        let mut backend = single_process_backend(&layer_config(), &f.platform(), OrderingFault::None).unwrap().unwrap();
-        let hooks = HookRegistry::new();
-        let (out, disabled) = run_offloaded(&mut backend, &mut f.model, &hooks, f.engine.stream(), |b, _| {
-            assert!(b.is_enabled());
+    fn the_session_is_disabled_when_the_execution_fails() {
+        let mut f = Fixture::new(&preset("flux-tiny").unwrap(), 0, layer_config());
+        let before = f.session.model().checksum().unwrap();
+        let (out, disabled) = run_offloaded(&mut f.session, |s| {
+            assert!(s.is_enabled());
             Err::<(), _>(EngineError::Failed("boom".into()))
         });
         assert_eq!(out, Err(EngineError::Failed("boom".into())));
         assert_eq!(disabled, Ok(()));
-        assert!(!backend.is_enabled());
-        assert_eq!(f.model.checksum().unwrap(), before);
+        assert!(!f.session.is_enabled());
+        assert_eq!(f.session.model().checksum().unwrap(), before);
         f.finish();
     }
 }

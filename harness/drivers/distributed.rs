@@ -5,25 +5,26 @@
 //! and hook registry, sharing one [`SimCollectiveGroup`].
 //!
 //! Per rank: the communicator is warmed up by one small AllGather first; the DiT stacks of the layerwise plan keep
-//! only the rank's sharded host masters ([`build_sharded_masters`]); every block is rebuilt in a device slot by the
+//! only the rank's sharded host masters ([`build_sharded_masters`](weightferry::offload::distributed::build_sharded_masters)); every block is rebuilt in a device slot by the
 //! H2D of the rank's shard then one AllGather per dtype section (or per chunk of one, with
-//! [`DistributedRunSpec::chunk_bytes`]), through gather-path [`BlockStack`]s that share one [`GatherSequence`] and
+//! [`DistributedRunSpec::chunk_bytes`]), through gather-path `BlockStack`s that share one `GatherSequence` and
 //! one collective actor. Everything outside the DiT stacks is placed on the device once
 //! ([`ResidentPlacement`](weightferry::offload::ResidentPlacement)). No block is prefetched before the first forward, so
 //! every rank's first gather happens inside the same hook sequence.
 //!
-//! Host memory ([`DistributedRunSpec::release_loaded`]): right after a unit's shards are built, the rank frees the
+//! Host memory: right after a unit's shards are built, the rank frees the
 //! loaded host buffer of every storage of the unit that no later unit needs ([`HostModel::release_to_shards`]), so
 //! while it runs the rank holds only its 1/N shard of the streamed blocks and host memory across the group totals
 //! one copy of them. At the end (success, or a failure that left the collective usable) one final gather to host
-//! ([`shard_restore`](super::shard_restore)) gives every released storage a loaded buffer again, bit-exactly; when
+//! ([`shard_restore`](weightferry::offload::shard_restore)) gives every released storage a loaded buffer again, bit-exactly; when
 //! the collective is poisoned no restore collective is attempted, the released storages stay [`Home::Sharded`]
 //! (a typed error to every read, never stale bytes) and the error says to reload the pipeline.
 //!
 //! Timing ([`DistributedRunSpec::timed_steps`]): a rank runs a warm-up step, then `lo` and `hi` steps through the
 //! same stacks and reports [`RankTiming`] (seconds per step and bytes per step from the stacks' counters, derived
 //! as the single-GPU bench does); [`resident_run_with_model`] times the resident baseline the same way, on the
-//! same model ([`run_rank_with_model`]). The two run the comparison's stages apart
+//! same model, which a library session owns ([`rank_session`], [`run_rank_in_session`]). The two run the
+//! comparison's stages apart
 //! ([`run_resident`], [`run_offloaded`]: `disable` also after a failure).
 //!
 //! Invariants: every rank runs the same deterministic hook sequence (same plan, same program, no block skips), so
@@ -47,13 +48,13 @@ use weightferry::hooks::{HookFailure, HookRegistry, ModelHook, Residency};
 use weightferry::model::{Home, HostModel, ModelError};
 use weightferry::offload::distributed::DistributedError;
 use weightferry::offload::units::{build_unit_plan, UnitPlan};
-use weightferry::offload::{get_offload_backend, OffloadError, StreamingBackend};
+use weightferry::offload::{OffloadError, StreamingBackend};
 use weightferry::pipeline::{PipelineDesc, StorageId};
-use weightferry::plan::resolve_offload_plan;
-use weightferry_actors::collective::{Collective, SimCollectiveGroup, SimCollectiveOptions};
-use weightferry_actors::collective_actor::{CollectiveFactory, GatherError};
-use weightferry_actors::platform::{PlatformError, PlatformRef};
-use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry::scheduler::{
+    Collective, CollectiveFactory, GatherError, PlatformError, PlatformRef, SimCollectiveGroup, SimCollectiveOptions,
+    SimConfig, SimPlatform,
+};
+use weightferry::session::{CollectiveSource, Session, SessionOptions};
 
 /// Name of a rank's comm stream (the collective actor's stream).
 pub const COMM_STREAM: &str = "comm";
@@ -375,14 +376,13 @@ pub struct RankRun {
     /// Host bytes of the rank's shard masters (padding included).
     pub shard_host_bytes: u64,
     /// Host bytes the rank held for DiT weights while it ran: its shard masters plus the loaded bytes of the
-    /// streamed DiT storages it did not release (all of them without [`DistributedRunSpec::release_loaded`], so
-    /// then one full copy of the streamed blocks more; with it, just the shards).
+    /// streamed DiT storages it did not release (the run releases every one no later unit needs, so just the
+    /// shards).
     pub dit_host_bytes_while_running: u64,
-    /// Loaded host bytes the rank released while it ran (and restored at its end); 0 without
-    /// [`DistributedRunSpec::release_loaded`].
+    /// Loaded host bytes the rank released while it ran (and restored at its end).
     pub released_bytes: u64,
     /// `(sequence number, tag)` of the AllGathers of the final restore to host, in issue order (after `issued`;
-    /// empty when nothing was released). Tags are [`restore_tag`](super::shard_restore::restore_tag)s.
+    /// empty when nothing was released). Tags are restore tags ([`is_restore_tag`](weightferry::offload::shard_restore::is_restore_tag)).
     pub restore_issued: Vec<(u64, u64)>,
     /// Bytes of one full copy of the streamed sections (what the shards of all ranks rebuild).
     pub full_section_bytes: u64,
@@ -390,7 +390,7 @@ pub struct RankRun {
     pub sections: u64,
     /// Host → device bytes the DiT stacks copied (shards only).
     pub h2d_bytes: u64,
-    /// AllGathers that went between symmetric windows ([`weightferry_actors::collective::Collective::windowed_gathers`]:
+    /// AllGathers that went between symmetric windows ([`weightferry::scheduler::Collective::windowed_gathers`]:
     /// NCCL's copy-engine path, or the simulated group's model of it), the final restore's included.
     pub windowed_all_gathers: u64,
     /// With [`DistributedRunSpec::timed_steps`]: the timed executions and the bytes one step moved.
@@ -582,7 +582,7 @@ pub fn run_distributed_sim(
 
 /// Runs rank `rank` of a `world`-rank distributed layerwise run of `spec` on `platform`: this process's (or this
 /// thread's) part of the group. Generic over the platform: the simulated device with a
-/// [`SimCollective`](weightferry_actors::collective::SimCollective) (as
+/// [`SimCollective`](weightferry::scheduler::SimCollective) (as
 /// [`run_distributed_sim`] does, one thread per rank), or one process per rank — the simulated device with a
 /// TCP collective, or CUDA with an NCCL collective.
 ///
@@ -593,14 +593,13 @@ pub fn run_distributed_sim(
 ///
 /// Loads the pipeline with synthetic weights of `spec.seed`, builds this rank's sharded masters of the DiT stacks,
 /// spawns the collective actor and **warms the communicator** (one small AllGather, sequence number 0, tag
-/// [`WARM_UP_TAG`](weightferry_actors::collective_actor::WARM_UP_TAG), before anything else is gathered: NCCL's
+/// [`WARM_UP_TAG`](weightferry::scheduler::WARM_UP_TAG), before anything else is gathered: NCCL's
 /// first AllGather on a new communicator takes about 2.5 s, which must not land inside the first step), runs
-/// `spec.steps` steps through gather-path block stacks, restores what it released
-/// ([`DistributedRunSpec::release_loaded`]) and releases everything before returning, success or not.
+/// `spec.steps` steps through gather-path block stacks, restores what it released and releases everything before returning, success or not.
 /// [`RankRun::hazard_violations`] is left at 0: a caller on the simulated device fills it in from its platform.
 ///
 /// Errors: an invalid spec or mismatched rank / world ([`DistributedRunError::Invalid`]); any failure of the
-/// run. When an AllGather failed to start on this rank — or, with `release_loaded`, when the collective turns out
+/// run. When an AllGather failed to start on this rank — or when the collective turns out
 /// unusable for the final restore (an AllGather failed on the device, a gap in the gather order, a failed restore
 /// AllGather) — the error is [`DistributedRunError::Poisoned`]: no further collective is issued and the pipeline
 /// must be reloaded. A failure of the final restore on this rank alone is [`DistributedRunError::RestoreFailed`].
@@ -613,10 +612,9 @@ pub fn run_rank(
     spec: &DistributedRunSpec,
 ) -> Result<RankRun, DistributedRunError> {
     check_rank(rank, world, spec)?;
-    let mut model = HostModel::synthetic(platform.clone(), Arc::new(spec.pipeline.clone()), spec.seed)?;
-    let result = run_rank_with_model(platform, compute, collective, rank, world, spec, &mut model);
-    model.release();
-    result
+    let model = HostModel::synthetic(platform, Arc::new(spec.pipeline.clone()), spec.seed)?;
+    let mut session = rank_session(model, collective, rank, world, spec)?;
+    run_rank_in_session(compute, &mut session, rank, world, spec)
 }
 
 /// The spec is valid and `rank` of `world` fits it.
@@ -632,49 +630,78 @@ fn check_rank(rank: usize, world: usize, spec: &DistributedRunSpec) -> Result<()
     Ok(())
 }
 
-/// [`run_rank`] on the caller's `model` instead of a fresh one: `model` must hold `spec.pipeline` with synthetic
-/// weights of `spec.seed`, loaded on `platform` (so one weight generation serves this run and a resident baseline
-/// on the same device, see [`resident_run_with_model`]; run the baseline first, while every storage is loaded).
-/// The run goes through the library's backend API: [`get_offload_backend`] with this rank's collective, `enable`,
-/// the engine's executions, `disable`. While it runs the rank holds only its shards of the DiT blocks on host (the
-/// backend released the loaded copies at enable); `disable` restores them bit-exactly. If the collective is
-/// poisoned (the error is then [`DistributedRunError::Poisoned`]) or the restore fails on this rank
-/// ([`DistributedRunError::RestoreFailed`]), the storages not restored stay [`Home::Sharded`] — reading them is a
-/// typed error — and the pipeline must be reloaded. Everything else this rank allocated is released before
-/// returning, success or not.
-pub fn run_rank_with_model(
-    platform: PlatformRef,
-    compute: Arc<dyn Compute>,
+/// The library session of `rank` of a run of `spec`: `spec`'s distributed DiT config
+/// ([`OffloadConfig::distributed_dit`]) over the caller's `model` (holding `spec.pipeline` with synthetic weights
+/// of `spec.seed`, or a checkpoint's bytes), the rank's `collective`, and a new compute stream on the model's
+/// platform for the engine ([`run_rank_in_session`]) to run on. One weight generation serves this run and a
+/// resident baseline on the same device: run [`resident_run_with_model`] on [`Session::model`] first, while every
+/// storage is loaded. The model is released when the session is dropped (also when this fails).
+pub fn rank_session(
+    model: HostModel,
     collective: CollectiveFactory,
     rank: usize,
     world: usize,
     spec: &DistributedRunSpec,
-    model: &mut HostModel,
+) -> Result<Session, DistributedRunError> {
+    let stream = match check_rank(rank, world, spec).and_then(|()| Ok(model.platform().create_stream("compute")?)) {
+        Ok(stream) => stream,
+        Err(e) => {
+            model.release();
+            return Err(e);
+        }
+    };
+    let config = OffloadConfig::distributed_dit(world as u32, spec.depth as u32, spec.chunk_bytes);
+    let options = SessionOptions { collective: CollectiveSource::Factory(collective), ..SessionOptions::default() };
+    Session::from_model(model, stream, config, options).map_err(|e| DistributedRunError::Engine(e.into()))
+}
+
+/// Runs this rank's part of the group run through `session` ([`rank_session`]), the engine on the session's
+/// compute stream: `enable`, the engine's executions, `disable`. While it runs the rank holds only its shards of
+/// the DiT blocks on host (the backend released the loaded copies at enable); `disable` restores them bit-exactly.
+/// If the collective is poisoned (the error is then [`DistributedRunError::Poisoned`]) or the restore fails on
+/// this rank ([`DistributedRunError::RestoreFailed`]), the storages not restored stay [`Home::Sharded`] — reading
+/// them is a typed error — and the pipeline must be reloaded. Everything else this rank allocated is released
+/// before returning, success or not.
+pub fn run_rank_in_session(
+    compute: Arc<dyn Compute>,
+    session: &mut Session,
+    rank: usize,
+    world: usize,
+    spec: &DistributedRunSpec,
 ) -> Result<RankRun, DistributedRunError> {
     check_rank(rank, world, spec)?;
-    let config = OffloadConfig::distributed_dit(world as u32, spec.depth as u32, spec.chunk_bytes);
-    let plan = resolve_offload_plan(&spec.pipeline, &config).map_err(OffloadError::from)?;
-    let units = build_unit_plan(&spec.pipeline, &config, &plan);
+    let Some(config) = session.backend().map(|b| b.config().clone()) else {
+        return Err(DistributedRunError::Invalid("the config disables offload".into()));
+    };
+    let units = build_unit_plan(&spec.pipeline, &config, session.plan());
     if !units.stacks.iter().any(|s| s.allgather) {
         return Err(DistributedRunError::Invalid("the plan streams no DiT stack".into()));
     }
-    let Some(mut backend) = get_offload_backend(&config, platform.clone(), Some(collective))? else {
-        return Err(DistributedRunError::Invalid("the config disables offload".into()));
-    };
-    let mut engine = Engine::new(compute, &spec.pipeline)?;
-    let hooks = HookRegistry::new();
-    let stream = engine.stream();
-    let (result, disabled) = run_offloaded(&mut backend, model, &hooks, stream, |backend, model| {
-        let run = run_enabled(spec, rank, &units, backend, &engine, &hooks, model);
-        hooks.remove_owned_by(JITTER_HOOK);
+    let mut engine = Engine::on_stream(compute, &spec.pipeline, session.compute_stream())?;
+    let (result, disabled) = run_offloaded(session, |session| {
+        let backend = session.backend().expect("checked above");
+        let run = run_enabled(spec, rank, &units, backend, &engine, session.hooks(), session.model());
+        session.hooks().remove_owned_by(JITTER_HOOK);
         let released = engine.release();
         let issued = backend.gather_log();
         run.and_then(|run| released.map(|()| RankRun { issued, ..run }).map_err(DistributedRunError::from))
     });
+    let backend = session.backend().expect("checked above");
     let restore_issued = backend.restore_log().to_vec();
     let windowed = backend.windowed_gathers();
     let poisoned = backend.poisoned();
-    drop(backend);
+    rank_outcome(rank, result, disabled, poisoned, restore_issued, windowed)
+}
+
+/// A rank's result from its run's, `disable`'s and the collective's state.
+fn rank_outcome(
+    rank: usize,
+    result: Result<RankRun, DistributedRunError>,
+    disabled: Result<(), OffloadError>,
+    poisoned: Option<PlatformError>,
+    restore_issued: Vec<(u64, u64)>,
+    windowed: u64,
+) -> Result<RankRun, DistributedRunError> {
     let run_error = |r: &Result<RankRun, DistributedRunError>| r.as_ref().err().map(ToString::to_string);
     match disabled {
         Err(OffloadError::Poisoned { cause, unrestored, .. }) => {

@@ -1,7 +1,7 @@
 //! `run --platform cuda`: the GPU reference engine on a real device, fully resident, then offloaded, compared bit
 //! for bit (outputs and host weights), with the offloaded run's memory, bytes and hook latency.
 
-use crate::drivers::compare::{compare, single_process_backend};
+use crate::drivers::compare::compare;
 use crate::engine::cuda::{CudaCompute, GpuShape};
 use crate::engine::synthetic::SyntheticWeights;
 use crate::engine::timing::{hook_percentiles_us, ms, stack_h2d_bytes};
@@ -13,9 +13,9 @@ use weightferry::config::OffloadConfig;
 use weightferry::model::HostModel;
 use weightferry::offload::backend::EnableProgress;
 use weightferry::pipeline::PipelineDesc;
-use weightferry::plan::resolve_offload_plan;
 use weightferry::platform::cuda::CudaPlatform;
-use weightferry_actors::platform::PlatformRef;
+use weightferry::scheduler::PlatformRef;
+use weightferry::session::{Session, SessionOptions};
 
 /// The result of a GPU run: resident vs offloaded.
 #[derive(Debug, Clone, Serialize)]
@@ -63,34 +63,35 @@ pub fn gpu_run(
     shape: GpuShape,
     seed: u64,
     skip_seed: Option<u64>,
-    ordering_fault: weightferry_actors::OrderingFault,
+    ordering_fault: weightferry::scheduler::OrderingFault,
     slow_copies: bool,
     observer: Option<Arc<dyn crate::report::progress::RunObserver>>,
 ) -> Result<GpuRunReport, EngineError> {
-    let plan = resolve_offload_plan(desc, config).map_err(weightferry::offload::OffloadError::from)?;
     let cuda = Arc::new(CudaPlatform::new(0)?);
     let platform: PlatformRef =
         if slow_copies { Arc::new(crate::engine::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };
     let compute = Arc::new(CudaCompute::new(cuda.clone(), desc, shape)?);
-    let mut model = match checkpoint {
+    let model = match checkpoint {
         Some(w) => HostModel::from_checkpoint(platform, Arc::new(desc.clone()), &w.checkpoint, &w.component)
             .map_err(crate::drivers::run::checkpoint_error)?,
         None => HostModel::synthetic(platform, Arc::new(desc.clone()), seed)?,
     };
-    let engine = Engine::new(compute, desc)?;
-    let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
-    let enable_observer = observer.clone();
-    let mut offload = |p: &PlatformRef| {
-        let mut backend = single_process_backend(config, p, ordering_fault)?;
-        if let (Some(b), Some(o)) = (backend.as_mut(), enable_observer.clone()) {
-            b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
+    let engine = match Engine::new(compute, desc) {
+        Ok(engine) => engine,
+        Err(e) => {
+            model.release();
+            return Err(e);
         }
-        Ok(backend)
     };
+    let enable_progress = observer.clone().map(|o| EnableProgress::new(move |done, total| o.masters(done, total)));
+    let options = SessionOptions { ordering_fault, enable_progress, ..SessionOptions::default() };
+    let mut session = Session::from_model(model, engine.stream(), config.clone(), options)?;
+    let opts = ExecOptions { steps, input_seed: seed, skip_seed, ..ExecOptions::default() };
     let mut watch = StepWatch::new(cuda.clone(), engine.stream(), observer);
-    let cmp = compare(&engine, &mut model, &opts, &mut offload, &mut |stage, p| watch.observe(stage, p));
+    let cmp = compare(&engine, &mut session, &opts, &mut (), &mut |stage, p| watch.observe(stage, p));
     watch.finish();
-    model.release();
+    let plan = session.plan().clone();
+    drop(session);
     let cmp = cmp?;
     let backend = cmp.backend.as_ref();
     let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);

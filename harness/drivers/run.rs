@@ -1,13 +1,13 @@
 //! The `run` driver: runs a pipeline fully resident, then offloaded under a config, on the simulated platform, and
 //! reports the comparison.
 //!
-//! Order of a run: resolve the plan (a bad config/pipeline combination fails here, before anything is allocated) →
-//! load synthetic weights → allocate activations → [`compare`] (checksum the host weights, resident run, offloaded
-//! run through `get_offload_backend`, checksum again) with the simulated device's trace and counters armed around
-//! the offloaded run. The report compares outputs and weights bit for bit, and sets the offloaded run's peak device
+//! Order of a run: load synthetic weights (or the checkpoint's) → allocate activations → open a library
+//! [`Session`] over the model (the plan resolved once; a bad config/pipeline combination fails here, before
+//! anything is offloaded) → [`compare`] (checksum the host weights, resident run, offloaded run through the
+//! session, checksum again) with the simulated device's trace and counters armed around the offloaded run. The report compares outputs and weights bit for bit, and sets the offloaded run's peak device
 //! weight memory (peak minus the activations allocated before it) against the plan's bound.
 
-use super::compare::{compare, single_process_backend, Comparison, OffloadedSource};
+use super::compare::{compare, Comparison, OffloadedStage};
 use crate::engine::compute::SimCompute;
 use crate::engine::synthetic::SyntheticWeights;
 use crate::engine::timing::{hook_percentiles_us, ms};
@@ -23,10 +23,9 @@ use weightferry::config::{OffloadConfig, Strategy};
 use weightferry::model::HostModel;
 use weightferry::offload::backend::EnableProgress;
 use weightferry::pipeline::PipelineDesc;
-use weightferry::plan::resolve_offload_plan;
-use weightferry_actors::platform::{Platform, PlatformRef};
-use weightferry_actors::sim::{SimConfig, SimPlatform, SimStats};
-use weightferry_actors::OrderingFault;
+use weightferry::plan::ResolvedPlan;
+use weightferry::scheduler::{OrderingFault, Platform, PlatformRef, SimConfig, SimPlatform, SimStats};
+use weightferry::session::{Session, SessionOptions};
 
 pub use super::compare::RunStage;
 
@@ -119,8 +118,7 @@ fn wait_of(stats: &SimStats, stream: &str) -> Duration {
     stats.wait_time_per_stream.iter().filter(|(n, _)| n == stream).map(|(_, d)| *d).sum()
 }
 
-/// The offloaded side of a sim run: the backend of the spec's config, and the simulated device's trace and
-/// counters armed around the offloaded run.
+/// The offloaded side of a sim run: the simulated device's trace and counters armed around the offloaded run.
 struct SimOffload<'a> {
     spec: &'a RunSpec,
     sim: &'a SimPlatform,
@@ -129,14 +127,7 @@ struct SimOffload<'a> {
     stats: (SimStats, SimStats),
 }
 
-impl OffloadedSource for SimOffload<'_> {
-    fn build(&mut self, platform: &PlatformRef) -> Result<Option<weightferry::offload::StreamingBackend>, EngineError> {
-        let mut backend = single_process_backend(&self.spec.config, platform, self.spec.ordering_fault)?;
-        if let (Some(b), Some(o)) = (backend.as_mut(), self.spec.observer.clone()) {
-            b.set_progress(Some(EnableProgress::new(move |done, total| o.masters(done, total))));
-        }
-        Ok(backend)
-    }
+impl OffloadedStage for SimOffload<'_> {
     fn options(&self, resident: &ExecOptions) -> ExecOptions {
         ExecOptions { span_epoch: self.spec.trace.then_some(self.epoch), ..resident.clone() }
     }
@@ -148,6 +139,17 @@ impl OffloadedSource for SimOffload<'_> {
     fn end(&mut self) {
         self.sim.set_tracing(false);
         self.stats.1 = self.sim.stats();
+    }
+}
+
+/// The session options of `spec`: its name, ordering fault and enable observer.
+fn session_options(spec: &RunSpec) -> SessionOptions {
+    let enable_progress = spec.observer.clone().map(|o| EnableProgress::new(move |done, total| o.masters(done, total)));
+    SessionOptions {
+        name: spec.pipeline_name.clone(),
+        ordering_fault: spec.ordering_fault,
+        enable_progress,
+        ..SessionOptions::default()
     }
 }
 
@@ -187,22 +189,18 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
             spec.pipeline_name, spec.max_weight_bytes
         )));
     }
-    // Fail before touching anything on an unsupported combination.
-    let plan = resolve_offload_plan(desc, &spec.config).map_err(weightferry::offload::OffloadError::from)?;
-
     let epoch = Instant::now();
     let sim = Arc::new(SimPlatform::new(spec.sim.clone())?);
     sim.set_tracing(false);
     let platform: PlatformRef = sim.clone();
     let compute = Arc::new(SimCompute::new(sim.clone()));
-    let mut model = match &spec.checkpoint {
+    let model = match &spec.checkpoint {
         None => HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), spec.seed)?,
         Some(w) => HostModel::from_checkpoint(platform.clone(), Arc::new(desc.clone()), &w.checkpoint, &w.component)
             .map_err(checkpoint_error)?,
     };
-    let result = compare_on(spec, &sim, compute, &mut model, epoch, progress);
-    model.release();
-    let Compared { cmp, stats: (stats0, stats1), trace, activation_bytes } = result?;
+    let Compared { cmp, stats: (stats0, stats1), trace, activation_bytes, plan } =
+        compare_on(spec, &sim, compute, model, epoch, progress)?;
 
     let violations = sim.violations();
     let enabled = cmp.backend.is_some();
@@ -265,24 +263,33 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
     Ok(RunOutcome { report, trace })
 }
 
-/// What [`compare_on`] measured besides the comparison.
+/// What [`compare_on`] measured besides the comparison, and the plan the session resolved.
 struct Compared {
     cmp: Comparison,
     stats: (SimStats, SimStats),
     trace: Option<RunTrace>,
     activation_bytes: u64,
+    plan: ResolvedPlan,
 }
 
-/// The comparison of `spec` on `sim` with the engine's activations allocated around it.
+/// The comparison of `spec` on `sim` with the engine's activations allocated around it, through a session over
+/// `model` (released when it returns).
 fn compare_on(
     spec: &RunSpec,
     sim: &Arc<SimPlatform>,
     compute: Arc<SimCompute>,
-    model: &mut HostModel,
+    model: HostModel,
     epoch: Instant,
     progress: &mut dyn FnMut(RunStage, Progress<'_>),
 ) -> Result<Compared, EngineError> {
-    let mut engine = Engine::new(compute, &spec.pipeline)?;
+    let mut engine = match Engine::new(compute, &spec.pipeline) {
+        Ok(engine) => engine,
+        Err(e) => {
+            model.release();
+            return Err(e);
+        }
+    };
+    let mut session = Session::from_model(model, engine.stream(), spec.config.clone(), session_options(spec))?;
     let opts = ExecOptions {
         steps: spec.steps,
         input_seed: spec.seed,
@@ -297,13 +304,15 @@ fn compare_on(
         watch.observe(stage, p);
         progress(stage, p)
     };
-    let cmp = compare(&engine, model, &opts, &mut offload, progress)?;
+    let cmp = compare(&engine, &mut session, &opts, &mut offload, progress)?;
     watch.finish();
     let trace = spec.trace.then(|| RunTrace {
         events: sim.trace(),
         hooks: cmp.offloaded.hook_spans.clone(),
         copy_names: cmp.master_units.iter().cloned().collect(),
     });
+    let plan = session.plan().clone();
+    drop(session);
     engine.release()?;
-    Ok(Compared { cmp, stats: offload.stats, trace, activation_bytes: engine.activation_bytes() })
+    Ok(Compared { cmp, stats: offload.stats, trace, activation_bytes: engine.activation_bytes(), plan })
 }

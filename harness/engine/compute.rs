@@ -13,8 +13,7 @@ use super::EngineError;
 use std::collections::HashMap;
 use std::sync::Arc;
 use weightferry::pipeline::{StorageId, TensorDesc};
-use weightferry_actors::platform::{DeviceBufferId, PlatformRef, StreamId};
-use weightferry_actors::sim::{Access, SimPlatform};
+use weightferry::scheduler::{Access, DeviceBufferId, PlatformRef, SimPlatform, StreamId};
 
 /// Where one weight storage sits on the device for one kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +121,7 @@ impl Compute for SimCompute {
         accesses.push(Access { buffer: acts.latent, offset: 0, len: ACTIVATION_BYTES, write: latent_write });
         accesses.push(Access { buffer: acts.context, offset: 0, len: ACTIVATION_BYTES, write: context_write });
         let label = kernel.label.clone();
-        let body = move |k: &weightferry_actors::sim::SimKernelCtx| -> Result<(), String> {
+        let body = move |k: &weightferry::scheduler::SimKernelCtx| -> Result<(), String> {
             let mut lat = vec![0u8; ACTIVATION_BYTES as usize];
             let mut ctx = vec![0u8; ACTIVATION_BYTES as usize];
             k.read(acts.latent, 0, &mut lat)?;
@@ -150,7 +149,7 @@ impl Compute for SimCompute {
     }
 
     fn read_back(&self, stream: StreamId, buffer: DeviceBufferId, len: u64) -> Result<Vec<u8>, EngineError> {
-        use weightferry_actors::platform::Platform;
+        use weightferry::scheduler::Platform;
         self.sim.stream_synchronize(stream)?;
         let mut out = vec![0u8; len as usize];
         self.sim.read_device(buffer, 0, &mut out)?;

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use weightferry::pipeline::{DType, PipelineDesc, StorageId, TensorDesc};
 use weightferry::platform::cuda::blas::{BLayout, Blas, Gemm};
 use weightferry::platform::cuda::CudaPlatform;
-use weightferry_actors::platform::{DeviceBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef, StreamId};
+use weightferry::scheduler::{DeviceBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef, StreamId};
 
 /// Standard deviation of the synthetic weights (uniform in ±0.05).
 const WEIGHT_STD: f32 = 0.028_867_5;

@@ -39,7 +39,7 @@ use weightferry::hooks::{HookError, HookRegistry, Residency};
 use weightferry::model::{fnv1a, ModelError, FNV_OFFSET};
 use weightferry::offload::{OffloadError, WeightSource};
 use weightferry::pipeline::{PipelineDesc, StorageId};
-use weightferry_actors::platform::{EventId, PlatformError, PlatformRef, StreamId};
+use weightferry::scheduler::{EventId, PlatformError, PlatformRef, StreamId};
 
 /// Errors of the reference engine and the run driver.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -53,6 +53,9 @@ pub enum EngineError {
     /// The offload backend failed.
     #[error(transparent)]
     Offload(#[from] OffloadError),
+    /// The library session could not be opened or driven.
+    #[error(transparent)]
+    Session(#[from] weightferry::session::SessionError),
     /// The input cannot be run (pipeline too large for the reference engine, nothing to run, bad options).
     #[error("{0}")]
     Invalid(String),
@@ -172,6 +175,13 @@ pub struct Engine {
 impl Engine {
     /// Builds the program of `desc`, creates the compute stream and allocates the activations.
     pub fn new(compute: Arc<dyn Compute>, desc: &PipelineDesc) -> Result<Engine, EngineError> {
+        let stream = compute.platform().create_stream("compute")?;
+        Self::on_stream(compute, desc, stream)
+    }
+
+    /// [`new`](Self::new) on a compute stream the caller created on `compute`'s platform (the one a library
+    /// session orders its copies against).
+    pub fn on_stream(compute: Arc<dyn Compute>, desc: &PipelineDesc, stream: StreamId) -> Result<Engine, EngineError> {
         let program = Program::build(desc);
         if program.components().next().is_none() {
             return Err(EngineError::Invalid(format!(
@@ -180,7 +190,6 @@ impl Engine {
             )));
         }
         let platform = compute.platform();
-        let stream = platform.create_stream("compute")?;
         let latent = platform.alloc_device(compute.activation_bytes(Phase::Dit))?;
         let context = match platform.alloc_device(compute.activation_bytes(Phase::Encoder)) {
             Ok(c) => c,
@@ -451,7 +460,7 @@ mod tests {
     use weightferry::model::HostModel;
     use weightferry::offload::ResidentPlacement;
     use weightferry::pipeline::presets::preset;
-    use weightferry_actors::sim::{SimConfig, SimPlatform};
+    use weightferry::scheduler::{SimConfig, SimPlatform};
 
     struct Rec(Arc<Mutex<Vec<String>>>);
     impl ModelHook for Rec {
@@ -472,7 +481,7 @@ mod tests {
     fn hooks_wrap_components_and_blocks_and_skips_are_silent() {
         let desc = Arc::new(preset("flux-tiny").unwrap());
         let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
-        let platform: weightferry_actors::platform::PlatformRef = sim.clone();
+        let platform: weightferry::scheduler::PlatformRef = sim.clone();
         let model = HostModel::synthetic(platform.clone(), desc.clone(), 0).unwrap();
         let mut engine = Engine::new(Arc::new(compute::SimCompute::new(sim.clone())), &desc).unwrap();
         let up = platform.create_stream("up").unwrap();
@@ -529,7 +538,7 @@ mod tests {
         fn locate(
             &self,
             s: StorageId,
-        ) -> Result<(weightferry_actors::platform::DeviceBufferId, u64), weightferry::offload::OffloadError> {
+        ) -> Result<(weightferry::scheduler::DeviceBufferId, u64), weightferry::offload::OffloadError> {
             self.1.lock().unwrap().push(s);
             self.0.locate(s)
         }
@@ -543,7 +552,7 @@ mod tests {
         use weightferry::plan::resolve_offload_plan;
         let desc = Arc::new(preset("flux-tiny").unwrap());
         let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
-        let platform: weightferry_actors::platform::PlatformRef = sim.clone();
+        let platform: weightferry::scheduler::PlatformRef = sim.clone();
         let mut model = HostModel::synthetic(platform.clone(), desc.clone(), 3).unwrap();
         let mut engine = Engine::new(Arc::new(compute::SimCompute::new(sim.clone())), &desc).unwrap();
         let opts = ExecOptions { steps: 2, input_seed: 1, skip_seed: None, span_epoch: None, max_blocks_ahead: None };

@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 use weightferry::platform::cuda::CudaPlatform;
-use weightferry_actors::platform::{
+use weightferry::scheduler::{
     DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformResult, StreamId,
 };
 
@@ -84,10 +84,7 @@ impl Platform for SlowCopies {
     fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()> {
         self.inner.read_host(buf, offset, out)
     }
-    fn map_host(
-        &self,
-        region: std::sync::Arc<dyn weightferry_actors::platform::HostRegion>,
-    ) -> PlatformResult<HostBufferId> {
+    fn map_host(&self, region: std::sync::Arc<dyn weightferry::scheduler::HostRegion>) -> PlatformResult<HostBufferId> {
         self.inner.map_host(region)
     }
     fn register_host(&self, buf: HostBufferId) -> PlatformResult<()> {

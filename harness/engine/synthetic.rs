@@ -10,11 +10,11 @@
 use std::sync::Arc;
 use weightferry::model::{HostModel, ModelError};
 use weightferry::pipeline::{DType, PipelineDesc, StorageId};
-use weightferry_actors::platform::{PlatformError, PlatformRef};
+use weightferry::scheduler::{PlatformError, PlatformRef};
 
 /// splitmix64: the tiny deterministic generator behind synthetic weights (the simulated device's fault plans use
 /// the same one).
-pub use weightferry_actors::sim::fault::splitmix64;
+pub use weightferry::scheduler::splitmix64;
 
 /// f32 → IEEE half bits, rounding toward zero; a value below the smallest normal half becomes a signed zero.
 /// Synthetic f16 weights have always been made this way (`half` rounds to nearest, which gives other bytes), and

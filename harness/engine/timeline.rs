@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 pub use weightferry::platform::timeline::{DeviceSpan, DeviceTracer, COMM_LANE, COMPUTE_LANE, COPY_LANE};
-use weightferry_actors::platform::{PlatformError, StreamId};
+use weightferry::scheduler::{PlatformError, StreamId};
 
 /// Gaps on the compute lane shorter than this are launch gaps, not stalls.
 pub const STALL_THRESHOLD_US: f64 = 20.0;

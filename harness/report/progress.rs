@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use weightferry_actors::platform::{EventId, PlatformRef, StreamId};
+use weightferry::scheduler::{EventId, PlatformRef, StreamId};
 
 /// What a progress display is told while a run goes on (from the driver's thread and the step watcher's).
 pub trait RunObserver: Send + Sync + std::fmt::Debug {
@@ -356,7 +356,7 @@ mod tests {
 
     #[test]
     fn steps_are_reported_when_the_device_completes_them_not_when_the_host_enqueues() {
-        use weightferry_actors::sim::{SimConfig, SimPlatform};
+        use weightferry::scheduler::{SimConfig, SimPlatform};
         let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
         let platform: PlatformRef = sim.clone();
         let stream = platform.create_stream("compute").unwrap();

@@ -12,8 +12,7 @@ use crate::engine::{HookKind, HookSpan};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
-use weightferry_actors::platform::HostBufferId;
-use weightferry_actors::sim::{TraceEvent, TraceKind};
+use weightferry::scheduler::{HostBufferId, TraceEvent, TraceKind};
 
 /// The raw material of a trace: device ops and hook calls on one time base.
 #[derive(Debug, Clone, Default)]

@@ -24,13 +24,14 @@ use weightferry::offload::units::build_unit_plan;
 use weightferry::pipeline::presets::preset;
 use weightferry::pipeline::{PipelineDesc, StorageId};
 use weightferry::plan::resolve_offload_plan;
-use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup, SimCollectiveOptions};
-use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
-use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformError, PlatformRef, StreamId};
-use weightferry_actors::sim::{FaultPlan, SimConfig, SimPlatform};
+use weightferry::scheduler::{
+    Collective, CollectiveFactory, DeviceBufferId, FaultPlan, Platform, PlatformError, PlatformRef, SimCollective,
+    SimCollectiveGroup, SimCollectiveOptions, SimConfig, SimPlatform, StreamId, WARM_UP_TAG,
+};
+use weightferry::session::Session;
 use weightferry_harness::drivers::distributed::{
-    resident_output, run_distributed_sim, run_rank_with_model, DistributedRunError, DistributedRunSpec, RankRun,
-    RunProbe, RunningRank,
+    rank_session, resident_output, run_distributed_sim, run_rank_in_session, DistributedRunError, DistributedRunSpec,
+    RankRun, RunProbe, RunningRank,
 };
 use weightferry_harness::engine::compute::{Compute, SimCompute};
 use weightferry_harness::engine::synthetic::{synthetic_bytes, SyntheticWeights};
@@ -69,12 +70,19 @@ impl Collective for Recording {
 /// What one rank left behind.
 struct Ranked {
     sim: Arc<SimPlatform>,
-    model: HostModel,
+    /// The rank's library session, holding its model.
+    session: Session,
     /// The model's checksum before the run.
     before: u64,
     result: Result<RankRun, DistributedRunError>,
     /// Tags of every AllGather its communicator was asked for.
     tags: Vec<u64>,
+}
+
+impl Ranked {
+    fn model(&self) -> &HostModel {
+        self.session.model()
+    }
 }
 
 fn sims(world: usize, faults: &[(usize, FaultPlan)]) -> Vec<Arc<SimPlatform>> {
@@ -86,7 +94,8 @@ fn sims(world: usize, faults: &[(usize, FaultPlan)]) -> Vec<Arc<SimPlatform>> {
         .collect()
 }
 
-/// Runs `spec` on `sims.len()` ranks through `run_rank_with_model`, each on its own model of seed `spec.seed`;
+/// Runs `spec` on `sims.len()` ranks through `run_rank_in_session`, each on a session over its own model of seed
+/// `spec.seed`;
 /// `fail_gather = (rank, n)` makes that rank's `n`-th AllGather call fail to start.
 fn run_ranks(spec: &DistributedRunSpec, sims: &[Arc<SimPlatform>], fail_gather: Option<(usize, u64)>) -> Vec<Ranked> {
     let world = sims.len();
@@ -109,11 +118,12 @@ fn run_ranks(spec: &DistributedRunSpec, sims: &[Arc<SimPlatform>], fail_gather: 
                     let recording = Recording { inner: comm, tags: tags.clone() };
                     let factory: CollectiveFactory = Box::new(move || Ok(Box::new(recording) as Box<dyn Collective>));
                     let desc = Arc::new(spec.pipeline.clone());
-                    let mut model = HostModel::synthetic(platform.clone(), desc, spec.seed).unwrap();
+                    let model = HostModel::synthetic(platform, desc, spec.seed).unwrap();
                     let before = model.checksum().unwrap();
-                    let result = run_rank_with_model(platform, compute, factory, rank, world, spec, &mut model);
+                    let mut session = rank_session(model, factory, rank, world, spec).unwrap();
+                    let result = run_rank_in_session(compute, &mut session, rank, world, spec);
                     let tags = tags.lock().unwrap().clone();
-                    Ranked { sim, model, before, result, tags }
+                    Ranked { sim, session, before, result, tags }
                 })
             })
             .collect();
@@ -243,14 +253,14 @@ fn released_runs_hold_only_shards_while_running_and_restore_the_model_bit_exactl
             let warm_ups = run.issued.iter().filter(|(_, t)| *t == WARM_UP_TAG).count();
             assert_eq!(run.windowed_all_gathers, (run.issued.len() - warm_ups) as u64, "{what}");
             // After: restored bit-exactly, nothing left behind.
-            assert!(ranked.model.sharded().is_empty(), "{what}: rank {r}");
-            assert_eq!(ranked.model.checksum().unwrap(), ranked.before, "{what}: rank {r} weights changed");
+            assert!(ranked.model().sharded().is_empty(), "{what}: rank {r}");
+            assert_eq!(ranked.model().checksum().unwrap(), ranked.before, "{what}: rank {r} weights changed");
             assert_eq!(ranked.sim.device_memory().in_use, 0, "{what}: rank {r} leaked device memory");
-            assert_eq!(ranked.sim.host_memory().in_use, loaded_alloc_bytes(&ranked.model, &[]), "{what}: rank {r}");
+            assert_eq!(ranked.sim.host_memory().in_use, loaded_alloc_bytes(ranked.model(), &[]), "{what}: rank {r}");
             assert!(ranked.sim.violations().is_empty(), "{what}: rank {r}: {:?}", ranked.sim.violations());
         }
         for r in ranks {
-            r.model.release();
+            drop(r.session);
             r.sim.shutdown();
         }
     }
@@ -314,7 +324,7 @@ fn a_failed_gather_during_a_released_run_is_poisoned_and_issues_no_restore_gathe
             assert!(ranked.tags.len() as u64 <= nth + 1 || r != 1, "{what}: rank 1 gathered past its failure");
             assert_eq!(ranked.tags.first(), Some(&WARM_UP_TAG), "{what}");
             // The released storages stay released: a typed error, never bytes.
-            let model = &ranked.model;
+            let model = ranked.model();
             assert_eq!(model.sharded().into_iter().collect::<BTreeSet<_>>(), dit, "{what}: rank {r}");
             for s in &dit {
                 assert_eq!(model.read_storage(*s), Err(ModelError::Sharded { storage: s.0 }), "{what}");
@@ -326,7 +336,7 @@ fn a_failed_gather_during_a_released_run_is_poisoned_and_issues_no_restore_gathe
             assert_eq!((mem.in_use, mem.pinned), (loaded_alloc_bytes(model, &[]), 0), "{what}: rank {r}");
         }
         for r in ranks {
-            r.model.release();
+            drop(r.session);
             r.sim.shutdown();
         }
     }
@@ -344,7 +354,7 @@ fn check_restore_fault(fault: FaultPlan, what: &str) -> usize {
     let ranks = run_ranks(&spec, &sims, None);
     let peer = ranks[0].result.as_ref().unwrap_or_else(|e| panic!("{what}: rank 0: {e}"));
     assert!(!peer.restore_issued.is_empty(), "{what}");
-    assert_eq!(ranks[0].model.checksum().unwrap(), ranks[0].before, "{what}: rank 0 not restored");
+    assert_eq!(ranks[0].model().checksum().unwrap(), ranks[0].before, "{what}: rank 0 not restored");
     let failed = &ranks[1];
     let unrestored = match &failed.result {
         Err(e @ DistributedRunError::RestoreFailed { rank: 1, unrestored, cause, run }) => {
@@ -357,7 +367,7 @@ fn check_restore_fault(fault: FaultPlan, what: &str) -> usize {
     };
     // Every gather was still issued on the failing rank, so its peer could restore.
     assert_eq!(failed.tags, ranks[0].tags, "{what}: rank 1 stopped gathering");
-    let model = &failed.model;
+    let model = failed.model();
     let sharded: BTreeSet<StorageId> = model.sharded().into_iter().collect();
     assert_eq!(sharded.len(), unrestored, "{what}");
     assert!(unrestored > 0 && sharded.is_subset(&dit), "{what}: {sharded:?}");
@@ -376,7 +386,7 @@ fn check_restore_fault(fault: FaultPlan, what: &str) -> usize {
     let loaded = model.desc().storages.keys().filter(|s| matches!(model.home(**s), Some(Home::Loaded { .. })));
     assert_eq!(mem.buffers, loaded.count() as u64, "{what}: a host buffer leaked");
     for r in ranks {
-        r.model.release();
+        drop(r.session);
         r.sim.shutdown();
     }
     unrestored

@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use weightferry::config::OffloadConfig;
 use weightferry::model::{fnv1a, FNV_OFFSET};
 use weightferry::pipeline::presets::preset;
-use weightferry_actors::collective::{Collective, SimCollective, SimCollectiveGroup};
-use weightferry_actors::collective_actor::{CollectiveFactory, WARM_UP_TAG};
-use weightferry_actors::platform::{Platform, PlatformRef};
-use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry::scheduler::{
+    Collective, CollectiveFactory, Platform, PlatformRef, SimCollective, SimCollectiveGroup, SimConfig, SimPlatform,
+    WARM_UP_TAG,
+};
 use weightferry_harness::drivers::distributed::run_rank;
 use weightferry_harness::drivers::distributed::{
     resident_output, run_distributed_sim, DistributedRunError, DistributedRunSpec, Jitter, RankRun,
@@ -473,29 +473,31 @@ fn step_seconds_is_the_difference_over_the_extra_steps() {
 #[test]
 fn the_timed_resident_run_on_a_shared_model_matches_the_resident_output() {
     use weightferry::model::HostModel;
-    use weightferry_harness::drivers::distributed::{resident_run_with_model, run_rank_with_model};
+    use weightferry_harness::drivers::distributed::{rank_session, resident_run_with_model, run_rank_in_session};
     let desc = preset("flux-tiny").unwrap();
     let sim = Arc::new(SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() }).unwrap());
     let platform: PlatformRef = sim.clone();
     let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
-    let mut model = HostModel::synthetic(platform.clone(), Arc::new(desc.clone()), 0).unwrap();
-    let r = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((1, 3)), 1).unwrap();
-    assert!(r.output == resident_output(&desc, 3, 0).unwrap());
-    let (steps, lo, hi) = r.timing.unwrap();
-    assert_eq!(steps, (1, 3));
-    assert!(lo > Duration::ZERO && hi > Duration::ZERO);
-    let e = resident_run_with_model(compute.clone(), &model, &desc, 9, 0, Some((2, 1)), 1).unwrap_err();
-    assert_eq!(e.to_string(), "timed steps (2, 1): need 1 <= lo < hi, e.g. (1, 3)");
-    // The same model serves a one-rank distributed run, and stays loaded afterwards.
+    let model = HostModel::synthetic(platform, Arc::new(desc.clone()), 0).unwrap();
+    // The same model serves the resident runs and a one-rank distributed run through a session, and stays loaded
+    // afterwards.
     let comm = SimCollectiveGroup::new(vec![sim.clone()]).pop().unwrap();
     let factory: CollectiveFactory = Box::new(move || Ok(Box::new(comm) as Box<dyn Collective>));
     let mut spec = DistributedRunSpec::new(desc.clone(), 1);
     spec.timed_steps = Some((1, 3));
-    let run = run_rank_with_model(platform, compute.clone(), factory, 0, 1, &spec, &mut model).unwrap();
+    let mut session = rank_session(model, factory, 0, 1, &spec).unwrap();
+    let r = resident_run_with_model(compute.clone(), session.model(), &desc, 9, 0, Some((1, 3)), 1).unwrap();
+    assert!(r.output == resident_output(&desc, 3, 0).unwrap());
+    let (steps, lo, hi) = r.timing.unwrap();
+    assert_eq!(steps, (1, 3));
+    assert!(lo > Duration::ZERO && hi > Duration::ZERO);
+    let e = resident_run_with_model(compute.clone(), session.model(), &desc, 9, 0, Some((2, 1)), 1).unwrap_err();
+    assert_eq!(e.to_string(), "timed steps (2, 1): need 1 <= lo < hi, e.g. (1, 3)");
+    let run = run_rank_in_session(compute.clone(), &mut session, 0, 1, &spec).unwrap();
     assert!(run.output == r.output);
-    let again = resident_run_with_model(compute, &model, &desc, 3, 0, None, 1).unwrap();
+    let again = resident_run_with_model(compute, session.model(), &desc, 3, 0, None, 1).unwrap();
     assert!(again.output == r.output && again.timing.is_none());
-    model.release();
+    drop(session);
     assert!(sim.violations().is_empty());
     assert_eq!(sim.device_memory().in_use, 0);
     sim.shutdown();
@@ -528,12 +530,12 @@ struct FakeTracer {
 impl weightferry_harness::engine::timeline::DeviceTracer for FakeTracer {
     fn arm(
         &self,
-        _stream: weightferry_actors::platform::StreamId,
+        _stream: weightferry::scheduler::StreamId,
         capacity: usize,
-    ) -> Result<(), weightferry_actors::platform::PlatformError> {
+    ) -> Result<(), weightferry::scheduler::PlatformError> {
         assert_eq!(capacity, weightferry_harness::drivers::distributed::TRACE_CAPACITY);
         if self.fail_arm {
-            return Err(weightferry_actors::platform::PlatformError::Driver("no timing events left".into()));
+            return Err(weightferry::scheduler::PlatformError::Driver("no timing events left".into()));
         }
         self.armed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())
@@ -541,17 +543,15 @@ impl weightferry_harness::engine::timeline::DeviceTracer for FakeTracer {
 
     fn collect(
         &self,
-    ) -> Result<
-        (Vec<weightferry_harness::engine::timeline::DeviceSpan>, u64),
-        weightferry_actors::platform::PlatformError,
-    > {
+    ) -> Result<(Vec<weightferry_harness::engine::timeline::DeviceSpan>, u64), weightferry::scheduler::PlatformError>
+    {
         self.collected.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok((self.spans.clone(), 3))
     }
 
     fn name_spans(
         &self,
-        copies: Vec<(weightferry_actors::platform::HostBufferId, String)>,
+        copies: Vec<(weightferry::scheduler::HostBufferId, String)>,
         gathers: Option<weightferry::platform::timeline::GatherNamer>,
     ) {
         self.named.lock().unwrap().push((copies.into_iter().map(|(_, n)| n).collect(), gathers));

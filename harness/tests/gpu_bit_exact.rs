@@ -8,7 +8,7 @@
 
 use weightferry::config::OffloadConfig;
 use weightferry::pipeline::presets::preset;
-use weightferry_actors::OrderingFault;
+use weightferry::scheduler::OrderingFault;
 use weightferry_harness::drivers::gpu::gpu_run;
 use weightferry_harness::engine::cuda::GpuShape;
 
@@ -104,7 +104,7 @@ fn an_execution_does_not_depend_on_earlier_executions() {
     use weightferry::model::HostModel;
     use weightferry::offload::ResidentPlacement;
     use weightferry::platform::cuda::CudaPlatform;
-    use weightferry_actors::platform::PlatformRef;
+    use weightferry::scheduler::PlatformRef;
     use weightferry_harness::engine::cuda::CudaCompute;
     use weightferry_harness::engine::synthetic::SyntheticWeights;
     use weightferry_harness::engine::{Engine, ExecOptions};

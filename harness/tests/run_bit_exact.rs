@@ -157,7 +157,7 @@ fn a_different_seed_changes_the_output() {
 #[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
 fn the_checks_can_fail() {
     use std::time::Duration;
-    use weightferry_actors::OrderingFault;
+    use weightferry::scheduler::OrderingFault;
     // Compute that does not wait for its copies reads slots before they land: the hazard detector sees it.
     let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer(2, 0, false));
     spec.steps = 1;
@@ -232,7 +232,7 @@ fn hook_submission_is_bit_exact_at_every_depth_with_and_without_skips() {
 #[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
 fn hook_submission_checks_can_fail() {
     use std::time::Duration;
-    use weightferry_actors::OrderingFault;
+    use weightferry::scheduler::OrderingFault;
     // The same broken ordering as `the_checks_can_fail`, with the hooks enqueueing the copies.
     let mut spec = RunSpec::new("flux-tiny", preset("flux-tiny").unwrap(), layer_hook(2, 0));
     spec.steps = 1;
@@ -245,7 +245,7 @@ fn hook_submission_checks_can_fail() {
 
 #[test]
 fn copy_submission_reaches_each_components_stacks() {
-    use weightferry_actors::Submission;
+    use weightferry::scheduler::Submission;
     let c = cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder", "vae"],
         "layer_options": {"dit": {"copy_submission": "hook"}}}}"#);
     for name in PRESETS {
@@ -264,10 +264,10 @@ fn copy_submission_reaches_each_components_stacks() {
 
 /// The simulated device of jittered run `i`: copy latency, bandwidth and a slow compute stream drawn from `i`
 /// (deterministic), from instant copies to copies that finish long after the compute that needs them was enqueued.
-fn jittered_sim(i: u64) -> weightferry_actors::sim::SimConfig {
+fn jittered_sim(i: u64) -> weightferry::scheduler::SimConfig {
     use std::time::Duration;
-    use weightferry_actors::sim::fault::splitmix64;
-    use weightferry_actors::sim::{FaultPlan, SimConfig};
+    use weightferry::scheduler::splitmix64;
+    use weightferry::scheduler::{FaultPlan, SimConfig};
     let mut state = i;
     let mut draw = |n: u64| splitmix64(&mut state) % n;
     let copy_latency = if draw(3) == 0 { Duration::ZERO } else { Duration::from_micros(draw(150)) };
@@ -302,7 +302,7 @@ fn correct_orderings_report_no_hazard_under_jittered_timing() {
 #[test]
 #[cfg(weightferry_broken)] // the broken orderings: RUSTFLAGS="--cfg weightferry_broken" (tests/all.sh runs it so)
 fn broken_orderings_are_caught_on_every_jittered_run_so_the_checks_can_fail() {
-    use weightferry_actors::OrderingFault;
+    use weightferry::scheduler::OrderingFault;
     const RUNS: u64 = 100;
     let variants = [
         (OrderingFault::SkipReadyWait, "ReadBeforeReady"),

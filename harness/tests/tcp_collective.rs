@@ -10,10 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weightferry::dist::{Rendezvous, RendezvousOptions, TcpCollective};
 use weightferry::pipeline::presets::preset;
-use weightferry_actors::collective::{Collective, CollectiveError};
-use weightferry_actors::collective_actor::CollectiveFactory;
-use weightferry_actors::platform::PlatformRef;
-use weightferry_actors::sim::{SimConfig, SimPlatform};
+use weightferry::scheduler::{Collective, CollectiveError, CollectiveFactory, PlatformRef, SimConfig, SimPlatform};
 use weightferry_harness::drivers::distributed::{resident_output, run_rank, DistributedRunSpec};
 use weightferry_harness::engine::compute::{Compute, SimCompute};
 

@@ -284,6 +284,7 @@ impl Session {
             name: name.to_string(),
             checkpoint,
             collective: CollectiveSource::Launch(launch),
+            ..session::SessionOptions::default()
         };
         let inner = session::Session::new(desc, offload, device, session_options)?;
         let plan = encode_plan(inner.plan_report())?;

@@ -63,6 +63,9 @@ pub enum Device {
     /// A CUDA device.
     #[cfg(feature = "cuda")]
     Cuda(Arc<crate::platform::cuda::CudaPlatform>),
+    /// A platform the host engine opened itself and keeps ([`Session::from_model`](super::Session::from_model)):
+    /// the session neither reads it back nor shuts it down, and builds no collective on it.
+    Engine(PlatformRef),
 }
 
 impl Device {
@@ -110,15 +113,26 @@ impl Device {
             Device::Sim(sim) => Some(sim),
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => None,
+            Device::Engine(_) => None,
         }
     }
 
-    /// The device as a rank's collective sees it.
-    pub(crate) fn rank_device(&self) -> RankDevice<'_> {
+    /// Whether this is a CUDA device the session opened.
+    pub fn is_cuda(&self) -> bool {
         match self {
-            Device::Sim(sim) => RankDevice::Sim(sim),
             #[cfg(feature = "cuda")]
-            Device::Cuda(cuda) => RankDevice::Cuda(cuda),
+            Device::Cuda(_) => true,
+            _ => false,
+        }
+    }
+
+    /// The device as a rank's collective sees it (`None` for the engine's own platform).
+    pub(crate) fn rank_device(&self) -> Option<RankDevice<'_>> {
+        match self {
+            Device::Sim(sim) => Some(RankDevice::Sim(sim)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cuda) => Some(RankDevice::Cuda(cuda)),
+            Device::Engine(_) => None,
         }
     }
 }

@@ -61,8 +61,9 @@ use crate::config::OffloadConfig;
 use crate::dist::rank::{rank_collective, RankOptions};
 use crate::hooks::{HookRegistry, Residency};
 use crate::model::HostModel;
+use crate::offload::backend::EnableProgress;
 use crate::offload::units::build_unit_plan;
-use crate::offload::{get_offload_backend, BackendReport, StreamingBackend, WeightSource};
+use crate::offload::{get_offload_backend, BackendReport, OffloadError, StreamingBackend, WeightSource};
 use crate::pipeline::{PipelineDesc, StorageId};
 use crate::plan::report::PlanReport;
 use crate::plan::{resolve_offload_plan, ResolvedPlan};
@@ -72,6 +73,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformRef, StreamId};
+use weightferry_actors::OrderingFault;
 
 /// A checkpoint the session reads every weight from: the description's tensor `<component>.K` is the file's tensor
 /// `K` (every one checked before a byte is read).
@@ -92,7 +94,7 @@ pub enum CollectiveSource {
     None,
     /// The host engine's own communicator for this rank, built on the collective actor's thread.
     Factory(CollectiveFactory),
-    /// Built from the launch environment when the config gathers across ranks (see [`crate::dist::rank`]).
+    /// Built from the launch environment when the config gathers across ranks (the launch variables of [`crate::dist::LaunchEnv`]).
     Launch(LaunchExchange),
 }
 
@@ -126,6 +128,11 @@ pub struct SessionOptions {
     pub checkpoint: Option<CheckpointSource>,
     /// The rank's collective, for a distributed session.
     pub collective: CollectiveSource,
+    /// Test seam: the block stacks run with a deliberately broken ordering, to prove a check can fail (only
+    /// builds with `--cfg weightferry_broken` have them; elsewhere anything but `None` is refused at `enable`).
+    pub ordering_fault: OrderingFault,
+    /// Observes `enable` building host masters (a progress display).
+    pub enable_progress: Option<EnableProgress>,
 }
 
 /// One offloaded pipeline: its host model (filled by the caller storage by storage, or from a checkpoint), the
@@ -155,19 +162,47 @@ impl std::fmt::Debug for Session {
     }
 }
 
-/// The plan of `desc` under `config` (its automatic budget resolved from `free` device bytes), resolved once, and
-/// its report.
+/// The plan of `desc` under `config` (its automatic budget resolved from `free` device bytes when given), resolved
+/// once, and its report.
 fn resolve(
     name: &str,
     desc: &PipelineDesc,
     config: &mut OffloadConfig,
-    free: u64,
+    free: Option<u64>,
 ) -> Result<(ResolvedPlan, PlanReport), SessionError> {
-    config.resolve_auto_budget(free);
+    if let Some(free) = free {
+        config.resolve_auto_budget(free);
+    }
     let plan = resolve_offload_plan(desc, config)
         .map_err(|e| SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
     let report = PlanReport::from_plan(name, desc, config, &plan);
     Ok((plan, report))
+}
+
+/// Storage → the unit (module path) that streams it under `plan`.
+fn streamed_storages(desc: &PipelineDesc, config: &OffloadConfig, plan: &ResolvedPlan) -> BTreeMap<StorageId, String> {
+    let units = build_unit_plan(desc, config, plan);
+    let mut streamed = BTreeMap::new();
+    for unit in units.stacks.iter().flat_map(|s| &s.units) {
+        streamed.extend(unit.storages().map(|s| (s, unit.path.clone())));
+    }
+    streamed
+}
+
+/// The backend of `config` on `platform`, with the options' ordering fault and enable observer.
+fn backend(
+    config: &OffloadConfig,
+    platform: PlatformRef,
+    collective: Option<CollectiveFactory>,
+    fault: OrderingFault,
+    progress: Option<EnableProgress>,
+) -> Result<Option<StreamingBackend>, SessionError> {
+    let mut backend = get_offload_backend(config, platform, collective).map_err(offload_err)?;
+    if let Some(b) = backend.as_mut() {
+        b.set_ordering_fault(fault);
+        b.set_progress(progress);
+    }
+    Ok(backend)
 }
 
 fn checkpoint_err(e: impl std::fmt::Display) -> SessionError {
@@ -189,12 +224,8 @@ impl Session {
     ) -> Result<Session, SessionError> {
         let desc = desc.into();
         let name = if options.name.is_empty() { "<pipeline>".to_string() } else { options.name };
-        let (plan, report) = resolve(&name, &desc, &mut config, device.free_bytes())?;
-        let units = build_unit_plan(&desc, &config, &plan);
-        let mut streamed = BTreeMap::new();
-        for unit in units.stacks.iter().flat_map(|s| &s.units) {
-            streamed.extend(unit.storages().map(|s| (s, unit.path.clone())));
-        }
+        let (plan, report) = resolve(&name, &desc, &mut config, Some(device.free_bytes()))?;
+        let streamed = streamed_storages(&desc, &config, &plan);
         let checkpoint = match options.checkpoint {
             Some(source) => Some((Checkpoint::open(&source.path).map_err(checkpoint_err)?, source.component)),
             None => None,
@@ -213,24 +244,72 @@ impl Session {
                     rendezvous_port: l.rendezvous_port,
                     fail_all_gather: l.fail_all_gather,
                 };
-                rank_collective(&config, device.rank_device(), rank).map_err(offload_err)?
+                let device = device.rank_device().expect("a device the session opened");
+                rank_collective(&config, device, rank).map_err(offload_err)?
             }
         };
         let (model, written) = Self::host_model(platform.clone(), desc, checkpoint)?;
-        let backend = get_offload_backend(&config, platform, collective).map_err(offload_err)?;
-        Ok(Session {
-            device,
-            compute,
-            model,
-            backend,
-            hooks: HookRegistry::new(),
-            streamed,
-            written,
-            plan,
-            report,
-            sim_capacity,
-            name,
-        })
+        let backend = backend(&config, platform, collective, options.ordering_fault, options.enable_progress)?;
+        let hooks = HookRegistry::new();
+        Ok(Session { device, compute, model, backend, hooks, streamed, written, plan, report, sim_capacity, name })
+    }
+
+    /// A session over a host engine's own platform and host model (every storage already written, e.g. by a
+    /// reference engine's weight generator): the plan of the model's description under `config` as given (an
+    /// automatic budget the engine resolved itself with [`OffloadConfig::resolve_auto_budget`]), the hooks
+    /// ordering copies against the engine's `compute` stream. The collective, if any, comes as a
+    /// [`CollectiveSource::Factory`]; [`SessionOptions::checkpoint`] does not apply (the model is already
+    /// filled). The session releases the model's host buffers when dropped, and never shuts the platform down.
+    pub fn from_model(
+        model: HostModel,
+        compute: StreamId,
+        mut config: OffloadConfig,
+        options: SessionOptions,
+    ) -> Result<Session, SessionError> {
+        let name = if options.name.is_empty() { "<pipeline>".to_string() } else { options.name.clone() };
+        let built = Self::engine_parts(&model, &name, &mut config, options);
+        let (plan, report, backend) = match built {
+            Ok(parts) => parts,
+            Err(e) => {
+                model.release();
+                return Err(e);
+            }
+        };
+        let streamed = streamed_storages(model.desc(), &config, &plan);
+        let written = model.desc().storages.keys().copied().collect();
+        let (device, hooks, sim_capacity) = (Device::Engine(model.platform().clone()), HookRegistry::new(), None);
+        Ok(Session { device, compute, model, backend, hooks, streamed, written, plan, report, sim_capacity, name })
+    }
+
+    /// The plan, its report and the backend of a [`from_model`](Self::from_model) session.
+    fn engine_parts(
+        model: &HostModel,
+        name: &str,
+        config: &mut OffloadConfig,
+        options: SessionOptions,
+    ) -> Result<(ResolvedPlan, PlanReport, Option<StreamingBackend>), SessionError> {
+        let collective = match options.collective {
+            CollectiveSource::None => None,
+            CollectiveSource::Factory(factory) => Some(factory),
+            CollectiveSource::Launch(_) => {
+                return Err(SessionError::Offload(
+                    "a session over the engine's own platform takes its collective as CollectiveSource::Factory, \
+                     not CollectiveSource::Launch"
+                        .into(),
+                ))
+            }
+        };
+        if options.checkpoint.is_some() {
+            return Err(SessionError::Checkpoint(
+                "a session over the engine's own host model reads no checkpoint: fill the model from it \
+                 (HostModel::from_checkpoint) and leave SessionOptions::checkpoint empty"
+                    .into(),
+            ));
+        }
+        let (plan, report) = resolve(name, model.desc(), config, None)?;
+        let platform = model.platform().clone();
+        let backend = backend(config, platform, collective, options.ordering_fault, options.enable_progress)?;
+        Ok((plan, report, backend))
     }
 
     /// The host model, zero-filled or read from the checkpoint, and the storages already written.
@@ -296,8 +375,15 @@ impl Session {
                 missing.0
             )));
         }
+        self.enable_offload().map_err(offload_err)
+    }
+
+    /// [`enable`](Self::enable) with the backend's own typed error, for an engine that tells failures apart (a
+    /// distributed rank: a poisoned collective from a failed restore). Checks nothing about written storages: a
+    /// [`from_model`](Self::from_model) session's are all written.
+    pub fn enable_offload(&mut self) -> Result<bool, OffloadError> {
         let Some(backend) = self.backend.as_mut() else { return Ok(false) };
-        backend.enable_planned(&mut self.model, &self.hooks, self.compute, self.plan.clone()).map_err(offload_err)?;
+        backend.enable_planned(&mut self.model, &self.hooks, self.compute, self.plan.clone())?;
         Ok(backend.is_enabled())
     }
 
@@ -307,7 +393,7 @@ impl Session {
     /// blocks is refused before anything changes. Returns the new plan report.
     pub fn retune(&mut self, mut config: OffloadConfig, free_bytes: u64) -> Result<&PlanReport, SessionError> {
         let free = self.sim_capacity.unwrap_or(free_bytes);
-        let (plan, report) = resolve(&self.name, self.model.desc(), &mut config, free)?;
+        let (plan, report) = resolve(&self.name, self.model.desc(), &mut config, Some(free))?;
         let Some(backend) = self.backend.as_mut().filter(|b| b.is_enabled()) else {
             return Err(SessionError::Offload("retune needs an enabled offload; nothing is offloaded now".into()));
         };
@@ -382,7 +468,7 @@ impl Session {
             Device::Cuda(cuda) => cuda.device_ptr(buffer).ok_or_else(|| {
                 SessionError::Offload(format!("device buffer {} does not exist (it was freed)", buffer.0))
             }),
-            Device::Sim(_) => {
+            _ => {
                 let _ = buffer;
                 Err(SessionError::Offload(
                     "device_ptr is for CUDA devices; on the simulated device use read_device".into(),
@@ -398,7 +484,7 @@ impl Session {
 
     /// Whether the session drives a CUDA device.
     pub fn is_cuda(&self) -> bool {
-        self.device.sim().is_none()
+        self.device.is_cuda()
     }
 
     /// The stream the hooks order the copies against.
@@ -419,10 +505,23 @@ impl Session {
     /// Waits for the device, frees it, removes the hooks and gives every storage its own host buffer back
     /// (bit-identical). A no-op when not enabled; an incomplete disable can be called again.
     pub fn disable(&mut self) -> Result<(), SessionError> {
+        self.disable_offload().map_err(offload_err)
+    }
+
+    /// [`disable`](Self::disable) with the backend's own typed error ([`OffloadError::Poisoned`],
+    /// [`OffloadError::RestoreFailed`] for a distributed rank).
+    pub fn disable_offload(&mut self) -> Result<(), OffloadError> {
         match self.backend.as_mut() {
-            Some(b) => b.disable(&mut self.model, &self.hooks).map_err(offload_err),
+            Some(b) => b.disable(&mut self.model, &self.hooks),
             None => Ok(()),
         }
+    }
+
+    /// The hook registry the engine's forward pass calls (`pre_forward` / `post_forward` per module), for an engine
+    /// that drives the hooks itself; [`pre_forward`](Self::pre_forward) and [`post_forward`](Self::post_forward)
+    /// call the same registry.
+    pub fn hooks(&self) -> &HookRegistry {
+        &self.hooks
     }
 
     /// A storage's host bytes, read through its current home.
@@ -454,6 +553,7 @@ impl Drop for Session {
                 eprintln!("weightferry: disabling a dropped session failed: {e}");
             }
         }
+        self.model.release_buffers();
         if let Some(sim) = self.device.sim() {
             sim.shutdown();
         }

@@ -5,7 +5,7 @@ use std::process::{Command, Output};
 use weightferry::dist::LaunchEnv;
 
 /// Runs the binary with `args`, every launch variable ([`LaunchEnv::VARS`]) and `RUST_LOG` removed, then `env` set.
-pub fn weightferry(args: &[&str], env: &[(&str, &str)]) -> Output {
+pub(crate) fn weightferry(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_weightferry"));
     c.args(args).env_remove("RUST_LOG");
     for v in LaunchEnv::VARS {
