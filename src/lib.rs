@@ -9,7 +9,7 @@
 //! - [`dist`]: multi-process runs: the launch environment, the TCP rendezvous, the process launcher, the NCCL
 //!   bootstrap.
 //! - [`model`], [`offload`], [`platform`]: the host model, the backends every strategy runs on, the hardware.
-//! - [`textfile`]: reading user-given text files with a size cap.
+//! - `textfile.rs` (private): reading user-given text files with a size cap.
 //! - [`session`]: the library session, the one way to offload a pipeline: plan, device, collective, host model,
 //!   backend and hooks from enable to disable. Start here when embedding weightferry in a host engine.
 //! - [`scheduler`]: the scheduler types an embedder needs (platforms, the simulated device, collectives),
@@ -26,7 +26,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod platform;
 pub mod session;
-pub mod textfile;
+mod textfile;
 
 /// The scheduler types an embedder needs, re-exported from `weightferry-actors`: the platform interface and its
 /// handles, the simulated device with its config, fault plan, hazard checks, statistics and trace, the collective a

@@ -6,15 +6,15 @@ use std::io::Read;
 use std::path::Path;
 
 /// Largest config file read (bytes). Real configs are a few hundred bytes.
-pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
 
 /// Largest pipeline description file read (bytes): 100 000 explicit blocks of one tensor each take 8 MB; the JSON
 /// tree of a file costs about 16 times its size in memory, so this also bounds what parsing may take.
-pub const MAX_PIPELINE_FILE_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_PIPELINE_FILE_BYTES: u64 = 16 << 20;
 
 /// Why a text file could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum TextFileError {
+pub(crate) enum TextFileError {
     /// Opening or reading failed.
     #[error("{message}")]
     Io {
@@ -41,7 +41,7 @@ pub enum TextFileError {
 
 /// Reads `path` as UTF-8 text of at most `cap` bytes (a leading byte-order mark removed). Reads at most `cap + 1`
 /// bytes whatever the file is.
-pub fn read_text_capped(path: &Path, cap: u64, what: &'static str) -> Result<String, TextFileError> {
+pub(crate) fn read_text_capped(path: &Path, cap: u64, what: &'static str) -> Result<String, TextFileError> {
     let io = |e: std::io::Error| TextFileError::Io { kind: e.kind(), message: e.to_string() };
     let file = std::fs::File::open(path).map_err(io)?;
     let mut bytes = Vec::new();

@@ -10,7 +10,7 @@ use weightferry_actors::{
 };
 
 /// A stack of `n` blocks of `bytes` each on a fresh sim platform.
-pub fn stack(
+pub(crate) fn stack(
     n: usize,
     bytes: u64,
     head: usize,
@@ -44,7 +44,7 @@ pub fn stack(
 
 /// `(p50, p99, max)` of samples.
 #[allow(dead_code)] // used by hook_latency, not by every bench including this module
-pub fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration, Duration) {
+pub(crate) fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration, Duration) {
     v.sort();
     let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
     (at(0.5), at(0.99), *v.last().unwrap_or(&Duration::ZERO))
@@ -54,7 +54,7 @@ pub fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration, Duration) {
 /// always complete. Benchmarks use it to measure the scheduler's own cost (slot bookkeeping, messages to the stream
 /// actor, its thread hand-off) without any simulated device work.
 #[derive(Debug, Default)]
-pub struct NullPlatform {
+pub(crate) struct NullPlatform {
     next: std::sync::atomic::AtomicU64,
 }
 
@@ -155,7 +155,7 @@ mod null_impl {
 
 /// A stack of `n` blocks on a [`NullPlatform`], its streamed loads enqueued as `submission` says.
 #[allow(dead_code)] // used by hook_latency, not by every bench including this module
-pub fn null_stack(n: usize, depth: usize, submission: Submission) -> (StreamHandle, Arc<BlockStack>) {
+pub(crate) fn null_stack(n: usize, depth: usize, submission: Submission) -> (StreamHandle, Arc<BlockStack>) {
     let p: PlatformRef = Arc::new(NullPlatform::default());
     let compute = p.create_stream("compute").expect("stream");
     let stream = StreamHandle::spawn(p.clone(), "copy", StreamOptions::default()).expect("actor");

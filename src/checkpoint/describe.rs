@@ -26,7 +26,7 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Top-level prefixes that mark a checkpoint of a whole pipeline.
-pub const PIPELINE_PREFIXES: &[&str] = &[
+pub(super) const PIPELINE_PREFIXES: &[&str] = &[
     "text_encoder",
     "text_encoder_2",
     "text_encoder_3",
@@ -39,11 +39,11 @@ pub const PIPELINE_PREFIXES: &[&str] = &[
 ];
 
 /// Pipeline class of a derived description.
-pub const PIPELINE_CLASS: &str = "CheckpointPipeline";
+pub(super) const PIPELINE_CLASS: &str = "CheckpointPipeline";
 /// Class of the derived DiT component.
-pub const DIT_CLASS: &str = "CheckpointDiT";
+pub(super) const DIT_CLASS: &str = "CheckpointDiT";
 /// Class of each block of a derived block list.
-pub const BLOCK_CLASS: &str = "Block";
+pub(super) const BLOCK_CLASS: &str = "Block";
 
 /// How to derive the description.
 #[derive(Debug, Clone, PartialEq, Eq)]

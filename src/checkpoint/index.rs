@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Suffix of an index file.
-pub const INDEX_SUFFIX: &str = ".safetensors.index.json";
+pub(super) const INDEX_SUFFIX: &str = ".safetensors.index.json";
 
 #[derive(serde::Deserialize)]
 struct RawIndex {
@@ -17,7 +17,7 @@ struct RawIndex {
 }
 
 /// The index's `weight_map` (tensor → shard file name), checked for shard names that stay in the index's folder.
-pub fn read_index(index: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
+pub(super) fn read_index(index: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
     let text =
         std::fs::read_to_string(index).map_err(|source| CheckpointError::Io { file: index.to_path_buf(), source })?;
     let invalid = |reason: String| CheckpointError::InvalidIndex { file: index.to_path_buf(), reason };
@@ -39,7 +39,7 @@ pub fn read_index(index: &Path) -> Result<BTreeMap<String, String>, CheckpointEr
 }
 
 /// Opens every shard `index` names (in file-name order) and checks the shards against the index.
-pub fn open_shards(index: &Path) -> Result<Vec<SafetensorsFile>, CheckpointError> {
+pub(super) fn open_shards(index: &Path) -> Result<Vec<SafetensorsFile>, CheckpointError> {
     let map = read_index(index)?;
     let dir = index.parent().unwrap_or(Path::new("."));
     let mut shards: BTreeMap<&str, &str> = BTreeMap::new(); // shard → a tensor in it

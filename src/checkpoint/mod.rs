@@ -1,16 +1,16 @@
 //! Real checkpoints: safetensors files (one file, or a sharded folder with its index) mapped read-only and
-//! checked before any byte is used ([`reader`], [`index`]); a pipeline description derived from their tensor
-//! names ([`describe`]); a [`HostModel`](crate::model::HostModel) filled from the mapping ([`load`]).
+//! checked before any byte is used (`reader.rs`, `index.rs`); a pipeline description derived from their tensor
+//! names (`describe.rs`); a [`HostModel`](crate::model::HostModel) filled from the mapping (`load.rs`).
 //!
 //! Every failure is a [`CheckpointError`] naming the file and the tensor; nothing panics on bad input and nothing
 //! is read outside a mapping.
 
-pub mod describe;
-pub mod error;
-pub mod index;
-pub mod load;
-pub mod reader;
-pub mod region;
+mod describe;
+mod error;
+mod index;
+mod load;
+mod reader;
+mod region;
 
 pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
 pub use error::CheckpointError;

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use weightferry_actors::platform::HostRegion;
 
 /// Largest header the safetensors format allows (the crate's limit).
-pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+pub(super) const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 /// One tensor of a file, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +39,7 @@ pub struct FileTensor {
 }
 
 /// Maps a safetensors dtype name onto the description's dtypes; `None` for every other dtype.
-pub fn dtype_from_safetensors(name: &str) -> Option<DType> {
+pub(super) fn dtype_from_safetensors(name: &str) -> Option<DType> {
     Some(match name {
         "F32" => DType::F32,
         "F16" => DType::F16,
@@ -50,19 +50,6 @@ pub fn dtype_from_safetensors(name: &str) -> Option<DType> {
         "U8" => DType::U8,
         _ => return None,
     })
-}
-
-/// The safetensors name of a description dtype (inverse of [`dtype_from_safetensors`]).
-pub fn dtype_to_safetensors(d: DType) -> safetensors::Dtype {
-    match d {
-        DType::F32 => safetensors::Dtype::F32,
-        DType::F16 => safetensors::Dtype::F16,
-        DType::Bf16 => safetensors::Dtype::BF16,
-        DType::F8e4m3 => safetensors::Dtype::F8_E4M3,
-        DType::I64 => safetensors::Dtype::I64,
-        DType::I32 => safetensors::Dtype::I32,
-        DType::U8 => safetensors::Dtype::U8,
-    }
 }
 
 /// A checked header: the tensors by start offset, the `__metadata__` strings and where the data region starts.
@@ -180,7 +167,7 @@ struct RawInfo {
 }
 
 /// Parses and checks the header of the file whose bytes are `bytes` (`path` names it in errors).
-pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError> {
+pub(super) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, CheckpointError> {
     let len = bytes.len() as u64;
     let (text, data_start) = header_text(path, bytes)?;
     let (metadata, raw) = header_entries(path, text)?;

@@ -1,16 +1,16 @@
 //! Multi-process distributed runs: one process per rank (per GPU), launched the way the ecosystem launches
 //! PyTorch jobs.
 //!
-//! - [`env`](mod@env): [`LaunchEnv`], this process's rank, world size, local rank and rendezvous address, read from
+//! - `env.rs`: [`LaunchEnv`], this process's rank, world size, local rank and rendezvous address, read from
 //!   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` (torchrun, `weightferry launch`, job scripts;
 //!   SLURM's `SLURM_PROCID` / `SLURM_NTASKS` / `SLURM_LOCALID` as fallbacks).
 //! - [`rendezvous`]: [`Rendezvous`], a small TCP exchange through rank 0 (broadcast, all-gather of bytes, barrier)
 //!   that ships the NCCL unique id and carries the simulated collective.
-//! - [`tcp_collective`]: [`TcpCollective`], the AllGather contract across processes on the simulated device.
+//! - `tcp_collective.rs`: [`TcpCollective`], the AllGather contract across processes on the simulated device.
 //! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
 //! - [`nccl_bootstrap`]: a rank's NCCL bootstrap as one call (the engine agreement, the symmetric heap, rank 0's
 //!   unique id) over any [`RankExchange`] (the rendezvous, or a host engine's store); the CUDA side under `nccl`.
-//! - [`rank`]: [`rank::rank_collective`], a rank's collective built from the launch environment (world check,
+//! - `rank.rs` (for the library session): `rank_collective`, a rank's collective built from the launch environment (world check,
 //!   rendezvous with a fingerprint, then the simulated collective or NCCL), typed errors for each front end.
 //!
 //! The launcher that starts local ranks (`weightferry launch`) belongs to the harness crate, not to the library.
@@ -23,11 +23,11 @@
 //! never a hang longer than the rendezvous timeout.
 
 pub mod allgather_engine;
-pub mod env;
+mod env;
 pub mod nccl_bootstrap;
-pub mod rank;
+pub(crate) mod rank;
 pub mod rendezvous;
-pub mod tcp_collective;
+mod tcp_collective;
 
 pub use env::{LaunchEnv, LaunchEnvError};
 #[cfg(feature = "nccl")]

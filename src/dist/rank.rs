@@ -13,17 +13,17 @@ use weightferry_actors::sim::SimPlatform;
 
 /// The device a rank gathers on.
 #[derive(Debug, Clone, Copy)]
-pub enum RankDevice<'a> {
+pub(crate) enum RankDevice<'a> {
     /// The simulated device: the AllGathers run over the rendezvous.
     Sim(&'a Arc<SimPlatform>),
     /// A CUDA device: NCCL runs the AllGathers (feature `nccl`; without it a distributed session is refused).
     #[cfg(feature = "cuda")]
-    Cuda(&'a Arc<crate::platform::cuda::CudaPlatform>),
+    Cuda(#[cfg_attr(not(feature = "nccl"), allow(dead_code))] &'a Arc<crate::platform::cuda::CudaPlatform>),
 }
 
 /// What the rank exchange is built with.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct RankOptions<'a> {
+pub(crate) struct RankOptions<'a> {
     /// What this rank runs (e.g. its pipeline description and config text): every rank must give the same bytes.
     pub fingerprint: &'a [u8],
     /// The port rank 0 listens on instead of `MASTER_PORT` (when another store holds that port).
@@ -34,7 +34,7 @@ pub struct RankOptions<'a> {
 
 /// Why a rank's collective could not be built. The texts are the Python binding's (flattened to one line there).
 #[derive(Debug, thiserror::Error)]
-pub enum RankError {
+pub(crate) enum RankError {
     /// The launch environment is unusable.
     #[error(transparent)]
     Env(#[from] LaunchEnvError),
@@ -57,6 +57,7 @@ pub enum RankError {
         "distributed offload (weight_transfer = \"allgather\") on CUDA needs a build of weightferry with NCCL \
          (feature `nccl`); use device=\"sim\" or rank-local transfer"
     )]
+    #[cfg(all(feature = "cuda", not(feature = "nccl")))]
     NoNccl,
     /// Joining the rendezvous failed.
     #[error("rank {rank}: {source}")]
@@ -94,7 +95,7 @@ pub enum RankError {
 /// This rank's collective, or `None` when `config` gathers nothing across ranks (no AllGather transfer, or a
 /// group of one rank). The ranks meet through weightferry's rendezvous (`MASTER_ADDR`, and `MASTER_PORT` or
 /// `options.rendezvous_port`).
-pub fn rank_collective(
+pub(crate) fn rank_collective(
     config: &OffloadConfig,
     device: RankDevice<'_>,
     options: RankOptions<'_>,

@@ -19,7 +19,7 @@ pub mod distributed;
 mod group;
 pub mod layout;
 pub mod mapped;
-pub mod resident;
+mod resident;
 pub mod shard_restore;
 mod tags;
 pub mod units;

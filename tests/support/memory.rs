@@ -4,7 +4,7 @@
 /// Resident set of this process now, in KiB, after the allocator returned its free memory to the system (glibc
 /// keeps freed memory in per-thread arenas; which arena a cycle's buffers land in would otherwise move the figure by
 /// megabytes either way).
-pub fn rss_kib() -> u64 {
+pub(crate) fn rss_kib() -> u64 {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         extern "C" {
@@ -22,7 +22,7 @@ pub fn rss_kib() -> u64 {
 }
 
 /// Threads of this process now.
-pub fn threads() -> usize {
+pub(crate) fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").expect("/proc/self/task").count()
 }
 
@@ -33,7 +33,7 @@ const CHILD_ENV: &str = "WEIGHTFERRY_MEMORY_TEST_CHILD";
 /// stacks (glibc tunables), so its resident set reflects live memory and not which arena or cached stack a cycle's
 /// allocations happened to land in (that moves it by megabytes either way); returns `true` in the child, which then
 /// runs the body. The parent passes or fails with the child.
-pub fn in_steady_allocator(test: &str) -> bool {
+pub(crate) fn in_steady_allocator(test: &str) -> bool {
     if std::env::var_os(CHILD_ENV).is_some() {
         return true;
     }

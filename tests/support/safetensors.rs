@@ -27,7 +27,7 @@ impl safetensors::View for &T {
 }
 
 /// A tensor of `dtype` and `shape` with bytes from `seed` (xorshift).
-pub fn t(dtype: safetensors::Dtype, shape: &[usize], seed: u64) -> T {
+pub(crate) fn t(dtype: safetensors::Dtype, shape: &[usize], seed: u64) -> T {
     let n = shape.iter().product::<usize>() * (dtype.bitsize() / 8);
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let data = (0..n)
@@ -42,7 +42,7 @@ pub fn t(dtype: safetensors::Dtype, shape: &[usize], seed: u64) -> T {
 }
 
 /// A fresh empty folder `<prefix>-<name>` under the test target's temporary folder.
-pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
+pub(crate) fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
     let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{prefix}-{name}"));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -50,7 +50,7 @@ pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
 }
 
 /// Serializes `tensors` into the file `path`.
-pub fn write(path: &Path, tensors: &BTreeMap<String, T>) {
+pub(crate) fn write(path: &Path, tensors: &BTreeMap<String, T>) {
     let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.clone(), v)), None).unwrap();
     std::fs::write(path, bytes).unwrap();
 }

@@ -4,5 +4,6 @@
 #![allow(dead_code, unused_imports)] // each test uses part of it
 
 #[path = "../../harness/engine/synthetic.rs"]
+#[allow(unreachable_pub)] // public in the harness, where it is reachable
 mod generator;
-pub use generator::{splitmix64, synthetic_bytes, SyntheticWeights};
+pub(crate) use generator::{splitmix64, synthetic_bytes, SyntheticWeights};

@@ -490,10 +490,11 @@ impl Drop for NcclCollective {
                 heap.mark_deregistered(ptr);
             }
         }
-        // SAFETY: the communicator is live and is destroyed (or aborted) exactly once, here.
         let (call, result) = if failed {
+            // SAFETY: the communicator is live and is aborted exactly once, here (this is its owner's drop).
             ("ncclCommAbort", unsafe { nccl::comm_abort(self.comm) })
         } else {
+            // SAFETY: the communicator is live and is destroyed exactly once, here (this is its owner's drop).
             ("ncclCommDestroy", unsafe { nccl::comm_destroy(self.comm) })
         };
         if let Err(e) = result {
