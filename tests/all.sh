@@ -4,6 +4,9 @@
 set -eu
 cd "$(dirname "$0")/.."
 cargo test --workspace --all-targets
+# The doc examples (`--all-targets` leaves them out): the session's, and README.md's Rust quick start, compiled and
+# run as a doctest of the library (src/lib.rs).
+cargo test --workspace --doc
 # The CUDA / NCCL modules' unit tests that need no GPU (config structs, the symmetric heap's bookkeeping).
 cargo test -p weightferry --features nccl --lib platform::cuda::
 # The Python package (python/): install its test dependencies (torch, diffusers, transformers, pytest, maturin) into
