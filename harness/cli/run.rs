@@ -74,7 +74,7 @@ fn run_cuda(
     checkpoint: Option<&crate::drivers::run::CheckpointWeights>,
     config: &weightferry::config::OffloadConfig,
 ) -> Result<i32, CliError> {
-    use crate::drivers::gpu::gpu_run;
+    use crate::drivers::gpu::{gpu_run, GpuRunSpec};
     use crate::engine::cuda::default_tokens;
     use crate::engine::cuda::GpuShape;
     let (mut tokens, context_tokens) = default_tokens(name);
@@ -84,18 +84,15 @@ fn run_cuda(
     let fault = ordering_fault(a.inject_ordering_fault);
     // The report is always JSON on stdout; bars go to a terminal stderr only.
     let bars = RunBars::for_stderr(false, std::io::stderr().is_terminal());
-    let r = gpu_run(
-        desc,
+    let r = gpu_run(GpuRunSpec {
         checkpoint,
-        config,
-        a.steps,
-        GpuShape { tokens, context_tokens },
-        a.seed,
-        a.skip_seed,
-        fault,
-        fault != OrderingFault::None,
-        bars.clone().map(|b| b as Arc<dyn RunObserver>),
-    );
+        seed: a.seed,
+        skip_seed: a.skip_seed,
+        ordering_fault: fault,
+        slow_copies: fault != OrderingFault::None,
+        observer: bars.clone().map(|b| b as Arc<dyn RunObserver>),
+        ..GpuRunSpec::new(desc, config, a.steps, GpuShape { tokens, context_tokens })
+    });
     if let Some(b) = &bars {
         b.clear();
     }

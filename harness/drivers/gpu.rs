@@ -50,23 +50,55 @@ pub struct GpuRunReport {
     pub hook_latency_p99_us: f64,
 }
 
-/// Runs `desc` on GPU 0 fully resident, then offloaded under `config` ([`compare`]), and compares outputs and host
-/// weights: synthetic weights from `seed`, or `checkpoint`'s bytes. With `slow_copies` every host → device copy waits
-/// behind a dummy one ([`crate::engine::slow::SlowCopies`]). `observer` sees `enable` build masters and the DiT steps complete
-/// on the device (progress bars).
-#[allow(clippy::too_many_arguments)]
-pub fn gpu_run(
-    desc: &PipelineDesc,
-    checkpoint: Option<&crate::drivers::run::CheckpointWeights>,
-    config: &OffloadConfig,
-    steps: u32,
-    shape: GpuShape,
-    seed: u64,
-    skip_seed: Option<u64>,
-    ordering_fault: weightferry::scheduler::OrderingFault,
-    slow_copies: bool,
-    observer: Option<Arc<dyn crate::report::progress::RunObserver>>,
-) -> Result<GpuRunReport, EngineError> {
+/// What a GPU run runs: [`GpuRunSpec::new`] gives synthetic weights of seed 0, no skips, the correct ordering,
+/// ordinary copies and no observer.
+#[derive(Debug, Clone)]
+pub struct GpuRunSpec<'a> {
+    /// The pipeline.
+    pub desc: &'a PipelineDesc,
+    /// The checkpoint's bytes instead of synthetic weights.
+    pub checkpoint: Option<&'a crate::drivers::run::CheckpointWeights>,
+    /// The offload config of the offloaded run.
+    pub config: &'a OffloadConfig,
+    /// DiT steps.
+    pub steps: u32,
+    /// Token counts of the GPU engine.
+    pub shape: GpuShape,
+    /// Seed of the synthetic weights and the inputs.
+    pub seed: u64,
+    /// Seed of the block-skip pattern (a step cache), if any.
+    pub skip_seed: Option<u64>,
+    /// Test hook: a deliberately broken ordering (proves the checks can fail).
+    pub ordering_fault: weightferry::scheduler::OrderingFault,
+    /// Every host → device copy waits behind a dummy one ([`crate::engine::slow::SlowCopies`]).
+    pub slow_copies: bool,
+    /// Sees `enable` build masters and the DiT steps complete on the device (progress bars).
+    pub observer: Option<Arc<dyn crate::report::progress::RunObserver>>,
+}
+
+impl<'a> GpuRunSpec<'a> {
+    /// `steps` steps of `desc` under `config` at `shape`, with the defaults above.
+    pub fn new(desc: &'a PipelineDesc, config: &'a OffloadConfig, steps: u32, shape: GpuShape) -> Self {
+        GpuRunSpec {
+            desc,
+            checkpoint: None,
+            config,
+            steps,
+            shape,
+            seed: 0,
+            skip_seed: None,
+            ordering_fault: weightferry::scheduler::OrderingFault::None,
+            slow_copies: false,
+            observer: None,
+        }
+    }
+}
+
+/// Runs the spec's pipeline on GPU 0 fully resident, then offloaded under its config through a library session
+/// ([`compare`]), and compares outputs and host weights.
+pub fn gpu_run(spec: GpuRunSpec<'_>) -> Result<GpuRunReport, EngineError> {
+    let GpuRunSpec { desc, checkpoint, config, steps, shape, seed, skip_seed, ordering_fault, slow_copies, observer } =
+        spec;
     let cuda = Arc::new(CudaPlatform::new(0)?);
     let platform: PlatformRef =
         if slow_copies { Arc::new(crate::engine::slow::SlowCopies::new(cuda.clone())) } else { cuda.clone() };

@@ -8,8 +8,9 @@
 
 use weightferry::config::OffloadConfig;
 use weightferry::pipeline::presets::preset;
+#[cfg(weightferry_broken)]
 use weightferry::scheduler::OrderingFault;
-use weightferry_harness::drivers::gpu::gpu_run;
+use weightferry_harness::drivers::gpu::{gpu_run, GpuRunSpec};
 use weightferry_harness::engine::cuda::GpuShape;
 
 const SHAPE: GpuShape = GpuShape { tokens: 256, context_tokens: 64 };
@@ -68,7 +69,7 @@ fn every_strategy_and_depth_is_bit_exact_on_the_gpu() {
         let desc = preset(name).unwrap();
         for (label, c) in configs() {
             for skip in [None, Some(7)] {
-                let r = gpu_run(&desc, None, &c, 3, SHAPE, 0, skip, OrderingFault::None, false, None)
+                let r = gpu_run(GpuRunSpec { skip_seed: skip, ..GpuRunSpec::new(&desc, &c, 3, SHAPE) })
                     .unwrap_or_else(|e| panic!("{name} {label}: {e}"));
                 let what = format!("{name} {label} skip {skip:?}: {r:?}");
                 assert!(r.outputs_match, "{what}");
@@ -88,10 +89,15 @@ fn a_broken_ordering_is_detected_on_the_gpu() {
     let c = cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
         "layer_options": {"dit": {"prefetch_depth": 1}}}}"#);
     // The correct ordering with the same slowed copies still matches…
-    let ok = gpu_run(&desc, None, &c, 2, SHAPE, 0, None, OrderingFault::None, true, None).unwrap();
+    let ok = gpu_run(GpuRunSpec { slow_copies: true, ..GpuRunSpec::new(&desc, &c, 2, SHAPE) }).unwrap();
     assert!(ok.outputs_match, "{ok:?}");
     // …and skipping the wait on the ready event does not.
-    let broken = gpu_run(&desc, None, &c, 2, SHAPE, 0, None, OrderingFault::SkipReadyWait, true, None).unwrap();
+    let broken = gpu_run(GpuRunSpec {
+        ordering_fault: OrderingFault::SkipReadyWait,
+        slow_copies: true,
+        ..GpuRunSpec::new(&desc, &c, 2, SHAPE)
+    })
+    .unwrap();
     assert!(!broken.outputs_match, "the broken ordering went unnoticed: {broken:?}");
     assert!(broken.weights_match, "host weights must survive even a broken schedule");
 }
@@ -136,9 +142,14 @@ fn a_broken_ordering_is_detected_on_the_gpu_with_hook_submission() {
     let desc = preset("flux-tiny").unwrap();
     let c = cfg(r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
         "layer_options": {"dit": {"prefetch_depth": 1, "copy_submission": "hook"}}}}"#);
-    let ok = gpu_run(&desc, None, &c, 2, SHAPE, 0, None, OrderingFault::None, true, None).unwrap();
+    let ok = gpu_run(GpuRunSpec { slow_copies: true, ..GpuRunSpec::new(&desc, &c, 2, SHAPE) }).unwrap();
     assert!(ok.outputs_match, "{ok:?}");
-    let broken = gpu_run(&desc, None, &c, 2, SHAPE, 0, None, OrderingFault::SkipReadyWait, true, None).unwrap();
+    let broken = gpu_run(GpuRunSpec {
+        ordering_fault: OrderingFault::SkipReadyWait,
+        slow_copies: true,
+        ..GpuRunSpec::new(&desc, &c, 2, SHAPE)
+    })
+    .unwrap();
     assert!(!broken.outputs_match, "the broken ordering went unnoticed: {broken:?}");
     assert!(broken.weights_match, "host weights must survive even a broken schedule");
 }

@@ -142,7 +142,7 @@ fn restore_units(
             }
             platform.stream_synchronize(h2d).map_err(local)?;
             // 2. The AllGathers, numbered right after everything this rank gathered so far, observed.
-            gather_unit(collective, sequence, si, ui, &chunks, input, output, ready)?;
+            gather_unit(collective, sequence, (si, ui), &chunks, Buffers { input, output, ready })?;
             platform.event_synchronize(ready).map_err(RestoreFailure::Collective)?;
             // 3. Every AllGather of the unit completed here: nobody needs this rank's shards of it any more.
             for s in std::mem::take(&mut unit.sections) {
@@ -162,18 +162,22 @@ fn restore_units(
     }
 }
 
-/// Sends the AllGathers of one unit (`(section, chunk, input offset, section device offset)` per chunk) and waits
-/// until the collective actor has issued (or refused) every one.
-#[allow(clippy::too_many_arguments)]
-fn gather_unit(
-    collective: &CollectiveHandle,
-    sequence: &GatherSequence,
-    si: usize,
-    ui: usize,
-    chunks: &[(usize, weightferry_actors::shard::ShardChunk, u64, u64)],
+/// The device side of one unit's restore gathers: the shard input, the gathered output and the event the
+/// gathers wait on.
+struct Buffers {
     input: DeviceBufferId,
     output: DeviceBufferId,
     ready: EventId,
+}
+
+/// Sends the AllGathers of unit `ui` of stack `si` (`(section, chunk, input offset, section device offset)` per
+/// chunk) and waits until the collective actor has issued (or refused) every one.
+fn gather_unit(
+    collective: &CollectiveHandle,
+    sequence: &GatherSequence,
+    (si, ui): (usize, usize),
+    chunks: &[(usize, weightferry_actors::shard::ShardChunk, u64, u64)],
+    Buffers { input, output, ready }: Buffers,
 ) -> Result<(), RestoreFailure> {
     let board = Arc::new(TicketBoard::new());
     let first = sequence.claim(chunks.len() as u64);
