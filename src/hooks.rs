@@ -17,7 +17,7 @@ pub const SEQUENTIAL_OFFLOAD_HOOK: &str = "sequential_offload";
 /// Hook name of the layerwise strategy.
 pub const LAYERWISE_OFFLOAD_HOOK: &str = "layerwise_offload";
 /// Hook name of the distributed layerwise strategy.
-pub const DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK: &str = "distributed_layerwise_offload";
+pub(crate) const DISTRIBUTED_LAYERWISE_OFFLOAD_HOOK: &str = "distributed_layerwise_offload";
 
 /// Errors from hooks and the registry.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

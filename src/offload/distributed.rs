@@ -139,7 +139,7 @@ impl ShardedMasters {
 
 /// The sharding of one section over `world` ranks, in chunks of about `chunk_bytes` gathered bytes (`None` or 0:
 /// one chunk).
-pub fn section_spec(
+pub(crate) fn section_spec(
     unit: &str,
     dtype: DType,
     len: u64,

@@ -124,7 +124,7 @@ pub fn write_section(
 /// ([`write_section`]) and a rank's shard of a section (`distributed::build_sharded_masters`, which reads only its
 /// own byte ranges). A storage reaching past `sec.len` is [`PlatformError::OutOfBounds`] before anything is written;
 /// an empty `bounce` writes nothing.
-pub fn write_section_range(
+pub(crate) fn write_section_range(
     platform: &PlatformRef,
     buf: HostBufferId,
     at: u64,
@@ -180,7 +180,7 @@ pub fn write_section_range(
 }
 
 /// Distinct storages under each of `paths`, in tensor declaration order.
-pub fn storages_of(p: &PipelineDesc, path: &str) -> Vec<StorageId> {
+pub(crate) fn storages_of(p: &PipelineDesc, path: &str) -> Vec<StorageId> {
     let mut out = Vec::new();
     if let Some(m) = p.module(path) {
         for (_, t) in m.tensors_recursive() {

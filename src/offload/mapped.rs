@@ -3,7 +3,7 @@
 //! A section (one dtype of one unit, [`Section`]) is *mappable* when every storage in it is homed in the same mapped
 //! file ([`Home::File`]) and the storages lie there back to back exactly as the section lays them out: storage `k`
 //! at file offset `start + off_k`. Then the file range `start .. start + used` (`used` = the last storage's end) is
-//! the section's master: one host-to-device copy, no host copy. [`order_by_files`] sorts each unit's storages by
+//! the section's master: one host-to-device copy, no host copy. `order_by_files` sorts each unit's storages by
 //! their place in the files before packing, which makes every section mappable whose tensors the checkpoint stores
 //! contiguously with sizes that keep the device alignment. Packing is order-independent in size (every storage takes
 //! its aligned size), so reordering never changes a plan's device bytes.
@@ -16,7 +16,7 @@ use weightferry_actors::platform::HostBufferId;
 
 /// A section served from its file: the copy's source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MappedSection {
+pub(crate) struct MappedSection {
     /// The file's mapped buffer.
     pub buf: HostBufferId,
     /// File offset of the section's first byte.
@@ -27,7 +27,7 @@ pub struct MappedSection {
 
 /// Repacks every unit whose storages come from mapped files with its storages in file order (file, then offset);
 /// storages not from a file keep their order, after the others. No-op for a model without files.
-pub fn order_by_files(p: &PipelineDesc, model: &HostModel, units: &mut [UnitLayout]) {
+pub(crate) fn order_by_files(p: &PipelineDesc, model: &HostModel, units: &mut [UnitLayout]) {
     if model.mapped_files().is_empty() {
         return;
     }
@@ -57,7 +57,7 @@ pub fn first_misplaced(ranges: &[FileRange]) -> Option<usize> {
 }
 
 /// Whether `sec` can be served from its file, and from where; otherwise why not (a sentence naming a storage).
-pub fn mapped_section(model: &HostModel, sec: &Section) -> Result<MappedSection, String> {
+pub(crate) fn mapped_section(model: &HostModel, sec: &Section) -> Result<MappedSection, String> {
     let mut ranges = Vec::with_capacity(sec.storages.len());
     for &(s, _) in &sec.storages {
         let Some(Home::File { buf, offset }) = model.home(s) else {
@@ -82,14 +82,18 @@ pub fn mapped_section(model: &HostModel, sec: &Section) -> Result<MappedSection,
 }
 
 /// How each section of each unit is served: `Some` where from its file.
-pub type ServedSections = Vec<Vec<Option<MappedSection>>>;
+pub(crate) type ServedSections = Vec<Vec<Option<MappedSection>>>;
 
 /// Why a section cannot be served from its file: (unit path, dtype, reason).
-pub type Unmappable = (String, &'static str, String);
+pub(crate) type Unmappable = (String, &'static str, String);
 
 /// How every section of `units` is served under `mode`: `Some` where from its file. `Err` (unit path, dtype, reason)
 /// when `mode` is [`HostMasters::Mapped`] and a section cannot be.
-pub fn plan_sections(model: &HostModel, units: &[UnitLayout], mode: HostMasters) -> Result<ServedSections, Unmappable> {
+pub(crate) fn plan_sections(
+    model: &HostModel,
+    units: &[UnitLayout],
+    mode: HostMasters,
+) -> Result<ServedSections, Unmappable> {
     units
         .iter()
         .map(|u| {

@@ -4,7 +4,7 @@
 //! Unit by unit, in the run's stack and unit order: the rank copies its shards of the unit host → device into one
 //! restore input buffer and observes the copy's completion; it then sends one [`GatherCmd`] per section chunk — the
 //! same chunks as the gather path, numbered by the run's own [`GatherSequence`] right after the run's last gather,
-//! tagged [`restore_tag`] — to the run's collective actor, which issues them in sequence order into one restore
+//! tagged `restore_tag` — to the run's collective actor, which issues them in sequence order into one restore
 //! output buffer, and observes their completion; it frees its shards of the unit (no rank needs them any more: every
 //! AllGather of the unit has completed on this rank); then it copies each released storage of the unit from its
 //! place in the gathered output (device → host, the platform's copy) into a new pageable host buffer, observes
@@ -30,7 +30,9 @@ use weightferry_actors::platform::{
 use weightferry_actors::sync::Arc;
 use weightferry_actors::GatherSequence;
 
-pub use super::tags::{is_restore_tag, restore_tag, MAX_STACKS, RESTORE_TAG};
+pub use super::tags::{is_restore_tag, RESTORE_TAG};
+
+pub(crate) use super::tags::restore_tag;
 
 /// Why a restore stopped short.
 #[derive(Debug)]

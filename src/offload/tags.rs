@@ -15,11 +15,11 @@ pub(crate) fn tag_of(gi: usize, ui: usize, k: usize, j: u64) -> u64 {
 pub const RESTORE_TAG: u64 = 1 << 62;
 
 /// Most DiT stacks a run may have so that block-gather tags never carry [`RESTORE_TAG`].
-pub const MAX_STACKS: usize = 1022;
+pub(crate) const MAX_STACKS: usize = 1022;
 
 /// Tag of the restore AllGather of chunk `j` of section `k` of unit `ui` of stack `si`: the block gather's tag with
 /// [`RESTORE_TAG`] set; equal on every rank.
-pub fn restore_tag(si: usize, ui: usize, k: usize, j: u64) -> u64 {
+pub(crate) fn restore_tag(si: usize, ui: usize, k: usize, j: u64) -> u64 {
     tag_of(si, ui, k, j) | RESTORE_TAG
 }
 

@@ -46,10 +46,10 @@ use super::{join, ComponentDecls, DType, OffloadPlanDecl, PipelineDesc, Pipeline
 use std::collections::BTreeMap;
 
 /// Class given to intermediate modules created implicitly by a dotted attribute name.
-pub const IMPLICIT_MODULE_CLASS: &str = "Module";
+pub(crate) const IMPLICIT_MODULE_CLASS: &str = "Module";
 
 /// Class of the block lists created by [`ModuleBuilder::block_list`].
-pub const BLOCK_LIST_CLASS: &str = "ModuleList";
+pub(crate) const BLOCK_LIST_CLASS: &str = "ModuleList";
 
 /// A builder-local reference to a storage, returned when a tensor or storage is declared; pass it to
 /// [`TensorSpec::in_storage`] to make another tensor view the same bytes. The final

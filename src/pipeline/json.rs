@@ -111,7 +111,7 @@ use std::path::Path;
 use value::Json;
 
 /// The only `format` value this version reads and writes.
-pub const FORMAT: &str = "weightferry-pipeline/1";
+pub(crate) const FORMAT: &str = "weightferry-pipeline/1";
 
 /// Largest `repeat` count.
 pub const MAX_REPEAT: u64 = 65_536;

@@ -14,4 +14,4 @@ pub use desc::{
     TensorDesc, TensorKind, DEVICE_ALIGN,
 };
 pub use error::PipelineError;
-pub use validate::{is_valid_name, is_valid_path};
+pub(crate) use validate::is_valid_name;

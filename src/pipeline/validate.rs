@@ -8,12 +8,12 @@ use super::{
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Whether `name` is a valid attribute name: non-empty ASCII letters, digits and `_`.
-pub fn is_valid_name(name: &str) -> bool {
+pub(crate) fn is_valid_name(name: &str) -> bool {
     !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
 /// Whether `path` is a valid dotted path: one or more valid names joined by single dots.
-pub fn is_valid_path(path: &str) -> bool {
+pub(crate) fn is_valid_path(path: &str) -> bool {
     !path.is_empty() && path.split('.').all(is_valid_name)
 }
 

@@ -137,7 +137,11 @@ fn refine_block_bytes(p: &PipelineDesc, place: &Placement, c: &mut ResolvedCompo
 
 /// Computes the budget plan and, for the layerwise strategy with a `device_budget`, rewrites the DiT stacks'
 /// resident heads and prefetch depths to fit. Errors name `device_budget` and the smallest budget that works.
-pub fn plan_budget(p: &PipelineDesc, cfg: &OffloadConfig, plan: &mut ResolvedPlan) -> Result<BudgetPlan, String> {
+pub(crate) fn plan_budget(
+    p: &PipelineDesc,
+    cfg: &OffloadConfig,
+    plan: &mut ResolvedPlan,
+) -> Result<BudgetPlan, String> {
     let mut b = BudgetPlan { budget: cfg.device_budget, ..Default::default() };
     match plan.strategy {
         Strategy::None => {

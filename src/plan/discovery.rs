@@ -8,13 +8,13 @@ use crate::diag::warn_once;
 use crate::pipeline::{join, ModuleNode, PipelineDesc};
 
 /// Attribute names the deprecated scan treats as DiTs.
-pub const FALLBACK_DIT_NAMES: &[&str] =
+pub(crate) const FALLBACK_DIT_NAMES: &[&str] =
     &["transformer", "transformer_2", "dit", "sr_dit", "language_model", "transformer_blocks", "model"];
 /// Attribute names the deprecated scan treats as encoders.
-pub const FALLBACK_ENCODER_NAMES: &[&str] =
+pub(crate) const FALLBACK_ENCODER_NAMES: &[&str] =
     &["text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "mllm"];
 /// Attribute names the deprecated scan treats as VAEs.
-pub const FALLBACK_VAE_NAMES: &[&str] = &["vae", "audio_vae"];
+pub(crate) const FALLBACK_VAE_NAMES: &[&str] = &["vae", "audio_vae"];
 
 /// Components found in a pipeline, by dotted path, in declaration order, deduplicated.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -86,7 +86,7 @@ pub fn discover_components(p: &PipelineDesc, warnings: &mut Vec<String>) -> Disc
 
 /// Where a DiT's block-list attributes came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockAttrSource {
+pub(crate) enum BlockAttrSource {
     /// The pipeline's offload plan (`block_attrs`).
     Plan,
     /// The DiT class's `_layerwise_offload_blocks_attrs`.
@@ -98,7 +98,7 @@ pub enum BlockAttrSource {
 }
 
 /// The block-list attributes (relative to the DiT) declared for the DiT at `dit_path`, with their source.
-pub fn dit_block_attrs(
+pub(crate) fn dit_block_attrs(
     p: &PipelineDesc,
     dit_path: &str,
     dit: &ModuleNode,
@@ -124,7 +124,12 @@ pub fn dit_block_attrs(
 
 /// The blocks of one declared attribute: the children of a block list, or the module itself (one block, with a
 /// warning) when it is a plain module. `None` when the attribute does not exist.
-pub fn blocks_of(owner_path: &str, owner: &ModuleNode, attr: &str, warnings: &mut Vec<String>) -> Option<Vec<String>> {
+pub(crate) fn blocks_of(
+    owner_path: &str,
+    owner: &ModuleNode,
+    attr: &str,
+    warnings: &mut Vec<String>,
+) -> Option<Vec<String>> {
     let m = owner.get(attr)?;
     let base = join(owner_path, attr);
     if m.is_block_list() {

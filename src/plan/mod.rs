@@ -14,4 +14,4 @@ mod stack;
 
 pub use resolved::{BudgetPlan, ComponentKind, ResolvedComponent, ResolvedPlan};
 pub use resolver::{resolve_offload_plan, PlanError};
-pub use stack::{StackPlan, DEFAULT_PREFETCH_DEPTH};
+pub use stack::StackPlan;

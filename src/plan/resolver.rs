@@ -22,7 +22,7 @@ use crate::config::{Component, OffloadConfig, Strategy};
 use crate::pipeline::{ModuleNode, OffloadPlanDecl, PipelineDesc};
 
 /// Nested DiT children larger than this are staged or streamed by the distributed strategy even undeclared.
-pub const ON_DEMAND_THRESHOLD_BYTES: u64 = 1024 * 1024 * 1024;
+pub(crate) const ON_DEMAND_THRESHOLD_BYTES: u64 = 1024 * 1024 * 1024;
 
 /// Message of the layerwise no-op when the compatibility topology finds no DiT.
 pub const NO_DIT_SKIP_REASON: &str = "No DiT/transformer modules found for selected DiT layerwise offload";

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 /// Default prefetch depth when the config sets none and no budget forces a choice.
-pub const DEFAULT_PREFETCH_DEPTH: u32 = 2;
+pub(crate) const DEFAULT_PREFETCH_DEPTH: u32 = 2;
 
 /// The plan of one block stack: an ordered list of blocks streamed through one ring, split into the blocks that
 /// stay resident and those that stream, with the ring's prefetch depth. (The scheduler's running stack is
