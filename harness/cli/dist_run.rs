@@ -1,16 +1,22 @@
 //! `weightferry run` as one rank of a distributed run (the launch environment has `WORLD_SIZE > 1`, as set by
 //! `weightferry launch`, torchrun or a job script): this process joins the TCP rendezvous, checks that every rank runs
 //! the same spec, runs its rank of distributed layerwise offload on the simulated device through
-//! [`run_rank`](crate::drivers::distributed::run_rank) with a [`TcpCollective`], compares its output with the
-//! fully resident run, and exchanges the verdicts; rank 0 prints the report (text, or one JSON object with `--json`).
+//! [`run_rank`](crate::drivers::distributed::run_rank) with the simulated collective over the rendezvous, compares its
+//! output with the fully resident run, and exchanges the verdicts; rank 0 prints the report (text, or one JSON object
+//! with `--json`).
 //! Every rank exits 1 when any rank's output differs or its hazard detector fired, and a rank whose run fails exits 1
 //! naming itself — or exits [`PEER_FAILED_EXIT`] (3) when it stopped only because another rank failed (a peer left, or
 //! rank 0 ended the rendezvous), so `weightferry launch` can name the rank that failed first.
 //!
-//! On `--platform cuda` (feature `nccl`) the rank opens GPU `LOCAL_RANK` and bootstraps NCCL over the rendezvous
-//! through the library (`weightferry::dist::nccl_bootstrap::bootstrap_nccl`: the AllGather engine
-//! every rank agrees on, rank 0's unique id); this file keeps the harness's part (the GPU engine, the resident run,
-//! the trace).
+//! The bootstrap is the library's, the one the library session uses: [`weightferry::dist::rank`]. The rank joins
+//! the rendezvous with [`rank::join`](weightferry::dist::rank::join) (its `RankFingerprint` as JSON; this file
+//! compares every rank's with rank 0's and names the fields that differ) and builds its collective with
+//! [`rank::collective`](weightferry::dist::rank::collective): the simulated collective over the rendezvous (with
+//! `--inject-gather-failure`'s fault, and its peer-failed flag for the exit code), or on `--platform cuda` (feature
+//! `nccl`) NCCL on GPU `LOCAL_RANK`, bootstrapped over the rendezvous with the `--allgather-engine` request (the
+//! engine every rank agrees on, rank 0's unique id). The rank keeps the rendezvous for its barrier and its verdicts;
+//! this file keeps the harness's part (the GPU engine, the resident run, the trace, the reports and the CLI's
+//! messages).
 //!
 //! Without `--config`, the DiT is gathered across a data-parallel group of `WORLD_SIZE` ranks; with `--config`,
 //! the config's offload group must have `WORLD_SIZE` ranks.
@@ -42,10 +48,11 @@ use std::fmt;
 use std::sync::Arc;
 use weightferry::config::OffloadConfig;
 use weightferry::dist::allgather_engine::AllGatherEngine;
-use weightferry::dist::{Fingerprint, LaunchEnv, Rendezvous, RendezvousError, RendezvousOptions, TcpCollective};
+use weightferry::dist::rank::{self as dist_rank, CollectiveOptions, RankDevice, RankJoin};
+use weightferry::dist::{LaunchEnv, Rendezvous, RendezvousError};
 use weightferry::model::HostModel;
 use weightferry::model::{fnv1a, ModelError, FNV_OFFSET};
-use weightferry::scheduler::{Collective, CollectiveFactory, PlatformRef, SimConfig, SimPlatform};
+use weightferry::scheduler::{CollectiveFactory, PlatformRef, SimConfig, SimPlatform};
 
 /// The config a distributed `run` uses without `--config`: the DiT gathered across a data-parallel group of
 /// `world` ranks, prefetch depth 2.
@@ -513,6 +520,19 @@ fn rendezvous_error(rank: usize, e: RendezvousError) -> CliError {
     }
 }
 
+/// A failure of the library's rank bootstrap ([`weightferry::dist::rank`]): the rendezvous's as
+/// [`rendezvous_error`], NCCL's as [`bootstrap_error`], anything else this rank's (exit 1).
+fn bootstrap_failure(rank: usize, e: dist_rank::RankError) -> CliError {
+    match e {
+        dist_rank::RankError::Connect { source, .. } | dist_rank::RankError::Exchange(source) => {
+            rendezvous_error(rank, source)
+        }
+        #[cfg(feature = "nccl")]
+        dist_rank::RankError::Nccl { source, .. } => bootstrap_error(rank, source),
+        e => CliError::failed(format!("rank {rank}: {e}")),
+    }
+}
+
 /// This rank stopped because another rank failed.
 fn peer_failed(rank: usize, what: &str) -> CliError {
     let mut e = CliError::failed(format!("rank {rank}: stopped because another rank failed: {what}"));
@@ -546,15 +566,15 @@ pub fn run_distributed(a: &RunArgs, env: &LaunchEnv) -> Result<i32, CliError> {
     let (h2d_bytes_per_sec, copy_latency) = super::sim_args::sim_throttles(a)?;
     let sim_config = SimConfig { tracing: false, h2d_bytes_per_sec, copy_latency, ..SimConfig::default() };
 
-    let rdv = join_ranks(a, env, &pipeline, &config, &spec, fault)?;
+    let joined = join_ranks(a, env, &pipeline, &config, &spec, fault)?;
     let outcome = if a.platform == PlatformArg::Cuda {
-        cuda_rank(a, env, &rdv, &pipeline.desc, &pipeline.name, &spec, weights.as_ref())?
+        cuda_rank(a, &joined, &pipeline.desc, &pipeline.name, &spec, weights.as_ref())?
     } else {
-        sim_rank(&rdv, sim_config, (rank, world), &spec, weights.as_ref(), fault)?
+        sim_rank(&joined, sim_config, &spec, weights.as_ref(), fault)?
     };
     let ctx = RankContext { a, rank, world, name: &pipeline.name, spec: &spec, timed };
     let (summary, resident, engine) = rank_summary(&ctx, outcome)?;
-    report_group(&ctx, &rdv, summary, &resident, engine)
+    report_group(&ctx, &joined.rendezvous, summary, &resident, engine)
 }
 
 /// Refuses the flags a distributed run does not support, and parses `--inject-gather-failure`.
@@ -653,7 +673,8 @@ fn load_rank_inputs(
     Ok((pipeline, weights, config, spec))
 }
 
-/// Joins the rendezvous and checks that every rank runs the same thing (or the AllGathers would not match).
+/// Joins the rendezvous ([`dist_rank::join`]) and checks that every rank runs what rank 0 runs (or the AllGathers
+/// would not match).
 fn join_ranks(
     a: &RunArgs,
     env: &LaunchEnv,
@@ -661,7 +682,7 @@ fn join_ranks(
     config: &OffloadConfig,
     spec: &DistributedRunSpec,
     fault: Option<(usize, u64)>,
-) -> Result<Arc<Rendezvous>, CliError> {
+) -> Result<RankJoin, CliError> {
     let rank = env.rank;
     let content = |what: &str, json: serde_json::Result<Vec<u8>>| {
         json.map(|b| format!("{:016x}", fnv1a(FNV_OFFSET, &b)))
@@ -685,45 +706,46 @@ fn join_ranks(
     let mine = serde_json::to_vec(&fingerprint)
         .map_err(|e| CliError::failed(format!("rank {rank}: cannot serialize the rank check: {e}")))?;
     // Its digest goes in the hello: without a run id, rank 0 drops a hello of another fingerprint as a stranger's.
-    let options = RendezvousOptions { fingerprint: Fingerprint::of(&mine), ..RendezvousOptions::default() };
-    let rdv = Arc::new(Rendezvous::connect(env, options).map_err(|e| rendezvous_error(rank, e))?);
-    let all = rdv.all_gather_bytes(&mine).map_err(|e| rendezvous_error(rank, e))?;
-    if let Some(r) = all.iter().position(|f| f.as_slice() != all[0].as_slice()) {
+    let joined = dist_rank::join(env, &mine).map_err(|e| bootstrap_failure(rank, e))?;
+    let all = &joined.fingerprints;
+    if let Some(r) = joined.first_disagreeing(&all[0]) {
         return Err(CliError::failed(format!(
             "rank {r} does not run what rank 0 runs: {}; launch every rank with the same arguments and the same \
              pipeline and config files",
             fingerprint_differences(&all[r], &all[0], r)
         )));
     }
-
-    Ok(rdv)
+    Ok(joined)
 }
 
-/// This rank on the simulated device: the AllGathers over the rendezvous (`fault` fails one of them).
+/// This rank on the simulated device: the library's simulated collective over the rendezvous
+/// ([`dist_rank::collective`]; `fault` fails one of its AllGathers).
 fn sim_rank(
-    rdv: &Arc<Rendezvous>,
+    joined: &RankJoin,
     sim_config: SimConfig,
-    (rank, world): (usize, usize),
     spec: &DistributedRunSpec,
     weights: Option<&CheckpointWeights>,
     fault: Option<(usize, u64)>,
 ) -> Result<RankOutcome, CliError> {
+    let (rank, world) = (joined.env.rank, joined.env.world);
     let failed = |what: &str, e: &dyn fmt::Display| rank_failed(rank, what, e);
     let sim = Arc::new(SimPlatform::new(sim_config.clone()).map_err(|e| failed("simulated device", &e))?);
     let platform: PlatformRef = sim.clone();
     let compute: Arc<dyn Compute> = Arc::new(SimCompute::new(sim.clone()));
-    let collective = TcpCollective::new(rdv.clone(), sim.clone());
-    let peer_flag = collective.peer_failed_flag();
-    if let Some((r, n)) = fault {
-        if r == rank {
-            collective.fail_nth_call(n);
+    let fail_all_gather = fault.and_then(|(r, n)| (r == rank).then_some(n));
+    let options = CollectiveOptions { fail_all_gather, ..CollectiveOptions::default() };
+    let built = match dist_rank::collective(joined, RankDevice::Sim(&sim), options) {
+        Ok(built) => built,
+        Err(e) => {
+            sim.shutdown();
+            return Err(bootstrap_failure(rank, e));
         }
-    }
-    let factory: CollectiveFactory = Box::new(move || Ok(Box::new(collective) as Box<dyn Collective>));
-    let outcome = rank_with_model(platform, compute, factory, (rank, world), spec, weights);
+    };
+    let outcome = rank_with_model(platform, compute, built.factory, (rank, world), spec, weights);
     let hazards = sim.violations().len();
     sim.shutdown();
-    let (run, resident) = outcome.map_err(|e| e.into_cli(rank, peer_flag.load(std::sync::atomic::Ordering::SeqCst)))?;
+    let peer_failed = built.peer_failed.is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
+    let (run, resident) = outcome.map_err(|e| e.into_cli(rank, peer_failed))?;
     Ok(RankOutcome { run, hazards, resident, h2d_bytes_per_s: sim_config.h2d_bytes_per_sec, engine: None })
 }
 
@@ -914,13 +936,13 @@ fn rank_with_model(
     Ok((run, resident))
 }
 
-/// This rank on a GPU: device `LOCAL_RANK`, the library's NCCL bootstrap over the rendezvous (the AllGather
-/// engine every rank agrees on, rank 0's unique id), the GPU reference engine, then [`rank_with_model`].
+/// This rank on a GPU: device `LOCAL_RANK`, the library's NCCL bootstrap over the rendezvous
+/// ([`dist_rank::collective`]: the AllGather engine every rank agrees on, rank 0's unique id), the GPU reference
+/// engine, then [`rank_with_model`].
 #[cfg(feature = "nccl")]
 fn cuda_rank(
     a: &RunArgs,
-    env: &LaunchEnv,
-    rdv: &Rendezvous,
+    joined: &RankJoin,
     desc: &weightferry::pipeline::PipelineDesc,
     name: &str,
     spec: &DistributedRunSpec,
@@ -928,11 +950,13 @@ fn cuda_rank(
 ) -> Result<RankOutcome, CliError> {
     use crate::engine::cuda::default_tokens;
     use crate::engine::cuda::{CudaCompute, GpuShape};
-    use weightferry::dist::nccl_bootstrap::{bootstrap_nccl, open_rank_gpu, NcclBootstrap};
+    use weightferry::dist::nccl_bootstrap::open_rank_gpu;
+    let (env, rdv) = (&joined.env, &joined.rendezvous);
     let rank = env.rank;
     let cuda = open_rank_gpu(env).map_err(|e| CliError::invalid(format!("rank {rank}: --platform cuda: {e}")))?;
-    let NcclBootstrap { factory, engine } =
-        bootstrap_nccl(&cuda, rank, env.world, a.allgather_engine.into(), rdv).map_err(|e| bootstrap_error(rank, e))?;
+    let options = CollectiveOptions { allgather_engine: a.allgather_engine.into(), fail_all_gather: None };
+    let built =
+        dist_rank::collective(joined, RankDevice::Cuda(&cuda), options).map_err(|e| bootstrap_failure(rank, e))?;
     let platform: PlatformRef = cuda.clone();
     // Timed: this rank's pinned H2D bandwidth, measured as the single-GPU bench does, by every rank at once (after
     // a barrier): the ranks copy their shards at the same time, and two GPUs copying at once share the host side.
@@ -955,9 +979,9 @@ fn cuda_rank(
     if a.trace.is_some() {
         spec.trace = Some(crate::drivers::distributed::RunTracer(cuda.clone()));
     }
-    let (run, resident) = rank_with_model(platform, compute, factory, (rank, env.world), &spec, weights)
+    let (run, resident) = rank_with_model(platform, compute, built.factory, (rank, env.world), &spec, weights)
         .map_err(|e| e.into_cli(rank, false))?;
-    Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s, engine: Some(engine) })
+    Ok(RankOutcome { run, hazards: 0, resident, h2d_bytes_per_s, engine: built.engine })
 }
 
 /// A failed NCCL bootstrap: an invalid request (exit 2) for a refused copy-engine AllGather, a peer's failure
@@ -976,8 +1000,7 @@ fn bootstrap_error(rank: usize, e: weightferry::dist::BootstrapError) -> CliErro
 #[cfg(not(feature = "nccl"))]
 fn cuda_rank(
     _a: &RunArgs,
-    _env: &LaunchEnv,
-    _rdv: &Rendezvous,
+    _joined: &RankJoin,
     _desc: &weightferry::pipeline::PipelineDesc,
     _name: &str,
     _spec: &DistributedRunSpec,

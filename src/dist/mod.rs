@@ -10,8 +10,10 @@
 //! - [`allgather_engine`]: which NCCL AllGather a GPU run uses (copy engines or kernels), agreed by every rank.
 //! - [`nccl_bootstrap`]: a rank's NCCL bootstrap as one call (the engine agreement, the symmetric heap, rank 0's
 //!   unique id) over any [`RankExchange`] (the rendezvous, or a host engine's store); the CUDA side under `nccl`.
-//! - `rank.rs` (for the library session): `rank_collective`, a rank's collective built from the launch environment (world check,
-//!   rendezvous with a fingerprint, then the simulated collective or NCCL), typed errors for each front end.
+//! - [`rank`]: a rank's collective built from the launch environment, the one bootstrap every front end goes
+//!   through: [`rank::join`] (the rendezvous with a fingerprint, every rank's fingerprint back) and
+//!   [`rank::collective`] (the simulated collective or NCCL over it), typed [`rank::RankError`]s. The library
+//!   session composes them for a distributed session, the CLI's distributed `run` with its own rank check.
 //!
 //! The launcher that starts local ranks (`weightferry launch`) belongs to the harness crate, not to the library.
 //!
@@ -25,7 +27,7 @@
 pub mod allgather_engine;
 mod env;
 pub mod nccl_bootstrap;
-pub(crate) mod rank;
+pub mod rank;
 pub mod rendezvous;
 mod tcp_collective;
 
