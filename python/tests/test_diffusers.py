@@ -237,6 +237,30 @@ def test_torch_compile_runs_the_offloaded_transformer_with_one_break_per_block()
     dynamo.reset()
 
 
+def test_the_module_s_own_state_dict_and_save_pretrained_give_the_true_weights_while_offloaded(tmp_path):
+    m, x, _ = flux()
+    m = m.to(BF16).eval()
+    x = bf16_inputs(x)
+    expected = {k: v.clone() for k, v in m.state_dict().items()}
+    block = {k: v.clone() for k, v in m.transformer_blocks[1].state_dict().items()}
+    with wf.enable({"transformer": m}, layer(2)):
+        forward(m, x)  # the blocks' tensors have been bound to device slots and back to placeholders
+        got = m.state_dict()
+        assert list(got) == list(expected)
+        for k, v in expected.items():
+            assert got[k].device.type == "cpu" and got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        # A block's own state_dict (its hooks see their prefix from any entry point).
+        sub = m.transformer_blocks[1].state_dict()
+        assert list(sub) == list(block) and all(torch.equal(sub[k], v) for k, v in block.items())
+        m.save_pretrained(tmp_path / "saved")
+        out_enabled = forward(m, x)
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "saved", torch_dtype=BF16).eval()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())
+    assert torch.equal(forward(loaded, x), out_enabled)
+    # After disable the hooks are gone: the state dict holds the module's own tensors again.
+    assert all(m.state_dict()[k].data_ptr() == t.data_ptr() for k, t in m.named_parameters())
+
+
 def test_the_handle_s_state_dict_is_the_true_weights_while_offloaded():
     m, x, _ = flux()
     m = m.to(BF16).eval()

@@ -92,7 +92,7 @@ def enable(
     try:
         # With a checkpoint, meta tensors become empty CPU tensors first; their bytes come from the file.
         storages = StorageMap(session, bound, materialize_meta(bound, undo) if ckpt else {})
-        handle = Handle(session, storages, modules, binder, stream, json.loads(text) if fmt == "json" else None)
+        handle = Handle(session, storages, modules, bound, binder, stream, json.loads(text) if fmt == "json" else None)
         if ckpt:
             # The session has every other storage from the file: those tensors keep their (empty) data until enable
             # succeeded.
@@ -114,6 +114,7 @@ def enable(
             return handle
         undo.push(handle._unmark)
         undo.push(handle._hooks.remove)
+        undo.push(handle._state_hooks.remove)
         handle._offload()
     except BaseException:
         undo.unwind()

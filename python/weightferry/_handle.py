@@ -11,12 +11,13 @@ from . import _core
 from ._config import ConfigLike, config_arg
 from ._hooks import Hooks, StreamCheck
 from ._registry import mark
+from ._state_dict import StateDictHooks
 
 if TYPE_CHECKING:
     import torch
 
     from ._binders import Binder
-    from ._describe import Modules
+    from ._describe import Bound, Modules
     from ._storages import StorageMap
 
 __all__ = ["Handle"]
@@ -31,6 +32,7 @@ class Handle:
         session: _core.Session,
         storages: StorageMap,
         modules: Modules,
+        bound: Bound,
         binder: Binder,
         stream: StreamCheck | None,
         config: dict[str, Any] | None,
@@ -41,6 +43,8 @@ class Handle:
         self._binder = binder
         self._stream = stream  # on CUDA only
         self._hooks = Hooks(session, storages, binder, modules, stream)
+        # While offloaded, the modules' own state_dict reads the true weights from the session.
+        self._state_hooks = StateDictHooks(session, storages, bound)
         self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
         self._offloaded = False
         self._disabled = False
@@ -50,6 +54,7 @@ class Handle:
         enabled). ``enable``'s undo stack undoes each step."""
         self._offloaded = True
         self._hooks.install()
+        self._state_hooks.install()
         mark(self._storages.tensors(), True)
 
     def _unmark(self) -> None:
@@ -74,6 +79,8 @@ class Handle:
         if self._offloaded:
             self._storages.rebuild(self._session, self._binder.set_data)
             self._unmark()
+        # Kept until every tensor is ordinary again: a state_dict between a failed disable and its retry is right.
+        self._state_hooks.remove()
         self._disabled = True
 
     def stats(self) -> dict[str, Any]:

@@ -192,11 +192,17 @@ class StorageMap:
         wanted = {p: v for p, v in self.state_paths.items() if prefix is None or p.startswith(prefix)}
         if prefix is not None and not wanted:
             raise _core.PipelineError(f"the pipeline has no component '{component}' with weights")
+        true = self.true_tensors(session, list(wanted))
+        return {path if prefix is None else path[len(prefix) :]: t for path, t in true.items()}
+
+    def true_tensors(self, session: _core.Session, paths: list[str]) -> dict[str, torch.Tensor]:
+        """Path -> the weight at ``paths`` (parameters and persistent buffers) as a CPU tensor read from the session,
+        each storage read once (its tensors share it)."""
         built: dict[int, list[torch.Tensor]] = {}
         out = {}
-        for path, (sid, index) in wanted.items():
+        for path in paths:
+            sid, index = self.state_paths[path]
             if sid not in built:
-                views = self.views[sid]
-                built[sid] = tensors_over(session.read_storage(sid), views)
-            out[path if prefix is None else path[len(prefix) :]] = built[sid][index]
+                built[sid] = tensors_over(session.read_storage(sid), self.views[sid])
+            out[path] = built[sid][index]
         return out
