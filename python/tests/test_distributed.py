@@ -123,5 +123,7 @@ def test_the_distributed_benchmark_runs_a_wan_transformer_from_one_checkpoint_bi
     assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
     for r in results:
         assert r["bit_exact"] is True
-        assert r["all_gathers_per_step"] >= r["blocks"] == 3 and r["h2d_per_step"] > 0
+        # Every block is gathered every step; the counters are read while the next step's first block (depth 1)
+        # may or may not have been gathered yet, so the 2 timed steps count at least 2 * 3 - 1 gathers.
+        assert r["blocks"] == 3 and r["all_gathers_per_step"] * 2 >= 2 * r["blocks"] - 1 and r["h2d_per_step"] > 0
         assert 0 < r["shard_host_bytes"] < r["gathered_per_step"]
