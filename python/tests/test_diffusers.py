@@ -261,6 +261,31 @@ def test_the_module_s_own_state_dict_and_save_pretrained_give_the_true_weights_w
     assert all(m.state_dict()[k].data_ptr() == t.data_ptr() for k, t in m.named_parameters())
 
 
+def test_converting_an_offloaded_module_is_refused_before_anything_changes():
+    m, x, _ = flux()
+    m = m.to(BF16).eval()
+    x = bf16_inputs(x)
+    expected = {k: v.clone() for k, v in m.state_dict().items()}
+    with wf.enable({"transformer": m}, layer(2)):
+        before = forward(m, x)
+        dtypes = {k: t.dtype for k, t in m.named_parameters()}
+        for convert in (lambda: m.to(torch.float32), m.float, m.half, m.cpu, lambda: m.transformer_blocks[0].double()):
+            with pytest.raises(wf.OffloadError) as e:
+                convert()
+            assert "is offloaded by weightferry: converting it" in str(e.value)
+            assert "call disable() on the handle, convert the module, and enable again" in str(e.value)
+        with pytest.raises(wf.OffloadError) as e:
+            m.to(torch.float32)
+        assert str(e.value).startswith("'transformer' is offloaded by weightferry")
+        assert {k: t.dtype for k, t in m.named_parameters()} == dtypes
+        assert torch.equal(forward(m, x), before)
+    # After disable the module converts as any module, from its true weights.
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
+    m.to(torch.float32)
+    assert all(t.dtype == torch.float32 for t in m.parameters())
+    assert "_apply" not in vars(m) and "_apply" not in vars(m.transformer_blocks[0])
+
+
 def test_the_handle_s_state_dict_is_the_true_weights_while_offloaded():
     m, x, _ = flux()
     m = m.to(BF16).eval()

@@ -115,6 +115,7 @@ def enable(
         undo.push(handle._unmark)
         undo.push(handle._hooks.remove)
         undo.push(handle._state_hooks.remove)
+        undo.push(handle._guard.remove)
         handle._offload()
     except BaseException:
         undo.unwind()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
 from ._config import ConfigLike, config_arg
+from ._guards import ConversionGuard
 from ._hooks import Hooks, StreamCheck
 from ._registry import mark
 from ._state_dict import StateDictHooks
@@ -45,6 +46,8 @@ class Handle:
         self._hooks = Hooks(session, storages, binder, modules, stream)
         # While offloaded, the modules' own state_dict reads the true weights from the session.
         self._state_hooks = StateDictHooks(session, storages, bound)
+        # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
+        self._guard = ConversionGuard(modules)
         self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
         self._offloaded = False
         self._disabled = False
@@ -55,6 +58,7 @@ class Handle:
         self._offloaded = True
         self._hooks.install()
         self._state_hooks.install()
+        self._guard.install()
         mark(self._storages.tensors(), True)
 
     def _unmark(self) -> None:
@@ -81,6 +85,7 @@ class Handle:
             self._unmark()
         # Kept until every tensor is ordinary again: a state_dict between a failed disable and its retry is right.
         self._state_hooks.remove()
+        self._guard.remove()
         self._disabled = True
 
     def stats(self) -> dict[str, Any]:
