@@ -2,7 +2,8 @@
 offloaded forwards equal the same pipeline resident on the GPU bit for bit (layerwise at depths 1-3, resident
 layers, a device budget, model-level), every tensor is bit-identical on the CPU after disable, weights are bound in
 place (a steady pipeline rebinds nothing), a forward on another stream is refused, the shared-context check, and a
-tiny diffusers Flux transformer through the fallback scan."""
+tiny diffusers Flux transformer through the fallback scan (its own state_dict the true weights while offloaded,
+converting it refused)."""
 
 import pytest
 import torch
@@ -136,11 +137,21 @@ def test_a_tiny_diffusers_flux_transformer_is_bit_identical():
     with pytest.warns(wf.WeightferryWarning):
         report = wf.plan({"transformer": model}, cfg)
     assert [s["blocks"] for c in report["components"] for s in c.get("stacks", [])] == [5]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     with wf.enable({"transformer": model}, cfg, device="cuda"):
         for _ in range(2):
             with torch.no_grad():
                 got = model(**on_gpu, return_dict=False)[0].cpu()
             assert torch.equal(got, expected)
+        # The module's own state_dict is the true weights while offloaded (its tensors view device slots).
+        sd = model.state_dict()
+        assert list(sd) == list(weights)
+        assert all(sd[k].device.type == "cpu" and torch.equal(sd[k], v) for k, v in weights.items())
+        # Converting it is refused, and the offloaded forward is untouched.
+        with pytest.raises(wf.OffloadError):
+            model.to(torch.float32)
+        with torch.no_grad():
+            assert torch.equal(model(**on_gpu, return_dict=False)[0].cpu(), expected)
 
 
 def test_retune_on_cuda_rebinds_to_the_new_slots():
