@@ -286,6 +286,62 @@ def test_converting_an_offloaded_module_is_refused_before_anything_changes():
     assert "_apply" not in vars(m) and "_apply" not in vars(m.transformer_blocks[0])
 
 
+def test_a_second_thread_forwarding_the_same_offloaded_module_is_refused_and_the_first_is_unharmed():
+    import threading
+
+    m, x, _ = flux()
+    m = m.to(BF16).eval()
+    x = bf16_inputs(x)
+    expected = forward(m, x)
+    with wf.enable({"transformer": m}, layer(2)):
+        inside, release = threading.Event(), threading.Event()
+
+        def hold(module, args):  # runs after weightferry's pre-hook: the block is open while this waits
+            inside.set()
+            assert release.wait(30)
+
+        holding = m.transformer_blocks[1].register_forward_pre_hook(hold)
+        result = {}
+        first = threading.Thread(target=lambda: result.setdefault("out", forward(m, x)))
+        first.start()
+        assert inside.wait(30)
+        holding.remove()
+        with pytest.raises(wf.OffloadError) as e:
+            forward(m, x)
+        assert str(e.value).startswith(
+            "weightferry runs one forward of an offloaded pipeline at a time: another thread is inside "
+            "'transformer.transformer_blocks.1' while this one enters 'transformer.transformer_blocks.0'"
+        )
+        release.set()
+        first.join(30)
+        assert torch.equal(result["out"], expected)
+        # Once the other thread is out, this one runs.
+        assert torch.equal(forward(m, x), expected)
+
+
+def test_two_offloaded_pipelines_run_on_two_threads_at_once():
+    import threading
+
+    (a, x, _), (b, _, _) = flux(), flux()
+    a, b = a.to(BF16).eval(), b.to(BF16).eval()
+    x = bf16_inputs(x)
+    expected = forward(a, x)
+    with wf.enable({"transformer": a}, layer(1)), wf.enable({"transformer": b}, layer(2)):
+        outs = {}
+        start = threading.Barrier(2)
+
+        def run(name, m):
+            start.wait(30)
+            outs[name] = [forward(m, x) for _ in range(3)]
+
+        threads = [threading.Thread(target=run, args=(n, m)) for n, m in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(torch.equal(o, expected) for n in ("a", "b") for o in outs[n])
+
+
 def test_the_handle_s_state_dict_is_the_true_weights_while_offloaded():
     m, x, _ = flux()
     m = m.to(BF16).eval()

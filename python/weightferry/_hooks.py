@@ -9,6 +9,7 @@ the handle, not the modules."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -66,6 +67,11 @@ class Hooks:
         self._rebindings: dict[tuple[str, int, int], Rebinding] = {}
         self._torch_hooks: list[RemovableHandle] = []
         self._entered: set[str] = set()
+        # One forward at a time: the thread whose hooked modules are open now, how many, and the first one's path.
+        self._lock = threading.Lock()
+        self._thread: int | None = None
+        self._open = 0
+        self._inside = ""
 
     def _bind_from_device(self, sid: int, buffer: int, offset: int) -> None:
         self._binder.bind(self._storages.views[sid], self._storages.nbytes[sid], buffer, offset)
@@ -80,6 +86,27 @@ class Hooks:
                 "under the stream you use"
             )
 
+    def _enter(self, path: str) -> None:
+        """Counts ``path`` open on this thread; refuses a thread while another one has a hooked module open (the
+        backend's slots and the modules' tensors serve one forward at a time)."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._open and self._thread != me:
+                raise _core.OffloadError(
+                    f"weightferry runs one forward of an offloaded pipeline at a time: another thread is inside "
+                    f"'{self._inside}' while this one enters '{path}'; run the pipeline from one thread at a time "
+                    "(a lock around its calls), or give each thread its own pipeline"
+                )
+            if not self._open:
+                self._thread, self._inside = me, path
+            self._open += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if not self._open:
+                self._thread = None
+
     def _pre(self, path: str) -> Callable[[torch.nn.Module, Any], None]:
         clock = self.clock
 
@@ -90,8 +117,13 @@ class Hooks:
                     raise _core.OffloadError(self.broken)
                 if self._stream is not None:
                     self._check_stream(self._stream)
-                offsets = self._offsets.get(path)
-                residency = self._session.pre_forward(path, offsets is None)
+                self._enter(path)
+                try:
+                    offsets = self._offsets.get(path)
+                    residency = self._session.pre_forward(path, offsets is None)
+                except BaseException:
+                    self._leave()
+                    raise
                 self._entered.add(path)
                 if residency is not None:
                     buffer, base, listed = residency
@@ -122,11 +154,12 @@ class Hooks:
         clock = self.clock
 
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if path not in self._entered:
-                return  # its pre_forward failed: nothing to release
+            if path not in self._entered or self._thread != threading.get_ident():
+                return  # its pre_forward failed, or refused this thread (another one is inside): nothing to release
             start = time.perf_counter_ns()
             try:
                 self._entered.discard(path)
+                self._leave()
                 if self._binder.unbinds_after_forward:
                     for sid in self._storages.streamed_by.get(path, ()):
                         self._binder.unbind(self._storages.views[sid])
@@ -160,6 +193,8 @@ class Hooks:
         while self._torch_hooks:
             self._torch_hooks.pop().remove()
         self._entered.clear()
+        with self._lock:
+            self._thread, self._open = None, 0
         self.forget_slots()
 
     def forget_slots(self) -> None:
