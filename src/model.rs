@@ -314,6 +314,27 @@ impl HostModel {
         Ok(self.platform.write_host(buf, 0, bytes)?)
     }
 
+    /// Overwrites a storage's bytes in its current home, a loaded buffer or an offload backend's master: how a
+    /// backend applies a write while it holds the storage (it first waits for every copy reading the master, and
+    /// refreshes the device copies after). `bytes` must be exactly the storage's size ([`ModelError::WrongLength`]);
+    /// a storage served from its checkpoint file or released to shards is [`ModelError::WrongHome`]. Nothing
+    /// changes on an error.
+    pub(crate) fn write_through(&mut self, id: StorageId, bytes: &[u8]) -> Result<(), ModelError> {
+        let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
+        let (buf, offset) = match home {
+            Home::Loaded { buf } => (buf, 0),
+            Home::Master { buf, offset } => (buf, offset),
+            Home::File { .. } | Home::Sharded => {
+                return Err(ModelError::WrongHome { storage: id.0, expected: "loaded or master", found: home.name() })
+            }
+        };
+        let expected = self.storage_bytes(id);
+        if bytes.len() as u64 != expected {
+            return Err(ModelError::WrongLength { storage: id.0, expected, got: bytes.len() as u64 });
+        }
+        Ok(self.platform.write_host(buf, offset, bytes)?)
+    }
+
     /// The pipeline description.
     pub fn desc(&self) -> &Arc<PipelineDesc> {
         &self.desc

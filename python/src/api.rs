@@ -335,6 +335,31 @@ impl Session {
         self.write_storage(storage, bytes)
     }
 
+    /// Writes new bytes for storages, each read in place from `(storage, address, len)`: while enabled through to
+    /// the host copy and every device copy (see [`session::Session::write_weights`]); every write is checked before
+    /// any is applied.
+    ///
+    /// # Safety
+    /// For each item with `len > 0`, `address..address + len` must be readable host memory that stays alive and is
+    /// not written during the call.
+    pub unsafe fn write_weights_from(&mut self, items: &[(u64, u64, u64)]) -> Result<(), CoreError> {
+        let mut writes = Vec::with_capacity(items.len());
+        for &(storage, address, len) in items {
+            let n = usize::try_from(len).map_err(|_| CoreError::Offload(format!("storage {storage}: {len} bytes")))?;
+            if address == 0 && n > 0 {
+                return Err(CoreError::Offload(format!("storage {storage}: null address for {len} bytes")));
+            }
+            let bytes: &[u8] = if n == 0 {
+                &[]
+            } else {
+                // SAFETY: the caller guarantees `len` readable bytes at `address` that live, unchanged, for this call.
+                unsafe { std::slice::from_raw_parts(address as usize as *const u8, n) }
+            };
+            writes.push((StorageId(storage), bytes));
+        }
+        Ok(self.inner.write_weights(&writes)?)
+    }
+
     /// Offloads (see [`session::Session::enable`]); returns whether anything is offloaded.
     pub fn enable(&mut self) -> Result<bool, CoreError> {
         Ok(self.inner.enable()?)

@@ -213,6 +213,16 @@ impl PySession {
         self.run(py, "Session._write_storage_at", |s| unsafe { s.write_storage_from(storage, address, len) })
     }
 
+    /// Writes new bytes for storages from `[(storage, address, len)]`, each read in place (while enabled: through to
+    /// weightferry's host copy and every device copy). Private to the package: each `address` must be the
+    /// `data_ptr()` of a live CPU tensor storage of at least `len` bytes, which the caller keeps referenced and does
+    /// not write during the call.
+    fn _write_weights_at(&self, py: Python<'_>, items: Vec<(u64, u64, u64)>) -> PyResult<()> {
+        // SAFETY: the package's contract above: `_writes.py` passes the `data_ptr()` and exact `nbytes()` of CPU
+        // tensors it holds references to for the call, and no code of the package writes them meanwhile.
+        self.run(py, "Session._write_weights_at", |s| unsafe { s.write_weights_from(&items) })
+    }
+
     /// Offloads (transactional); returns whether anything is offloaded.
     fn enable(&self, py: Python<'_>) -> PyResult<bool> {
         self.run(py, "Session.enable", api::Session::enable)

@@ -99,6 +99,11 @@ class Session:
         """Fills a storage's host bytes from ``len`` bytes at host address ``address`` (the ``data_ptr()`` of a live
         CPU tensor storage the caller holds), read in place."""
 
+    def _write_weights_at(self, items: list[tuple[int, int, int]]) -> None:
+        """Writes new bytes for storages from ``[(storage id, host address, len)]`` (each the ``data_ptr()`` of a live
+        CPU tensor storage the caller holds), read in place: while enabled through to weightferry's host copy and
+        every device copy. Every write is checked before any is applied."""
+
     def enable(self) -> bool:
         """Offloads (transactional); returns whether anything is offloaded."""
 

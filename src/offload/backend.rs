@@ -6,6 +6,10 @@
 //! every committed step if a later one fails. `disable` waits for all device work, frees device memory, removes its
 //! hooks, and gives each storage its own host buffer back with a real copy out of the master; if that fails it keeps
 //! the masters so a second `disable` can finish.
+//!
+//! `backend/write_through.rs`: writes while enabled (new bytes become the host copy; device copies are refreshed).
+
+mod write_through;
 
 use super::group::{Communicator, GatherNames, Group};
 use super::layout::{write_section, UnitLayout, MASTER_BOUNCE_BYTES};

@@ -93,6 +93,34 @@ impl ResidentPlacement {
         Ok(placement)
     }
 
+    /// Copies `storages` (each placed here) again from their host homes on `stream` and waits: after a write
+    /// changed their host bytes. The caller has waited for every kernel reading the placement. A storage not placed
+    /// here, or whose home is not a host buffer (a checkpoint file, shards), is an error before anything is copied.
+    pub fn refresh(&self, model: &HostModel, storages: &[StorageId], stream: StreamId) -> Result<(), ModelError> {
+        let mut copies = Vec::new();
+        for &s in storages {
+            let (Some(buf), Some(&dev)) = (self.buf, self.offsets.get(&s)) else {
+                return Err(PlatformError::InvalidHandle { what: "fixed-placement storage", id: s.0 }.into());
+            };
+            let (src, off) = match model.home(s) {
+                Some(Home::Loaded { buf }) => (buf, 0),
+                Some(Home::Master { buf, offset }) => (buf, offset),
+                Some(other) => {
+                    return Err(ModelError::WrongHome { storage: s.0, expected: "loaded or master", found: other.name() })
+                }
+                None => return Err(PlatformError::InvalidHandle { what: "storage", id: s.0 }.into()),
+            };
+            copies.push((src, off, buf, dev, model.storage_bytes(s)));
+        }
+        let issued = copies
+            .into_iter()
+            .filter(|c| c.4 > 0)
+            .try_for_each(|(src, off, buf, dev, len)| self.platform.copy_h2d(stream, src, off, buf, dev, len));
+        let waited = self.platform.stream_synchronize(stream);
+        issued?;
+        Ok(waited?)
+    }
+
     /// Device bytes held.
     pub fn bytes(&self) -> u64 {
         self.bytes

@@ -364,6 +364,28 @@ impl Session {
         Ok(())
     }
 
+    /// Writes new bytes for storages (each exactly its size): before `enable` and after `disable` into their own
+    /// host buffers, as [`write_storage`](Self::write_storage); while enabled through to the backend's host copy
+    /// and every device copy (see [`StreamingBackend::write_weights`]), so the next forward and `disable` see them.
+    /// Every write is checked before any is applied.
+    pub fn write_weights(&mut self, writes: &[(StorageId, &[u8])]) -> Result<(), SessionError> {
+        if !self.is_enabled() {
+            for &(s, bytes) in writes {
+                let expected = self.model.storage_bytes(s);
+                if !self.model.desc().storages.contains_key(&s) || bytes.len() as u64 != expected {
+                    return Err(SessionError::Offload(format!(
+                        "storage {}: a write of {} bytes; it holds {expected}",
+                        s.0,
+                        bytes.len()
+                    )));
+                }
+            }
+            return writes.iter().try_for_each(|&(s, bytes)| self.write_storage(s, bytes));
+        }
+        let backend = self.backend.as_mut().ok_or_else(|| SessionError::Offload("nothing is offloaded".into()))?;
+        backend.write_weights(&mut self.model, &self.hooks, self.compute, writes).map_err(offload_err)
+    }
+
     /// Offloads: builds host masters, the fixed placement and the block stacks over the plan resolved at
     /// [`new`](Self::new), and installs the hooks. Refuses while a storage was never written. Returns whether
     /// anything is offloaded (`false` for a config that disables offload, or a plan with nothing to stream: then

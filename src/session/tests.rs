@@ -99,3 +99,59 @@ fn each_failure_has_its_kind() {
         );
     }
 }
+
+const WITH_FIXED: &str = r#"{"class": "P", "modules": {"transformer": {"class": "D", "tensors": {"proj": {"dtype": "bf16",
+    "shape": [64]}}, "children": {"blocks": {"repeat": 3, "block": {"class": "B", "tensors": {"w": {"dtype": "bf16",
+    "shape": [128]}}}}}}}, "components": {"dit": ["transformer"]}, "class_block_attrs": {"D": ["blocks"]},
+    "offload_plan": {"resident_dit_paths": ["transformer"]}}"#;
+
+/// Runs one pass over the three blocks and returns each block's device bytes during its forward.
+fn pass(s: &Session) -> Vec<Vec<u8>> {
+    ["transformer.blocks.0", "transformer.blocks.1", "transformer.blocks.2"]
+        .iter()
+        .map(|b| {
+            let r = s.pre_forward(b).unwrap().unwrap();
+            let bytes = s.read_device(r.buffer, r.base, 256).unwrap();
+            s.post_forward(b).unwrap();
+            bytes
+        })
+        .collect()
+}
+
+#[test]
+fn writes_while_enabled_reach_every_device_copy_and_disable() {
+    for resident in [0, 1] {
+        let config = format!(
+            r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"],
+            "layer_options": {{"dit": {{"prefetch_depth": 1, "resident_layers": {resident}}}}}}}}}"#
+        );
+        let desc = load_pipeline_json(WITH_FIXED).unwrap();
+        let cfg = load_config(ConfigSource::Json(&config)).unwrap();
+        let mut s = Session::new(desc, cfg, sim(), SessionOptions { name: "p".into(), ..Default::default() }).unwrap();
+        let ids: BTreeMap<String, StorageId> = s.tensor_storages().into_iter().collect();
+        let (proj, w0, w1) = (ids["transformer.proj"], ids["transformer.blocks.0.w"], ids["transformer.blocks.1.w"]);
+        for (id, len, _) in s.storages() {
+            s.write_storage(id, &vec![1; len as usize]).unwrap();
+        }
+        assert_eq!(s.enable(), Ok(true));
+        assert_eq!(pass(&s), vec![vec![1; 256]; 3], "resident {resident}");
+        // A wrong length is refused before anything changes, the other writes of the batch included.
+        let Err(SessionError::Offload(m)) = s.write_weights(&[(w0, &[7; 256]), (w1, &[7; 3])]) else {
+            panic!("a short write was accepted")
+        };
+        assert_eq!(m, format!("storage {} holds 256 bytes; the write has 3", w1.0));
+        assert_eq!(pass(&s), vec![vec![1; 256]; 3]);
+        s.write_weights(&[(w0, &[7; 256]), (proj, &[9; 128])]).unwrap();
+        assert_eq!(pass(&s), vec![vec![7; 256], vec![1; 256], vec![1; 256]], "resident {resident}: the written block");
+        let (buf, off) = s.locate(proj).unwrap();
+        assert_eq!(s.read_device(buf, off, 128).unwrap(), vec![9; 128], "the fixed placement");
+        assert!(s.hazard_violations().is_empty(), "{:?}", s.hazard_violations());
+        s.disable().unwrap();
+        assert_eq!(s.read_storage(w0).unwrap(), vec![7; 256]);
+        assert_eq!(s.read_storage(proj).unwrap(), vec![9; 128]);
+        assert_eq!(s.read_storage(w1).unwrap(), vec![1; 256]);
+        // Disabled: the same call writes the host buffers.
+        s.write_weights(&[(w1, &[5; 256])]).unwrap();
+        assert_eq!(s.read_storage(w1).unwrap(), vec![5; 256]);
+    }
+}
