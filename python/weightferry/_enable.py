@@ -116,7 +116,7 @@ def enable(
         undo.push(handle._hooks.remove)
         undo.push(handle._state_hooks.remove)
         undo.push(handle._guard.remove)
-        undo.push(handle._load_guard.remove)
+        undo.push(handle._load_hooks.remove)
         handle._offload()
     except BaseException:
         undo.unwind()

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
 from ._config import ConfigLike, config_arg
-from ._guards import ConversionGuard, LoadGuard
+from ._guards import ConversionGuard
 from ._hooks import Hooks, StreamCheck
+from ._loads import LoadHooks
 from ._registry import mark
 from ._state_dict import StateDictHooks
+from ._writes import Writer
 
 if TYPE_CHECKING:
     import torch
@@ -48,8 +50,9 @@ class Handle:
         self._state_hooks = StateDictHooks(session, storages, bound)
         # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
         self._guard = ConversionGuard(modules)
-        # …and so is loading a state dict that holds weights weightferry manages.
-        self._load_guard = LoadGuard(modules, storages, bound)
+        # Writes into the weights go through weightferry's copy: load_state_dict's, and edits inside editing().
+        self._writer = Writer(session, storages, self._hooks.refreshed)
+        self._load_hooks = LoadHooks(modules, storages, bound, self._writer)
         self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
         self._offloaded = False
         self._disabled = False
@@ -61,7 +64,7 @@ class Handle:
         self._hooks.install()
         self._state_hooks.install()
         self._guard.install()
-        self._load_guard.install()
+        self._load_hooks.install()
         mark(self._storages.tensors(), True)
 
     def _unmark(self) -> None:
@@ -89,7 +92,7 @@ class Handle:
         # Kept until every tensor is ordinary again: a state_dict between a failed disable and its retry is right.
         self._state_hooks.remove()
         self._guard.remove()
-        self._load_guard.remove()
+        self._load_hooks.remove()
         self._disabled = True
 
     def stats(self) -> dict[str, Any]:

@@ -197,6 +197,16 @@ class Hooks:
             self._thread, self._open = None, 0
         self.forget_slots()
 
+    def refreshed(self, sids: set[int]) -> None:
+        """After a write through the session: its block stacks may be new (every streamed block is bound again at
+        its next forward), and the fixed placement's written storages are bound again (on the sim a bound tensor is a
+        copy of the device bytes)."""
+        self.forget_slots()
+        self._binder.clear()
+        streamed = self._storages.streamed()
+        for sid in sorted(sids - streamed):
+            self._bind_from_device(sid, *self._session.locate(sid))
+
     def forget_slots(self) -> None:
         """Drops what the hooks know of the slots (new slots after a retune, none after disable)."""
         self._slot_of.clear()

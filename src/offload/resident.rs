@@ -106,7 +106,11 @@ impl ResidentPlacement {
                 Some(Home::Loaded { buf }) => (buf, 0),
                 Some(Home::Master { buf, offset }) => (buf, offset),
                 Some(other) => {
-                    return Err(ModelError::WrongHome { storage: s.0, expected: "loaded or master", found: other.name() })
+                    return Err(ModelError::WrongHome {
+                        storage: s.0,
+                        expected: "loaded or master",
+                        found: other.name(),
+                    })
                 }
                 None => return Err(PlatformError::InvalidHandle { what: "storage", id: s.0 }.into()),
             };

@@ -79,10 +79,9 @@ fn check_write(model: &HostModel, s: StorageId, bytes: u64) -> Result<(), Offloa
             "storage {} is held as shards by a distributed run; disable first",
             s.0
         ))),
-        Some(_) if bytes != expected => Err(OffloadError::Unsupported(format!(
-            "storage {} holds {expected} bytes; the write has {bytes}",
-            s.0
-        ))),
+        Some(_) if bytes != expected => {
+            Err(OffloadError::Unsupported(format!("storage {} holds {expected} bytes; the write has {bytes}", s.0)))
+        }
         Some(_) => Ok(()),
     }
 }
