@@ -113,3 +113,169 @@ def test_a_size_mismatch_or_assign_is_refused_before_anything_loads():
         assert torch.equal(forward(m, x), before)
         assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
     assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
+
+
+STREAMED = "transformer_blocks.1.attn.to_q.weight"
+FIXED = "x_embedder.weight"
+
+
+def param(m, key):
+    return m.get_parameter(key)
+
+
+@pytest.mark.parametrize("key", [STREAMED, FIXED])
+@pytest.mark.parametrize("how", ["in_place", "data"])
+def test_an_edit_outside_editing_is_refused_at_the_next_forward_and_put_back(key, how):
+    m, x = model()
+    expected = {k: v.clone() for k, v in m.state_dict().items()}
+    with wf.enable({"transformer": m}, layer(2)) as h:
+        before = forward(m, x)
+        with torch.no_grad():
+            if how == "in_place":
+                param(m, key).mul_(2)
+            else:
+                param(m, key).data = torch.ones(expected[key].shape, dtype=BF16)
+        with pytest.raises(wf.OffloadError) as e:
+            forward(m, x)
+        assert str(e.value) == (
+            f"'transformer.{key}' changed while offloaded, outside Handle.editing() (an in-place edit, or .data "
+            "replaced): weightferry's copy of the weights does not have the change, so it was put back; make weight "
+            "edits inside `with handle.editing():` (or disable, edit, and enable again)"
+        )
+        assert torch.equal(forward(m, x), before)
+        assert all(torch.equal(v, expected[k]) for k, v in h.state_dict("transformer").items())
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_disable_after_an_edit_outside_editing_gives_back_the_true_weights_and_says_so():
+    m, x = model()
+    expected = {k: v.clone() for k, v in m.state_dict().items()}
+    h = wf.enable({"transformer": m}, layer(2))
+    forward(m, x)
+    with torch.no_grad():
+        param(m, FIXED).add_(1)
+    with pytest.raises(wf.OffloadError) as e:
+        h.disable()
+    assert "disable gave back the weights weightferry held, without the change" in str(e.value)
+    assert not h.enabled
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
+    # …and a module state_dict while enabled refuses a pending edit the same way.
+    with wf.enable({"transformer": m}, layer(2)):
+        with torch.no_grad():
+            param(m, STREAMED).zero_()
+        with pytest.raises(wf.OffloadError):
+            m.state_dict()
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_edits_inside_editing_equal_the_same_edits_on_the_twin(cfg):
+    m, x = model()
+    twin = copy.deepcopy(m)
+
+    def edit(mod):
+        with torch.no_grad():
+            param(mod, STREAMED).mul_(2)
+            param(mod, FIXED).add_(0.5)
+            param(mod, "single_transformer_blocks.0.norm.linear.weight").data = torch.full(
+                param(mod, "single_transformer_blocks.0.norm.linear.weight").shape, 0.125, dtype=BF16
+            )
+
+    with wf.enable({"transformer": m}, CONFIGS[cfg]) as h:
+        forward(m, x)
+        with h.editing():
+            assert torch.equal(param(m, STREAMED), param(twin, STREAMED)), "the true weights inside editing"
+            edit(m)
+            with pytest.raises(wf.OffloadError) as e:
+                forward(m, x)
+            assert "runs inside Handle.editing()" in str(e.value)
+        edit(twin)
+        assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+        assert param(m, STREAMED).numel() == 0, "offloaded again"
+        with h.editing(m.transformer_blocks[0]):  # one module: only its weights are materialized
+            assert param(m, STREAMED).numel() == 0 and param(m, "transformer_blocks.0.attn.to_q.weight").numel() > 0
+            with torch.no_grad():
+                param(m, "transformer_blocks.0.attn.to_q.weight").neg_()
+        with torch.no_grad():
+            param(twin, "transformer_blocks.0.attn.to_q.weight").neg_()
+        assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)
+
+
+def test_an_edit_that_raises_inside_editing_keeps_what_it_changed_as_the_module_would():
+    m, x = model()
+    twin = copy.deepcopy(m)
+    with wf.enable({"transformer": m}, layer(2)) as h:
+        with pytest.raises(ZeroDivisionError), h.editing(), torch.no_grad():
+            param(m, STREAMED).add_(1)
+            raise ZeroDivisionError
+        with torch.no_grad():
+            param(twin, STREAMED).add_(1)
+        assert torch.equal(forward(m, x), forward(twin, x))
+        with pytest.raises(wf.OffloadError) as e, h.editing():
+            param(m, STREAMED).data = torch.zeros(2, dtype=BF16)
+        assert str(e.value).startswith(f"editing: size mismatch for 'transformer.{STREAMED}'")
+        assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)
+
+
+def lora(rank=4, seed=0):
+    from peft import LoraConfig
+
+    torch.manual_seed(seed)
+    return LoraConfig(
+        r=rank, lora_alpha=rank, init_lora_weights=False,
+        target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.2", "proj_mlp"],
+    )
+
+
+def with_adapters(m):
+    m.add_adapter(lora(seed=1), "a")
+    m.add_adapter(lora(seed=2), "b")
+    m.set_adapters(["a", "b"], [1.0, 0.5])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_lora_loaded_before_enable_sets_fuses_and_unfuses_inside_editing_as_on_the_twin(cfg):
+    m, x = model()
+    with_adapters(m)
+    twin = copy.deepcopy(m)
+    with wf.enable({"transformer": m}, CONFIGS[cfg]) as h:
+        assert torch.equal(forward(m, x), forward(twin, x))
+        for mod in (m, twin):
+            mod.set_adapters(["a", "b"], [0.25, 1.0])
+        assert torch.equal(forward(m, x), forward(twin, x))
+        with h.editing():
+            m.fuse_lora(adapter_names=["a", "b"])
+        twin.fuse_lora(adapter_names=["a", "b"])
+        assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+        with h.editing():
+            m.unfuse_lora()
+        twin.unfuse_lora()
+        assert torch.equal(forward(m, x), forward(twin, x))
+        for mod in (m, twin):
+            mod.delete_adapters("b")
+        assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)
+    assert torch.equal(forward(m, x), forward(twin, x))
+
+
+def test_lora_added_after_enable_runs_and_fuses_inside_editing_as_on_the_twin():
+    m, x = model()
+    twin = copy.deepcopy(m)
+    with wf.enable({"transformer": m}, layer(2)) as h:
+        forward(m, x)
+        for mod in (m, twin):
+            mod.add_adapter(lora(seed=3), "late")
+        assert torch.equal(forward(m, x), forward(twin, x))
+        with h.editing():
+            m.fuse_lora(safe_fusing=True)
+        twin.fuse_lora(safe_fusing=True)
+        assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+        for mod in (m, twin):
+            mod.unload_lora()
+        assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)

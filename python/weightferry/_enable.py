@@ -117,6 +117,7 @@ def enable(
         undo.push(handle._state_hooks.remove)
         undo.push(handle._guard.remove)
         undo.push(handle._load_hooks.remove)
+        undo.push(handle._remove_watch)
         handle._offload()
     except BaseException:
         undo.unwind()

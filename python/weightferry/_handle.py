@@ -5,10 +5,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
 from ._config import ConfigLike, config_arg
+from ._edits import Signatures, check, editing
 from ._guards import ConversionGuard
 from ._hooks import Hooks, StreamCheck
 from ._loads import LoadHooks
@@ -45,14 +48,18 @@ class Handle:
         self._storages = storages
         self._binder = binder
         self._stream = stream  # on CUDA only
-        self._hooks = Hooks(session, storages, binder, modules, stream)
+        self._modules = modules
+        # What each managed tensor held when weightferry bound it: an edit made outside editing() is found by it.
+        self._sigs = Signatures(storages)
+        self._hooks = Hooks(session, storages, binder, modules, stream, self._sigs)
         # While offloaded, the modules' own state_dict reads the true weights from the session.
-        self._state_hooks = StateDictHooks(session, storages, bound)
+        self._state_hooks = StateDictHooks(session, storages, bound, self._sigs, self._check)
         # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
         self._guard = ConversionGuard(modules)
         # Writes into the weights go through weightferry's copy: load_state_dict's, and edits inside editing().
         self._writer = Writer(session, storages, self._hooks.refreshed)
-        self._load_hooks = LoadHooks(modules, storages, bound, self._writer)
+        self._load_hooks = LoadHooks(modules, storages, bound, self._writer, self._sigs)
+        self._watch: list[Any] = []  # forward pre-hooks of the components: edits are checked before each forward
         self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
         self._offloaded = False
         self._disabled = False
@@ -65,7 +72,67 @@ class Handle:
         self._state_hooks.install()
         self._guard.install()
         self._load_hooks.install()
+        self._install_watch()
         mark(self._storages.tensors(), True)
+
+    def _install_watch(self) -> None:
+        """A forward pre-hook on every component (a top-level module with managed weights), first of its hooks:
+        tensors of the component changed outside weightferry are refused before its forward binds anything."""
+        from ._hooks import _compiler_disabled
+
+        for comp, module in self._modules.items():
+            if not comp or "." in comp:
+                continue
+            sids = {sid for sid, vs in self._storages.views.items() if vs[0].path.startswith(comp + ".")}
+            if not sids:
+                continue
+
+            def pre(module: Any, args: Any, sids: set[int] = sids) -> None:
+                self._check(sids)
+
+            hook = _compiler_disabled(pre)
+            self._watch.append(module.register_forward_pre_hook(hook, prepend=True))
+
+    def _remove_watch(self) -> None:
+        while self._watch:
+            self._watch.pop().remove()
+
+    def _check(self, sids: set[int], when: str = "so it was put back") -> None:
+        """Refuses tensors of ``sids`` changed outside weightferry (see ``_edits``), after putting them back; not
+        while a forward is under way (its open block's tensors are bound, and another thread is refused anyway)."""
+        if self._hooks.busy():
+            return
+        check(self._sigs, sids, self._repair, when)
+
+    def _repair(self, sids: set[int]) -> None:
+        """Rewrites every device copy of ``sids`` from weightferry's copy and binds their tensors again."""
+        self._writer.rewrite(sids)
+        self._hooks.rebind_idle(sids)
+
+    @contextmanager
+    def editing(self, *modules: torch.nn.Module) -> Iterator[None]:
+        """A ``with`` block in which the weights of ``modules`` (default: every module of the pipeline) are ordinary
+        CPU tensors holding their true values, so they can be edited as on the module not offloaded: peft's
+        ``fuse_lora`` / ``unfuse_lora`` / ``merge_and_unload``, in-place edits under ``torch.no_grad()``, ``.data``
+        replacements of the same shape. On leaving (also when the block raised), every changed tensor is written
+        through to weightferry's copy and every device copy, and the tensors are offloaded again. It holds one host
+        copy of the selected weights while it lasts; the pipeline cannot run inside it. A changed shape raises
+        :class:`weightferry.OffloadError` naming the tensor (nothing of that write applied)."""
+        if not self.enabled:
+            raise _core.OffloadError("editing() needs an enabled handle; this one is disabled or offloads nothing")
+        chosen = list(modules) or [m for p, m in self._modules.items() if p and "." not in p]
+        paths = {id(m): p for p, m in self._modules.items()}
+        unknown = [type(m).__name__ for m in chosen if id(m) not in paths]
+        if unknown:
+            raise _core.OffloadError(
+                f"editing(): a {unknown[0]} that is not a module of this pipeline; pass the pipeline's own modules "
+                "(e.g. pipe.transformer)"
+            )
+        prefixes = tuple(paths[id(m)] + "." if paths[id(m)] else "" for m in chosen)
+        sids = {sid for sid, vs in self._storages.views.items() if any(v.path.startswith(prefixes) for v in vs)}
+        self._check(sids)
+        with editing(self._sigs, self._storages, self._session, self._writer, sids, chosen, self._hooks.rebind_idle):
+            yield
 
     def _unmark(self) -> None:
         mark(self._storages.tensors(), False)
@@ -83,6 +150,10 @@ class Handle:
         again."""
         if self._disabled:
             return
+        if self._sigs.editing is not None:
+            raise _core.OffloadError("disable() inside Handle.editing(): leave the editing block first")
+        changed = self._sigs.changed(set(self._storages.views)) if self._offloaded else []
+        self._remove_watch()
         self._hooks.remove()
         self._session.disable()
         self._binder.clear()
@@ -94,6 +165,13 @@ class Handle:
         self._guard.remove()
         self._load_hooks.remove()
         self._disabled = True
+        if changed:
+            paths = sorted({v.path for _, v in changed})
+            raise _core.OffloadError(
+                f"'{paths[0]}' changed while offloaded, outside Handle.editing() (an in-place edit, or .data "
+                "replaced): disable gave back the weights weightferry held, without the change; make weight edits "
+                "inside `with handle.editing():` (or disable, edit, and enable again)"
+            )
 
     def stats(self) -> dict[str, Any]:
         """The backend's report as a dict: ``strategy``, ``enabled``, ``stacks`` (per stack: ``loads``,
@@ -133,6 +211,7 @@ class Handle:
         :class:`weightferry.PlanError`. Each streamed block is rebound to its new slot at its next forward."""
         if not self.enabled:
             raise _core.OffloadError("retune needs an enabled handle; this one is disabled or offloads nothing")
+        self._check(set(self._storages.views))
         config = self._edited(config, prefetch_depth, resident_layers, device_budget)
         text, fmt = config_arg(config)
         free = 0
@@ -193,6 +272,8 @@ class Handle:
         ``state_dict`` has them; names are ``describe()``'s (dotted from the pipeline), or relative to
         ``component`` (``handle.state_dict("transformer")`` has the keys of ``transformer.state_dict()``). Tensors
         that shared a storage share one here too."""
+        if self.enabled:
+            self._check(set(self._storages.views))
         return self._storages.state_dict(self._session, component)
 
     def __enter__(self) -> Handle:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from typing_extensions import TypeAlias
 
     from ._describe import Modules
+    from ._edits import Signatures
     from ._storages import StorageMap
 
 __all__ = ["Hooks", "StreamCheck"]
@@ -52,8 +53,10 @@ class Hooks:
         binder: Binder,
         modules: Modules,
         stream: StreamCheck | None,
+        sigs: Signatures,
     ) -> None:
         self._session = session
+        self._sigs = sigs  # what each managed tensor held when the hooks bound it (edits outside are found by it)
         self._storages = storages
         self._binder = binder
         self._modules = modules  # module path -> nn.Module
@@ -101,6 +104,10 @@ class Hooks:
                 self._thread, self._inside = me, path
             self._open += 1
 
+    def busy(self) -> bool:
+        """Whether a hooked module is open now (a forward is under way: its block's tensors are bound)."""
+        return self._open > 0
+
     def _leave(self) -> None:
         with self._lock:
             self._open -= 1
@@ -115,6 +122,11 @@ class Hooks:
             try:
                 if self.broken is not None:
                     raise _core.OffloadError(self.broken)
+                if self._sigs.editing is not None:
+                    raise _core.OffloadError(
+                        f"'{path}' runs inside Handle.editing(), where the weights are ordinary CPU tensors being "
+                        "edited: leave the editing block, then run the pipeline"
+                    )
                 if self._stream is not None:
                     self._check_stream(self._stream)
                 self._enter(path)
@@ -149,6 +161,8 @@ class Hooks:
             pairs = self._rebindings[key] = binder.rebinding([(views[sid], buffer, base + off) for sid, off in offsets])
         binder.apply(pairs)
         self._slot_of[path] = (buffer, base)
+        for sid, _ in offsets:
+            self._sigs.record(self._storages.views[sid])
 
     def _post(self, path: str) -> Callable[[torch.nn.Module, Any, Any], None]:
         clock = self.clock
@@ -162,7 +176,9 @@ class Hooks:
                 self._leave()
                 if self._binder.unbinds_after_forward:
                     for sid in self._storages.streamed_by.get(path, ()):
-                        self._binder.unbind(self._storages.views[sid])
+                        views = self._storages.views[sid]
+                        self._binder.unbind(views)
+                        self._sigs.record(views)
                 self._session.post_forward(path)
             finally:
                 clock.record(time.perf_counter_ns() - start)
@@ -171,13 +187,7 @@ class Hooks:
 
     def install(self) -> None:
         """Binds the fixed placement once, releases the streamed tensors' host copies, installs the torch hooks."""
-        streamed = self._storages.streamed()
-        for sid in self._storages.views:
-            if sid not in streamed:
-                self._bind_from_device(sid, *self._session.locate(sid))
-        for sid in streamed:
-            for view in self._storages.views[sid]:
-                self._binder.set_data(view, placeholder(view, self._binder.device))
+        self.rebind_idle(set(self._storages.views))
         for path in self._session.hooked_modules():
             module = self._modules.get(path)
             if module is None:
@@ -206,6 +216,22 @@ class Hooks:
         streamed = self._storages.streamed()
         for sid in sorted(sids - streamed):
             self._bind_from_device(sid, *self._session.locate(sid))
+            self._sigs.record(self._storages.views[sid])
+
+    def rebind_idle(self, sids: set[int]) -> None:
+        """Binds the tensors of ``sids`` as they are between forwards: the fixed placement to its device bytes, a
+        streamed tensor to a placeholder until its block's next forward."""
+        streamed = self._storages.streamed()
+        if sids & streamed:
+            self.forget_slots()
+        for sid in sorted(sids):
+            views = self._storages.views[sid]
+            if sid in streamed:
+                for view in views:
+                    self._binder.set_data(view, placeholder(view, self._binder.device))
+            else:
+                self._bind_from_device(sid, *self._session.locate(sid))
+            self._sigs.record(views)
 
     def forget_slots(self) -> None:
         """Drops what the hooks know of the slots (new slots after a retune, none after disable)."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from ._describe import Bound, Modules
+    from ._edits import Signatures
     from ._storages import StorageMap
     from ._writes import Writer
 
@@ -29,7 +30,9 @@ __all__ = ["LoadHooks"]
 class LoadHooks:
     """The ``load_state_dict`` pre- and post-hooks of one enabled pipeline."""
 
-    def __init__(self, modules: Modules, storages: StorageMap, bound: Bound, writer: Writer) -> None:
+    def __init__(
+        self, modules: Modules, storages: StorageMap, bound: Bound, writer: Writer, sigs: Signatures
+    ) -> None:
         # module path -> [(state-dict key relative to the module, pipeline path)] of the managed weights below it.
         below: dict[str, list[tuple[str, str]]] = {}
         for path in bound:
@@ -43,6 +46,8 @@ class LoadHooks:
         self._below = below
         self._modules = modules
         self._writer = writer
+        self._sigs = sigs  # inside Handle.editing() torch loads into the edited CPU tensors itself
+        self._sid = {path: sid for path, (sid, _) in storages.state_paths.items()}
         self._handles: list[RemovableHandle] = []
         # Per thread: [(module, the keys its pre-hook wrote)] of the loads under way, struck from the missing keys by
         # the module's post-hook.
@@ -72,7 +77,12 @@ class LoadHooks:
         def hook(module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any) -> None:
             if prefix == "":
                 self._pending().clear()  # a new load (a failed one may have left entries)
-            found = {prefix + key: path for key, path in keys if prefix + key in state_dict}
+            editing = self._sigs.editing or set()
+            found = {
+                prefix + key: path
+                for key, path in keys
+                if prefix + key in state_dict and self._sid[path] not in editing
+            }
             if not found:
                 return
             if isinstance(local_metadata, dict) and local_metadata.get("assign_to_params_buffers"):

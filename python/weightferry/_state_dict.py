@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from . import _core
     from ._describe import Bound
+    from ._edits import Signatures
     from ._storages import StorageMap
 
 __all__ = ["StateDictHooks"]
@@ -26,9 +27,18 @@ class StateDictHooks:
     """The ``state_dict`` post-hooks of one enabled pipeline: installed once the session offloads, removed at
     ``disable`` (and by ``enable``'s undo)."""
 
-    def __init__(self, session: _core.Session, storages: StorageMap, bound: Bound) -> None:
+    def __init__(
+        self,
+        session: _core.Session,
+        storages: StorageMap,
+        bound: Bound,
+        sigs: Signatures,
+        check: Callable[[set[int]], None],
+    ) -> None:
         self._session = session
         self._storages = storages
+        self._sigs = sigs  # inside Handle.editing() the edited tensors are the true weights themselves
+        self._check = check  # refuses tensors changed outside weightferry before they are read
         # id(module) -> (the module, its own attribute -> the tensor's pipeline path), for parameters and persistent
         # buffers only (what torch's state_dict holds).
         self._owned: dict[int, tuple[nn.Module, dict[str, str]]] = {}
@@ -50,11 +60,16 @@ class StateDictHooks:
         self._handles.clear()
 
     def _hook(self, attrs: dict[str, str]) -> Callable[[nn.Module, dict[str, Any], str, Any], None]:
+        paths = self._storages.state_paths
+        sids = {paths[path][0] for path in attrs.values()}
+
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-            wanted = [path for attr, path in attrs.items() if prefix + attr in state_dict]
+            self._check(sids)
+            editing = self._sigs.editing or set()
+            wanted = [p for a, p in attrs.items() if prefix + a in state_dict and paths[p][0] not in editing]
             true: dict[str, torch.Tensor] = self._storages.true_tensors(self._session, wanted)
             for attr, path in attrs.items():
-                if prefix + attr in state_dict:
+                if path in true:
                     state_dict[prefix + attr] = true[path]
 
         return hook

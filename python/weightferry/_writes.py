@@ -43,20 +43,34 @@ class Writer:
 
     def write(self, values: Mapping[str, torch.Tensor], what: str) -> None:
         """``values``: pipeline path of a parameter or persistent buffer -> its new value (converted to the weight's
-        dtype as torch's ``copy_`` converts). Every shape is checked before anything is written; each storage is
-        rebuilt from its current bytes with its changed views overwritten and written whole, all in one call."""
+        dtype as torch's ``copy_`` converts); see :meth:`write_views`."""
+        self.write_views({self._storages.state_paths[path]: value for path, value in values.items()}, what)
+
+    def write_views(self, values: Mapping[tuple[int, int], torch.Tensor], what: str) -> None:
+        """``values``: (storage id, index of the tensor among its views) -> new value. Every value is checked (a
+        tensor, the view's shape) before anything is written; each storage is rebuilt from its current bytes with its
+        changed views overwritten and written whole, all in one call."""
         import torch
 
         by_storage: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for path, value in values.items():
+        for (sid, index), value in values.items():
+            view = self._storages.views[sid][index]
             if not isinstance(value, torch.Tensor):
                 raise _core.OffloadError(
-                    f"{what}: the new value of '{path}' is a {type(value).__name__}, not a torch.Tensor (nothing was "
-                    "written)"
+                    f"{what}: the new value of '{view.path}' is a {type(value).__name__}, not a torch.Tensor (nothing "
+                    "was written)"
                 )
-            sid, index = self._storages.state_paths[path]
-            check_shape(path, value, self._storages.views[sid][index].shape, what)
+            check_shape(view.path, value, view.shape, what)
             by_storage.setdefault(sid, []).append((index, value))
+        self._write(by_storage)
+
+    def rewrite(self, sids: set[int]) -> None:
+        """Writes storages' own bytes again: every device copy of them is rebuilt from weightferry's copy."""
+        self._write({sid: [] for sid in sids})
+
+    def _write(self, by_storage: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
+        import torch
+
         if not by_storage:
             return
         keep: list[torch.Tensor] = []

@@ -1,0 +1,147 @@
+"""Edits of an enabled pipeline's weights made through its modules' own tensors.
+
+While offloaded, a streamed tensor holds a placeholder or a device slot between its block's forwards, and a fixed
+one a device copy: an in-place edit there (``weight.mul_(2)``, ``weight.data += delta``, ``weight.data = new``)
+would reach neither weightferry's copy nor the other device copies, and on CUDA could overwrite another block's
+bytes in a shared slot. So:
+
+- :class:`Signatures` remembers each managed tensor's ``(version counter, data pointer)`` after weightferry bound
+  it. torch bumps the version counter on every in-place change and ``.data = ...`` changes the pointer, so a
+  difference is an edit made outside weightferry. It is checked before each component's forward, before a
+  ``state_dict`` reads the weights, at ``retune``, ``editing`` and ``disable``: a changed tensor is put back and the
+  device copies are rewritten from weightferry's copy (so no slot keeps a stray write), then
+  :class:`weightferry.OffloadError` names it and the fix.
+- :func:`editing` (``Handle.editing()``) is the way to edit: inside it the selected modules' managed tensors are
+  ordinary CPU tensors holding their true values (one host copy of them while it lasts), so any edit works as on
+  the module not offloaded (peft's ``fuse_lora`` / ``unfuse_lora`` / ``merge_and_unload``, in-place edits,
+  ``.data`` replacements); on leaving, every tensor whose signature changed is written through
+  (:mod:`._writes`), even when the block raised (a half-done edit is kept as the resident module would keep it),
+  and the tensors are bound to the device again. Tensors of those modules that weightferry does not manage and that
+  are not on the CPU (adapters added after ``enable``) are on the CPU inside the block too, and go back after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from . import _core
+from ._storages import tensors_over
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from ._storages import StorageMap, View
+    from ._writes import Writer
+
+__all__ = ["Signatures", "editing"]
+
+_FIX = "make weight edits inside `with handle.editing():` (or disable, edit, and enable again)"
+
+
+class Signatures:
+    """``(version counter, data pointer)`` of every managed tensor as weightferry last bound it."""
+
+    def __init__(self, storages: StorageMap) -> None:
+        self._storages = storages
+        self._sig: dict[int, tuple[int, int]] = {}
+        self.editing: set[int] | None = None  # the storages an editing block holds as CPU tensors now
+
+    def record(self, views: list[View]) -> None:
+        """Remembers the views' tensors as bound now."""
+        for v in views:
+            t = v.tensor
+            self._sig[id(t)] = (t._version, t.data_ptr())
+
+    def changed(self, sids: Iterator[int] | list[int] | set[int]) -> list[tuple[int, View]]:
+        """The views of ``sids`` whose tensor changed since it was recorded."""
+        out = []
+        for sid in sids:
+            for v in self._storages.views[sid]:
+                t = v.tensor
+                if self._sig.get(id(t)) != (t._version, t.data_ptr()):
+                    out.append((sid, v))
+        return out
+
+
+def check(sigs: Signatures, sids: Any, repair: Any, when: str) -> None:
+    """Raises :class:`weightferry.OffloadError` naming the first managed tensor of ``sids`` changed outside
+    weightferry (after ``repair`` put every changed one back); nothing when none changed or while editing."""
+    if sigs.editing is not None:
+        return
+    changed = sigs.changed(sids)
+    if not changed:
+        return
+    repair({sid for sid, _ in changed})
+    paths = sorted({v.path for _, v in changed})
+    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+    raise _core.OffloadError(
+        f"'{paths[0]}'{more} changed while offloaded, outside Handle.editing() (an in-place edit, or .data "
+        f"replaced): weightferry's copy of the weights does not have the change, {when}; {_FIX}"
+    )
+
+
+@contextmanager
+def editing(
+    sigs: Signatures,
+    storages: StorageMap,
+    session: _core.Session,
+    writer: Writer,
+    sids: set[int],
+    modules: list[nn.Module],
+    rebind: Any,
+) -> Iterator[None]:
+    """See the module doc; ``rebind(sids)`` binds the storages' tensors as they are between forwards again."""
+    import torch
+
+    if sigs.editing is not None:
+        raise _core.OffloadError("Handle.editing() is already open for this pipeline; edit inside that block")
+    moved = _to_cpu(storages, modules)
+    held: dict[int, bytearray] = {}  # storage -> the bytes its views hold inside the block
+    for sid in sids:
+        views = storages.views[sid]
+        held[sid] = session.read_storage(sid)
+        for view, t in zip(views, tensors_over(held[sid], views)):
+            view.tensor.data = t
+        sigs.record(views)
+    sigs.editing = sids
+    try:
+        yield
+    finally:
+        sigs.editing = None
+        # An edit through ``.data`` (``weight.data += delta``: peft's merge) bumps no version counter of the
+        # tensor, so the held bytes are compared too; a tensor given other data is caught by its signature.
+        changed = {(sid, storages.views[sid].index(v)): v.tensor for sid, v in sigs.changed(sids)}
+        for sid, data in held.items():
+            if data != session.read_storage(sid):
+                changed.update({(sid, i): v.tensor for i, v in enumerate(storages.views[sid])})
+        held.clear()
+        try:
+            writer.write_views(changed, "editing")
+        finally:
+            with torch.no_grad():
+                rebind(sids)
+                _back(moved)
+
+
+def _to_cpu(storages: StorageMap, modules: list[nn.Module]) -> list[tuple[torch.Tensor, torch.device]]:
+    """Moves the tensors of ``modules`` that weightferry does not manage and that are not on the CPU there."""
+    managed = {id(t) for t in storages.tensors()}
+    moved = []
+    seen: set[int] = set()
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) in managed or id(t) in seen or t.device.type == "cpu":
+                continue
+            seen.add(id(t))
+            moved.append((t, t.device))
+            t.data = t.data.to("cpu")
+    return moved
+
+
+def _back(moved: list[tuple[torch.Tensor, torch.device]]) -> None:
+    for t, device in moved:
+        if t.device.type == "cpu":
+            t.data = t.data.to(device)
