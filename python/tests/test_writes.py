@@ -279,3 +279,41 @@ def test_lora_added_after_enable_runs_and_fuses_inside_editing_as_on_the_twin():
             mod.unload_lora()
         assert torch.equal(forward(m, x), forward(twin, x))
     same_weights(m, twin)
+
+
+def vae():
+    import diffusers
+
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], latent_channels=4, norm_num_groups=4,
+        layers_per_block=1, sample_size=16,
+    ).eval()
+
+
+def test_module_mode_keeps_a_whole_component_resident_for_every_entry_point_not_only_forward():
+    from test_diffusers import t5
+
+    m, x = model()
+    pipe = {"transformer": m, "text_encoder": t5(), "vae": vae()}
+    twin = copy.deepcopy(pipe)
+    z, img = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 16, 16)
+    ids = torch.tensor([[1, 5, 9, 2]])
+
+    def run(p):
+        with torch.no_grad():
+            out = [p["vae"].decode(z).sample, p["vae"].encode(img).latent_dist.mean, forward(p["transformer"], x)]
+            out.append(p["text_encoder"](input_ids=ids).last_hidden_state)
+            p["vae"].enable_tiling()  # tiles of sample_size 16 px: latents of 4 px
+            out.append(p["vae"].decode(torch.randn(1, 4, 12, 12, generator=torch.Generator().manual_seed(1))).sample)
+            p["vae"].disable_tiling()
+            return out
+
+    config = {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder", "vae"]}}
+    with wf.enable(pipe, config) as h:
+        assert h._session.hooked_modules() == ["text_encoder", "transformer", "vae"]
+        for got, want in zip(run(pipe), run(twin)):
+            assert torch.equal(got, want)
+    for name in pipe:
+        same_weights(pipe[name], twin[name])

@@ -3,7 +3,8 @@
 
 On CUDA the hooks never wait on the host: Rust orders torch's current stream behind the copies and records the
 block's reads on it. A streamed block is rebound only when its slot changed since its last forward (a steady
-pipeline whose streamed blocks divide among the slots does no tensor surgery per step). Between its forwards a
+pipeline whose streamed blocks divide among the slots does no tensor surgery per step). A whole component offloaded
+as one unit (model-level) is hooked at every entry point (:func:`_entries`), so ``vae.decode`` finds it resident. Between its forwards a
 streamed tensor still views its last slot, whose bytes may already belong to another block: read weights through
 the handle, not the modules."""
 
@@ -43,6 +44,25 @@ def _compiler_disabled(fn: _F) -> _F:
     return disable(fn) if disable is not None else fn
 
 
+def _entries(component: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules through which a whole component offloaded as one unit can run: the component itself (its
+    ``forward``) and its submodules down to the first one that is not a container (``ModuleList`` / ``ModuleDict``,
+    which are never called themselves), since other entry points (a VAE's ``decode`` and ``encode``, their tiled and
+    sliced variants) call those and not the component's ``forward``. The unit is loaded at the first entry and
+    released when it closes."""
+    import torch.nn as nn
+
+    out = [component]
+    todo = list(component.children())
+    while todo:
+        child = todo.pop(0)
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            todo.extend(child.children())
+        else:
+            out.append(child)
+    return out
+
+
 class Hooks:
     """The hooks of one handle, and what they know of the slots the streamed blocks landed in."""
 
@@ -70,6 +90,7 @@ class Hooks:
         self._rebindings: dict[tuple[str, int, int], Rebinding] = {}
         self._torch_hooks: list[RemovableHandle] = []
         self._entered: set[str] = set()
+        self._depth: dict[str, int] = {}  # unit path -> its entry modules open now (nested calls of one unit)
         # One forward at a time: the thread whose hooked modules are open now, how many, and the first one's path.
         self._lock = threading.Lock()
         self._thread: int | None = None
@@ -118,6 +139,9 @@ class Hooks:
         clock = self.clock
 
         def hook(module: torch.nn.Module, args: Any) -> None:
+            if path in self._entered and self._thread == threading.get_ident():
+                self._depth[path] += 1  # a submodule entry of a unit already open (a whole component's child)
+                return
             start = time.perf_counter_ns()
             try:
                 if self.broken is not None:
@@ -137,6 +161,7 @@ class Hooks:
                     self._leave()
                     raise
                 self._entered.add(path)
+                self._depth[path] = 1
                 if residency is not None:
                     buffer, base, listed = residency
                     if offsets is None:
@@ -170,6 +195,9 @@ class Hooks:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if path not in self._entered or self._thread != threading.get_ident():
                 return  # its pre_forward failed, or refused this thread (another one is inside): nothing to release
+            if self._depth[path] > 1:
+                self._depth[path] -= 1
+                return
             start = time.perf_counter_ns()
             try:
                 self._entered.discard(path)
@@ -195,14 +223,16 @@ class Hooks:
             # torch.compile must not trace into the hooks (they call into Rust and rebind tensors): each hook is one
             # graph break, and the compiled regions between them stay valid across rebinding.
             pre, post = _compiler_disabled(self._pre(path)), _compiler_disabled(self._post(path))
-            self._torch_hooks.append(module.register_forward_pre_hook(pre))
-            self._torch_hooks.append(module.register_forward_hook(post, always_call=True))
+            for entry in _entries(module) if "." not in path else [module]:
+                self._torch_hooks.append(entry.register_forward_pre_hook(pre))
+                self._torch_hooks.append(entry.register_forward_hook(post, always_call=True))
 
     def remove(self) -> None:
         """Removes every torch hook and forgets the slots."""
         while self._torch_hooks:
             self._torch_hooks.pop().remove()
         self._entered.clear()
+        self._depth.clear()
         with self._lock:
             self._thread, self._open = None, 0
         self.forget_slots()
