@@ -4,9 +4,9 @@
 On CUDA the hooks never wait on the host: Rust orders torch's current stream behind the copies and records the
 block's reads on it. A streamed block is rebound only when its slot changed since its last forward (a steady
 pipeline whose streamed blocks divide among the slots does no tensor surgery per step). A whole component offloaded
-as one unit (model-level) is hooked at every entry point (:func:`_entries`), so ``vae.decode`` finds it resident. Between its forwards a
-streamed tensor still views its last slot, whose bytes may already belong to another block: read weights through
-the handle, not the modules."""
+as one unit (model-level) is hooked at every entry point (:func:`_entries`), so ``vae.decode`` finds it resident.
+Between its forwards a streamed tensor still views its last slot, whose bytes may already belong to another block:
+read weights through the handle, not the modules."""
 
 from __future__ import annotations
 
