@@ -1,9 +1,10 @@
 """``weightferry.enable`` on ``device="cuda"`` (skipped without a GPU; CI has none, the lent H200 runs them): the
 offloaded forwards equal the same pipeline resident on the GPU bit for bit (layerwise at depths 1-3, resident
 layers, a device budget, model-level), every tensor is bit-identical on the CPU after disable, weights are bound in
-place (a steady pipeline rebinds nothing), a forward on another stream is refused, the shared-context check, and a
-tiny diffusers Flux transformer through the fallback scan (its own state_dict the true weights while offloaded,
-converting it refused)."""
+place (views made once per block and slot; empty placeholders on the device between forwards), a forward on another
+stream is refused, the shared-context check, a tiny diffusers Flux transformer through the fallback scan (its own
+state_dict the true weights while offloaded, converting it refused), and writes into it (loads, edits, LoRA) and a
+VAE in module mode against a resident twin."""
 
 import pytest
 import torch
@@ -63,27 +64,29 @@ def test_cuda_offload_is_bit_identical_to_resident_and_disable_restores(config):
     assert all(t.device.type == "cpu" for t in p.transformer.parameters())
 
 
-def test_a_steady_pipeline_binds_each_block_once_and_tensors_view_the_slots():
+def test_views_are_made_once_per_block_and_slot_and_tensors_are_empty_between_forwards():
     p = pipe(6)
     with wf.enable(p, layer(2), device="cuda") as h:
-        binds = []
-        original = h._hooks._bind_from_device
+        made = []
+        original = h._binder.rebinding
 
-        def counting(sid, buffer, offset):
-            binds.append(sid)
-            original(sid, buffer, offset)
+        def counting(items):
+            made.append(len(items))
+            return original(items)
 
-        h._hooks._bind_from_device = counting
-        run_on(p, CUDA)
-        first = len(binds)
-        run_on(p, CUDA, steps=4)
-        # The slots a block lands in repeat from step to step, so nothing is rebound after the first pass over a
-        # ring of slots (blocks may still move on the second pass while the ring fills).
-        third = len(binds)
-        run_on(p, CUDA, steps=4)
-        assert len(binds) == third, (first, third, len(binds))
+        h._binder.rebinding = counting
+        seen = []
         w = p.transformer.blocks[0].fc.weight
-        assert w.device == CUDA and w.untyped_storage().nbytes() > w.numel() * w.element_size()
+        p.transformer.blocks[0].fc.register_forward_pre_hook(
+            lambda m, a: seen.append((w.device, w.untyped_storage().nbytes() > w.numel() * w.element_size()))
+        )
+        run_on(p, CUDA, steps=4)
+        third = len(made)
+        run_on(p, CUDA, steps=4)
+        # The slots a block lands in repeat, so no view is made again once each block met each of its slots.
+        assert len(made) == third, (third, len(made))
+        assert set(seen) == {(CUDA, True)}, "inside its forward the weight views a slot of a larger device buffer"
+        assert w.device == CUDA and w.numel() == 0, "between forwards: an empty placeholder on the device"
 
 
 def test_a_forward_on_another_stream_is_refused():
@@ -143,7 +146,7 @@ def test_a_tiny_diffusers_flux_transformer_is_bit_identical():
             with torch.no_grad():
                 got = model(**on_gpu, return_dict=False)[0].cpu()
             assert torch.equal(got, expected)
-        # The module's own state_dict is the true weights while offloaded (its tensors view device slots).
+        # The module's own state_dict is the true weights while offloaded (its tensors are empty placeholders).
         sd = model.state_dict()
         assert list(sd) == list(weights)
         assert all(sd[k].device.type == "cpu" and torch.equal(sd[k], v) for k, v in weights.items())
@@ -210,3 +213,91 @@ def test_inductor_compiles_the_offloaded_transformer_bit_exact_to_the_same_graph
             assert torch.equal(forward(compiled, x).cpu(), expected)
         assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     dynamo.reset()
+
+
+def _flux_on_gpu():
+    from test_writes import model
+
+    m, x = model()
+    return m, {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in x.items()}
+
+
+def _out(m, x):
+    with torch.no_grad():
+        return m(**x, return_dict=False)[0].cpu()
+
+
+def _fuse_on_cpu(twin, **kw):
+    """The twin fuses on the CPU (as editing() does) and goes back to the GPU."""
+    twin.to("cpu")
+    twin.fuse_lora(**kw)
+    twin.to(CUDA)
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+@pytest.mark.parametrize("cfg", ["depth2", "resident1"])
+def test_loads_edits_and_lora_on_cuda_equal_a_resident_twin(cfg):
+    pytest.importorskip("peft")
+    import copy
+
+    from test_writes import CONFIGS, FIXED, STREAMED, lora, shifted, with_adapters
+
+    m, x = _flux_on_gpu()
+    with_adapters(m)
+    twin = copy.deepcopy(m).to(CUDA)
+    with wf.enable({"transformer": m}, CONFIGS[cfg], device="cuda") as h:
+        assert torch.equal(_out(m, x), _out(twin, x))
+        new = shifted(twin)
+        m.load_state_dict(new)
+        twin.load_state_dict(new)
+        assert torch.equal(_out(m, x), _out(twin, x))
+        for key in (STREAMED, FIXED):  # an edit outside editing() is put back and refused
+            with torch.no_grad():
+                m.get_parameter(key).mul_(2)
+            with pytest.raises(wf.OffloadError):
+                _out(m, x)
+            assert torch.equal(_out(m, x), _out(twin, x))
+        with h.editing():
+            m.fuse_lora(adapter_names=["a", "b"])
+        _fuse_on_cpu(twin, adapter_names=["a", "b"])
+        assert torch.equal(_out(m, x), _out(twin, x))
+        with h.editing():
+            m.unfuse_lora()
+        twin.to("cpu")
+        twin.unfuse_lora()
+        twin.to(CUDA)
+        assert torch.equal(_out(m, x), _out(twin, x))
+        for mod in (m, twin):
+            mod.add_adapter(lora(seed=3), "late")
+        assert m.transformer_blocks[1].attn.to_q.lora_A["late"].weight.device == CUDA, "a new adapter is on the GPU"
+        assert torch.equal(_out(m, x), _out(twin, x))
+        with h.editing():
+            m.fuse_lora(adapter_names=["late"])
+        assert m.transformer_blocks[1].attn.to_q.lora_A["late"].weight.device == CUDA, "back on the GPU"
+        _fuse_on_cpu(twin, adapter_names=["late"])
+        assert torch.equal(_out(m, x), _out(twin, x))
+    want = {k: v.cpu() for k, v in twin.state_dict().items()}
+    assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+def test_module_mode_runs_vae_decode_and_encode_on_cuda():
+    import copy
+
+    from test_diffusers import t5
+    from test_writes import vae
+
+    m, x = _flux_on_gpu()
+    pipe = {"transformer": m, "text_encoder": t5(), "vae": vae()}
+    twin = {k: copy.deepcopy(v).to(CUDA) for k, v in pipe.items()}
+    z, img = torch.randn(1, 4, 8, 8).to(CUDA), torch.randn(1, 3, 16, 16).to(CUDA)
+
+    def run(p):
+        with torch.no_grad():
+            vae = p["vae"]
+            return [vae.decode(z).sample.cpu(), vae.encode(img).latent_dist.mean.cpu(), _out(p["transformer"], x)]
+
+    config = {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder", "vae"]}}
+    with wf.enable(pipe, config, device="cuda"):
+        for got, want in zip(run(pipe), run(twin)):
+            assert torch.equal(got, want)

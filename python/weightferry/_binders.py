@@ -1,9 +1,10 @@
 """Binders: how a device's bytes become what a torch tensor holds, one per device.
 
 - ``"cuda"`` / ``"cuda:N"`` (:class:`CudaBinder`): torch views weightferry's device buffers in place
-  (``__cuda_array_interface__``, one torch storage per buffer, made once). A tensor is bound with ``set_`` to its
-  bytes in a buffer; a streamed block is rebound only when its slot changed since its last forward, and then with one
-  ``set_`` per tensor from views made the first time the block landed in that slot (:meth:`CudaBinder.rebinding`).
+  (``__cuda_array_interface__``, one torch storage per buffer, made once). A streamed block's tensors are bound at
+  each of its forwards, one ``.data`` assignment per tensor from views made the first time the block landed in that
+  slot (:meth:`CudaBinder.rebinding`), and given an empty placeholder on the device after it: between its forwards a
+  streamed tensor never shows a slot that may hold another block's bytes, and an edit of it cannot reach a slot.
 - ``"sim"`` (:class:`SimBinder`, the simulated device: device buffers in host memory, compute on the CPU): a tensor
   "on the device" is a CPU tensor holding a copy of the simulated device memory, rebuilt at each streamed block's
   ``pre_forward`` and emptied after it: the sim is the test device, so the copy is acceptable there.
@@ -82,13 +83,14 @@ class _CudaArray:
 class CudaBinder:
     """Binds tensors in place to weightferry's CUDA buffers (see the module doc)."""
 
-    unbinds_after_forward = False
+    unbinds_after_forward = True
 
     def __init__(self, session: _core.Session, device: torch.device, bind: SetData = set_data) -> None:
         self._session = session
         self.device = self._device = device
         self.set_data = bind
         self._storages: dict[int, torch.UntypedStorage] = {}  # buffer id -> torch UntypedStorage viewing it
+        self._empty: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the placeholder streamed tensors share
         import torch
 
         self._no_grad = torch.no_grad
@@ -133,16 +135,21 @@ class CudaBinder:
 
     def apply(self, pairs: Rebinding) -> None:
         """Binds each tensor of a :meth:`rebinding` to its bytes."""
-        with self._no_grad():
-            for t, src in pairs:
-                t.set_(src)  # type: ignore[call-overload]  # torch's stubs omit set_(tensor)
+        for t, src in pairs:
+            t.data = src
 
     def bind(self, views: list[View], nbytes: int, buffer: int, offset: int) -> None:
         """Binds the views of one storage to its bytes at ``offset`` of device buffer ``buffer``."""
         self.apply(self.rebinding([(views, buffer, offset)]))
 
     def unbind(self, views: list[View]) -> None:
-        """Nothing: a streamed tensor keeps viewing its last slot between forwards."""
+        """Empties the views of a streamed storage after its block's forward (a placeholder on the device, so the
+        module still reports the device)."""
+        for view in views:
+            empty = self._empty.get(view.dtype)
+            if empty is None:
+                empty = self._empty[view.dtype] = placeholder(view, self._device)
+            self.set_data(view, empty)
 
     def clear(self) -> None:
         """Forgets the torch storages over the device buffers (new buffers after a retune, none after disable)."""

@@ -2,11 +2,11 @@
 ``pre_forward`` / ``post_forward`` and binds the module's streamed block to its device bytes for its forward.
 
 On CUDA the hooks never wait on the host: Rust orders torch's current stream behind the copies and records the
-block's reads on it. A streamed block is rebound only when its slot changed since its last forward (a steady
-pipeline whose streamed blocks divide among the slots does no tensor surgery per step). A whole component offloaded
-as one unit (model-level) is hooked at every entry point (:func:`_entries`), so ``vae.decode`` finds it resident.
-Between its forwards a streamed tensor still views its last slot, whose bytes may already belong to another block:
-read weights through the handle, not the modules."""
+block's reads on it. A streamed block's tensors are bound for each of its forwards (one ``.data`` assignment per
+tensor, from views made once per block and slot) and emptied after it, on every device: between forwards a streamed
+tensor is an empty placeholder (on the device), never a slot that may hold another block's bytes; the true weights
+are read through ``state_dict()``. A whole component offloaded as one unit (model-level) is hooked at every entry
+point (:func:`_entries`), so ``vae.decode`` finds it resident."""
 
 from __future__ import annotations
 
@@ -83,7 +83,6 @@ class Hooks:
         self._stream = stream
         self.clock = HookClock()
         self.broken: str | None = None  # why the hooks refuse to run (a retune that failed half-way), else None
-        self._slot_of: dict[str, tuple[int, int]] = {}  # unit module path -> (buffer, base) its tensors view now
         # unit module path -> [(storage id, offset in its block)], asked once per enable/retune
         self._offsets: dict[str, list[tuple[int, int]]] = {}
         # (unit module path, buffer, base) -> the binder's rebinding of its tensors there
@@ -166,28 +165,25 @@ class Hooks:
                     buffer, base, listed = residency
                     if offsets is None:
                         offsets = self._offsets[path] = listed
-                    if self._binder.unbinds_after_forward:
+                    if isinstance(self._binder, CudaBinder):
+                        self._move(path, offsets, buffer, base)
+                    else:
                         for sid, off in offsets:
                             self._bind_from_device(sid, buffer, base + off)
-                    elif self._slot_of.get(path) != (buffer, base):
-                        self._move(path, offsets, buffer, base)
             finally:
                 clock.record(time.perf_counter_ns() - start)
 
         return hook
 
     def _move(self, path: str, offsets: list[tuple[int, int]], buffer: int, base: int) -> None:
-        """The block landed in another slot than at its last forward: its tensors move there (CUDA)."""
-        binder = cast(CudaBinder, self._binder)  # the binder that keeps tensors bound between forwards
+        """Binds the block's tensors to its slot (CUDA), from views made once per slot."""
+        binder = cast(CudaBinder, self._binder)
         key = (path, buffer, base)
         pairs = self._rebindings.get(key)
         if pairs is None:
             views = self._storages.views
             pairs = self._rebindings[key] = binder.rebinding([(views[sid], buffer, base + off) for sid, off in offsets])
         binder.apply(pairs)
-        self._slot_of[path] = (buffer, base)
-        for sid, _ in offsets:
-            self._sigs.record(self._storages.views[sid])
 
     def _post(self, path: str) -> Callable[[torch.nn.Module, Any, Any], None]:
         clock = self.clock
@@ -265,6 +261,5 @@ class Hooks:
 
     def forget_slots(self) -> None:
         """Drops what the hooks know of the slots (new slots after a retune, none after disable)."""
-        self._slot_of.clear()
         self._offsets.clear()
         self._rebindings.clear()
