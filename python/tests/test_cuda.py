@@ -277,7 +277,7 @@ def test_loads_edits_and_lora_on_cuda_equal_a_resident_twin(cfg):
         _fuse_on_cpu(twin, adapter_names=["late"])
         assert torch.equal(_out(m, x), _out(twin, x))
     want = {k: v.cpu() for k, v in twin.state_dict().items()}
-    assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
+    assert all(torch.equal(v.cpu(), want[k]) for k, v in m.state_dict().items())  # the late adapter stays on the GPU
 
 
 @pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")

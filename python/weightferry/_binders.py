@@ -44,7 +44,6 @@ def placeholder(view: View, device: str | torch.device = "cpu") -> torch.Tensor:
 class SimBinder:
     """Binds tensors to copies of simulated device memory (see the module doc)."""
 
-    unbinds_after_forward = True
     device = "cpu"
 
     def __init__(self, session: _core.Session, bind: SetData = set_data) -> None:
@@ -82,8 +81,6 @@ class _CudaArray:
 
 class CudaBinder:
     """Binds tensors in place to weightferry's CUDA buffers (see the module doc)."""
-
-    unbinds_after_forward = True
 
     def __init__(self, session: _core.Session, device: torch.device, bind: SetData = set_data) -> None:
         self._session = session

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import _core
-from ._binders import Binder, CudaBinder, Rebinding, placeholder
+from ._binders import Binder, CudaBinder, Rebinding
 from ._clock import HookClock
 
 if TYPE_CHECKING:
@@ -198,11 +198,10 @@ class Hooks:
             try:
                 self._entered.discard(path)
                 self._leave()
-                if self._binder.unbinds_after_forward:
-                    for sid in self._storages.streamed_by.get(path, ()):
-                        views = self._storages.views[sid]
-                        self._binder.unbind(views)
-                        self._sigs.record(views)
+                # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's
+                # data pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
+                for sid in self._storages.streamed_by.get(path, ()):
+                    self._binder.unbind(self._storages.views[sid])
                 self._session.post_forward(path)
             finally:
                 clock.record(time.perf_counter_ns() - start)
@@ -253,8 +252,7 @@ class Hooks:
         for sid in sorted(sids):
             views = self._storages.views[sid]
             if sid in streamed:
-                for view in views:
-                    self._binder.set_data(view, placeholder(view, self._binder.device))
+                self._binder.unbind(views)
             else:
                 self._bind_from_device(sid, *self._session.locate(sid))
             self._sigs.record(views)
