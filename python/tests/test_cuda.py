@@ -215,6 +215,36 @@ def test_inductor_compiles_the_offloaded_transformer_bit_exact_to_the_same_graph
     dynamo.reset()
 
 
+def test_a_model_compiled_with_inductor_and_run_before_enable_is_traced_again_with_the_hooks():
+    # Compiled and run on the GPU before enable (its graphs have no hooks), moved back to the CPU and offloaded: the
+    # compiled wrapper must give the hook-broken graphs' result, and the plain compiled result after disable.
+    pytest.importorskip("diffusers")
+    import copy
+
+    import torch._dynamo as dynamo
+    from test_checkpoint import LAYER, forward, inputs, reference
+
+    model = reference()
+    x = {k: v.to(CUDA) for k, v in inputs().items()}
+    ref = copy.deepcopy(model).to(CUDA)
+    noop = torch.compiler.disable(lambda *a: None)
+    for block in [*ref.transformer_blocks, *ref.single_transformer_blocks]:
+        block.register_forward_pre_hook(noop)
+        block.register_forward_hook(noop)
+    dynamo.reset()
+    expected = forward(torch.compile(ref), x).cpu()
+    del ref
+    dynamo.reset()
+    compiled = torch.compile(model.to(CUDA))
+    plain = forward(compiled, x).cpu()
+    model.to("cpu")
+    with wf.enable({"transformer": compiled}, LAYER, device="cuda"):
+        assert torch.equal(forward(compiled, x).cpu(), expected)
+    model.to(CUDA)
+    assert torch.equal(forward(compiled, x).cpu(), plain)
+    dynamo.reset()
+
+
 def _flux_on_gpu():
     from test_writes import model
 

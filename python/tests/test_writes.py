@@ -317,3 +317,49 @@ def test_module_mode_keeps_a_whole_component_resident_for_every_entry_point_not_
             assert torch.equal(got, want)
     for name in pipe:
         same_weights(pipe[name], twin[name])
+
+
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile wrapper as the component"])
+def test_a_model_compiled_and_run_before_enable_gives_the_resident_result_while_offloaded_and_after(how):
+    m, x = model()
+    want = forward(copy.deepcopy(m), x)
+    if how == "module.compile":
+        m.compile(backend="aot_eager")
+        component = run = m
+    else:
+        component = run = torch.compile(m, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(run(**x, return_dict=False)[0], want)
+        with wf.enable({"transformer": component}, layer(2)) as h:
+            assert h._session.hooked_modules()[0] == "transformer.single_transformer_blocks.0"
+            assert torch.equal(run(**x, return_dict=False)[0], want)  # traced again, with the hooks
+        assert torch.equal(run(**x, return_dict=False)[0], want)  # traced again, without them
+    torch.compiler.reset()
+
+
+def test_a_backward_through_offloaded_blocks_is_refused_naming_the_fix():
+    m, x = model()
+    twin = copy.deepcopy(m)
+    with wf.enable({"transformer": m}, layer(2)):
+        out = m(**x, return_dict=False)[0]  # grad enabled: the parameters require grad
+        assert torch.equal(out.detach(), forward(twin, x))
+        with pytest.raises(wf.OffloadError) as e:
+            out.float().sum().backward()
+        assert str(e.value).startswith("backward through 'transformer', whose weights weightferry offloads")
+        assert "run the pipeline under torch.no_grad() or torch.inference_mode()" in str(e.value)
+        assert all(p.grad is None for p in m.parameters())
+        # Gradients of the input need the weights too.
+        xs = dict(x, hidden_states=x["hidden_states"].clone().requires_grad_())
+        m.requires_grad_(False)
+        with pytest.raises(wf.OffloadError):
+            m(**xs, return_dict=False)[0].float().sum().backward()
+        # A block called on its own refuses at its own output.
+        block = m.single_transformer_blocks[0]
+        h = torch.randn(1, 16, 32, dtype=BF16, requires_grad=True)
+        enc, temb = torch.randn(1, 7, 32, dtype=BF16), torch.randn(1, 32, dtype=BF16)
+        with pytest.raises(wf.OffloadError) as e:
+            block(h, enc, temb)[1].float().sum().backward()
+        assert str(e.value).startswith("backward through 'transformer.single_transformer_blocks.0'")
+        with torch.inference_mode():
+            assert torch.equal(m(**x, return_dict=False)[0], forward(twin, x))
+    same_weights(m, twin)

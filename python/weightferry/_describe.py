@@ -123,6 +123,20 @@ def _offload_plan(decl: object, where: str) -> dict[str, Any]:
     return {k: _plain(v, f"{where}.{k}") for k, v in fields.items() if v not in (None, (), [], {})}
 
 
+def _compiled_original(m: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, found through its ``_orig_mod`` (nested
+    wrappers too); any other module as it is. The component is described, hooked and bound as the original module;
+    calls through the wrapper run its compiled code over it."""
+    import torch.nn as nn
+
+    while type(m).__name__ == "OptimizedModule":
+        inner = getattr(m, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+        m = inner
+    return m
+
+
 def _root_modules(pipeline: PipelineLike) -> tuple[str, nn.Module | None, list[tuple[str, nn.Module]]]:
     """``(class name, root nn.Module or None, [(name, nn.Module)])``: the components of ``pipeline``, in order."""
     import torch.nn as nn
@@ -363,6 +377,7 @@ def _describe(pipeline: PipelineLike) -> tuple[Description, Bound, Modules]:
     """``(description, {tensor path: (module, attribute)}, {module path: module})``: :func:`describe` with the
     objects its paths name (the root module, if any, at path ``""``)."""
     cls, root, items = _root_modules(pipeline)
+    items = [(name, _compiled_original(m)) for name, m in items]
     d = _Describer()
     desc: Description = {"format": FORMAT, "class": cls}
     if root is not None:

@@ -77,7 +77,11 @@ class Handle:
 
     def _install_watch(self) -> None:
         """A forward pre-hook on every component (a top-level module with managed weights), first of its hooks:
-        tensors of the component changed outside weightferry are refused before its forward binds anything."""
+        tensors of the component changed outside weightferry are refused before its forward binds anything; and a
+        forward hook that makes a backward from its output raise (``_grad``)."""
+        import torch
+
+        from ._grad import inference_only
         from ._hooks import _compiler_disabled
 
         for comp, module in self._modules.items():
@@ -90,8 +94,13 @@ class Handle:
             def pre(module: Any, args: Any, sids: set[int] = sids) -> None:
                 self._check(sids)
 
+            def post(module: Any, args: Any, output: Any, comp: str = comp) -> Any:
+                return inference_only(output, comp) if torch.is_grad_enabled() else None
+
             hook = _compiler_disabled(pre)
             self._watch.append(module.register_forward_pre_hook(hook, prepend=True))
+            # A backward is refused at the component's output, before any of its parameters gets a gradient.
+            self._watch.append(module.register_forward_hook(_compiler_disabled(post)))
 
     def _remove_watch(self) -> None:
         while self._watch:

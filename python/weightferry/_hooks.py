@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from . import _core
 from ._binders import Binder, CudaBinder, Rebinding
 from ._clock import HookClock
+from ._grad import inference_only
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +43,18 @@ def _compiler_disabled(fn: _F) -> _F:
 
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(fn) if disable is not None else fn
+
+
+def _reset_compiled() -> None:
+    """Drops every compiled graph of torch.compile (``torch.compiler.reset()``): code compiled before the hooks were
+    installed ran the modules without them, and keeps running without them (reading the placeholders) unless it is
+    traced again; so does code compiled with them after they are removed. Every compiled model recompiles at its next
+    call."""
+    import torch
+
+    reset = getattr(getattr(torch, "compiler", None), "reset", None)
+    if reset is not None:
+        reset()
 
 
 def _entries(component: torch.nn.Module) -> list[torch.nn.Module]:
@@ -185,15 +198,18 @@ class Hooks:
             pairs = self._rebindings[key] = binder.rebinding([(views[sid], buffer, base + off) for sid, off in offsets])
         binder.apply(pairs)
 
-    def _post(self, path: str) -> Callable[[torch.nn.Module, Any, Any], None]:
-        clock = self.clock
+    def _post(self, path: str) -> Callable[[torch.nn.Module, Any, Any], Any]:
+        import torch
 
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        clock = self.clock
+        grad_enabled = torch.is_grad_enabled
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if path not in self._entered or self._thread != threading.get_ident():
-                return  # its pre_forward failed, or refused this thread (another one is inside): nothing to release
+                return None  # its pre_forward failed, or refused this thread (another one is inside): nothing to do
             if self._depth[path] > 1:
                 self._depth[path] -= 1
-                return
+                return None
             start = time.perf_counter_ns()
             try:
                 self._entered.discard(path)
@@ -205,6 +221,7 @@ class Hooks:
                 self._session.post_forward(path)
             finally:
                 clock.record(time.perf_counter_ns() - start)
+            return inference_only(output, path) if grad_enabled() else None
 
         return hook
 
@@ -221,9 +238,12 @@ class Hooks:
             for entry in _entries(module) if "." not in path else [module]:
                 self._torch_hooks.append(entry.register_forward_pre_hook(pre))
                 self._torch_hooks.append(entry.register_forward_hook(post, always_call=True))
+        _reset_compiled()
 
     def remove(self) -> None:
         """Removes every torch hook and forgets the slots."""
+        if self._torch_hooks:
+            _reset_compiled()
         while self._torch_hooks:
             self._torch_hooks.pop().remove()
         self._entered.clear()
