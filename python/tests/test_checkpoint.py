@@ -154,6 +154,21 @@ def test_blocks_are_served_from_the_checkpoint_file_itself(tmp_path, host_master
         assert s["host_bytes"] == served[0]
         for _ in range(2):
             assert torch.equal(forward(m, x), expected)
+        # Weights served from the file are read-only; pinned masters take a write.
+        key = "transformer_blocks.1.attn.to_q.weight"
+        new = {key: state[key] + 1}
+        h.retune(prefetch_depth=1)  # the stacks of a checkpoint's blocks (in file order) are rebuilt alike
+        assert torch.equal(forward(m, x), expected)
+        if host_masters == "pinned":
+            m.load_state_dict(new, strict=False)
+            assert torch.equal(m.state_dict()[key], new[key])
+            m.load_state_dict({key: state[key]}, strict=False)
+        else:
+            with pytest.raises(wf.OffloadError) as e:
+                m.load_state_dict(new, strict=False)
+            assert str(e.value).startswith(f"'transformer.{key}' is served read-only from its checkpoint file")
+            assert 'enable with host_masters = "pinned" to write weights while enabled' in str(e.value)
+        assert torch.equal(forward(m, x), expected)
     for k, v in state.items():
         assert torch.equal(m.state_dict()[k], v), k
 

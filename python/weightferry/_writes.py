@@ -84,5 +84,16 @@ class Writer:
                 flat = current[0].untyped_storage()
                 keep.extend(current)
                 items.append((sid, flat.data_ptr(), flat.nbytes()))
-            self._session._write_weights_at(items)
+            try:
+                self._session._write_weights_at(items)
+            except _core.OffloadError as e:
+                raise _core.OffloadError(self._named(str(e))) from None
         self._refreshed(set(by_storage))
+
+    def _named(self, message: str) -> str:
+        """The session's message with its leading ``storage N`` named by the storage's tensor path."""
+        head, _, rest = message.partition(" ")
+        sid, _, tail = rest.partition(" ")
+        if head != "storage" or not sid.isdigit() or int(sid) not in self._storages.views:
+            return message
+        return f"'{self._storages.views[int(sid)][0].path}' {tail}"

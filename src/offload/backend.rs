@@ -567,7 +567,11 @@ impl StreamingBackend {
         let Some(st) = self.state.as_mut() else {
             return Err(OffloadError::Unsupported("retune needs an enabled backend; call enable first".into()));
         };
-        let units = build_unit_plan(model.desc(), &config, &plan);
+        let mut units = build_unit_plan(model.desc(), &config, &plan);
+        // Ordered as enable ordered them (blocks read from a checkpoint in file order), or they never compare equal.
+        for sp in units.stacks.iter_mut().filter(|sp| !sp.allgather) {
+            order_by_files(model.desc(), model, &mut sp.units);
+        }
         let same = st.units.as_ref().is_some_and(|old| {
             old.hook_name == units.hook_name
                 && old.fixed == units.fixed
