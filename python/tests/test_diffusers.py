@@ -360,3 +360,70 @@ def test_the_handle_s_state_dict_is_the_true_weights_while_offloaded():
         assert str(e.value) == "the pipeline has no component 'vae' with weights"
     after = h.state_dict("transformer")
     assert all(torch.equal(after[k], v) for k, v in expected.items())
+
+
+def tokenizer(max_len):
+    """A word-level tokenizer built here (no download): the words of the tests' prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["a", "photo", "of", "cat", "dog", "on", "the", "moon"]
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>", model_max_length=max_len
+    )
+
+
+def flux_pipeline():
+    """A tiny FluxPipeline: diffusers' own test shapes, two text encoders, a one-level VAE, local tokenizers."""
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    )
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+        num_hidden_layers=2, pad_token_id=0, vocab_size=16, projection_dim=32,
+    ))
+    t5 = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=16, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    ))
+    vae = diffusers.AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1, latent_channels=1,
+        norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+    )
+    pipe = diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip, tokenizer=tokenizer(77),
+        text_encoder_2=t5, tokenizer_2=tokenizer(16), transformer=transformer,
+    )
+    for m in (transformer, clip, t5, vae):
+        m.to(torch.bfloat16).eval()
+    return pipe
+
+
+def run_pipeline(p):
+    return p(prompt="a photo of a cat", num_inference_steps=2, height=32, width=32, max_sequence_length=16,
+             output_type="pt", generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+@pytest.mark.parametrize("components", [["dit", "text_encoder", "vae"], ["dit", "text_encoder"]],
+                         ids=["module-dit-encoders-vae", "layer-dit-encoders"])
+def test_a_whole_tiny_flux_pipeline_runs_offloaded_bit_identical_to_its_twin(components):
+    pipe = flux_pipeline()
+    twin = copy.deepcopy(pipe)
+    want = run_pipeline(twin)
+    mode = "module" if "vae" in components else "layer"
+    config = {"diffusion_offload_config": {"mode": mode, "components": components}}
+    with wf.enable(pipe, config) as h:
+        hooked = h._session.hooked_modules()
+        if mode == "module":
+            assert hooked == ["text_encoder", "text_encoder_2", "transformer", "vae"]
+        else:
+            assert "transformer.single_transformer_blocks.1" in hooked and "text_encoder_2.encoder.block.1" in hooked
+        assert torch.equal(run_pipeline(pipe), want)
+    for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        a, b = getattr(pipe, name).state_dict(), getattr(twin, name).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in b), name
