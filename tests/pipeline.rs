@@ -556,7 +556,7 @@ fn json_errors_name_the_json_path() {
         (
             r#"{"class": "P", "modul": {}}"#,
             "modul: unknown key; expected one of: format, class, modules, tensors, root_class, root_has_lifecycle, \
-             root_is_loaded, storages, components, offload_plan, class_block_attrs, class_block_attr",
+             root_is_loaded, storages, components, offload_plan, class_block_attrs, class_block_attr, pinned",
         ),
         (
             r#"{"class": "P", "modules": {"t": {"class": "T", "tensors": {"w": {"dtype": "f32", "shape": [1], "tied_to": "t.blocks.0.w"}}}}}"#,

@@ -363,3 +363,28 @@ def test_a_backward_through_offloaded_blocks_is_refused_naming_the_fix():
         with torch.inference_mode():
             assert torch.equal(m(**x, return_dict=False)[0], forward(twin, x))
     same_weights(m, twin)
+
+
+def test_adapters_loaded_before_enable_stay_on_the_device_instead_of_streaming():
+    m, x = model()
+    plain = wf.plan({"transformer": m}, layer(2))
+    with_adapters(m)
+    desc = wf.describe({"transformer": m})
+    assert "transformer.transformer_blocks.0.attn.to_q.lora_A" in desc["pinned"]
+    assert "transformer.single_transformer_blocks.2.proj_mlp.lora_B" in desc["pinned"]
+    adapters = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if ".lora_" in n)
+    plan = wf.plan({"transformer": m}, layer(2))
+    resident = plan["budget"]["always_resident_bytes"] - plain["budget"]["always_resident_bytes"]
+    assert adapters <= resident <= adapters + 256 * len(desc["pinned"]) * 2, (adapters, resident)
+    assert [s["bytes"] for c in plan["components"] for s in c["stacks"]] == [
+        s["bytes"] for c in plain["components"] for s in c["stacks"]
+    ], "the blocks stream what they streamed without adapters"
+    twin = copy.deepcopy(m)
+    with wf.enable({"transformer": m}, layer(2)) as h:
+        assert h.stats()["fixed_device_bytes"] == plan["budget"]["always_resident_bytes"]
+        assert torch.equal(forward(m, x), forward(twin, x))
+        with h.editing():
+            m.fuse_lora()
+        twin.fuse_lora()
+        assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)

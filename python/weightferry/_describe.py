@@ -123,6 +123,16 @@ def _offload_plan(decl: object, where: str) -> dict[str, Any]:
     return {k: _plain(v, f"{where}.{k}") for k, v in fields.items() if v not in (None, (), [], {})}
 
 
+def _adapter_layers(m: nn.Module, path: str) -> list[str]:
+    """The paths of ``m``'s adapter layers, when its class names them in ``adapter_layer_names`` (peft's tuner layer
+    protocol: ``lora_A``, ``lora_B``, ``lora_embedding_A``, …): small weights added and removed apart from the
+    block's own, so they stay on the device instead of streaming with the block."""
+    names = getattr(type(m), "adapter_layer_names", None)
+    if not isinstance(names, (tuple, list)):
+        return []
+    return [f"{path}.{n}" for n in names if isinstance(n, str) and m._modules.get(n) is not None]
+
+
 def _compiled_original(m: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, found through its ``_orig_mod`` (nested
     wrappers too); any other module as it is. The component is described, hooked and bound as the original module;
@@ -182,6 +192,7 @@ class _Describer:
         # tensor path -> (module, attribute name); module path -> module (for enable's binding and hooks)
         self.bound: Bound = {}
         self.modules: Modules = {}
+        self.pinned: list[str] = []  # module paths whose tensors stay on the device (adapter layers)
 
     def tensor(self, t: torch.Tensor, path: str, kind: str) -> dict[str, Any]:
         import torch
@@ -223,6 +234,7 @@ class _Describer:
         active.add(id(m))
         self.modules[path] = m
         self._class_decls(m, path)
+        self.pinned.extend(_adapter_layers(m, path))
         node: dict[str, Any] = {"class": type(m).__name__}
         if callable(getattr(m, "load_to_device", None)) and callable(getattr(m, "offload_to_cpu", None)):
             node["has_lifecycle"] = True
@@ -407,6 +419,8 @@ def _describe(pipeline: PipelineLike) -> tuple[Description, Bound, Modules]:
         desc["class_block_attrs"] = d.class_attrs
     if d.class_attr:
         desc["class_block_attr"] = d.class_attr
+    if d.pinned:
+        desc["pinned"] = d.pinned
     if "components" not in desc and "offload_plan" not in desc:
         _fallback_scan(cls, items, desc)
     return desc, d.bound, d.modules

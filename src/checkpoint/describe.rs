@@ -176,6 +176,7 @@ pub fn derive_pipeline(ckpt: &Checkpoint, opts: &DeriveOptions) -> Result<Derive
         }),
         class_block_attrs: BTreeMap::new(),
         class_block_attr_singular: BTreeMap::new(),
+        pinned: Vec::new(),
     };
     desc.validate().map_err(|source| CheckpointError::Description { file: file(), source })?;
     Ok(Derived { desc, component, block_lists })

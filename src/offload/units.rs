@@ -174,7 +174,8 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
         }
     }
 
-    // A storage claimed by two units is pinned to the fixed placement.
+    // A storage claimed by two units is pinned to the fixed placement, as are those of the pipeline's `pinned`
+    // modules.
     let mut count: BTreeMap<StorageId, usize> = BTreeMap::new();
     for raw in &stacks {
         for (_, st) in &raw.units {
@@ -183,7 +184,8 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
             }
         }
     }
-    let shared: BTreeSet<StorageId> = count.iter().filter(|(_, &n)| n > 1).map(|(s, _)| *s).collect();
+    let mut shared: BTreeSet<StorageId> = count.iter().filter(|(_, &n)| n > 1).map(|(s, _)| *s).collect();
+    shared.extend(p.pinned_storages());
     let streamed: BTreeSet<StorageId> = count.keys().copied().filter(|s| !shared.contains(s)).collect();
     let fixed: Vec<StorageId> = p.storages.keys().copied().filter(|s| !streamed.contains(s)).collect();
     let stacks = stacks

@@ -577,6 +577,7 @@ impl PipelineBuilder {
             offload_plan,
             class_block_attrs,
             class_block_attr_singular,
+            pinned: Vec::new(),
         };
         desc.validate()?;
         Ok(desc)

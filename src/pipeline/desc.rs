@@ -304,6 +304,10 @@ pub struct PipelineDesc {
     /// Deprecated singular per-class declaration (`_layerwise_offload_blocks_attr`); warns when used.
     #[serde(default)]
     pub class_block_attr_singular: BTreeMap<String, String>,
+    /// Modules whose tensors stay on the device for the whole run, whatever unit contains them (an adapter's
+    /// weights inside a streamed block: small, and added or deleted independently of the block's weights).
+    #[serde(default)]
+    pub pinned: Vec<String>,
 }
 
 impl PipelineDesc {
@@ -328,6 +332,12 @@ impl PipelineDesc {
         let Some(m) = self.module(path) else { return Vec::new() };
         let mut seen = std::collections::BTreeSet::new();
         m.tensors_recursive().into_iter().filter(|(_, t)| seen.insert(t.storage)).map(|(_, t)| t.storage).collect()
+    }
+
+    /// The storages under the [`pinned`](Self::pinned) modules: the fixed placement keeps them whatever unit holds
+    /// them.
+    pub fn pinned_storages(&self) -> std::collections::BTreeSet<StorageId> {
+        self.pinned.iter().flat_map(|path| self.subtree_storages(path)).collect()
     }
 
     /// The tensor at a dotted path from the root (`transformer.blocks.0.attn.qkv.weight`).

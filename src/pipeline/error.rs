@@ -155,6 +155,14 @@ pub enum PipelineError {
         /// The missing target, as an absolute dotted path.
         target: String,
     },
+    /// A declared module path that names no module of the pipeline.
+    #[error("{at}: module `{path}` does not exist in this pipeline; name a module of its tree by its dotted path")]
+    UnknownModule {
+        /// Where the path was declared.
+        at: String,
+        /// The missing module.
+        path: String,
+    },
     /// Ties that lead back to where they started.
     #[error("{at}: ties form a cycle through `{target}`; one tensor of the chain must own its storage")]
     TieCycle {

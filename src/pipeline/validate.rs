@@ -187,6 +187,10 @@ impl PipelineDesc {
         if let Some(id) = self.storages.keys().find(|id| !used.contains(*id)) {
             return Err(PipelineError::UnusedStorage { at: format!("storage {}", id.0) });
         }
+        check_path_list("pinned", &self.pinned)?;
+        if let Some((i, p)) = self.pinned.iter().enumerate().find(|(_, p)| self.module(p).is_none()) {
+            return Err(PipelineError::UnknownModule { at: format!("pinned[{i}]"), path: p.clone() });
+        }
         check_declarations(
             self.components.as_ref(),
             self.offload_plan.as_ref(),

@@ -43,7 +43,8 @@ pub fn non_block_storages(p: &PipelineDesc, c: &ResolvedComponent) -> BTreeSet<S
 }
 
 /// Where the backend places every storage of the pipeline: the units it moves (each a set of storages), the
-/// storages that more than one unit holds, and the fixed placement (on the device for the whole run).
+/// storages that more than one unit holds or that the pipeline pins (its `pinned` modules), and the fixed placement
+/// (on the device for the whole run).
 ///
 /// This mirrors the offload backend's unit plan: under the layerwise strategies a unit is a block of a selected
 /// stack (DiT, DiT child or encoder) or a selected component staged on demand; under model-level offload it is a
@@ -54,7 +55,7 @@ pub fn non_block_storages(p: &PipelineDesc, c: &ResolvedComponent) -> BTreeSet<S
 /// an attribute of another component views it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Placement {
-    /// Storages held by more than one unit (pinned to the fixed placement).
+    /// Storages held by more than one unit, and those of the pipeline's `pinned` modules (on the device for good).
     pub shared: BTreeSet<StorageId>,
     /// Storages on the device for the whole run: those of no unit, and the shared ones.
     pub fixed: BTreeSet<StorageId>,
@@ -113,7 +114,8 @@ fn unit_storage_sets(p: &PipelineDesc, plan: &ResolvedPlan) -> Vec<BTreeSet<Stor
 pub fn placement(p: &PipelineDesc, plan: &ResolvedPlan) -> Placement {
     let units = unit_storage_sets(p, plan);
     let mut seen = BTreeSet::new();
-    let mut shared = BTreeSet::new();
+    // Pinned storages (an adapter's weights inside a block) stay on the device, as shared ones do.
+    let mut shared = p.pinned_storages();
     for u in &units {
         for s in u {
             if !seen.insert(*s) {

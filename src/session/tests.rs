@@ -155,3 +155,36 @@ fn writes_while_enabled_reach_every_device_copy_and_disable() {
         assert_eq!(s.read_storage(w1).unwrap(), vec![5; 256]);
     }
 }
+
+#[test]
+fn pinned_modules_stay_in_the_fixed_placement_and_round_trip() {
+    let json = r#"{"class": "P", "modules": {"transformer": {"class": "D", "children": {"blocks": {"repeat": 3,
+        "block": {"class": "B", "tensors": {"w": {"dtype": "bf16", "shape": [128]}}, "children": {"lora": {"class": "L",
+        "tensors": {"a": {"dtype": "bf16", "shape": [16]}}}}}}}}}, "components": {"dit": ["transformer"]},
+        "class_block_attrs": {"D": ["blocks"]},
+        "pinned": ["transformer.blocks.0.lora", "transformer.blocks.1.lora", "transformer.blocks.2.lora"]}"#;
+    let desc = load_pipeline_json(json).unwrap();
+    let round = load_pipeline_json(&crate::pipeline::json::to_pipeline_json(&desc)).unwrap();
+    assert_eq!(round.pinned, desc.pinned);
+    let config = load_config(ConfigSource::Json(LAYER)).unwrap();
+    let mut s = Session::new(desc, config, sim(), SessionOptions { name: "p".into(), ..Default::default() }).unwrap();
+    let ids: BTreeMap<String, StorageId> = s.tensor_storages().into_iter().collect();
+    for (id, len, unit) in s.storages() {
+        let lora = ids.iter().any(|(p, s)| *s == id && p.ends_with(".lora.a"));
+        assert_eq!(unit.is_none(), lora, "storage {}: streamed unless pinned", id.0);
+        s.write_storage(id, &vec![2; len as usize]).unwrap();
+    }
+    assert_eq!(s.plan_report().budget.always_resident_bytes, 3 * 256, "each pinned 32-byte tensor, aligned");
+    assert_eq!(s.enable(), Ok(true));
+    let a1 = ids["transformer.blocks.1.lora.a"];
+    s.write_weights(&[(a1, &[4; 32])]).unwrap();
+    let (buf, off) = s.locate(a1).unwrap();
+    assert_eq!(s.read_device(buf, off, 32).unwrap(), vec![4; 32]);
+    let bad = json.replace("transformer.blocks.2.lora\"", "transformer.blocks.9.lora\"");
+    let Err(e) = load_pipeline_json(&bad) else { panic!("an unknown pinned module was accepted") };
+    assert_eq!(
+        e.to_string(),
+        "pinned[2]: module `transformer.blocks.9.lora` does not exist in this pipeline; name a module of its tree \
+         by its dotted path"
+    );
+}

@@ -27,9 +27,10 @@ const TOP_KEYS: &[&str] = &[
     "offload_plan",
     "class_block_attrs",
     "class_block_attr",
+    "pinned",
 ];
 const TOP_KEYS_TEXT: &str = "format, class, modules, tensors, root_class, root_has_lifecycle, root_is_loaded, \
-                             storages, components, offload_plan, class_block_attrs, class_block_attr";
+                             storages, components, offload_plan, class_block_attrs, class_block_attr, pinned";
 const MODULE_KEYS: &[&str] = &["class", "has_lifecycle", "is_loaded", "tensors", "children", "repeat"];
 const MODULE_KEYS_TEXT: &str = "class, has_lifecycle, is_loaded, tensors, children, repeat";
 const REPEAT_KEYS: &[&str] = &["repeat", "block", "children", "class", "has_lifecycle", "is_loaded"];
@@ -102,6 +103,11 @@ pub(super) fn parse_document(v: &Json) -> Result<PipelineDesc, PipelineError> {
         None => BTreeMap::new(),
     };
 
+    let pinned = match get(top, "pinned") {
+        Some(x) => string_array(x, "pinned")?,
+        None => Vec::new(),
+    };
+
     let (root, storage_table) = resolve(root, &storages)?;
     let desc = PipelineDesc {
         class,
@@ -111,6 +117,7 @@ pub(super) fn parse_document(v: &Json) -> Result<PipelineDesc, PipelineError> {
         offload_plan,
         class_block_attrs,
         class_block_attr_singular,
+        pinned,
     };
     desc.validate()?;
     Ok(desc)

@@ -131,6 +131,9 @@ pub(super) fn render_document(p: &PipelineDesc) -> Json {
         let e = p.class_block_attrs.iter().map(|(k, v)| (k.clone(), str_list(v))).collect();
         put("class_block_attrs", Json::Obj(e));
     }
+    if !p.pinned.is_empty() {
+        put("pinned", str_list(&p.pinned));
+    }
     if !p.class_block_attr_singular.is_empty() {
         put("class_block_attr", str_map(&p.class_block_attr_singular));
     }
