@@ -23,6 +23,12 @@ memory (what the process owns; pinned masters count in neither) and file pages (
 from the file and the pinned master bytes, beside the time to read the file once (page cache as the write left
 it; ``--cold`` drops it first).
 
+``--lora R`` adds two LoRA adapters of rank R (random, seeded) on the attention and feed-forward projections before
+the model is offloaded, both active (weights 1.0 and 0.5), so every variant steps with them (bit-exact against the
+resident model with the same adapters); after the steps it times switching (``set_adapters``), loading a third
+adapter (``add_adapter``; diffusers' group offloading is removed and applied again, as its LoRA loaders do) and
+unloading it (``delete_adapters``), and for weightferry fusing and unfusing both inside ``Handle.editing()``.
+
 Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames).
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script.
 
@@ -225,6 +231,59 @@ def h2d_bandwidth(torch, size=256 << 20, copies=16):
     return size * copies / (s.elapsed_time(e) / 1e3)
 
 
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"]
+
+
+def lora_config(rank, seed):
+    import torch
+    from peft import LoraConfig
+
+    torch.manual_seed(seed)
+    return LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=LORA_TARGETS)
+
+
+def add_adapters(model, rank):
+    """Two adapters of ``rank``, both active; returns their bytes."""
+    model.add_adapter(lora_config(rank, 1), "a")
+    model.add_adapter(lora_config(rank, 2), "b")
+    model.set_adapters(["a", "b"], [1.0, 0.5])
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" in n)
+
+
+def lora_timings(torch, model, rank, handle, group, sync):
+    """Seconds to switch, load and unload an adapter (and, offloaded by weightferry, to fuse and unfuse)."""
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    def reapply():
+        if group:
+            from diffusers.hooks.group_offloading import _maybe_remove_and_reapply_group_offloading
+
+            _maybe_remove_and_reapply_group_offloading(model)
+
+    out = {"switch_s": timed(lambda: model.set_adapters(["b"], [1.0]))}
+    model.set_adapters(["a", "b"], [1.0, 0.5])
+    out["load_s"] = timed(lambda: (model.add_adapter(lora_config(rank, 3), "c"), reapply()))
+    out["unload_s"] = timed(lambda: model.delete_adapters("c"))  # diffusers re-applies group offloading itself
+    if handle is not None:
+        def fuse():
+            with handle.editing():
+                model.fuse_lora(adapter_names=["a", "b"])
+
+        def unfuse():
+            with handle.editing():
+                model.unfuse_lora()
+
+        out["fuse_s"] = timed(fuse)
+        out["unfuse_s"] = timed(unfuse)
+    return out
+
+
 def variant(args):
     import torch
 
@@ -233,6 +292,10 @@ def variant(args):
     ck = args.variant.startswith("ck_")
     model, spec = (build_on_meta if ck else build)(torch, args.model, args.tiny)
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    if args.lora:
+        res["adapter_bytes"] = add_adapters(model, args.lora)
+        res["lora_rank"] = args.lora
+        model.requires_grad_(False)
     res["weight_bytes"] = weight_bytes
     res["rss_built"] = rss() - base
     cpu = args.tiny and not torch.cuda.is_available()  # the script's own check on a machine without a GPU
@@ -332,6 +395,8 @@ def variant(args):
         )
     else:
         res["streamed_per_step"] = 0
+    if args.lora:
+        res["lora"] = lora_timings(torch, model, args.lora, handle, v.startswith("group"), sync)
     res["h2d_Bps"] = 1e9 if cpu else h2d_bandwidth(torch)  # cpu: a placeholder, the check runs the code only
     print("RESULT " + json.dumps(res), flush=True)
     os._exit(0)  # the process ends here: no teardown of 24 GB of tensors and masters to wait for
@@ -366,6 +431,14 @@ def table(results):
                   f"{r['rss_anon_after_enable'] / 1e9:>9.2f}{r['rss_file_after_enable'] / 1e9:>9.2f}"
                   f"{st.get('master_host_bytes', 0) / 1e9:>10.2f}{st.get('mapped_host_bytes', 0) / 1e9:>10.2f}"
                   f"{r['step_s']:>9.4f}")
+    loras = [r for r in results if "lora" in r]
+    if loras:
+        print(f"\n{'LoRA':<14}{'switch ms':>10}{'load s':>8}{'unload s':>9}{'fuse s':>8}{'unfuse s':>9}")
+        for r in loras:
+            t = r["lora"]
+            print(f"{r['variant']:<14}{t['switch_s'] * 1e3:>10.2f}{t['load_s']:>8.3f}{t['unload_s']:>9.3f}"
+                  f"{t.get('fuse_s', float('nan')):>8.2f}{t.get('unfuse_s', float('nan')):>9.2f}")
+        print(f"adapters: {loras[0]['adapter_bytes'] / 1e9:.3f} GB (two, rank {loras[0]['lora_rank']})")
     if results:
         print(f"weights: {results[0]['weight_bytes'] / 1e9:.2f} GB ({results[0]['model']})")
 
@@ -375,6 +448,7 @@ def main():
     ap.add_argument("--model", default="flux-dev", choices=sorted(MODELS))
     ap.add_argument("--variants", default="resident,wf_d1,wf_d2,wf_d4,wf_b50,wf_b75,group,group_record")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lora", type=int, default=0, help="rank of two LoRA adapters added before offloading (0: none)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny configuration of the model (on the CPU and the simulated device without a GPU): "
@@ -408,7 +482,7 @@ def main():
         if args.cold and v.startswith("ck_"):
             drop_caches()
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--out", args.out]
+               "--warmup", str(args.warmup), "--out", args.out, "--lora", str(args.lora)]
         if args.tiny:
             cmd.append("--tiny")
         t0 = time.time()
