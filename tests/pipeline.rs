@@ -229,11 +229,14 @@ fn builder_rejects_duplicate_and_invalid_names() {
             m.param("bad name", DType::F32, &[1]);
         })
     });
-    assert_eq!(e, "m: `bad name` is not a valid attribute name; use a non-empty name of ASCII letters, digits and `_`");
+    assert_eq!(
+        e,
+        "m: `bad name` is not a valid attribute name; use a non-empty name without `.`, spaces or control characters"
+    );
     let e = build_err(|b| b.module("a..b", "M", |_| {}));
     assert_eq!(
         e,
-        "<root>: `a..b` is not a valid attribute name; use a non-empty name of ASCII letters, digits and `_`"
+        "<root>: `a..b` is not a valid attribute name; use a non-empty name without `.`, spaces or control characters"
     );
     let e = build_err(|b| b.module("m", "", |_| {}));
     assert_eq!(e, "m: class name is empty; give the class, e.g. `ModuleList`");
@@ -248,22 +251,22 @@ fn builder_rejects_invalid_declared_paths() {
     let e = build_err(|b| b.module("transformer", "T", |_| {}).dit("transformer..x"));
     assert_eq!(
         e,
-        "components.dit[0]: `transformer..x` is not a valid dotted path; join non-empty names of ASCII letters, \
-         digits and `_` with single dots, e.g. `transformer.blocks`"
+        "components.dit[0]: `transformer..x` is not a valid dotted path; join non-empty names (no spaces or \
+         control characters) with single dots, e.g. `transformer.blocks`"
     );
     let e = build_err(|b| b.class_block_attrs("DiT", &["blocks", ""]));
     assert_eq!(
         e,
-        "class_block_attrs.DiT[1]: `` is not a valid dotted path; join non-empty names of ASCII letters, digits and \
-         `_` with single dots, e.g. `transformer.blocks`"
+        "class_block_attrs.DiT[1]: `` is not a valid dotted path; join non-empty names (no spaces or control \
+         characters) with single dots, e.g. `transformer.blocks`"
     );
     let mut plan = weightferry::pipeline::OffloadPlanDecl::default();
-    plan.block_attrs.insert("transformer".into(), vec!["blocks".into(), "x/y".into()]);
+    plan.block_attrs.insert("transformer".into(), vec!["blocks".into(), "x y".into()]);
     let e = build_err(|b| b.offload_plan(plan));
     assert_eq!(
         e,
-        "offload_plan.block_attrs.transformer[1]: `x/y` is not a valid dotted path; join non-empty names of ASCII \
-         letters, digits and `_` with single dots, e.g. `transformer.blocks`"
+        "offload_plan.block_attrs.transformer[1]: `x y` is not a valid dotted path; join non-empty names (no spaces \
+         or control characters) with single dots, e.g. `transformer.blocks`"
     );
 }
 
@@ -294,8 +297,8 @@ fn builder_rejects_bad_ties() {
     });
     assert_eq!(
         e,
-        "m.a: `bad..path` is not a valid dotted path; join non-empty names of ASCII letters, digits and `_` with \
-         single dots, e.g. `transformer.blocks`"
+        "m.a: `bad..path` is not a valid dotted path; join non-empty names (no spaces or control \
+         characters) with single dots, e.g. `transformer.blocks`"
     );
 }
 
@@ -626,7 +629,7 @@ fn json_errors_name_the_json_path() {
         ),
         (
             r#"{"class": "P", "modules": {"a.b": {"class": "T"}}}"#,
-            "modules.a.b: `a.b` is not a valid attribute name; use a non-empty name of ASCII letters, digits and `_`",
+            "modules.a.b: `a.b` is not a valid attribute name; use a non-empty name without `.`, spaces or control characters",
         ),
         (
             r#"{"class": "P", "modules": {"t": {"class": "T", "tensors": {"w": {"dtype": "f32", "shape": [1e30]}}}}}"#,
@@ -680,8 +683,8 @@ fn json_errors_name_the_json_path() {
         ),
         (
             r#"{"class": "P", "components": {"dit": ["transformer."]}}"#,
-            "components.dit[0]: `transformer.` is not a valid dotted path; join non-empty names of ASCII letters, \
-             digits and `_` with single dots, e.g. `transformer.blocks`",
+            "components.dit[0]: `transformer.` is not a valid dotted path; join non-empty names (no spaces or \
+             control characters) with single dots, e.g. `transformer.blocks`",
         ),
         (
             r#"{"class": "P", "components": {"dits": []}}"#,

@@ -323,6 +323,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OffloadError", py.get_type::<OffloadError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
+    // The deprecated scan's component names, by the description's `components` key: Python's discovery falls back
+    // to them for modules whose class says nothing of what they are, so Rust and Python share one list.
+    let names = pyo3::types::PyDict::new(py);
+    names.set_item("dit", weightferry::plan::discovery::FALLBACK_DIT_NAMES.to_vec())?;
+    names.set_item("encoders", weightferry::plan::discovery::FALLBACK_ENCODER_NAMES.to_vec())?;
+    names.set_item("vaes", weightferry::plan::discovery::FALLBACK_VAE_NAMES.to_vec())?;
+    m.add("FALLBACK_COMPONENT_NAMES", names)?;
     m.add_class::<PySession>()?;
     m.add_class::<PySessionOptions>()?;
     m.add_class::<PyTorchCuda>()?;

@@ -76,7 +76,7 @@ def test_a_meta_transformer_is_filled_from_the_checkpoint(tmp_path, layout):
         save_sharded(state, tmp_path, len(state) // 2)
     m = on_meta()
     assert all(p.device.type == "meta" for p in m.parameters())
-    with wf.enable({"transformer": m}, LAYER, checkpoint=path) as h:
+    with wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=path) as h:
         assert h.enabled
         for _ in range(2):
             assert torch.equal(forward(m, x), expected)
@@ -97,7 +97,7 @@ def test_a_checkpoint_that_does_not_match_raises_and_leaves_the_module(tmp_path)
     save_file({k: v.contiguous() for k, v in missing.items()}, str(path))
     m = on_meta()
     with pytest.raises(wf.CheckpointError) as e:
-        wf.enable({"transformer": m}, LAYER, checkpoint=path)
+        wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=path)
     assert str(path) in str(e.value) and gone in str(e.value)
     assert all(p.device.type == "meta" for p in m.parameters())
     assert not any(mod._forward_pre_hooks for mod in m.modules())
@@ -107,15 +107,15 @@ def test_a_checkpoint_that_does_not_match_raises_and_leaves_the_module(tmp_path)
     path = tmp_path / "reshaped.safetensors"
     save_file({k: v.contiguous() for k, v in reshaped.items()}, str(path))
     with pytest.raises(wf.CheckpointError) as e:
-        wf.enable({"transformer": m}, LAYER, checkpoint=path)
+        wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=path)
     assert "proj_out.weight" in str(e.value) and "[3, 3]" in str(e.value)
     assert all(p.device.type == "meta" for p in m.parameters())
 
     with pytest.raises(wf.CheckpointError) as e:
-        wf.enable({"transformer": m}, LAYER, checkpoint=tmp_path / "absent.safetensors")
+        wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=tmp_path / "absent.safetensors")
     assert "absent.safetensors" in str(e.value)
     with pytest.raises(wf.CheckpointError) as e:
-        wf.enable({"transformer": m}, LAYER, checkpoint=42)
+        wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=42)
     assert str(e.value) == (
         "checkpoint must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got int"
     )
@@ -124,7 +124,7 @@ def test_a_checkpoint_that_does_not_match_raises_and_leaves_the_module(tmp_path)
 def test_a_checkpoint_fills_one_component():
     m = on_meta()
     with pytest.raises(wf.PipelineError) as e:
-        wf.enable({"transformer": m, "transformer_2": on_meta()}, LAYER, checkpoint="x.safetensors")
+        wf.enable({"transformer": m, "transformer_2": on_meta()}, LAYER, device="sim", checkpoint="x.safetensors")
     assert str(e.value) == (
         "checkpoint= fills one component, but pipeline dict has transformer, transformer_2; pass the module the "
         "file holds alone, e.g. {'transformer': model}"
@@ -147,7 +147,7 @@ def test_blocks_are_served_from_the_checkpoint_file_itself(tmp_path, host_master
         m = diffusers.FluxTransformer2DModel(**config).to(BF16).eval()
     cfg = json.loads(json.dumps(LAYER))
     cfg["diffusion_offload_config"]["host_masters"] = host_masters
-    with wf.enable({"transformer": m}, cfg, checkpoint=path) as h:
+    with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path) as h:
         s = h.stats()
         served = (block_bytes, 0) if host_masters == "pinned" else (0, block_bytes)
         assert (s["master_host_bytes"], s["mapped_host_bytes"]) == served
@@ -184,11 +184,11 @@ def test_mapped_masters_refuse_a_layout_the_file_cannot_serve(tmp_path):
     with pytest.raises(wf.OffloadError, match=r'^host_masters = "mapped": the bf16 tensors of '
                        r'`transformer\.transformer_blocks\.0` cannot be served from the checkpoint file: storage \d+ '
                        r'is not where the packed section needs it'):
-        wf.enable({"transformer": m}, cfg, checkpoint=path)
+        wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path)
     assert all(p.device.type == "meta" for p in m.parameters())
     # auto pins what the file cannot serve, and runs.
     cfg["diffusion_offload_config"]["host_masters"] = "auto"
-    with wf.enable({"transformer": m}, cfg, checkpoint=path) as h:
+    with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path) as h:
         assert h.stats()["master_host_bytes"] > 0
 
 
@@ -204,7 +204,7 @@ with torch.device("meta"):
     m = diffusers.FluxTransformer2DModel(**json.loads(sys.argv[1])).to(torch.bfloat16)
 base = rss()
 cfg = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "host_masters": sys.argv[2]}}
-h = wf.enable({"transformer": m}, cfg, checkpoint=sys.argv[3])
+h = wf.enable({"transformer": m}, cfg, device="sim", checkpoint=sys.argv[3])
 print(json.dumps({"grew": rss() - base, "masters": h.stats()["master_host_bytes"]}))
 """
 
@@ -296,7 +296,7 @@ def test_non_persistent_buffers_come_from_the_module_not_the_file(tmp_path):
     with torch.device("meta"):
         m = diffusers.WanTransformer3DModel(**WAN).to(BF16).eval()
     with pytest.raises(wf.PipelineError) as e:
-        wf.enable({"transformer": m}, LAYER, checkpoint=path)
+        wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=path)
     assert str(e.value) == (
         "buffer 'transformer.rope.freqs_cos' is on the meta device, but no checkpoint holds it (a non-persistent "
         "buffer, computed when the module is built); build the module with only its parameters on meta "
@@ -307,7 +307,7 @@ def test_non_persistent_buffers_come_from_the_module_not_the_file(tmp_path):
     # Parameters alone on meta: the file fills them, the module's own rotary tables are kept.
     m = params_on_meta(diffusers.WanTransformer3DModel, **WAN)
     tables = {k: v.clone() for k, v in m.named_buffers()}
-    with wf.enable({"transformer": m}, LAYER, checkpoint=path) as h:
+    with wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=path) as h:
         assert h.stats()["enabled"]
         for _ in range(2):
             assert torch.equal(forward(m, x), expected)

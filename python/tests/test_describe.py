@@ -30,7 +30,8 @@ def test_tensors_kinds_strides_and_order():
         "dtype": "bf16", "shape": [64], "strides": [1], "kind": "parameter", "storage_offset": 0,
     }
     assert desc["class_block_attrs"] == {"TinyDiT": ["blocks"]}
-    assert "components" not in desc and "storages" not in desc
+    # Its class declares block lists: discovery takes it for a DiT, and says so as a declaration.
+    assert desc["components"] == {"dit": ["transformer"]} and "storages" not in desc
 
 
 def test_persistent_buffers_and_transposed_strides():
@@ -96,7 +97,19 @@ def test_declarations_are_read_from_the_pipeline():
     assert "has_lifecycle" not in desc["modules"]["transformer"]
     # scheduler (an object) and tokenizer (None) are not modules.
     assert list(desc["modules"]) == ["transformer", "text_encoder", "vae"]
-    assert "components" not in wf.describe(UndeclaredPipeline())
+    # Undeclared: the DiT by its class's block lists, the rest (no metadata) by name, each with its own warning.
+    with pytest.warns(wf.WeightferryWarning) as record:
+        undeclared = wf.describe(UndeclaredPipeline())
+    assert undeclared["components"] == {"dit": ["transformer"], "encoders": ["text_encoder"], "vaes": ["vae"]}
+    assert [str(w.message) for w in record] == [
+        "'text_encoder' (TinyTextEncoder): its class says neither what it is (a transformers model, a VAE with encode "
+        "and decode) nor which blocks it repeats (_repeated_blocks, _no_split_modules); taken for a text encoder by "
+        "its name; its block lists by their conventional names: layers. Pass encoders=[\"text_encoder\"] and "
+        "blocks={\"text_encoder\": [\"layers\"]} to enable to say so, or declare _repeated_blocks on TinyTextEncoder",
+        "'vae' (TinyVAE): its class says neither what it is (a transformers model, a VAE with encode and decode) nor "
+        "which blocks it repeats (_repeated_blocks, _no_split_modules); taken for a VAE by its name. Pass "
+        "vaes=[\"vae\"] to enable to say so",
+    ]
 
 
 def test_a_malformed_declaration_is_a_pipeline_error():
@@ -166,8 +179,6 @@ def test_the_deprecated_singular_block_attribute_is_passed_on_and_warned_about()
                                                                                     "components": ["dit"]}})
     assert report["components"][0]["stacks"][0]["blocks"] == 3
     assert [str(w.message) for w in record] == [
-        "pipeline dict declares no components; using the deprecated attribute scan (declare `components` in the "
-        "pipeline description)",
         "DiT class OldDiT uses the deprecated singular block attribute declaration; declare a list in "
         "class_block_attrs",
     ]

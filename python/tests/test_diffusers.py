@@ -1,11 +1,12 @@
 """Real diffusers and transformers models offloaded on ``device="sim"`` (CI): tiny configurations of diffusers'
 ``FluxTransformer2DModel``, ``WanTransformer3DModel`` and ``QwenImageTransformer2DModel`` and of transformers'
-``T5EncoderModel``, found through the deprecated scan of diffusers' conventions (no declarations), at every prefetch
+``T5EncoderModel``, found from their own metadata (no declarations), at every prefetch
 depth 1-4, with resident layers, under a device budget, and model-level with the T5 encoder: outputs bit-identical to
 the same modules not offloaded, every parameter bit-identical after disable, T5's tied embedding kept as one
 storage."""
 
 import copy
+import warnings
 
 import diffusers  # installed by python/install-test-deps.sh: missing is an error of the test environment
 import pytest
@@ -110,7 +111,7 @@ def test_a_diffusers_transformer_offloaded_is_bit_identical_and_restored(name, c
     report = wf.plan({"transformer": m}, cfg)
     (stack,) = [s for c in report["components"] for s in c.get("stacks", [])]
     assert stack["blocks"] == blocks
-    with wf.enable({"transformer": m}, cfg) as h:
+    with wf.enable({"transformer": m}, cfg, device="sim") as h:
         for _ in range(2):
             assert torch.equal(forward(m, x), expected)
         assert h._session.hazard_violations() == []
@@ -133,7 +134,7 @@ def test_a_t5_text_encoder_streams_its_blocks_with_the_transformer():
     enc = t5()
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(5))
 
-    class FakeFluxPipeline:  # a diffusers-like pipeline declaring nothing: the deprecated scan finds everything
+    class FakeFluxPipeline:  # a diffusers-like pipeline declaring nothing: the models' metadata says everything
         def __init__(self):
             self.transformer = dit
             self.text_encoder = enc
@@ -148,17 +149,23 @@ def test_a_t5_text_encoder_streams_its_blocks_with_the_transformer():
     shared = enc_node["children"]["shared"]["tensors"]["weight"]
     embed = enc_node["children"]["encoder"]["children"]["embed_tokens"]["tensors"]["weight"]
     assert "storage" in shared and shared["storage"] == embed["storage"]
-    assert desc["offload_plan"] == {"encoder_block_attrs": {"text_encoder": ["encoder.block"]},
-                                    "resident_dit_paths": ["transformer"]}
+    assert desc["components"] == {"dit": ["transformer"], "encoders": ["text_encoder"]}
+    assert desc["offload_plan"] == {
+        "block_attrs": {"transformer": ["transformer_blocks", "single_transformer_blocks"]},  # _repeated_blocks
+        "resident_dit_paths": ["transformer"],
+        "encoder_component_types": {"text_encoder": "text_encoder"},  # a transformers model
+        "encoder_block_attrs": {"text_encoder": ["encoder.block"]},  # T5's _no_split_modules: T5Block
+    }
     config = {"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"],
                                            "layer_options": {"dit": {"prefetch_depth": 2},
                                                              "text_encoder": {"prefetch_depth": 1}}}}
     before = (state(dit), state(enc))
-    with pytest.warns(wf.WeightferryWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # found from metadata: nothing to warn about
         report = wf.plan(pipe, config)
     stacks = {c["path"]: [s["blocks"] for s in c.get("stacks", [])] for c in report["components"]}
     assert stacks["transformer"] == [blocks] and stacks["text_encoder"] == [3]
-    with wf.enable(pipe, config) as h:
+    with wf.enable(pipe, config, device="sim") as h:
         with torch.no_grad():
             assert torch.equal(enc(input_ids=ids).last_hidden_state, expected_enc)
         assert torch.equal(forward(dit, x), expected_dit)
@@ -166,36 +173,40 @@ def test_a_t5_text_encoder_streams_its_blocks_with_the_transformer():
         assert enc.shared.weight is enc.encoder.embed_tokens.weight
     assert (state(dit), state(enc)) == before
     model_level = {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder"]}}
-    with wf.enable(pipe, model_level):
+    with wf.enable(pipe, model_level, device="sim"):
         with torch.no_grad():
             assert torch.equal(enc(input_ids=ids).last_hidden_state, expected_enc)
         assert torch.equal(forward(dit, x), expected_dit)
     assert (state(dit), state(enc)) == before
 
 
-def test_the_fallback_scan_warns_once_per_pipeline_class():
+def test_a_model_without_metadata_is_scanned_by_name_with_one_warning_per_model():
+    class Bare(diffusers.FluxTransformer2DModel):  # a user's subclass that drops the block metadata
+        _repeated_blocks = []
+        _no_split_modules = None
+
     m, _, _ = flux()
+    bare = [Bare.from_config(m.config) for _ in range(2)]
 
-    class OncePipeline:
-        def __init__(self):
-            self.transformer = m
+    def scans(pipeline):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            desc = wf.describe(pipeline)
+        assert desc["offload_plan"]["block_attrs"]["transformer"] == ["transformer_blocks", "single_transformer_blocks"]
+        return [str(w.message) for w in seen if "its class says neither" in str(w.message)]
 
-    import warnings
-
-    with warnings.catch_warnings(record=True) as first:
-        warnings.simplefilter("always")
-        wf.describe(OncePipeline())
-    scans = [str(w.message) for w in first if "diffusers' conventions" in str(w.message)]
-    assert scans == [
-        "pipeline OncePipeline declares no block lists for some components; using the deprecated scan of diffusers' "
-        "conventions, which found transformer.transformer_blocks, transformer.single_transformer_blocks (declare "
-        "_layerwise_offload_blocks_attrs on the module classes, or an _offload_plan with block_attrs / "
-        "encoder_block_attrs)"
-    ]
-    with warnings.catch_warnings(record=True) as second:
-        warnings.simplefilter("always")
-        wf.describe(OncePipeline())
-    assert [w for w in second if "diffusers' conventions" in str(w.message)] == []
+    message = (
+        "'transformer' (Bare): its class says neither what it is (a transformers model, a VAE with encode and decode) "
+        "nor which blocks it repeats (_repeated_blocks, _no_split_modules); taken for a DiT by its name; its block "
+        "lists by their conventional names: transformer_blocks, single_transformer_blocks. Pass dit=[\"transformer\"] "
+        "and blocks={\"transformer\": [\"transformer_blocks\", \"single_transformer_blocks\"]} to enable to say so, "
+        "or declare _repeated_blocks on Bare"
+    )
+    # Two dict pipelines (one pipeline class, `dict`): each model is reported, once.
+    assert scans({"transformer": bare[0]}) == [message]
+    assert scans({"transformer": bare[1]}) == [message]
+    assert scans({"transformer": bare[0]}) == []
+    assert scans({"transformer": m}) == []  # diffusers' own class: found from its metadata
 
 
 def test_declared_block_lists_win_over_the_scan():
@@ -213,7 +224,7 @@ def test_declared_block_lists_win_over_the_scan():
     (stack,) = [s for c in report["components"] for s in c.get("stacks", [])]
     assert stack["blocks"] == 3 and stack["name"] == "transformer[single_transformer_blocks]"
     expected = forward(copy.deepcopy(m), bf16_inputs(x))
-    with wf.enable(Declared(), layer(1)):
+    with wf.enable(Declared(), layer(1), device="sim"):
         assert torch.equal(forward(m, bf16_inputs(x)), expected)
 
 
@@ -224,7 +235,7 @@ def test_torch_compile_runs_the_offloaded_transformer_with_one_break_per_block()
     m = m.to(BF16).eval()
     x = bf16_inputs(x)
     expected = forward(m, x)
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         dynamo.reset()
         with torch.no_grad():  # inference, as pipelines run (with grad, outputs pass the backward refusal too)
             explained = dynamo.explain(m)(**x, return_dict=False)
@@ -244,7 +255,7 @@ def test_the_module_s_own_state_dict_and_save_pretrained_give_the_true_weights_w
     x = bf16_inputs(x)
     expected = {k: v.clone() for k, v in m.state_dict().items()}
     block = {k: v.clone() for k, v in m.transformer_blocks[1].state_dict().items()}
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         forward(m, x)  # the blocks' tensors have been bound to device slots and back to placeholders
         got = m.state_dict()
         assert list(got) == list(expected)
@@ -267,7 +278,7 @@ def test_converting_an_offloaded_module_is_refused_before_anything_changes():
     m = m.to(BF16).eval()
     x = bf16_inputs(x)
     expected = {k: v.clone() for k, v in m.state_dict().items()}
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         before = forward(m, x)
         dtypes = {k: t.dtype for k, t in m.named_parameters()}
         for convert in (lambda: m.to(torch.float32), m.float, m.half, m.cpu, lambda: m.transformer_blocks[0].double()):
@@ -294,7 +305,7 @@ def test_a_second_thread_forwarding_the_same_offloaded_module_is_refused_and_the
     m = m.to(BF16).eval()
     x = bf16_inputs(x)
     expected = forward(m, x)
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         inside, release = threading.Event(), threading.Event()
 
         def hold(module, args):  # runs after weightferry's pre-hook: the block is open while this waits
@@ -327,7 +338,7 @@ def test_two_offloaded_pipelines_run_on_two_threads_at_once():
     a, b = a.to(BF16).eval(), b.to(BF16).eval()
     x = bf16_inputs(x)
     expected = forward(a, x)
-    with wf.enable({"transformer": a}, layer(1)), wf.enable({"transformer": b}, layer(2)):
+    with wf.enable({"transformer": a}, layer(1), device="sim"), wf.enable({"transformer": b}, layer(2), device="sim"):
         outs = {}
         start = threading.Barrier(2)
 
@@ -348,7 +359,7 @@ def test_the_handle_s_state_dict_is_the_true_weights_while_offloaded():
     m = m.to(BF16).eval()
     x = bf16_inputs(x)
     expected = {k: v.clone() for k, v in m.state_dict().items()}
-    with wf.enable({"transformer": m}, layer(2)) as h:
+    with wf.enable({"transformer": m}, layer(2), device="sim") as h:
         forward(m, x)
         got = h.state_dict("transformer")
         assert set(got) == set(expected)
@@ -417,7 +428,7 @@ def test_a_whole_tiny_flux_pipeline_runs_offloaded_bit_identical_to_its_twin(com
     want = run_pipeline(twin)
     mode = "module" if "vae" in components else "layer"
     config = {"diffusion_offload_config": {"mode": mode, "components": components}}
-    with wf.enable(pipe, config) as h:
+    with wf.enable(pipe, config, device="sim") as h:
         hooked = h._session.hooked_modules()
         if mode == "module":
             assert hooked == ["text_encoder", "text_encoder_2", "transformer", "vae"]

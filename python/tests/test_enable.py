@@ -6,6 +6,7 @@ releasing its block, and a failure injected at every session call and at every t
 exactly as they were."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def test_offloaded_forward_is_bit_identical_and_disable_restores_every_tensor(co
     before = snapshot(p)
     # A reference of our own keeps torch's original storage alive, so its address cannot be reused by chance.
     original = p.text_encoder.embed.weight.detach()
-    handle = wf.enable(p, config)
+    handle = wf.enable(p, config, device="sim")
     assert handle.enabled
     # Streamed tensors hold no host copy between forwards; inside its block's forward a weight is bound.
     fc = p.transformer.blocks[1].fc
@@ -175,17 +176,17 @@ def test_offloaded_forward_is_bit_identical_and_disable_restores_every_tensor(co
 def test_the_handle_is_a_context_manager_and_a_pipeline_can_be_enabled_again():
     p = pipe(3)
     expected = run(p)
-    with wf.enable(p, layer(1)) as h:
+    with wf.enable(p, layer(1), device="sim") as h:
         assert_outputs_equal(run(p), expected)
         with pytest.raises(wf.OffloadError) as e:
-            wf.enable(p, layer(2))
+            wf.enable(p, layer(2), device="sim")
         assert str(e.value) == (
             "pipeline Pipe is already enabled by weightferry (one of its tensors is offloaded); call disable() on "
             "its handle first"
         )
         assert_outputs_equal(run(p), expected)
     assert not h.enabled
-    with wf.enable(p, MODEL):
+    with wf.enable(p, MODEL, device="sim"):
         assert_outputs_equal(run(p), expected)
     assert_outputs_equal(run(p), expected)
 
@@ -195,7 +196,7 @@ def test_a_bad_config_raises_config_error_and_nothing_changed():
     before = snapshot(p)
     bad = {"diffusion_offload_config": {"mode": "layer", "mdoe": "layer"}}
     with pytest.raises(wf.ConfigError) as e:
-        wf.enable(p, bad)
+        wf.enable(p, bad, device="sim")
     with pytest.raises(wf.ConfigError) as plan_error:
         wf.plan(p, bad)
     assert str(e.value) == str(plan_error.value)
@@ -262,7 +263,7 @@ def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_we
     at = 1
     while True:
         try:
-            h = wf.enable(p, config, _seams=Seams(session=factory))
+            h = wf.enable(p, config, device="sim", _seams=Seams(session=factory))
         except wf.OffloadError as e:
             assert str(e).startswith("injected failure in "), e
             assert snapshot(p) == before, f"failure at call {at}"
@@ -293,7 +294,7 @@ def test_a_failure_at_every_binding_of_enable_leaves_the_modules_as_they_were():
     while True:
         count[:] = [0, n]
         try:
-            h = wf.enable(p, layer(2), _seams=Seams(bind=failing))
+            h = wf.enable(p, layer(2), device="sim", _seams=Seams(bind=failing))
         except RuntimeError as e:
             assert "injected binding failure" in str(e)
             assert snapshot(p) == before, f"failure at binding {n}"
@@ -314,7 +315,7 @@ def test_a_config_that_disables_offload_touches_nothing():
     p = pipe()
     before = snapshot(p)
     with pytest.warns(wf.WeightferryWarning, match="weightferry offloads nothing: the config disables offload"):
-        h = wf.enable(p, {})
+        h = wf.enable(p, {}, device="sim")
     assert not h.enabled
     assert h.stats()["strategy"] == "none"
     assert snapshot(p) == before
@@ -330,7 +331,7 @@ def test_views_of_one_storage_share_it_again_after_disable(config):
     p.vae.dec.weight = nn.Parameter(flat[216:432].view(3, 8, 3, 3))
     expected = run(p)
     before = snapshot(p)
-    with wf.enable(p, config):
+    with wf.enable(p, config, device="sim"):
         assert_outputs_equal(run(p), expected)
     assert snapshot(p) == before
     enc, dec = p.vae.enc.weight, p.vae.dec.weight
@@ -343,7 +344,7 @@ def test_a_tensor_off_the_cpu_is_a_pipeline_error_and_nothing_changed():
     p.vae.dec.bias = nn.Parameter(torch.zeros(3, dtype=BF16, device="meta"))
     before = [(k, id(t), t.device) for k, t in tensors(p).items()]
     with pytest.raises(wf.PipelineError) as e:
-        wf.enable(p, layer(2))
+        wf.enable(p, layer(2), device="sim")
     assert str(e.value) == (
         "tensor 'vae.dec.bias' is on meta; weightferry offloads a pipeline whose weights are on the CPU (move it "
         "there with .to('cpu') before enable)"
@@ -361,7 +362,7 @@ def test_unsupported_layouts_and_tensor_subclasses_are_pipeline_errors_and_nothi
     before = snapshot(p)
     p.vae.register_buffer("table", torch.eye(3).to_sparse())
     with pytest.raises(wf.PipelineError) as e:
-        wf.enable(p, layer(2))
+        wf.enable(p, layer(2), device="sim")
     assert str(e.value) == (
         "tensor 'vae.table' has layout torch.sparse_coo; weightferry offloads dense (strided) tensors only: make it "
         "dense (.to_dense()) or leave its module out of the offloaded components"
@@ -383,7 +384,7 @@ def test_a_forward_that_raises_still_releases_its_block(monkeypatch):
     p = pipe(3)
     expected = run(p)
     block = p.transformer.blocks[1]
-    with wf.enable(p, layer(2)) as h:
+    with wf.enable(p, layer(2), device="sim") as h:
         monkeypatch.setattr(block, "forward", lambda h_: (_ for _ in ()).throw(ValueError("boom")))
         with pytest.raises(ValueError, match="boom"):
             run(p)
@@ -430,8 +431,9 @@ def test_a_dict_and_a_root_module_pipeline_bind_by_their_paths():
         with torch.no_grad():
             expected = dit(x)
         before = {k: v.clone() for k, v in dit.state_dict(keep_vars=False).items()}
-        with pytest.warns(wf.WeightferryWarning, match="deprecated attribute scan"):
-            h = wf.enable(p, dit_only)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # its class declares its block lists: found without a warning
+            h = wf.enable(p, dit_only, device="sim")
         with h, torch.no_grad():
             assert dit.blocks[2].fc.weight.numel() == 0
             assert torch.equal(dit(x), expected)
@@ -442,7 +444,7 @@ def test_a_dict_and_a_root_module_pipeline_bind_by_their_paths():
 
 def test_stats_total_the_stacks_and_time_the_hooks():
     p = pipe()
-    with wf.enable(p, layer(2)) as h:
+    with wf.enable(p, layer(2), device="sim") as h:
         assert h.stats()["hooks"] == {"calls": 0, "p50_us": None, "p99_us": None, "max_us": None, "total_ms": 0.0}
         run(p, steps=3)
         s = h.stats()
@@ -484,7 +486,7 @@ def test_an_auto_budget_is_planned_from_the_device_at_enable():
     )
     assert snapshot(p) == before
     # The simulated device's capacity is 64 GiB: the budget is that less a tenth (the headroom, at least 2 GiB).
-    with wf.enable(p, auto) as h:
+    with wf.enable(p, auto, device="sim") as h:
         report = json.loads(h._session.plan_json())
         assert report["budget"]["budget"] == (64 << 30) - (64 << 30) // 10
         assert_outputs_equal(run(p), expected)
@@ -501,7 +503,7 @@ def test_retune_changes_depth_and_budget_keeping_the_masters():
     p = pipe(6)
     expected = run(p)
     before = snapshot(p)
-    with wf.enable(p, layer(1)) as h:
+    with wf.enable(p, layer(1), device="sim") as h:
         assert_outputs_equal(run(p), expected)
         masters = h.stats()["master_host_bytes"]
         deeper = h.retune(prefetch_depth=3)
@@ -533,7 +535,7 @@ def test_retune_changes_depth_and_budget_keeping_the_masters():
 def test_retune_changes_resident_layers():
     p = pipe(6)
     expected = run(p)
-    with wf.enable(p, layer(1, resident_layers=1)) as h:
+    with wf.enable(p, layer(1, resident_layers=1), device="sim") as h:
         assert dit_stack(h.retune(resident_layers=3))["resident"] == 3
         assert_outputs_equal(run(p), expected)
         # Without resident layers the strategy itself would change (distributed_layer -> layer): refused.
@@ -551,7 +553,7 @@ def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_
     n = 0
     while True:
         try:
-            h = wf.enable(p, config, _seams=Seams(sim_faults={fault: n}))
+            h = wf.enable(p, config, device="sim", _seams=Seams(sim_faults={fault: n}))
         except wf.OffloadError:
             assert snapshot(p) == before, f"{fault} at call {n}"
             n += 1
@@ -568,7 +570,7 @@ def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_
         break
     # Model-level enable copies nothing (components move at their phases): no copy of enable to fail there.
     assert n > 0 or (fault == "fail_h2d_copy" and config is MODEL), "the fault never fired during enable"
-    with wf.enable(p, config):
+    with wf.enable(p, config, device="sim"):
         assert_outputs_equal(run(p), expected)
     assert snapshot(p) == before
 

@@ -42,7 +42,7 @@ def test_a_full_strict_load_while_offloaded_equals_the_same_load_on_the_resident
     m, x = model()
     twin = copy.deepcopy(m)
     new = shifted(m)
-    with wf.enable({"transformer": m}, CONFIGS[cfg]):
+    with wf.enable({"transformer": m}, CONFIGS[cfg], device="sim"):
         forward(m, x)  # slots hold the old bytes, and the next pass's first blocks are prefetched
         got = m.load_state_dict(new)
         want = twin.load_state_dict(new)
@@ -60,7 +60,7 @@ def test_partial_loads_of_streamed_fixed_and_foreign_keys_report_what_torch_repo
     keys = {"transformer_blocks.1.attn.to_q.weight", "single_transformer_blocks.2.proj_out.bias", "x_embedder.weight"}
     new = shifted(m, keys)
     new["not.a.weight"] = torch.zeros(3)
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         forward(m, x)
         got = m.load_state_dict(new, strict=False)
         want = twin.load_state_dict(new, strict=False)
@@ -84,7 +84,7 @@ def test_a_strict_load_missing_keys_raises_torch_s_error_after_loading_what_it_h
     m, x = model()
     twin = copy.deepcopy(m)
     new = shifted(m, {"transformer_blocks.0.attn.to_k.weight"})
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         with pytest.raises(RuntimeError) as got:
             m.load_state_dict(new)
         with pytest.raises(RuntimeError) as want:
@@ -99,7 +99,7 @@ def test_a_size_mismatch_or_assign_is_refused_before_anything_loads():
     expected = {k: v.clone() for k, v in m.state_dict().items()}
     new = shifted(m)
     new["transformer_blocks.1.attn.to_q.weight"] = torch.zeros(3, 3, dtype=BF16)
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         before = forward(m, x)
         with pytest.raises(wf.OffloadError) as e:
             m.load_state_dict(new)
@@ -128,7 +128,7 @@ def param(m, key):
 def test_an_edit_outside_editing_is_refused_at_the_next_forward_and_put_back(key, how):
     m, x = model()
     expected = {k: v.clone() for k, v in m.state_dict().items()}
-    with wf.enable({"transformer": m}, layer(2)) as h:
+    with wf.enable({"transformer": m}, layer(2), device="sim") as h:
         before = forward(m, x)
         with torch.no_grad():
             if how == "in_place":
@@ -150,7 +150,7 @@ def test_an_edit_outside_editing_is_refused_at_the_next_forward_and_put_back(key
 def test_disable_after_an_edit_outside_editing_gives_back_the_true_weights_and_says_so():
     m, x = model()
     expected = {k: v.clone() for k, v in m.state_dict().items()}
-    h = wf.enable({"transformer": m}, layer(2))
+    h = wf.enable({"transformer": m}, layer(2), device="sim")
     forward(m, x)
     with torch.no_grad():
         param(m, FIXED).add_(1)
@@ -160,7 +160,7 @@ def test_disable_after_an_edit_outside_editing_gives_back_the_true_weights_and_s
     assert not h.enabled
     assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
     # …and a module state_dict while enabled refuses a pending edit the same way.
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         with torch.no_grad():
             param(m, STREAMED).zero_()
         with pytest.raises(wf.OffloadError):
@@ -181,7 +181,7 @@ def test_edits_inside_editing_equal_the_same_edits_on_the_twin(cfg):
                 param(mod, "single_transformer_blocks.0.norm.linear.weight").shape, 0.125, dtype=BF16
             )
 
-    with wf.enable({"transformer": m}, CONFIGS[cfg]) as h:
+    with wf.enable({"transformer": m}, CONFIGS[cfg], device="sim") as h:
         forward(m, x)
         with h.editing():
             assert torch.equal(param(m, STREAMED), param(twin, STREAMED)), "the true weights inside editing"
@@ -206,7 +206,7 @@ def test_edits_inside_editing_equal_the_same_edits_on_the_twin(cfg):
 def test_an_edit_that_raises_inside_editing_keeps_what_it_changed_as_the_module_would():
     m, x = model()
     twin = copy.deepcopy(m)
-    with wf.enable({"transformer": m}, layer(2)) as h:
+    with wf.enable({"transformer": m}, layer(2), device="sim") as h:
         with pytest.raises(ZeroDivisionError), h.editing(), torch.no_grad():
             param(m, STREAMED).add_(1)
             raise ZeroDivisionError
@@ -241,7 +241,7 @@ def test_lora_loaded_before_enable_sets_fuses_and_unfuses_inside_editing_as_on_t
     m, x = model()
     with_adapters(m)
     twin = copy.deepcopy(m)
-    with wf.enable({"transformer": m}, CONFIGS[cfg]) as h:
+    with wf.enable({"transformer": m}, CONFIGS[cfg], device="sim") as h:
         assert torch.equal(forward(m, x), forward(twin, x))
         for mod in (m, twin):
             mod.set_adapters(["a", "b"], [0.25, 1.0])
@@ -265,7 +265,7 @@ def test_lora_loaded_before_enable_sets_fuses_and_unfuses_inside_editing_as_on_t
 def test_lora_added_after_enable_runs_and_fuses_inside_editing_as_on_the_twin():
     m, x = model()
     twin = copy.deepcopy(m)
-    with wf.enable({"transformer": m}, layer(2)) as h:
+    with wf.enable({"transformer": m}, layer(2), device="sim") as h:
         forward(m, x)
         for mod in (m, twin):
             mod.add_adapter(lora(seed=3), "late")
@@ -311,7 +311,7 @@ def test_module_mode_keeps_a_whole_component_resident_for_every_entry_point_not_
             return out
 
     config = {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder", "vae"]}}
-    with wf.enable(pipe, config) as h:
+    with wf.enable(pipe, config, device="sim") as h:
         assert h._session.hooked_modules() == ["text_encoder", "transformer", "vae"]
         for got, want in zip(run(pipe), run(twin)):
             assert torch.equal(got, want)
@@ -330,7 +330,7 @@ def test_a_model_compiled_and_run_before_enable_gives_the_resident_result_while_
         component = run = torch.compile(m, backend="aot_eager")
     with torch.no_grad():
         assert torch.equal(run(**x, return_dict=False)[0], want)
-        with wf.enable({"transformer": component}, layer(2)) as h:
+        with wf.enable({"transformer": component}, layer(2), device="sim") as h:
             assert h._session.hooked_modules()[0] == "transformer.single_transformer_blocks.0"
             assert torch.equal(run(**x, return_dict=False)[0], want)  # traced again, with the hooks
         assert torch.equal(run(**x, return_dict=False)[0], want)  # traced again, without them
@@ -340,7 +340,7 @@ def test_a_model_compiled_and_run_before_enable_gives_the_resident_result_while_
 def test_a_backward_through_offloaded_blocks_is_refused_naming_the_fix():
     m, x = model()
     twin = copy.deepcopy(m)
-    with wf.enable({"transformer": m}, layer(2)):
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
         out = m(**x, return_dict=False)[0]  # grad enabled: the parameters require grad
         assert torch.equal(out.detach(), forward(twin, x))
         with pytest.raises(wf.OffloadError) as e:
@@ -380,7 +380,7 @@ def test_adapters_loaded_before_enable_stay_on_the_device_instead_of_streaming()
         s["bytes"] for c in plain["components"] for s in c["stacks"]
     ], "the blocks stream what they streamed without adapters"
     twin = copy.deepcopy(m)
-    with wf.enable({"transformer": m}, layer(2)) as h:
+    with wf.enable({"transformer": m}, layer(2), device="sim") as h:
         assert h.stats()["fixed_device_bytes"] == plan["budget"]["always_resident_bytes"]
         assert torch.equal(forward(m, x), forward(twin, x))
         with h.editing():

@@ -4,6 +4,8 @@ out. The package's Python modules are its only intended callers; users call :mod
 from typing import Literal, final
 
 __version__: str
+FALLBACK_COMPONENT_NAMES: dict[str, list[str]]
+"""The deprecated scan's component names by kind (``"dit"``, ``"encoders"``, ``"vaes"``), shared with the resolver."""
 
 class Error(Exception):
     """Base class of every error weightferry raises."""

@@ -4,23 +4,20 @@ docs/pipeline-format.md), reading metadata only.
 What it reads: the module tree in registration order (the execution order), every parameter and buffer's dtype,
 shape, strides, storage offset and kind, storage identity (``untyped_storage().data_ptr()``, so tied and shared
 weights become one storage), and the pipeline's declarations (``_dit_modules``, ``_encoder_modules``,
-``_vae_modules``, ``_resident_modules``, ``_auxiliary_modules``, ``_offload_plan``; ``_layerwise_offload_blocks_attrs``
-and the deprecated ``_layerwise_offload_blocks_attr`` on module classes). Without component declarations the
-description has no ``components``, so the resolver runs its deprecated fallback scan of component names; a component
-whose class declares no block lists gets diffusers' conventional ones (``transformer_blocks``,
-``single_transformer_blocks``, ``blocks``, ``layers``; a text encoder's ``encoder.block`` and the like), with a
-warning once per pipeline class.
+``_vae_modules``, ``_resident_modules``, ``_auxiliary_modules``, ``_offload_plan``;
+``_layerwise_offload_blocks_attrs`` and the deprecated ``_layerwise_offload_blocks_attr`` on module classes). What the
+declarations leave open, ``_discover`` finds from the host libraries' metadata (component classes,
+``_repeated_blocks``, ``_no_split_modules``) and writes into the description as declarations.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Union
 
 from . import _core
-from ._warnings import WeightferryWarning
+from ._discover import Declared, discover
 
 if TYPE_CHECKING:
     import torch
@@ -52,14 +49,6 @@ _COMPONENT_DECLS = (
     ("_resident_modules", "resident"),
     ("_auxiliary_modules", "auxiliary"),
 )
-
-# The deprecated fallback scan of diffusers' conventions, for components whose class declares no block lists:
-# block-list attributes of a DiT (in the module's registration order), and the block list of a text encoder.
-_FALLBACK_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
-_FALLBACK_ENCODER_BLOCKS = ("encoder.block", "text_model.encoder.layers", "encoder.layers", "model.layers", "layers")
-_FALLBACK_ENCODER_PREFIX = "text_encoder"
-# Pipeline classes the fallback scan already warned about (once per class).
-_WARNED: set[str] = set()
 
 _SUPPORTED = "float32, float16, bfloat16, float8_e4m3fn, int64, int32, uint8"
 
@@ -314,80 +303,37 @@ class _Describer:
         return table
 
 
-def describe(pipeline: PipelineLike) -> Description:
+def describe(
+    pipeline: PipelineLike,
+    *,
+    dit: list[str] | None = None,
+    encoders: list[str] | None = None,
+    vaes: list[str] | None = None,
+    blocks: Mapping[str, list[str]] | None = None,
+) -> Description:
     """Describes ``pipeline`` as a dict in the pipeline-description format (``json.dumps`` of it is a file
     ``weightferry plan --pipeline`` reads).
 
     ``pipeline`` is a diffusers pipeline (its ``components``), any object whose public attributes are the
     components, a dict of name -> ``torch.nn.Module``, or one ``torch.nn.Module`` (its children are the
-    components). Reads metadata only: nothing is moved, copied or written. Raises
-    :class:`weightferry.PipelineError` for a tensor of an unsupported dtype, storages shared across dtypes, or
-    malformed declarations.
+    components). Reads metadata only: nothing is moved, copied or written.
+
+    The components and their block lists are found from the models' own metadata (see :mod:`weightferry` docs,
+    "Discovery"); the keywords declare what a dict pipeline cannot: ``dit``, ``encoders`` and ``vaes`` name the
+    components of each kind (a kind given here is not discovered), ``blocks`` maps a DiT's or an encoder's name to
+    the dotted paths of its block lists (lists of blocks such as an ``nn.ModuleList``, in the order its forward runs
+    them).
+
+    Raises :class:`weightferry.PipelineError` for a tensor of an unsupported dtype, storages shared across dtypes,
+    or malformed declarations, naming the keyword or attribute to fix.
     """
-    return _describe(pipeline)[0]
+    return _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))[0]
 
 
-def _module_list_at(m: nn.Module | None, dotted: str) -> nn.ModuleList | None:
-    """The ``nn.ModuleList`` at dotted path ``dotted`` under ``m`` (with at least one block), or ``None``."""
-    import torch.nn as nn
-
-    for part in dotted.split("."):
-        m = m._modules.get(part) if isinstance(m, nn.Module) else None
-        if m is None:
-            return None
-    return m if isinstance(m, nn.ModuleList) and len(m) > 0 else None
-
-
-def _fallback_scan(cls: str, items: Iterable[tuple[str, nn.Module]], desc: Description) -> None:
-    """Block lists of components that declare none, for a pipeline that declares neither components nor an offload
-    plan, from diffusers' conventions (the deprecated fallback scan): DiT block-list attributes into
-    ``class_block_attrs`` (and those DiTs into ``offload_plan.resident_dit_paths``, so they may keep resident
-    layers), text-encoder block lists into ``offload_plan.encoder_block_attrs``. Warns once per pipeline class,
-    naming what it found."""
-    declared = desc.get("class_block_attrs", {})
-    singular = desc.get("class_block_attr", {})
-    found: list[str] = []
-    dit_attrs: dict[str, list[str]] = {}
-    encoder_attrs: dict[str, list[str]] = {}
-    dit_paths: list[str] = []
-    for name, m in items:
-        mcls = type(m).__name__
-        if name.startswith(_FALLBACK_ENCODER_PREFIX):
-            attr = next((a for a in _FALLBACK_ENCODER_BLOCKS if _module_list_at(m, a) is not None), None)
-            if attr is not None:
-                encoder_attrs[name] = [attr]
-                found.append(f"{name}.{attr}")
-            continue
-        if mcls in declared or mcls in singular or mcls in dit_attrs:
-            continue
-        attrs = [a for a in m._modules if a in _FALLBACK_BLOCK_LISTS and _module_list_at(m, a) is not None]
-        if attrs:
-            dit_attrs[mcls] = attrs
-            dit_paths.append(name)
-            found.extend(f"{name}.{a}" for a in attrs)
-    if dit_attrs:
-        desc["class_block_attrs"] = {**declared, **dit_attrs}
-    plan: dict[str, Any] = {}
-    if encoder_attrs:
-        plan["encoder_block_attrs"] = encoder_attrs
-    if dit_paths:
-        plan["resident_dit_paths"] = dit_paths  # the scanned DiTs may keep resident layers, as declared ones can
-    if plan:
-        desc["offload_plan"] = plan
-    if found and cls not in _WARNED:
-        _WARNED.add(cls)
-        warnings.warn(
-            f"pipeline {cls} declares no block lists for some components; using the deprecated scan of diffusers' "
-            f"conventions, which found {', '.join(found)} (declare _layerwise_offload_blocks_attrs on the module "
-            "classes, or an _offload_plan with block_attrs / encoder_block_attrs)",
-            WeightferryWarning,
-            stacklevel=4,
-        )
-
-
-def _describe(pipeline: PipelineLike) -> tuple[Description, Bound, Modules]:
+def _describe(pipeline: PipelineLike, py: Declared | None = None) -> tuple[Description, Bound, Modules]:
     """``(description, {tensor path: (module, attribute)}, {module path: module})``: :func:`describe` with the
-    objects its paths name (the root module, if any, at path ``""``)."""
+    objects its paths name (the root module, if any, at path ``""``); ``py`` is what the caller declared in
+    keyword arguments."""
     cls, root, items = _root_modules(pipeline)
     items = [(name, _compiled_original(m)) for name, m in items]
     d = _Describer()
@@ -404,14 +350,12 @@ def _describe(pipeline: PipelineLike) -> tuple[Description, Bound, Modules]:
     if storages:
         desc["storages"] = storages
 
+    declared: dict[str, list[str]] = {}
     if not isinstance(pipeline, Mapping):
-        declared: dict[str, list[str]] = {}
         for attr, key in _COMPONENT_DECLS:
             value = getattr(pipeline, attr, None)
             if value is not None:
                 declared[key] = _path_list(value, f"{cls}.{attr}")
-        if declared:
-            desc["components"] = declared
         plan_decl = getattr(pipeline, "_offload_plan", None)
         if plan_decl is not None:
             desc["offload_plan"] = _offload_plan(plan_decl, f"{cls}._offload_plan")
@@ -421,6 +365,5 @@ def _describe(pipeline: PipelineLike) -> tuple[Description, Bound, Modules]:
         desc["class_block_attr"] = d.class_attr
     if d.pinned:
         desc["pinned"] = d.pinned
-    if "components" not in desc and "offload_plan" not in desc:
-        _fallback_scan(cls, items, desc)
+    discover(desc, items, declared, py if py is not None else Declared())
     return desc, d.bound, d.modules

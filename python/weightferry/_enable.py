@@ -22,6 +22,7 @@ from . import _core
 from ._binders import Binder, CudaBinder, SetData, SimBinder, placeholder
 from ._config import ConfigFormat, ConfigLike, config_arg
 from ._describe import Bound, PipelineLike, _describe
+from ._discover import Declared
 from ._distributed import rendezvous_port
 from ._handle import Handle
 from ._registry import is_offloaded
@@ -40,19 +41,26 @@ __all__ = ["Seams", "enable"]
 def enable(
     pipeline: PipelineLike,
     config: ConfigLike,
-    device: str | torch.device = "sim",
+    device: str | torch.device | None = None,
     *,
     name: str | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
+    dit: list[str] | None = None,
+    encoders: list[str] | None = None,
+    vaes: list[str] | None = None,
+    blocks: Mapping[str, list[str]] | None = None,
     _seams: Seams | None = None,
 ) -> Handle:
     """Offloads ``pipeline``'s weights under ``config`` and returns a :class:`Handle`.
 
-    ``pipeline`` and ``config`` are what :func:`weightferry.plan` takes. ``device`` is ``"cuda"`` (torch's current
-    CUDA device), ``"cuda:N"``, or ``"sim"`` (the simulated device, the default: device buffers in host memory). The
-    pipeline's tensors must be on the CPU. On CUDA the pipeline runs on torch's current stream at enable (a forward
-    on another stream raises :class:`weightferry.OffloadError`); the caller moves the inputs to the device, and
-    every tensor the plan keeps on the device (the fixed placement) is there after enable.
+    ``pipeline`` and ``config`` are what :func:`weightferry.plan` takes, and so are ``dit``, ``encoders``, ``vaes``
+    and ``blocks`` (declarations a dict pipeline cannot carry; see :func:`weightferry.describe`). ``device`` is
+    ``"cuda"`` (torch's current CUDA device; the default when torch sees one), ``"cuda:N"``, or ``"sim"`` (the
+    simulated device: device buffers in host memory; without a CUDA device it must be named, or enable raises
+    :class:`weightferry.DeviceError` saying so). The pipeline's tensors must be on the CPU. On CUDA the pipeline
+    runs on torch's current stream at enable (a forward on another stream raises :class:`weightferry.OffloadError`);
+    the caller moves the inputs to the device, and every tensor the plan keeps on the device (the fixed placement) is
+    there after enable.
 
     ``checkpoint`` (a ``.safetensors`` file, or a folder with a ``*.safetensors.index.json``) fills a pipeline of one
     component (e.g. ``{"transformer": model}`` with the model built on the ``meta`` device) from the file: the
@@ -71,8 +79,9 @@ def enable(
     ``_seams`` is for weightferry's own tests (see :class:`Seams`).
     """
     seams = _seams if _seams is not None else Seams()
+    device = _default_device(device)
     text, fmt = config_arg(config)
-    desc, bound, modules = _describe(pipeline)
+    desc, bound, modules = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
     if any(is_offloaded(getattr(m, n)) for m, n in bound.values()):
         raise _core.OffloadError(
             f"pipeline {desc['class']} is already enabled by weightferry (one of its tensors is offloaded); call "
@@ -123,6 +132,22 @@ def enable(
         undo.unwind()
         raise
     return handle
+
+
+def _default_device(device: str | torch.device | None) -> str | torch.device:
+    """``device`` as given, or torch's current CUDA device when none is given; without one, an error naming the
+    simulated device (a silent CPU simulation on a GPU machine, or a GPU run on a machine without one, would both
+    surprise)."""
+    if device is not None:
+        return device
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    raise _core.DeviceError(
+        "enable() got no device and torch sees no CUDA device; pass device=\"sim\" to run on weightferry's "
+        "simulated device (device buffers in host memory), or device=\"cuda:N\" on a machine with a GPU"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

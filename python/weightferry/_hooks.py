@@ -19,6 +19,7 @@ from . import _core
 from ._binders import Binder, CudaBinder, Rebinding
 from ._clock import HookClock
 from ._grad import inference_only
+from ._storages import tensors_over
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +109,24 @@ class Hooks:
         self._thread: int | None = None
         self._open = 0
         self._inside = ""
+        # storage id -> CPU tensors of its true bytes, for streamed storages of buffers only (see _idle)
+        self._idle_buffers: dict[int, list[torch.Tensor]] = {}
+
+    def _idle(self, sid: int) -> None:
+        """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
+        of buffers only (a VAE's ``latents_mean``, a scheduler table), which pipelines read outside any forward:
+        those hold their true bytes on the CPU (a copy read once from the session; buffers are small)."""
+        import torch
+
+        views = self._storages.views[sid]
+        if any(isinstance(v.tensor, torch.nn.Parameter) for v in views):
+            self._binder.unbind(views)
+            return
+        cached = self._idle_buffers.get(sid)
+        if cached is None:
+            cached = self._idle_buffers[sid] = tensors_over(self._session.read_storage(sid), views)
+        for view, tensor in zip(views, cached):
+            self._binder.set_data(view, tensor)
 
     def _bind_from_device(self, sid: int, buffer: int, offset: int) -> None:
         self._binder.bind(self._storages.views[sid], self._storages.nbytes[sid], buffer, offset)
@@ -217,7 +236,7 @@ class Hooks:
                 # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's
                 # data pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
                 for sid in self._storages.streamed_by.get(path, ()):
-                    self._binder.unbind(self._storages.views[sid])
+                    self._idle(sid)
                 self._session.post_forward(path)
             finally:
                 clock.record(time.perf_counter_ns() - start)
@@ -248,6 +267,7 @@ class Hooks:
             self._torch_hooks.pop().remove()
         self._entered.clear()
         self._depth.clear()
+        self._idle_buffers.clear()
         with self._lock:
             self._thread, self._open = None, 0
         self.forget_slots()
@@ -259,6 +279,10 @@ class Hooks:
         self.forget_slots()
         self._binder.clear()
         streamed = self._storages.streamed()
+        for sid in sorted(sids & streamed):
+            if self._idle_buffers.pop(sid, None) is not None:  # a written buffer: its true bytes again, now
+                self._idle(sid)
+                self._sigs.record(self._storages.views[sid])
         for sid in sorted(sids - streamed):
             self._bind_from_device(sid, *self._session.locate(sid))
             self._sigs.record(self._storages.views[sid])
@@ -272,7 +296,7 @@ class Hooks:
         for sid in sorted(sids):
             views = self._storages.views[sid]
             if sid in streamed:
-                self._binder.unbind(views)
+                self._idle(sid)
             else:
                 self._bind_from_device(sid, *self._session.locate(sid))
             self._sigs.record(views)

@@ -4,6 +4,7 @@ surfaced as Python warnings."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
@@ -28,20 +29,30 @@ def check_config(config: ConfigLike) -> Strategy:
     return _core.check_config(text, fmt)
 
 
-def plan(pipeline: PipelineLike, config: ConfigLike, *, name: str | None = None) -> dict[str, Any]:
+def plan(
+    pipeline: PipelineLike,
+    config: ConfigLike,
+    *,
+    name: str | None = None,
+    dit: list[str] | None = None,
+    encoders: list[str] | None = None,
+    vaes: list[str] | None = None,
+    blocks: Mapping[str, list[str]] | None = None,
+) -> dict[str, Any]:
     """The resolved offload plan of ``pipeline`` under ``config``, as a dict: the object
     ``weightferry plan --pipeline FILE --config FILE --json`` prints for ``describe(pipeline)`` written to FILE
     (``"strategy"``, ``"components"``, ``"device_weight_bytes"``, ``"total_weight_bytes"``, ...).
 
     ``pipeline`` is what :func:`describe` accepts; ``config`` a dict in the config file's vocabulary or a path to a
-    ``.json`` / ``.toml`` file; ``name`` the report's ``"pipeline"`` (default: the pipeline's class name).
+    ``.json`` / ``.toml`` file; ``name`` the report's ``"pipeline"`` (default: the pipeline's class name);
+    ``dit``, ``encoders``, ``vaes`` and ``blocks`` what :func:`describe` takes.
     Touches nothing: no tensor is moved or copied, no hook installed, no attribute written. Each warning of the
     resolver is also issued as a :class:`WeightferryWarning`.
 
     Raises :class:`weightferry.ConfigError`, :class:`weightferry.PipelineError` or
     :class:`weightferry.PlanError` with the CLI's message.
     """
-    desc = describe(pipeline)
+    desc = describe(pipeline, dit=dit, encoders=encoders, vaes=vaes, blocks=blocks)
     text, fmt = config_arg(config)
     report: dict[str, Any] = json.loads(
         _core.plan(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name))

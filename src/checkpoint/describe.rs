@@ -120,7 +120,8 @@ pub fn derive_pipeline(ckpt: &Checkpoint, opts: &DeriveOptions) -> Result<Derive
         let parts: Vec<&str> = t.name.split('.').collect();
         if let Some(p) = parts.iter().find(|p| !is_valid_name(p)) {
             return Err(bad(format!(
-                "segment `{p}` is not a module or tensor name (ASCII letters, digits and `_`, joined by single dots)"
+                "segment `{p}` is not a module or tensor name (non-empty, no spaces or control characters, joined by \
+                 single dots)"
             )));
         }
         let Some((leaf, path)) = parts.split_last() else { continue };

@@ -200,7 +200,7 @@ pub enum CheckpointError {
         /// The index file.
         index: PathBuf,
     },
-    /// A tensor name cannot become a module path (not dotted ASCII letters, digits and `_`, or a name that is both
+    /// A tensor name cannot become a module path (not dotted names without spaces or control characters, or a name that is both
     /// a tensor and a module).
     #[error("{}: tensor `{tensor}`: {reason}", file.display())]
     BadName {

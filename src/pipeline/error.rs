@@ -72,7 +72,9 @@ pub enum PipelineError {
         at: String,
     },
     /// An attribute name that is not a single identifier-like segment.
-    #[error("{at}: `{name}` is not a valid attribute name; use a non-empty name of ASCII letters, digits and `_`")]
+    #[error(
+        "{at}: `{name}` is not a valid attribute name; use a non-empty name without `.`, spaces or control characters"
+    )]
     InvalidName {
         /// Where the name was given.
         at: String,
@@ -80,7 +82,7 @@ pub enum PipelineError {
         name: String,
     },
     /// A declared path that is not a dotted path.
-    #[error("{at}: `{path}` is not a valid dotted path; join non-empty names of ASCII letters, digits and `_` with single dots, e.g. `transformer.blocks`")]
+    #[error("{at}: `{path}` is not a valid dotted path; join non-empty names (no spaces or control characters) with single dots, e.g. `transformer.blocks`")]
     InvalidPath {
         /// Where the path was declared.
         at: String,

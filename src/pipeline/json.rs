@@ -69,7 +69,7 @@
 //! **Module** (an object): `class` (required, non-empty), `has_lifecycle` (default `false`: the module implements
 //! `load_to_device` / `offload_to_cpu`), `is_loaded` (default `true`; `false` for an unloaded stub), `tensors`
 //! (attribute name → tensor) and `children` (attribute name → module). Tensors and children share one namespace.
-//! Names are non-empty runs of ASCII letters, digits and `_`; a block list's children are named `0`, `1`, ….
+//! Names are non-empty, without `.`, spaces or control characters (torch's rule); a block list's children are named `0`, `1`, ….
 //!
 //! **Block list shorthand**: `{"repeat": N, "block": {module}}` is a list of class `ModuleList` (or the given
 //! `class`, with optional `has_lifecycle` / `is_loaded`) whose children `0` … `N-1` are copies of the `block`

@@ -7,9 +7,11 @@ use super::{
 };
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Whether `name` is a valid attribute name: non-empty ASCII letters, digits and `_`.
+/// Whether `name` is a valid attribute name: torch's rule for module and tensor names (non-empty, no `.`, which
+/// joins the segments of a path), without whitespace or control characters, so a `ModuleDict` key such as `2-1`
+/// is a name.
 pub(crate) fn is_valid_name(name: &str) -> bool {
-    !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    !name.is_empty() && !name.chars().any(|c| c == '.' || c.is_whitespace() || c.is_control())
 }
 
 /// Whether `path` is a valid dotted path: one or more valid names joined by single dots.
@@ -155,7 +157,7 @@ impl PipelineDesc {
     /// JSON-style paths for declarations.
     ///
     /// The rules:
-    /// - class names are non-empty; attribute names are non-empty runs of ASCII letters, digits and `_`;
+    /// - class names are non-empty; attribute names are non-empty, without `.`, spaces or control characters;
     /// - a module never has two attributes (tensors and children together) with the same name;
     /// - every tensor has one stride per dimension, its sizes fit in 64 bits, its dtype equals its storage's dtype,
     ///   and its view lies inside its storage (`storage_offset + physical_numel <= storage numel`);

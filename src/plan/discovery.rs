@@ -8,13 +8,13 @@ use crate::diag::warn_once;
 use crate::pipeline::{join, ModuleNode, PipelineDesc};
 
 /// Attribute names the deprecated scan treats as DiTs.
-pub(crate) const FALLBACK_DIT_NAMES: &[&str] =
+pub const FALLBACK_DIT_NAMES: &[&str] =
     &["transformer", "transformer_2", "dit", "sr_dit", "language_model", "transformer_blocks", "model"];
 /// Attribute names the deprecated scan treats as encoders.
-pub(crate) const FALLBACK_ENCODER_NAMES: &[&str] =
+pub const FALLBACK_ENCODER_NAMES: &[&str] =
     &["text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "mllm"];
 /// Attribute names the deprecated scan treats as VAEs.
-pub(crate) const FALLBACK_VAE_NAMES: &[&str] = &["vae", "audio_vae"];
+pub const FALLBACK_VAE_NAMES: &[&str] = &["vae", "audio_vae"];
 
 /// Components found in a pipeline, by dotted path, in declaration order, deduplicated.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -31,7 +31,8 @@ pub const NO_DIT_SKIP_REASON: &str = "No DiT/transformer modules found for selec
 pub const MODEL_SWAP_SKIP_REASON: &str =
     "model-level offload swaps a selected DiT against a selected encoder stage (the \
      VAE swaps with them); select both \"dit\" and \"text_encoder\" in diffusion_offload_config.components, or nothing \
-     is offloaded";
+     is offloaded; to offload a lone DiT or encoder, set diffusion_offload_config.mode = \"layer\" (its blocks \
+     stream)";
 
 /// A rejected pipeline/config combination, found before any mutation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
