@@ -171,7 +171,7 @@ def test_a_config_of_the_wrong_type_is_a_config_error():
     )
 
 
-def test_a_config_the_pipeline_cannot_serve_raises_plan_error_with_the_cli_message(cli, tmp_path):
+def test_a_config_the_pipeline_cannot_serve_raises_the_cli_error_in_python_words(cli, tmp_path):
     class NoEncoderPlan(TinyPipeline):
         _offload_plan = None
 
@@ -183,10 +183,14 @@ def test_a_config_the_pipeline_cannot_serve_raises_plan_error_with_the_cli_messa
     expected = cli.plan_error(pfile, write(tmp_path, "c.json", json.dumps(config)))
     with pytest.raises(wf.PlanError) as e:
         wf.plan(p, config, name=pfile)
-    assert str(e.value) == expected
     assert expected == (
         f"the config cannot be applied to {pfile}: Selected text encoder 'text_encoder' requires a model-declared "
         "streamable (offload_plan.encoder_block_attrs) or on-demand (offload_plan.on_demand_component_paths) plan"
+    )
+    # The same error in a Python caller's words: the keyword that declares it, not the description file's key.
+    assert str(e.value) == (
+        f"the config cannot be applied to {pfile}: Selected text encoder 'text_encoder' has no block list to stream; "
+        "pass blocks={\"text_encoder\": [...]} to enable (or plan) naming its block lists (nn.ModuleList)"
     )
 
 

@@ -23,6 +23,7 @@ open and writes it into the description as declarations (``components``, ``offlo
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -275,6 +276,53 @@ def _module_at(m: nn.Module, dotted: str) -> nn.Module | None:
     return cur
 
 
+def _nbytes(m: nn.Module) -> int:
+    tensors = [*m.parameters(), *m.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _left_resident(m: nn.Module, lists: list[str]) -> list[tuple[str, int, int]]:
+    """``(path, blocks, bytes)`` of the lists of blocks in ``m`` that no streamed list holds and that weigh at least a
+    twentieth of ``m``: large weights that stay on the device although the model streams its blocks."""
+    total = _nbytes(m)
+    out: list[tuple[str, int, int]] = []
+
+    def walk(mod: nn.Module, prefix: str) -> None:
+        for name, child in mod._modules.items():
+            path = f"{prefix}{name}"
+            if child is None or path in lists:
+                continue
+            blocks = [b for b in child._modules.values() if b is not None]
+            uniform = all(type(b) is type(blocks[0]) and len(b._modules) > 0 for b in blocks)
+            if _is_block_list(child) and len(blocks) > 1 and uniform:
+                n = _nbytes(child)
+                if n * 20 >= total:
+                    out.append((path, len(blocks), n))
+                    continue
+            walk(child, path + ".")
+
+    walk(m, "")
+    return out
+
+
+def _warn_left_resident(path: str, m: nn.Module, lists: list[str]) -> None:
+    """One warning per model naming the large lists of blocks that stay on the device."""
+    left = _left_resident(m, lists)
+    seen = _WARNED.setdefault(m, set())
+    if not left or "left" in seen:
+        return
+    seen.add("left")
+    total = _nbytes(m)
+    what = ", ".join(f"{p} ({n} blocks, {b / 1e6:.1f} MB, {100 * b / total:.0f}% of it)" for p, n, b in left)
+    every = [*lists, *(p for p, _, _ in left)]
+    warnings.warn(
+        f"'{path}' ({type(m).__name__}) streams {', '.join(lists)}, but these lists of blocks stay on the device: "
+        f"{what}; pass blocks={json.dumps({path: every})} to enable to stream them too",
+        WeightferryWarning,
+        stacklevel=5,
+    )
+
+
 def _has_list(m: nn.Module, dotted: str) -> bool:
     found = _module_at(m, dotted)
     return found is not None and _is_block_list(found)
@@ -310,6 +358,7 @@ def discover(
         if m is None or p in plan.get("block_attrs", {}) or type(m).__name__ in class_declared:
             continue
         lists = _dit_lists(p, m, scans)
+        _warn_left_resident(p, m, lists)
         if lists:
             plan.setdefault("block_attrs", {})[p] = lists
             if p not in plan.setdefault("resident_dit_paths", []):
@@ -323,6 +372,7 @@ def discover(
         if p in plan.get("encoder_block_attrs", {}):
             continue
         lists = _encoder_lists(p, m, scans)
+        _warn_left_resident(p, m, lists)
         if lists:
             plan.setdefault("encoder_block_attrs", {})[p] = lists
     if not plan.get("resident_dit_paths", True):

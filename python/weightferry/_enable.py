@@ -28,6 +28,7 @@ from ._handle import Handle
 from ._registry import is_offloaded
 from ._storages import StorageMap, materialize_meta, set_data
 from ._undo import UndoStack
+from ._vocab import in_python_words
 from ._warnings import WeightferryWarning, warn_report
 
 if TYPE_CHECKING:
@@ -90,9 +91,10 @@ def enable(
     ckpt = _checkpoint_component(desc, checkpoint) if checkpoint is not None else None
     if ckpt:
         _check_computed_buffers(bound)
-    session, binder, stream = _open_session(
-        json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt, seams
-    )
+    with in_python_words():
+        session, binder, stream = _open_session(
+            json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt, seams
+        )
     _check_tensors(bound, ("cpu", "meta") if ckpt else ("cpu",))
     report = json.loads(session.plan_json())
     warn_report(report, stacklevel=2)

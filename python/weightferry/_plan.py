@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _core
 from ._config import ConfigLike, config_arg
 from ._describe import PipelineLike, describe
+from ._vocab import in_python_words
 from ._warnings import warn_report
 
 if TYPE_CHECKING:
@@ -54,8 +55,9 @@ def plan(
     """
     desc = describe(pipeline, dit=dit, encoders=encoders, vaes=vaes, blocks=blocks)
     text, fmt = config_arg(config)
-    report: dict[str, Any] = json.loads(
-        _core.plan(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name))
-    )
+    with in_python_words():
+        report: dict[str, Any] = json.loads(
+            _core.plan(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name))
+        )
     warn_report(report, stacklevel=2)
     return report
