@@ -388,3 +388,28 @@ def test_adapters_loaded_before_enable_stay_on_the_device_instead_of_streaming()
         twin.fuse_lora()
         assert torch.equal(forward(m, x), forward(twin, x))
     same_weights(m, twin)
+
+
+def test_a_module_mode_component_s_buffers_hold_their_true_values_between_phases_and_after_a_load():
+    from test_diffusers import t5
+
+    m, x = model()
+    v = vae()
+    v.register_buffer("shift_table", torch.arange(4, dtype=torch.float32))  # read by pipelines outside any forward
+    pipe = {"transformer": m, "text_encoder": t5(), "vae": v}
+    twin = copy.deepcopy(pipe)
+    z = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(2))
+    config = {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder", "vae"]}}
+    with wf.enable(pipe, config, device="sim"), torch.no_grad():
+        for _ in range(2):  # before any phase of the VAE, and after one
+            assert torch.equal(v.shift_table, twin["vae"].shift_table)
+            assert v.encoder.conv_in.weight.numel() == 0  # parameters stay placeholders between phases
+            assert torch.equal(v.decode(z).sample, twin["vae"].decode(z).sample)
+        # A load writes through: the buffer reads its new value between phases, and the next phase uses it.
+        new = {"shift_table": torch.full((4,), 0.5)}
+        v.load_state_dict(new, strict=False)
+        twin["vae"].load_state_dict(new, strict=False)
+        assert torch.equal(v.shift_table, new["shift_table"])
+        assert torch.equal(v.decode(z).sample, twin["vae"].decode(z).sample)
+        assert torch.equal(v.shift_table, new["shift_table"])
+    same_weights(v, twin["vae"])
