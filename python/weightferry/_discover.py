@@ -281,10 +281,10 @@ def _nbytes(m: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _left_resident(m: nn.Module, lists: list[str]) -> list[tuple[str, int, int]]:
-    """``(path, blocks, bytes)`` of the lists of blocks in ``m`` that no streamed list holds and that weigh at least a
-    twentieth of ``m``: large weights that stay on the device although the model streams its blocks."""
-    total = _nbytes(m)
+def _left_resident(m: nn.Module, lists: list[str], total: int) -> list[tuple[str, int, int]]:
+    """``(path, blocks, bytes)`` of the lists of blocks in ``m`` (of ``total`` bytes) that no streamed list holds and
+    that weigh at least a twentieth of it: large weights that stay on the device although the model streams its
+    blocks."""
     out: list[tuple[str, int, int]] = []
 
     def walk(mod: nn.Module, prefix: str) -> None:
@@ -307,12 +307,14 @@ def _left_resident(m: nn.Module, lists: list[str]) -> list[tuple[str, int, int]]
 
 def _warn_left_resident(path: str, m: nn.Module, lists: list[str]) -> None:
     """One warning per model naming the large lists of blocks that stay on the device."""
-    left = _left_resident(m, lists)
     seen = _WARNED.setdefault(m, set())
-    if not left or "left" in seen:
+    if "left" in seen:
+        return
+    total = _nbytes(m)
+    left = _left_resident(m, lists, total)
+    if not left:
         return
     seen.add("left")
-    total = _nbytes(m)
     what = ", ".join(f"{p} ({n} blocks, {b / 1e6:.1f} MB, {100 * b / total:.0f}% of it)" for p, n, b in left)
     every = [*lists, *(p for p, _, _ in left)]
     warnings.warn(

@@ -111,15 +111,14 @@ class Hooks:
         self._inside = ""
         # storage id -> CPU tensors of its true bytes, for streamed storages of buffers only (see _idle)
         self._idle_buffers: dict[int, list[torch.Tensor]] = {}
+        self._buffer_only: frozenset[int] = frozenset()  # storages holding no parameter, found once at install
 
     def _idle(self, sid: int) -> None:
         """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
         of buffers only (a VAE's ``latents_mean``, a scheduler table), which pipelines read outside any forward:
         those hold their true bytes on the CPU (a copy read once from the session; buffers are small)."""
-        import torch
-
         views = self._storages.views[sid]
-        if any(isinstance(v.tensor, torch.nn.Parameter) for v in views):
+        if sid not in self._buffer_only:
             self._binder.unbind(views)
             return
         cached = self._idle_buffers.get(sid)
@@ -246,6 +245,14 @@ class Hooks:
 
     def install(self) -> None:
         """Binds the fixed placement once, releases the streamed tensors' host copies, installs the torch hooks."""
+        import torch
+
+        # Asked here once, not in every post-forward hook: which storages hold buffers only (see _idle).
+        self._buffer_only = frozenset(
+            sid
+            for sid, views in self._storages.views.items()
+            if not any(isinstance(v.tensor, torch.nn.Parameter) for v in views)
+        )
         self.rebind_idle(set(self._storages.views))
         for path in self._session.hooked_modules():
             module = self._modules.get(path)
