@@ -77,6 +77,13 @@ fn check_pipeline(pipeline_json: &str, name: Option<&str>) -> PyResult<()> {
 }
 
 /// Panics inside the guard: exists so the tests can prove a panic reaches Python as `weightferry.Error`.
+/// Gives the C heap's free pages back to the system (glibc's `malloc_trim`; a no-op returning `False` elsewhere):
+/// called after releasing torch's host copies of the weights, which the allocator would otherwise keep.
+#[pyfunction]
+fn trim_host_heap(py: Python<'_>) -> bool {
+    py.detach(weightferry::platform::host_heap::trim_host_heap)
+}
+
 #[pyfunction]
 fn _panic_for_test(message: &str) -> PyResult<()> {
     guarded("_panic_for_test", || -> Result<(), CoreError> { panic!("{message}") }).map_err(raise)
@@ -336,6 +343,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(check_pipeline, m)?)?;
+    m.add_function(wrap_pyfunction!(trim_host_heap, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     Ok(())
 }

@@ -43,6 +43,9 @@ def check_config(
 def check_pipeline(pipeline_json: str, name: str | None = None) -> None:
     """Validates a pipeline description. Raises ``PipelineError`` naming the pipeline ``name``."""
 
+def trim_host_heap() -> bool:
+    """Gives the C heap's free pages back to the system (glibc's ``malloc_trim``); ``False`` where it cannot."""
+
 def _panic_for_test(message: str) -> None:
     """Panics inside the panic guard (raises ``Error``): for the tests."""
 

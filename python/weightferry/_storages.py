@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core
 
+# Bytes of torch tensors released between two trims of the C heap during the hand-over (see StorageMap.hand_over).
+_TRIM_BYTES = 1 << 30
+
 if TYPE_CHECKING:
     import torch
 
@@ -148,8 +151,11 @@ class StorageMap:
         self, session: _core.Session, sids: set[int], release: Callable[[View], None], handed: list[int]
     ) -> None:
         """Storage by storage, gives the session the bytes of ``sids`` and releases torch's host copy at once (each
-        tensor passes to ``release``), so host memory holds about one copy of the weights throughout. Appends each
-        storage to ``handed`` once the session holds its only copy."""
+        tensor passes to ``release``), so host memory holds about one copy of the weights throughout: a streamed
+        storage is written straight into the host master it will live in, and after every ``_TRIM_BYTES`` released
+        the C heap gives the pages torch freed back to the system (the allocator keeps tensors freed in the middle
+        of its heap otherwise). Appends each storage to ``handed`` once the session holds its only copy."""
+        released = 0
         for sid, views in self.views.items():
             if sid not in sids:
                 continue
@@ -157,6 +163,11 @@ class StorageMap:
             handed.append(sid)
             for view in views:
                 release(view)
+            released += self.nbytes[sid]
+            if released >= _TRIM_BYTES:
+                _core.trim_host_heap()
+                released = 0
+        _core.trim_host_heap()
 
     def restore(self, session: _core.Session, sids: list[int]) -> None:
         """Gives the tensors of ``sids`` ordinary CPU tensors rebuilt from the session's bytes (the undo of a failed

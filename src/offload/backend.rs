@@ -9,6 +9,7 @@
 //!
 //! `backend/write_through.rs`: writes while enabled (new bytes become the host copy; device copies are refreshed).
 
+mod staging;
 mod write_through;
 
 use super::group::{Communicator, GatherNames, Group};
@@ -223,6 +224,8 @@ pub struct StreamingBackend {
     restore_log: Vec<(u64, u64)>,
     /// Observer of master building at `enable`.
     progress: Option<EnableProgress>,
+    /// Masters the host engine wrote into before `enable` (see `staging.rs`).
+    staging: Option<staging::Staging>,
 }
 
 impl Drop for StreamingBackend {
@@ -266,6 +269,7 @@ impl StreamingBackend {
             communicator,
             restore_log: Vec::new(),
             progress: None,
+            staging: None,
         }
     }
 
@@ -401,7 +405,7 @@ impl StreamingBackend {
                 .and_then(|p| p.skip_reason.clone())
                 .unwrap_or_else(|| "nothing to offload for this pipeline under this config".to_string());
             tracing::warn!("offload not enabled: {why}");
-            return Ok(());
+            return self.release_staging(model);
         }
         hooks.claim_offload(units.hook_name)?;
         let mut st = State { units: Some(units), ..Default::default() };
@@ -409,9 +413,16 @@ impl StreamingBackend {
             Ok(()) => {
                 self.state = Some(st);
                 self.enabled = true;
+                // Every staged master was taken, unless a layout changed: those storages get their own buffers.
+                if let Err(e) = self.release_staging(model) {
+                    tracing::warn!("a staged master enable did not take could not be released: {e}");
+                }
                 Ok(())
             }
             Err(e) => {
+                if let Err(released) = self.release_staging(model) {
+                    tracing::error!("rollback after failed enable could not release the staged masters: {released}");
+                }
                 let hook_name = st.units.as_ref().map_or("", |u| u.hook_name);
                 let rolled_back = Self::teardown(&self.platform, &mut st, model, hooks);
                 if let Some(g) = st.group_failure.take() {
@@ -451,8 +462,9 @@ impl StreamingBackend {
         }
         let total: u64 = units.stacks.iter().flat_map(|sp| &sp.units).map(unit_bytes).sum();
         let mut done = 0;
+        let progress = self.progress.clone();
         let report = |done| {
-            if let Some(p) = &self.progress {
+            if let Some(p) = &progress {
                 (p.0)(done, total);
             }
         };
@@ -471,7 +483,8 @@ impl StreamingBackend {
             let mut blocks = Vec::new();
             let sizes: Vec<u64> = sp.units.iter().map(unit_bytes).collect();
             for r in master_batches(&sizes, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
-                let batch = (&sp.units[r.clone()], &served[si][r.clone()]);
+                let staged = self.take_staged(st, model, &sp.units[r.clone()]);
+                let batch = (&sp.units[r.clone()], &served[si][r.clone()], &staged[..]);
                 blocks.extend(self.build_masters(st, model, batch, kind, si, r.start)?);
                 done += sizes[r].iter().sum::<u64>();
                 report(done);
@@ -675,18 +688,19 @@ impl StreamingBackend {
     /// in place through a bounce buffer, see [`write_section`]), then moves their storages' homes into them, freeing
     /// the loaded buffers. A section served from its file (`Some` in the batch's second half; the file was
     /// registered by [`register_files`](Self::register_files)) gets no master: the copy reads the file's range and
-    /// its storages keep their file home.
+    /// its storages keep their file home. A section with a staged master (the batch's third part, already in `st`,
+    /// see [`take_staged`](Self::take_staged)) uses it as it is.
     /// `first_ui` is the index of the batch's first unit in its stack. Returns the units' flat copies.
     fn build_masters(
         &self,
         st: &mut State,
         model: &mut HostModel,
-        (batch, served): (&[UnitLayout], &[Vec<Option<MappedSection>>]),
+        (batch, served, staged): MasterBatch<'_>,
         kind: HostMemoryKind,
         si: usize,
         first_ui: usize,
     ) -> Result<Vec<BlockSpec>, OffloadError> {
-        let built = fill_masters(&self.platform, model, batch, served, kind);
+        let built = fill_masters(&self.platform, model, batch, served, staged, kind);
         // Record every buffer first so a failure anywhere frees them all on rollback.
         let mut first_err = None;
         let mut per_unit = Vec::new();
@@ -713,6 +727,7 @@ impl StreamingBackend {
             let mut segments = Vec::new();
             for (j, (sec, master)) in unit.sections.iter().zip(made).enumerate() {
                 let device_offset = sec.device_offset;
+                let master = master.or_else(|| staged[k].get(j).copied().flatten().map(|b| (b, sec.len)));
                 match (master, mapped.get(j).copied().flatten()) {
                     (Some((buf, _)), _) => {
                         segments.push(Segment { host: buf, host_offset: 0, len: sec.len, device_offset });
@@ -846,7 +861,8 @@ impl StreamingBackend {
     pub fn disable(&mut self, model: &mut HostModel, hooks: &HookRegistry) -> Result<(), OffloadError> {
         let Some(mut st) = self.state.take() else {
             self.enabled = false;
-            return Ok(());
+            // Never enabled: the masters the engine wrote into give their storages back.
+            return self.release_staging(model);
         };
         let hook_name = st.units.as_ref().map_or("", |u| u.hook_name);
         let torn = Self::teardown(&self.platform, &mut st, model, hooks);
@@ -960,6 +976,10 @@ impl WeightSource for StreamingBackend {
 
 /// One unit's new masters, per section (`None` for a section served from its file), or the first error and the
 /// buffers made before it.
+/// A batch of units whose masters are built together: their layouts, the sections their files serve, the sections
+/// staged masters hold (see `build_masters`).
+type MasterBatch<'a> = (&'a [UnitLayout], &'a [Vec<Option<MappedSection>>], &'a [Vec<Option<HostBufferId>>]);
+
 type UnitMasters = Result<Vec<Option<(HostBufferId, u64)>>, (OffloadError, Vec<HostBufferId>)>;
 
 /// Allocates and fills the masters of a batch of units, one thread per unit (see `build_masters`).
@@ -968,13 +988,17 @@ fn fill_masters(
     model: &HostModel,
     batch: &[UnitLayout],
     served: &[Vec<Option<MappedSection>>],
+    staged: &[Vec<Option<HostBufferId>>],
     kind: HostMemoryKind,
 ) -> Vec<UnitMasters> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = batch
             .iter()
             .zip(served)
-            .map(|(unit, mapped)| scope.spawn(move || unit_masters(platform, model, unit, mapped, kind)))
+            .zip(staged)
+            .map(|((unit, mapped), staged)| {
+                scope.spawn(move || unit_masters(platform, model, unit, mapped, staged, kind))
+            })
             .collect();
         handles
             .into_iter()
@@ -987,18 +1011,19 @@ fn fill_masters(
     })
 }
 
-/// The masters of one unit's sections not served from their file: each allocated and filled in place through a
-/// bounce buffer (see [`write_section`]).
+/// The masters of one unit's sections neither served from their file nor staged: each allocated and filled in place
+/// through a bounce buffer (see [`write_section`]).
 fn unit_masters(
     platform: &PlatformRef,
     model: &HostModel,
     unit: &UnitLayout,
     mapped: &[Option<MappedSection>],
+    staged: &[Option<HostBufferId>],
     kind: HostMemoryKind,
 ) -> UnitMasters {
     let mut made: Vec<Option<(HostBufferId, u64)>> = Vec::new();
     for (k, sec) in unit.sections.iter().enumerate() {
-        if mapped.get(k).copied().flatten().is_some() {
+        if mapped.get(k).copied().flatten().is_some() || staged.get(k).copied().flatten().is_some() {
             made.push(None);
             continue;
         }

@@ -10,7 +10,10 @@
 //!   ([`weightferry_actors::collective::Collective`]) over NCCL AllGather on a `CudaPlatform`, and
 //!   `cuda::symmetric::SymmetricHeap`, the `ncclMemAlloc` memory its copy-engine AllGather maps as symmetric
 //!   windows.
+//!
+//! `host_heap` gives the C heap's free pages back to the system after a host engine released its copies.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod host_heap;
 pub mod timeline;

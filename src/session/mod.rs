@@ -249,7 +249,10 @@ impl Session {
             }
         };
         let (model, written) = Self::host_model(platform.clone(), desc, checkpoint)?;
-        let backend = backend(&config, platform, collective, options.ordering_fault, options.enable_progress)?;
+        let mut backend = backend(&config, platform, collective, options.ordering_fault, options.enable_progress)?;
+        if let Some(b) = backend.as_mut() {
+            b.begin_staging(&model, &plan); // the caller's writes go straight into the masters enable will use
+        }
         let hooks = HookRegistry::new();
         Ok(Session { device, compute, model, backend, hooks, streamed, written, plan, report, sim_capacity, name })
     }
@@ -357,9 +360,16 @@ impl Session {
         self.model.desc().storages.keys().filter(|s| !self.written.contains(s)).copied().collect()
     }
 
-    /// Fills a storage's host bytes (exactly its size; only before `enable` or after `disable`).
+    /// Fills a storage's host bytes (exactly its size; only before `enable` or after `disable`). Before the first
+    /// `enable`, a storage the plan streams is written straight into the host master `enable` will use.
     pub fn write_storage(&mut self, storage: StorageId, bytes: &[u8]) -> Result<(), SessionError> {
-        self.model.write_storage(storage, bytes).map_err(offload_err)?;
+        let staged = match self.backend.as_mut() {
+            Some(b) => b.stage_write(&mut self.model, storage, bytes).map_err(offload_err)?,
+            None => false,
+        };
+        if !staged {
+            self.model.write_storage(storage, bytes).map_err(offload_err)?;
+        }
         self.written.insert(storage);
         Ok(())
     }
