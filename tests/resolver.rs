@@ -11,7 +11,7 @@ use weightferry::pipeline::builder::{ModuleBuilder, PipelineBuilder};
 use weightferry::pipeline::presets::preset;
 use weightferry::pipeline::{ComponentDecls, DType, OffloadPlanDecl, PipelineDesc};
 use weightferry::plan::budget::{non_block_storages, storages_under};
-use weightferry::plan::resolver::NO_DIT_SKIP_REASON;
+use weightferry::plan::resolver::{MODEL_SWAP_SKIP_REASON, NO_DIT_SKIP_REASON};
 use weightferry::plan::{resolve_offload_plan, ComponentKind, ResolvedComponent, ResolvedPlan};
 
 // ------------------------------------------------------------------------------------------------------------
@@ -726,21 +726,21 @@ fn explicit_dit_without_blocks_is_an_error() {
 }
 
 #[test]
-fn explicit_model_level_needs_a_dit_and_an_encoder() {
+fn explicit_model_level_without_a_pair_is_one_skip() {
     let no_encoder = build(
         PipelineBuilder::new("DitOnlyPipeline").module("transformer", "ToyDiT", |m| toy_dit(m, 2)).dit("transformer"),
     );
-    assert_eq!(
-        err(&no_encoder, &module_mode(&["dit"])),
-        "Component-selective model offload requires an encoder execution stage to swap against; the pipeline \
-         declares no encoder"
-    );
+    // Selecting a stage the pipeline lacks is refused by the selection checks.
+    assert!(err(&no_encoder, &module_mode(&["dit", "text_encoder"])).starts_with("No text encoder modules found"));
     let no_dit =
         build(PipelineBuilder::new("EncoderOnlyPipeline").module("text_encoder", "Enc", leaf).encoder("text_encoder"));
-    assert_eq!(
-        err(&no_dit, &module_mode(&["text_encoder"])),
-        "Component-selective model offload requires a DiT/transformer module; the pipeline declares none"
-    );
+    assert!(err(&no_dit, &module_mode(&["dit", "text_encoder"])).starts_with("No DiT"));
+    // A lone stage selected is the same skip, with the same note, whether the pipeline has the other stage or not.
+    for (p, lone) in [(&no_encoder, "dit"), (&no_dit, "text_encoder")] {
+        let plan = ok(p, &module_mode(&[lone]));
+        assert_eq!(plan.skip_reason.as_deref(), Some(MODEL_SWAP_SKIP_REASON), "{lone}");
+        assert_eq!(plan.warnings, strings(&[MODEL_SWAP_SKIP_REASON]), "{lone}");
+    }
     // The compatibility topology only warns.
     let plan = ok(&no_encoder, &cfg(r#"{"enable_cpu_offload": true}"#));
     assert_eq!(

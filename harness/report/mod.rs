@@ -186,9 +186,11 @@ impl fmt::Display for RunReport {
         for n in &self.notes {
             writeln!(f, "note: {n}")?;
         }
+        // A run that offloaded nothing compares the model with itself: say so where the verdict is read.
+        let what = if self.offload_enabled { "offloaded" } else { "not offloaded: nothing was streamed" };
         writeln!(
             f,
-            "outputs match: {} (resident {}, offloaded {})",
+            "outputs match: {} (resident {}, {what} {})",
             yes_no(self.outputs_match),
             self.resident_checksum,
             self.offloaded_checksum

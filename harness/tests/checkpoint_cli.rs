@@ -219,6 +219,29 @@ fn plan_checkpoint_streams_the_derived_block_lists() {
 }
 
 #[test]
+fn module_mode_without_a_pair_is_one_skip_on_a_preset_and_a_checkpoint() {
+    let f = checkpoint("module_lone", false);
+    let c = f.with_file_name("module_lone.json");
+    let cfg = json!({"diffusion_offload_config": {"mode": "module", "components": ["dit"]}});
+    std::fs::write(&c, cfg.to_string()).unwrap();
+    let (f, c) = (f.to_str().unwrap(), c.to_str().unwrap());
+    let mut reasons = Vec::new();
+    for source in [["--preset", "flux-tiny"], ["--checkpoint", f]] {
+        let plan = ok_json(&["plan", "--json", "--config", c, source[0], source[1]]);
+        let run = ok_json(&["run", "--json", "--steps", "1", "--config", c, source[0], source[1]]);
+        assert_eq!(run["offload_enabled"], false, "{source:?}");
+        assert_eq!(run["skip_reason"], plan["skip_reason"], "{source:?}");
+        reasons.push(run["skip_reason"].clone());
+        let human = wf(&["run", "--steps", "1", "--config", c, source[0], source[1]]);
+        let out = String::from_utf8_lossy(&human.stdout);
+        assert_eq!(human.status.code(), Some(0), "{source:?}: {}", String::from_utf8_lossy(&human.stderr));
+        assert!(out.contains("not offloaded: nothing was streamed"), "{source:?}: {out}");
+        assert!(out.contains("set diffusion_offload_config.mode = \"layer\""), "{source:?}: {out}");
+    }
+    assert_eq!(reasons[0], reasons[1], "the preset and the checkpoint give one reason");
+}
+
+#[test]
 fn run_checkpoint_is_bit_exact_over_the_file_bytes() {
     let mut sums = Vec::new();
     for (name, shards) in [("run_one", false), ("run_sharded", true)] {

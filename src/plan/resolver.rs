@@ -258,23 +258,11 @@ fn check_selected_exist(cx: &Ctx<'_>, comps: &Components, sel: Selection) -> Res
 /// skip reason when there are not two stages to swap.
 fn resolve_model_level(cx: &mut Ctx<'_>, comps: &mut Components, sel: Selection) -> Result<Option<String>, PlanError> {
     let Components { dits, encoders, vaes, .. } = comps;
-    if cx.explicit {
-        if dits.is_empty() {
-            return Err(PlanError(
-                "Component-selective model offload requires a DiT/transformer module; the pipeline declares none"
-                    .into(),
-            ));
-        }
-        if encoders.is_empty() {
-            return Err(PlanError(
-                "Component-selective model offload requires an encoder execution stage to swap against; the \
-                 pipeline declares no encoder"
-                    .into(),
-            ));
-        }
-    } else if dits.is_empty() {
+    // A selected stage the pipeline lacks was refused by the selection checks; a stage not selected is the skip
+    // below, whether the pipeline has it or not (the CLI, a checkpoint and Python all see the same note).
+    if !cx.explicit && dits.is_empty() {
         cx.warn("No DiT/transformer modules found; model-level offload will not be enabled".into());
-    } else if encoders.is_empty() {
+    } else if !cx.explicit && encoders.is_empty() {
         cx.warn("No encoder modules found; model-level offload keeps the DiT resident and is not enabled".into());
     }
     for d in dits.iter_mut() {
@@ -289,7 +277,7 @@ fn resolve_model_level(cx: &mut Ctx<'_>, comps: &mut Components, sel: Selection)
     // The swap needs two stages: a selected DiT and a selected encoder (the VAE swaps with them). Without
     // both, nothing moves; say so here, so the plan and the backend agree.
     let stages = dits.iter().any(|d| d.selected) && encoders.iter().any(|e| e.selected);
-    if !stages && !dits.is_empty() && !encoders.is_empty() {
+    if !stages && (cx.explicit || (!dits.is_empty() && !encoders.is_empty())) {
         cx.warn(MODEL_SWAP_SKIP_REASON.to_string());
         return Ok(Some(MODEL_SWAP_SKIP_REASON.to_string()));
     }
