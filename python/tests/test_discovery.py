@@ -14,7 +14,7 @@ import zoo
 import weightferry as wf
 
 # What each class's metadata names, read off the classes by hand (diffusers 0.42.1, transformers 5.24.0), in the
-# order of registration; the classes without metadata stream their conventional names, with a warning.
+# order the model's forward runs them; the classes without metadata stream their conventional names, with a warning.
 FLUX = ["transformer_blocks", "single_transformer_blocks"]
 REFINER = "context_embedder.token_refiner.refiner_blocks"
 EXPECTED = {
@@ -22,7 +22,7 @@ EXPECTED = {
                      "OvisImageTransformer2DModel", "LongCatImageTransformer2DModel", "BriaFiboTransformer2DModel"],
                     FLUX),
     "AuraFlowTransformer2DModel": ["joint_transformer_blocks", "single_transformer_blocks"],
-    "Lumina2Transformer2DModel": ["noise_refiner", "context_refiner", "layers"],
+    "Lumina2Transformer2DModel": ["context_refiner", "noise_refiner", "layers"],  # execution order, not registration
     "ZImageTransformer2DModel": ["noise_refiner", "context_refiner", "layers"],
     "HiDreamImageTransformer2DModel": ["double_stream_blocks", "single_stream_blocks"],  # HiDreamBlock wrappers
     "OmniGenTransformer2DModel": ["layers"],
@@ -32,7 +32,7 @@ EXPECTED = {
     "HunyuanVideo15Transformer3DModel": [REFINER, "transformer_blocks"],
     **{name: ["blocks"] for name in ["WanTransformer3DModel", "SkyReelsV2Transformer3DModel",
                                      "ChronoEditTransformer3DModel"]},
-    "WanVACETransformer3DModel": ["blocks", "vace_blocks"],
+    "WanVACETransformer3DModel": ["vace_blocks", "blocks"],  # the control hints run first
     "Kandinsky5Transformer3DModel": ["text_transformer_blocks", "visual_transformer_blocks"],
     # No metadata: the conventional names.
     "LuminaNextDiT2DModel": ["layers"],
@@ -97,7 +97,10 @@ def test_every_model_streams_the_block_lists_its_class_names_bit_identical(case)
         for _ in range(2):
             assert torch.equal(case.run(m, x), want)
         assert h._session.hazard_violations() == []
-        assert sum(s["loads"] for s in h.stats()["stacks"]) > 0
+        stacks = h.stats()["stacks"]
+        assert sum(s["loads"] for s in stacks) > 0
+        # The stacks run in the model's execution order: every block was prefetched before its forward asked.
+        assert [s["sync_fetches"] for s in stacks] == [0] * len(stacks)
     after = state(m)
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 

@@ -8,10 +8,13 @@ read from the host libraries' own metadata instead of attribute names.
   as the deprecated scan always did (the resolver's own name lists), with one warning per model.
 - **Block lists** of a DiT or an encoder are the ``nn.ModuleList`` / ``nn.Sequential`` whose every element is an
   instance of a class the model's class names in ``_repeated_blocks`` (diffusers) or ``_no_split_modules``
-  (diffusers and transformers), nested ones included (a token refiner's blocks), in registration order (the order
-  the model's ``__init__`` builds them, which is the order its forward runs them). A list inside a found list is
-  part of its block. A model without that metadata falls back to diffusers' conventional names, with one warning per
-  model.
+  (diffusers and transformers), nested ones included (a token refiner's blocks), in execution order: ordered by
+  where the model's own ``forward`` first names the child holding each list (Lumina2 builds its noise refiner
+  before its context refiner and runs them the other way round), in registration order where its source cannot be
+  read or does not name them all. A list inside a found list is part of its block. A model without that metadata
+  falls back to diffusers' conventional names, with one warning per model. Lists nested in one child keep their
+  registration order (a UNet's down block interleaves its resnets and attentions: those blocks stream correctly
+  but some are fetched when their forward asks for them).
 
 Declarations win over discovery: the pipeline's ``_dit_modules`` / ``_encoder_modules`` / ``_vae_modules`` and
 ``enable``'s ``dit=`` / ``encoders=`` / ``vaes=`` name the components; a class's ``_layerwise_offload_blocks_attrs``,
@@ -23,7 +26,9 @@ open and writes it into the description as declarations (``components``, ``offlo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import re
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -35,7 +40,7 @@ from ._warnings import WeightferryWarning
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["Declared", "discover", "metadata_block_lists"]
+__all__ = ["Declared", "discover", "execution_order", "metadata_block_lists"]
 
 # Component kinds as the description's `components` keys them.
 DIT, ENCODERS, VAES = "dit", "encoders", "vaes"
@@ -248,20 +253,36 @@ def _components(
 _KIND_WORD = {DIT: "DiT", ENCODERS: "text encoder", VAES: "VAE"}
 
 
+def execution_order(m: nn.Module, lists: list[str]) -> list[str]:
+    """``lists`` (dotted paths in ``m``) in the order ``m``'s forward runs them: sorted by where the source of its
+    class's ``forward`` first names the child of ``m`` holding each (``self.<child>``), lists under one child in
+    their given order; as given when the source cannot be read or does not name every such child."""
+    try:
+        source = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return lists
+    first: dict[str, int] = {}
+    for hit in re.finditer(r"\bself\.(\w+)", source):
+        first.setdefault(hit.group(1), hit.start())
+    if not all(p.split(".")[0] in first for p in lists):
+        return lists
+    return sorted(lists, key=lambda p: first[p.split(".")[0]])
+
+
 def _dit_lists(path: str, m: nn.Module, scans: _Scans) -> list[str]:
     found = metadata_block_lists(m)
     if found:
-        return found
+        return execution_order(m, found)
     found = [a for a in m._modules if a in _FALLBACK_BLOCK_LISTS and _has_list(m, a)]
     if found:
         scans.lists[path] = found
-    return found
+    return execution_order(m, found)
 
 
 def _encoder_lists(path: str, m: nn.Module, scans: _Scans) -> list[str]:
     found = [a for a in metadata_block_lists(m) if len(_module_at(m, a)._modules) > 1]  # type: ignore[union-attr]
     if found:
-        return found
+        return execution_order(m, found)
     attr = next((a for a in _FALLBACK_ENCODER_BLOCKS if _has_list(m, a)), None)
     if attr is None:
         return []
