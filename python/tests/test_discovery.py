@@ -45,6 +45,11 @@ EXPECTED = {
     "BertModel": ["encoder.layer"],
 }
 DEFAULT = {"dit": ["transformer_blocks"], "encoder": ["layers"]}
+# The same lists as plan() reports them on the component: (path, blocks).
+LEFT_IN_PLAN = {
+    "LatteTransformer3DModel": [("temporal_transformer_blocks", 2)],
+    "ConsisIDTransformer3DModel": [("local_facial_extractor.layers", 5)],
+}
 # Lists of blocks no metadata names and no conventional name finds, reported (one warning per model).
 LEFT = {
     "LatteTransformer3DModel": [
@@ -88,6 +93,11 @@ def test_every_model_streams_the_block_lists_its_class_names_bit_identical(case)
     ours = [w for w in ours if w not in left]
     assert left == LEFT.get(case.name, [])
     (component,) = [c for c in report["components"] if c["selected"]]
+    left_in_plan = component.get("left_resident", [])
+    assert [(e["path"], e["blocks"]) for e in left_in_plan] == LEFT_IN_PLAN.get(case.name, [])
+    for e in left_in_plan:
+        held = m.get_submodule(e["path"])
+        assert e["bytes"] == sum(t.numel() * t.element_size() for t in [*held.parameters(), *held.buffers()])
     # A stack is named owner[list+list+...].
     attrs = [a for s in component["stacks"] for a in s["name"].split("[", 1)[1][:-1].split("+")]
     assert attrs == expected(case)

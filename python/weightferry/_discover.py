@@ -40,7 +40,7 @@ from ._warnings import WeightferryWarning
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["Declared", "discover", "execution_order", "metadata_block_lists"]
+__all__ = ["Declared", "discover", "execution_order", "left_resident", "metadata_block_lists"]
 
 # Component kinds as the description's `components` keys them.
 DIT, ENCODERS, VAES = "dit", "encoders", "vaes"
@@ -52,6 +52,8 @@ _FALLBACK_ENCODER_BLOCKS = ("encoder.block", "text_model.encoder.layers", "encod
 
 # Models a discovery warning was already issued for (one warning per model and reason, not per pipeline class).
 _WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+# Per model: the large lists of blocks its discovered lists leave on the device, as plan() reports them.
+_LEFT: weakref.WeakKeyDictionary[nn.Module, list[dict[str, Any]]] = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,13 +328,21 @@ def _left_resident(m: nn.Module, lists: list[str], total: int) -> list[tuple[str
     return out
 
 
+def left_resident(m: nn.Module) -> list[dict[str, Any]]:
+    """The large lists of blocks (``path`` in ``m``, ``blocks``, ``bytes``) that the block lists discovery found in
+    ``m`` leave on the device, as of its last discovery; empty when none or not discovered."""
+    return list(_LEFT.get(m, []))
+
+
 def _warn_left_resident(path: str, m: nn.Module, lists: list[str]) -> None:
-    """One warning per model naming the large lists of blocks that stay on the device."""
+    """Records the large lists of blocks that stay on the device (:func:`left_resident`), and names them in one
+    warning per model."""
     seen = _WARNED.setdefault(m, set())
     if "left" in seen:
         return
     total = _nbytes(m)
     left = _left_resident(m, lists, total)
+    _LEFT[m] = [{"path": p, "blocks": n, "bytes": b} for p, n, b in left]
     if not left:
         return
     seen.add("left")

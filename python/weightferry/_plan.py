@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
 from ._config import ConfigLike, config_arg
-from ._describe import PipelineLike, describe
+from ._describe import PipelineLike, _describe
+from ._discover import Declared, left_resident
 from ._vocab import in_python_words
 from ._warnings import warn_report
 
@@ -47,17 +48,25 @@ def plan(
     ``pipeline`` is what :func:`describe` accepts; ``config`` a dict in the config file's vocabulary or a path to a
     ``.json`` / ``.toml`` file; ``name`` the report's ``"pipeline"`` (default: the pipeline's class name);
     ``dit``, ``encoders``, ``vaes`` and ``blocks`` what :func:`describe` takes.
+    A component whose discovered block lists leave large lists of blocks on the device (each a twentieth of the
+    model or more: Latte's temporal blocks) has ``"left_resident"``: ``[{"path", "blocks", "bytes"}]``, paths in the
+    component, as its one warning names them (``blocks=`` streams them).
     Touches nothing: no tensor is moved or copied, no hook installed, no attribute written. Each warning of the
     resolver is also issued as a :class:`WeightferryWarning`.
 
     Raises :class:`weightferry.ConfigError`, :class:`weightferry.PipelineError` or
     :class:`weightferry.PlanError` with the CLI's message.
     """
-    desc = describe(pipeline, dit=dit, encoders=encoders, vaes=vaes, blocks=blocks)
+    desc, _, modules = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
     text, fmt = config_arg(config)
     with in_python_words():
         report: dict[str, Any] = json.loads(
             _core.plan(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name))
         )
+    for component in report.get("components", []):
+        module = modules.get(component.get("path"))
+        left = left_resident(module) if module is not None else []
+        if left:
+            component["left_resident"] = left
     warn_report(report, stacklevel=2)
     return report
