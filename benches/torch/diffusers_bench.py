@@ -29,7 +29,9 @@ resident model with the same adapters); after the steps it times switching (``se
 adapter (``add_adapter``; diffusers' group offloading is removed and applied again, as its LoRA loaders do) and
 unloading it (``delete_adapters``), and for weightferry fusing and unfusing both inside ``Handle.editing()``.
 
-Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames).
+Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames), and models
+no preset tunes: ``sd35-large`` (1024²), ``auraflow`` (v0.3, 1024²), ``ltx-video`` (0.9, 121 frames at 512x768),
+``hunyuan-video`` (33 frames at 480x848).
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script.
 
 Weights: one seeded random bf16 pattern of 64 Mi values, tiled over every tensor (deterministic, cheap to build,
@@ -82,6 +84,52 @@ def wan_inputs(torch, c, g, tokens):
     )
 
 
+def sd3_inputs(torch, c, g, tokens):
+    side, t = tokens
+    bf = torch.bfloat16
+    return dict(
+        hidden_states=torch.randn(1, c["in_channels"], side, side, generator=g).to(bf),
+        encoder_hidden_states=torch.randn(1, t, c["joint_attention_dim"], generator=g).to(bf),
+        pooled_projections=torch.randn(1, c["pooled_projection_dim"], generator=g).to(bf),
+        timestep=torch.tensor([500.0]).to(bf),
+    )
+
+
+def auraflow_inputs(torch, c, g, tokens):
+    side, t = tokens
+    bf = torch.bfloat16
+    return dict(
+        hidden_states=torch.randn(1, c["in_channels"], side, side, generator=g).to(bf),
+        encoder_hidden_states=torch.randn(1, t, c["joint_attention_dim"], generator=g).to(bf),
+        timestep=torch.tensor([0.5]).to(bf),
+    )
+
+
+def ltx_inputs(torch, c, g, tokens):
+    (f, h, w), t = tokens
+    bf = torch.bfloat16
+    return dict(
+        hidden_states=torch.randn(1, f * h * w, c["in_channels"], generator=g).to(bf),
+        encoder_hidden_states=torch.randn(1, t, c["caption_channels"], generator=g).to(bf),
+        timestep=torch.tensor([500]),
+        encoder_attention_mask=torch.ones(1, t, dtype=torch.long),
+        num_frames=f, height=h, width=w, rope_interpolation_scale=(20 / 25, 32, 32),
+    )
+
+
+def hunyuan_video_inputs(torch, c, g, tokens):
+    (f, h, w), t = tokens
+    bf = torch.bfloat16
+    return dict(
+        hidden_states=torch.randn(1, c["in_channels"], f, h, w, generator=g).to(bf),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, t, c["text_embed_dim"], generator=g).to(bf),
+        encoder_attention_mask=torch.ones(1, t, dtype=torch.long),
+        pooled_projections=torch.randn(1, c["pooled_projection_dim"], generator=g).to(bf),
+        guidance=torch.tensor([6000.0]).to(bf),
+    )
+
+
 MODELS = {
     # FLUX.1-dev's transformer: 19 double-stream + 38 single-stream blocks, 1024x1024 (4096 image tokens), 512 text.
     "flux-dev": dict(
@@ -111,6 +159,51 @@ MODELS = {
         tiny=dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
                   freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32),
         inputs=wan_inputs, tokens=((21, 60, 104), 512), tiny_tokens=((2, 8, 8), 7),
+    ),
+    # Models no preset tunes (issue 26). SD3.5-Large's transformer: 38 joint blocks, 1024² (128² latents of 16
+    # channels, 4096 tokens), 333 text tokens (77 CLIP + 256 T5).
+    "sd35-large": dict(
+        cls="SD3Transformer2DModel",
+        config=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                    num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm"),
+        tiny=dict(sample_size=8, num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                  caption_projection_dim=16, pooled_projection_dim=8, in_channels=4, out_channels=4,
+                  pos_embed_max_size=16),
+        inputs=sd3_inputs, tokens=(128, 333), tiny_tokens=(8, 7),
+    ),
+    # AuraFlow v0.3: 4 joint + 32 single blocks, 1024² (128² latents, 4096 tokens), 256 text tokens.
+    "auraflow": dict(
+        cls="AuraFlowTransformer2DModel",
+        config=dict(sample_size=64, patch_size=2, in_channels=4, num_mmdit_layers=4, num_single_dit_layers=32,
+                    attention_head_dim=256, num_attention_heads=12, joint_attention_dim=2048,
+                    caption_projection_dim=3072, out_channels=4, pos_embed_max_size=9216),
+        tiny=dict(sample_size=8, num_mmdit_layers=1, num_single_dit_layers=2, attention_head_dim=8,
+                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16, pos_embed_max_size=64),
+        inputs=auraflow_inputs, tokens=(128, 256), tiny_tokens=(8, 7),
+    ),
+    # LTX-Video 0.9 (2B): 28 blocks, 121 frames at 512x768 (16 x 16 x 24 latents, 6144 tokens), 128 text tokens.
+    "ltx-video": dict(
+        cls="LTXVideoTransformer3DModel",
+        config=dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                    attention_head_dim=64, cross_attention_dim=2048, num_layers=28, caption_channels=4096,
+                    qk_norm="rms_norm_across_heads"),
+        tiny=dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+                  num_layers=2, caption_channels=16),
+        inputs=ltx_inputs, tokens=((16, 16, 24), 128), tiny_tokens=((2, 4, 4), 7),
+    ),
+    # HunyuanVideo (13B): 20 double + 40 single blocks and a 2-block token refiner, 33 frames at 480x848
+    # (9 x 60 x 106 latents, 14 310 tokens of patch 2), 256 text tokens.
+    "hunyuan-video": dict(
+        cls="HunyuanVideoTransformer3DModel",
+        config=dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                    num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                    qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                    rope_theta=256.0, rope_axes_dim=(16, 56, 56)),
+        tiny=dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+                  num_single_layers=1, num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=8,
+                  rope_axes_dim=(2, 4, 4)),
+        inputs=hunyuan_video_inputs, tokens=((9, 60, 106), 256), tiny_tokens=((1, 4, 4), 7),
     ),
 }
 
