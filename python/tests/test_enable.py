@@ -347,7 +347,8 @@ def test_a_tensor_off_the_cpu_is_a_pipeline_error_and_nothing_changed():
         wf.enable(p, layer(2), device="sim")
     assert str(e.value) == (
         "tensor 'vae.dec.bias' is on meta; weightferry offloads a pipeline whose weights are on the CPU (move it "
-        "there with .to('cpu') before enable)"
+        "there with .to('cpu') before enable; a module the config does not offload, such as a VAE left out of its "
+        "components, is put on the device by enable with every tensor no block holds)"
     )
     assert [(k, id(t), t.device) for k, t in tensors(p).items()] == before
     assert all(len(m._forward_pre_hooks) == 0 for m in p.transformer.modules())

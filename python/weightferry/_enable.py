@@ -192,7 +192,8 @@ def _check_tensors(bound: Bound, allowed: tuple[str, ...] = ("cpu",)) -> None:
         if t.device.type not in allowed:
             raise _core.PipelineError(
                 f"tensor '{path}' is on {t.device}; weightferry offloads a pipeline whose weights are on the CPU "
-                "(move it there with .to('cpu') before enable)"
+                "(move it there with .to('cpu') before enable; a module the config does not offload, such as a VAE "
+                "left out of its components, is put on the device by enable with every tensor no block holds)"
             )
 
 
