@@ -727,11 +727,12 @@ impl StreamingBackend {
             let mut segments = Vec::new();
             for (j, (sec, master)) in unit.sections.iter().zip(made).enumerate() {
                 let device_offset = sec.device_offset;
-                let master = master.or_else(|| staged[k].get(j).copied().flatten().map(|b| (b, sec.len)));
-                match (master, mapped.get(j).copied().flatten()) {
+                let staged_master = staged[k].get(j).copied().flatten();
+                match (master.or_else(|| staged_master.map(|b| (b, sec.len))), mapped.get(j).copied().flatten()) {
                     (Some((buf, _)), _) => {
                         segments.push(Segment { host: buf, host_offset: 0, len: sec.len, device_offset });
-                        for &(s, off) in &sec.storages {
+                        // A staged master's storages are homed in it and adopted already (`take_staged`).
+                        for &(s, off) in sec.storages.iter().filter(|_| staged_master.is_none()) {
                             model.adopt_master(s, buf, off)?;
                             st.adopted.push(s);
                         }
