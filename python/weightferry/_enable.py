@@ -71,11 +71,12 @@ def enable(
 
     The plan is resolved first, so a bad config or pipeline raises :class:`weightferry.ConfigError`,
     :class:`weightferry.PipelineError` or :class:`weightferry.PlanError` with the CLI's message before anything
-    moves; a pipeline already enabled raises :class:`weightferry.OffloadError`. Then every storage's bytes go to
-    weightferry's host model, the backend builds host masters, the fixed placement and the block stacks, and torch
-    forward hooks on the modules it hooks bind each streamed block's tensors to its device bytes for the block's
-    forward. The tensors' own host copies are released. Any failure from here on removes every hook, gives every
-    tensor its original data back, and re-raises.
+    moves; a pipeline already enabled raises :class:`weightferry.OffloadError`. Then, storage by storage, the bytes go
+    to weightferry (a streamed storage straight into the pinned host master it will live in) and the tensor's own host
+    copy is released, so host memory holds about one copy of the weights throughout; the backend adopts those
+    masters, builds the fixed placement and the block stacks, and torch forward hooks on the modules it hooks bind
+    each streamed block's tensors to its device bytes for the block's forward. Any failure from here on removes every
+    hook, gives every tensor its original data back, and re-raises.
 
     ``_seams`` is for weightferry's own tests (see :class:`Seams`).
     """
