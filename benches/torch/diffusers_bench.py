@@ -31,7 +31,8 @@ unloading it (``delete_adapters``), and for weightferry fusing and unfusing both
 
 Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames), and models
 no preset tunes: ``sd35-large`` (1024²), ``auraflow`` (v0.3, 1024²), ``ltx-video`` (0.9, 121 frames at 512x768),
-``hunyuan-video`` (33 frames at 480x848).
+``hunyuan-video`` (33 frames at 480x848), ``wan22-pair`` (Wan 2.2 A14B: two Wan 14B transformers enabled as one
+pipeline, both run in every step).
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script.
 
 Weights: one seeded random bf16 pattern of 64 Mi values, tiled over every tensor (deterministic, cheap to build,
@@ -153,6 +154,17 @@ MODELS = {
     # Wan 2.1 T2V 14B's transformer: 40 blocks, 480p x 81 frames (21 x 60 x 104 latents, 32 760 tokens), 512 text.
     "wan-14b": dict(
         cls="WanTransformer3DModel",
+        config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        tiny=dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+                  freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32),
+        inputs=wan_inputs, tokens=((21, 60, 104), 512), tiny_tokens=((2, 8, 8), 7),
+    ),
+    # Wan 2.2 A14B's pair: two Wan 14B transformers (high and low noise), each run once per step (see `pair`), the
+    # same weight pattern in both; 480p x 81 frames.
+    "wan22-pair": dict(
+        cls="WanTransformer3DModel", pair=True,
         config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
                     cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
@@ -298,10 +310,32 @@ def build_on_meta(torch, name, tiny=False):
 
     nn.Module.register_parameter = on_meta
     try:
-        model = getattr(diffusers, spec["cls"])(**model_config(spec, tiny))
+        make = getattr(diffusers, spec["cls"])
+        model = make(**model_config(spec, tiny))
+        if spec.get("pair"):
+            model = pair(torch)(model, make(**model_config(spec, tiny)))
     finally:
         nn.Module.register_parameter = register
     return model.to(torch.bfloat16).eval(), spec
+
+
+def pair(torch):
+    """A module of two transformers (Wan 2.2's ``transformer`` and ``transformer_2``) whose forward runs each once
+    on the same inputs, their outputs stacked: a step of the pair streams both."""
+
+    class Pair(torch.nn.Module):
+        def __init__(self, a, b):
+            super().__init__()
+            self.transformer, self.transformer_2 = a, b
+
+        def parts(self):
+            return {"transformer": self.transformer, "transformer_2": self.transformer_2}
+
+        def forward(self, return_dict=False, **x):
+            outs = [m(**x, return_dict=False)[0] for m in self.parts().values()]
+            return (torch.stack(outs),)
+
+    return Pair
 
 
 def inputs(torch, spec, dev, tiny=False):
@@ -416,14 +450,16 @@ def variant(args):
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            handle = wf.enable({"transformer": model}, {"diffusion_offload_config": dcfg},
+            parts = model.parts() if spec.get("pair") else {"transformer": model}
+            handle = wf.enable(parts, {"diffusion_offload_config": dcfg},
                                device="sim" if cpu else "cuda", **extra)
     elif v.startswith("group"):
         from diffusers.hooks import apply_group_offloading
 
-        apply_group_offloading(model, onload_device=dev, offload_device=torch.device("cpu"),
-                               offload_type="block_level", num_blocks_per_group=1, use_stream=not cpu,
-                               record_stream=(v == "group_record"))
+        for part in (model.parts().values() if spec.get("pair") else [model]):
+            apply_group_offloading(part, onload_device=dev, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=not cpu,
+                                   record_stream=(v == "group_record"))
     else:
         raise SystemExit(f"unknown variant {v}")
 
