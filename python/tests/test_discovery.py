@@ -187,3 +187,38 @@ def test_enable_without_a_device_on_a_machine_without_cuda_says_to_name_the_simu
         "enable() got no device and torch sees no CUDA device; pass device=\"sim\" to run on weightferry's simulated "
         "device (device buffers in host memory), or device=\"cuda:N\" on a machine with a GPU"
     )
+
+
+def test_a_unet_streams_its_down_and_up_blocks_whole_in_execution_order():
+    """A UNet's ``down_blocks`` mix classes (cross-attention and plain down blocks) that each hold named blocks
+    (``ResnetBlock2D``): the list is its blocks, each down block one unit, so its resnets and attentions (which its
+    forward interleaves) are never fetched out of order. Only the mid block's lists interleave: its forward runs
+    resnet, attention, resnet, so three of its units per forward are fetched when asked (counted exactly)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    m = diffusers.UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=2, cross_attention_dim=32, norm_num_groups=8,
+        attention_head_dim=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), sample_size=16,
+    ).eval()
+    x = dict(sample=torch.randn(1, 4, 16, 16), timestep=torch.tensor([10]), encoder_hidden_states=torch.randn(1, 7, 32))
+    with torch.no_grad():
+        want = m(**x).sample
+    before = state(m)
+    cfg = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+                                        "layer_options": {"dit": {"prefetch_depth": 1}}}}
+    report = wf.plan({"unet": m}, cfg)
+    (component,) = [c for c in report["components"] if c["selected"]]
+    assert (component["path"], component["kind"]) == ("unet", "dit")
+    assert [s["name"] for s in component["stacks"]] == [
+        "unet[down_blocks+mid_block.attentions+mid_block.resnets+up_blocks]"
+    ]
+    with wf.enable({"unet": m}, cfg, device="sim") as h:
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(**x).sample, want)
+        (stack,) = h.stats()["stacks"]
+        assert (stack["sync_fetches"], stack["loads"]) == (6, 21)
+    after = state(m)
+    assert all(torch.equal(after[k], before[k]) for k in before)

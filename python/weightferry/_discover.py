@@ -12,9 +12,11 @@ read from the host libraries' own metadata instead of attribute names.
   where the model's own ``forward`` first names the child holding each list (Lumina2 builds its noise refiner
   before its context refiner and runs them the other way round), in registration order where its source cannot be
   read or does not name them all. A list inside a found list is part of its block. A model without that metadata
-  falls back to diffusers' conventional names, with one warning per model. Lists nested in one child keep their
-  registration order (a UNet's down block interleaves its resnets and attentions: those blocks stream correctly
-  but some are fetched when their forward asks for them).
+  falls back to diffusers' conventional names, with one warning per model. A list whose elements each wrap named
+  blocks is one block per element, whatever their classes (a UNet's down blocks stream whole, so the resnets and
+  attentions their forward interleaves are never out of order). Lists nested in one child keep their registration
+  order (a UNet's mid block runs resnet, attention, resnet: those stream correctly but some are fetched when their
+  forward asks for them).
 
 Declarations win over discovery: the pipeline's ``_dit_modules`` / ``_encoder_modules`` / ``_vae_modules`` and
 ``enable``'s ``dit=`` / ``encoders=`` / ``vaes=`` name the components; a class's ``_layerwise_offload_blocks_attrs``,
@@ -124,8 +126,9 @@ def metadata_block_lists(model: nn.Module) -> list[str]:
     ``_no_split_modules``, nested ones included, in registration order (not those inside a found list):
 
     - a ``ModuleList`` / ``Sequential`` whose elements are all instances of the named classes;
-    - one whose elements are all of one class and each wraps an instance of a named class (HiDream's
-      ``HiDreamBlock`` around its transformer blocks);
+    - one whose elements each wrap an instance of a named class, of one class (HiDream's ``HiDreamBlock`` around
+      its transformer blocks) or several (a UNet's cross-attention and plain down blocks, each holding
+      ``ResnetBlock2D``s): each element is one block;
     - inside a named module that is not itself in a list (a token refiner), a list of at least two modules of one
       class with modules of their own: that module's blocks.
     """
@@ -142,9 +145,11 @@ def metadata_block_lists(model: nn.Module) -> list[str]:
         blocks = [b for b in child._modules.values() if b is not None]
         if all(named(b) for b in blocks):
             return True
-        if not all(type(b) is type(blocks[0]) and len(b._modules) > 0 for b in blocks):
+        if not all(len(b._modules) > 0 for b in blocks):
             return False
-        return all(any(named(d) for d in b.modules()) for b in blocks) or (inside_named and len(blocks) > 1)
+        if all(any(named(d) for d in b.modules()) for b in blocks):
+            return True  # wrappers of named blocks, of one class (HiDream's) or several (a UNet's down blocks)
+        return inside_named and len(blocks) > 1 and all(type(b) is type(blocks[0]) for b in blocks)
 
     found: list[str] = []
 
