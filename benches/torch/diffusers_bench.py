@@ -9,10 +9,18 @@ Variants: ``resident`` (the model on the GPU: the compute term of the bound, and
 P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps every block resident through the
 hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
-``record_stream``). Each prints one JSON line; the parent prints a table last: step time, the ratio to the bound
+``record_stream``). The default runs resident, wf_d1, wf_d2, wf_d4, wf_b25, wf_b50, wf_b75, group, group_record.
+Each prints one JSON line; the parent prints a table last: step time, the ratio to the bound
 ``max(resident step, streamed bytes per step / pinned H2D)`` (both measured in this call), host RSS after enable
-and its peak, device memory in use (``total - free`` from the driver: torch's pool and weightferry's buffers), and
-whether the output equals the resident output bit for bit.
+(``RSS GB``, and ``RSS×`` as a multiple of the weight bytes) and its peak (``peakRSS``, ``peak×``; both counted from
+the process's RSS before the model is built, so the build's transient memory is in the peak), device memory in
+use (``total - free`` from the driver: torch's pool and weightferry's buffers), the time to enable
+(``enable s``: ``wf_*`` ``enable``, ``group`` applying group offloading, ``resident`` moving the model) beside its
+floor ``pin s`` and their ratio ``en/pin``, and whether the output equals the resident output bit for bit.
+``pin s`` (``pin_copy_s``, ``wf_*`` and ``group`` on a GPU, else ``-``) is measured in the variant's process just
+before enable: every weight copied once into freshly allocated pinned host memory (buffers of 256 MiB, each freed,
+and torch's pinned cache emptied, once full: not timed, so enable finds the host as the build left it and the peak
+rises by one buffer at most).
 
 Checkpoint variants ``ck_<masters>_<dK|bP>`` (``masters``: ``mapped`` or ``pinned``, the ``host_masters`` key) load
 the transformer from a safetensors file of its full size, written once per call into ``--out`` from the same
@@ -29,14 +37,23 @@ resident model with the same adapters); after the steps it times switching (``se
 adapter (``add_adapter``; diffusers' group offloading is removed and applied again, as its LoRA loaders do) and
 unloading it (``delete_adapters``), and for weightferry fusing and unfusing both inside ``Handle.editing()``.
 
-Models: ``flux-dev`` (1024²), ``qwen-image`` (1024²), ``wan-14b`` (Wan 2.1 T2V 14B, 480p x 81 frames), and models
-no preset tunes: ``sd35-large`` (1024²), ``auraflow`` (v0.3, 1024²), ``ltx-video`` (0.9, 121 frames at 512x768),
-``hunyuan-video`` (33 frames at 480x848), ``wan22-pair`` (Wan 2.2 A14B: two Wan 14B transformers enabled as one
-pipeline, both run in every step).
-``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script.
+Models (full-size configs of the checkpoints' config.json; parameters counted on ``meta``): ``flux-dev``
+(11.9 B, 1024²), ``qwen-image`` (20.4 B, 1024²), ``wan-14b`` (Wan 2.1 T2V 14B: 14.3 B, 480p x 81 frames), and models
+no preset tunes: ``sd35-large`` (8.06 B, 1024², 333 text tokens), ``auraflow`` (v0.3: 6.86 B, 1024²), ``ltx-video``
+(0.9: 1.92 B, 121 frames at 512x768, RoPE scaled as LTXPipeline at 25 fps), ``hunyuan-video`` (12.8 B, 33 frames
+at 480x848, guidance 6 x 1000), and ``wan22-pair``: Wan 2.2 A14B's ``transformer`` and ``transformer_2``, two
+transformers of the Wan 14B config (28.6 B together). A pipeline's steps switch from one to the other at the
+boundary; here one step runs each once on the same inputs, so both stream in every step, and the output compared
+bit for bit is the two outputs stacked. ``resident`` moves both, weightferry enables
+``{"transformer": ..., "transformer_2": ...}`` with ``components: ["dit"]`` (both keys are discovered as DiTs and
+stream), group offloading is applied to each, the weight bytes count both; ``--lora`` and the ``ck_`` variants
+(``checkpoint=`` fills one component) take a model of one transformer.
+``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script:
+narrow, but with enough blocks that the budgets from 25% up leave room for a ring.
 
 Weights: one seeded random bf16 pattern of 64 Mi values, tiled over every tensor (deterministic, cheap to build,
-finite). Inputs: the model's real shapes at the chosen resolution. Needs torch, diffusers and weightferry.
+finite); the pair's ``transformer_2`` gets the pattern rotated by 1 000 003 values, so the two differ. Inputs: the
+model's real shapes at the chosen resolution. Needs torch, diffusers and weightferry.
 """
 
 import argparse
@@ -114,7 +131,8 @@ def ltx_inputs(torch, c, g, tokens):
         encoder_hidden_states=torch.randn(1, t, c["caption_channels"], generator=g).to(bf),
         timestep=torch.tensor([500]),
         encoder_attention_mask=torch.ones(1, t, dtype=torch.long),
-        num_frames=f, height=h, width=w, rope_interpolation_scale=(20 / 25, 32, 32),
+        # as LTXPipeline at its default 25 fps: (VAE temporal compression / fps, spatial, spatial)
+        num_frames=f, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32),
     )
 
 
@@ -131,6 +149,17 @@ def hunyuan_video_inputs(torch, c, g, tokens):
     )
 
 
+# Wan 2.1 T2V 14B's config; Wan 2.2 A14B's two transformers have it too.
+WAN_14B = dict(
+    cls="WanTransformer3DModel",
+    config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    tiny=dict(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4, text_dim=32,
+              freq_dim=32, ffn_dim=128, num_layers=14, rope_max_seq_len=32),
+    inputs=wan_inputs, tokens=((21, 60, 104), 512), tiny_tokens=((2, 8, 8), 7),
+)
+
 MODELS = {
     # FLUX.1-dev's transformer: 19 double-stream + 38 single-stream blocks, 1024x1024 (4096 image tokens), 512 text.
     "flux-dev": dict(
@@ -138,8 +167,8 @@ MODELS = {
         config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                     num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                     axes_dims_rope=(16, 56, 56)),
-        tiny=dict(num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-                  joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6), in_channels=8),
+        tiny=dict(num_layers=2, num_single_layers=24, attention_head_dim=32, num_attention_heads=2,
+                  joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 12, 12), in_channels=8),
         inputs=flux_inputs, tokens=(4096, 512), tiny_tokens=(16, 7),
     ),
     # Qwen-Image's transformer: 60 blocks, 1024x1024 (64x64 latent patches = 4096 image tokens), 512 text tokens.
@@ -147,31 +176,15 @@ MODELS = {
         cls="QwenImageTransformer2DModel",
         config=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                     num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56)),
-        tiny=dict(num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                  axes_dims_rope=(2, 2, 4), in_channels=16, out_channels=4),
+        tiny=dict(num_layers=10, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                  axes_dims_rope=(8, 12, 12), in_channels=16, out_channels=4),
         inputs=qwen_inputs, tokens=((64, 64), 512), tiny_tokens=((4, 4), 7),
     ),
     # Wan 2.1 T2V 14B's transformer: 40 blocks, 480p x 81 frames (21 x 60 x 104 latents, 32 760 tokens), 512 text.
-    "wan-14b": dict(
-        cls="WanTransformer3DModel",
-        config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-        tiny=dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
-                  freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32),
-        inputs=wan_inputs, tokens=((21, 60, 104), 512), tiny_tokens=((2, 8, 8), 7),
-    ),
-    # Wan 2.2 A14B's pair: two Wan 14B transformers (high and low noise), each run once per step (see `pair`), the
-    # same weight pattern in both; 480p x 81 frames.
-    "wan22-pair": dict(
-        cls="WanTransformer3DModel", pair=True,
-        config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-        tiny=dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
-                  freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32),
-        inputs=wan_inputs, tokens=((21, 60, 104), 512), tiny_tokens=((2, 8, 8), 7),
-    ),
+    "wan-14b": WAN_14B,
+    # Wan 2.2 A14B's pair: two transformers of Wan 14B's config (high and low noise), each run once per step (see
+    # `pair`), the second's weights from the pattern rotated (see `build`); 480p x 81 frames.
+    "wan22-pair": dict(WAN_14B, pair=True),
     # Models no preset tunes (issue 26). SD3.5-Large's transformer: 38 joint blocks, 1024² (128² latents of 16
     # channels, 4096 tokens), 333 text tokens (77 CLIP + 256 T5).
     "sd35-large": dict(
@@ -179,8 +192,8 @@ MODELS = {
         config=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
                     num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
                     pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm"),
-        tiny=dict(sample_size=8, num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                  caption_projection_dim=16, pooled_projection_dim=8, in_channels=4, out_channels=4,
+        tiny=dict(sample_size=8, num_layers=10, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                  caption_projection_dim=64, pooled_projection_dim=16, in_channels=4, out_channels=4,
                   pos_embed_max_size=16),
         inputs=sd3_inputs, tokens=(128, 333), tiny_tokens=(8, 7),
     ),
@@ -190,8 +203,8 @@ MODELS = {
         config=dict(sample_size=64, patch_size=2, in_channels=4, num_mmdit_layers=4, num_single_dit_layers=32,
                     attention_head_dim=256, num_attention_heads=12, joint_attention_dim=2048,
                     caption_projection_dim=3072, out_channels=4, pos_embed_max_size=9216),
-        tiny=dict(sample_size=8, num_mmdit_layers=1, num_single_dit_layers=2, attention_head_dim=8,
-                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16, pos_embed_max_size=64),
+        tiny=dict(sample_size=8, num_mmdit_layers=2, num_single_dit_layers=16, attention_head_dim=32,
+                  num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=64, pos_embed_max_size=64),
         inputs=auraflow_inputs, tokens=(128, 256), tiny_tokens=(8, 7),
     ),
     # LTX-Video 0.9 (2B): 28 blocks, 121 frames at 512x768 (16 x 16 x 24 latents, 6144 tokens), 128 text tokens.
@@ -200,8 +213,8 @@ MODELS = {
         config=dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
                     attention_head_dim=64, cross_attention_dim=2048, num_layers=28, caption_channels=4096,
                     qk_norm="rms_norm_across_heads"),
-        tiny=dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
-                  num_layers=2, caption_channels=16),
+        tiny=dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=32, cross_attention_dim=64,
+                  num_layers=14, caption_channels=32),
         inputs=ltx_inputs, tokens=((16, 16, 24), 128), tiny_tokens=((2, 4, 4), 7),
     ),
     # HunyuanVideo (13B): 20 double + 40 single blocks and a 2-block token refiner, 33 frames at 480x848
@@ -212,9 +225,9 @@ MODELS = {
                     num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
                     qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
                     rope_theta=256.0, rope_axes_dim=(16, 56, 56)),
-        tiny=dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
-                  num_single_layers=1, num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=8,
-                  rope_axes_dim=(2, 4, 4)),
+        tiny=dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2,
+                  num_single_layers=24, num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=16,
+                  rope_axes_dim=(8, 12, 12)),
         inputs=hunyuan_video_inputs, tokens=((9, 60, 106), 256), tiny_tokens=((1, 4, 4), 7),
     ),
 }
@@ -234,11 +247,18 @@ def rss(field="VmRSS"):
 
 def build(torch, name, tiny=False):
     """The model with random weights, built without initialising them (:func:`build_on_meta`), then its parameters
-    get uninitialised CPU memory filled from one seeded pattern."""
-    nn = torch.nn
+    get uninitialised CPU memory filled from one seeded pattern (a pair's second transformer from the pattern rotated
+    by a prime number of values, so the two differ)."""
     model, spec = build_on_meta(torch, name, tiny)
     g = torch.Generator().manual_seed(0)
     pattern = (torch.rand(64 << 20, generator=g) * 0.04 - 0.02).to(torch.bfloat16)
+    for i, part in enumerate(parts(model, spec).values()):
+        fill(torch, part, pattern.roll(i * 1_000_003) if i else pattern)
+    return model, spec
+
+
+def fill(torch, model, pattern):
+    """Gives each parameter of ``model`` CPU memory holding ``pattern``, tiled."""
     with torch.no_grad():
         for m in model.modules():
             for pname, p in list(m._parameters.items()):
@@ -249,8 +269,13 @@ def build(torch, name, tiny=False):
                 for start in range(0, flat.numel(), pattern.numel()):
                     end = min(flat.numel(), start + pattern.numel())
                     flat[start:end].copy_(pattern[: end - start])
-                m._parameters[pname] = nn.Parameter(t, requires_grad=False)
-    return model, spec
+                m._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+
+
+def parts(model, spec):
+    """The transformers of the model by pipeline attribute: what weightferry enables as one pipeline and diffusers'
+    group offloading is applied to, one by one."""
+    return model.parts() if spec.get("pair") else {"transformer": model}
 
 
 def write_checkpoint(torch, model, path):
@@ -411,29 +436,40 @@ def lora_timings(torch, model, rank, handle, group, sync):
     return out
 
 
-def variant(args):
-    import torch
+def pin_copy(torch, model, chunk=256 << 20):
+    """Seconds to copy every weight of ``model`` once into freshly allocated pinned host memory: the floor under
+    enable's time (a host master per weight, filled once). Buffers of ``chunk`` bytes (tensors split across them),
+    each freed and torch's pinned cache emptied once it is full, so none is reused and host memory rises by one buffer
+    at most (pinned pages count in the RSS peak); the frees are not timed."""
+    flats = [t.detach().reshape(-1).view(torch.uint8) for t in list(model.parameters()) + list(model.buffers())]
+    total = sum(f.numel() for f in flats)
+    timed, done, i, at = 0.0, 0, 0, 0
+    while done < total:
+        t0 = time.perf_counter()
+        buf = torch.empty(min(chunk, total - done), dtype=torch.uint8, pin_memory=True)
+        filled = 0
+        while filled < buf.numel():
+            n = min(buf.numel() - filled, flats[i].numel() - at)
+            buf[filled:filled + n].copy_(flats[i][at:at + n])
+            filled, at = filled + n, at + n
+            if at == flats[i].numel():
+                i, at = i + 1, 0
+        timed += time.perf_counter() - t0
+        done += filled
+        del buf
+        torch._C._host_emptyCache()
+    return timed
 
-    res = {"variant": args.variant, "model": args.model}
-    base = rss()
-    ck = args.variant.startswith("ck_")
-    model, spec = (build_on_meta if ck else build)(torch, args.model, args.tiny)
-    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    if args.lora:
-        res["adapter_bytes"] = add_adapters(model, args.lora)
-        res["lora_rank"] = args.lora
-        model.requires_grad_(False)
-    res["weight_bytes"] = weight_bytes
-    res["rss_built"] = rss() - base
-    cpu = args.tiny and not torch.cuda.is_available()  # the script's own check on a machine without a GPU
-    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
-    x = inputs(torch, spec, dev, args.tiny)
-    handle = None
-    t0 = time.perf_counter()
-    v = args.variant
+
+def offload(torch, args, model, spec, weight_bytes, dev, cpu):
+    """Puts the model where the variant wants it: on the device (``resident``), enabled by weightferry (returns the
+    handle) or under diffusers' group offloading."""
+    v, ck = args.variant, args.variant.startswith("ck_")
     if v == "resident":
         model.to(dev)
     elif v.startswith("wf_") or ck:
+        import warnings
+
         import weightferry as wf
 
         dcfg = {"mode": "layer", "components": ["dit"]}
@@ -446,35 +482,29 @@ def variant(args):
         if ck:
             dcfg["host_masters"] = v.split("_")[1]
             extra["checkpoint"] = os.path.join(args.out, "checkpoint.safetensors")
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            parts = model.parts() if spec.get("pair") else {"transformer": model}
-            handle = wf.enable(parts, {"diffusion_offload_config": dcfg},
-                               device="sim" if cpu else "cuda", **extra)
+            return wf.enable(parts(model, spec), {"diffusion_offload_config": dcfg},
+                             device="sim" if cpu else "cuda", **extra)
     elif v.startswith("group"):
         from diffusers.hooks import apply_group_offloading
 
-        for part in (model.parts().values() if spec.get("pair") else [model]):
+        for part in parts(model, spec).values():
             apply_group_offloading(part, onload_device=dev, offload_device=torch.device("cpu"),
                                    offload_type="block_level", num_blocks_per_group=1, use_stream=not cpu,
-                                   record_stream=(v == "group_record"))
+                                   record_stream=v == "group_record" and not cpu)  # cpu: no stream to record on
     else:
         raise SystemExit(f"unknown variant {v}")
+    return None
 
-    def sync():
-        if not cpu:
-            torch.cuda.synchronize()
 
-    sync()
-    res["enable_s"] = time.perf_counter() - t0
-    res["rss_after_enable"] = rss() - base
-    res["rss_anon_after_enable"] = rss("RssAnon")
-    res["rss_file_after_enable"] = rss("RssFile")
+def step(torch, args, model, x, res, handle, t0, sync, cpu):
+    """Warm-up and timed steps (and, for a checkpoint variant, the first step's time since ``t0``); returns the last
+    output and the handle's stats before the timed steps."""
     before = handle.stats() if handle else None
+    out = None
     with torch.no_grad():
-        if ck:
+        if args.variant.startswith("ck_"):
             out = model(**x, return_dict=False)[0]
             sync()
             res["first_step_s"] = time.perf_counter() - t0
@@ -496,6 +526,56 @@ def variant(args):
             e.record()
             sync()
             res["step_s"] = s.elapsed_time(e) / 1e3 / args.steps
+    return out, before
+
+
+def wf_results(res, handle, before, steps):
+    """What weightferry's stats say about the timed steps: bytes streamed, device bytes, masters, hooks."""
+    after = handle.stats()
+    streamed = sum(a["h2d_bytes"] for a in after["stacks"]) - sum(b["h2d_bytes"] for b in before["stacks"])
+    res["streamed_per_step"] = streamed / steps
+    res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
+    res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "mapped_host_bytes", "pinned") if k in after}
+    hook_ms = after["hooks"]["total_ms"] - before["hooks"]["total_ms"]
+    res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / steps,
+                        record_waits=sum(a.get("record_waits", 0) for a in after["stacks"]),
+                        sync_fetches=sum(a.get("sync_fetches", 0) for a in after["stacks"]))
+    res["hook_share"] = hook_ms / 1e3 / steps / res["step_s"]
+
+
+def variant(args):
+    import torch
+
+    res = {"variant": args.variant, "model": args.model}
+    base = rss()
+    v, ck = args.variant, args.variant.startswith("ck_")
+    model, spec = (build_on_meta if ck else build)(torch, args.model, args.tiny)
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    if args.lora:
+        res["adapter_bytes"] = add_adapters(model, args.lora)
+        res["lora_rank"] = args.lora
+        model.requires_grad_(False)
+    res["weight_bytes"] = weight_bytes
+    res["rss_built"] = rss() - base
+    cpu = args.tiny and not torch.cuda.is_available()  # the script's own check on a machine without a GPU
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    x = inputs(torch, spec, dev, args.tiny)
+    # the pinned-copy floor for enable (a checkpoint variant's weights are on meta: the file's read-once is its floor)
+    res["pin_copy_s"] = pin_copy(torch, model) if v.startswith(("wf_", "group")) and not cpu else None
+
+    def sync():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    sync()
+    t0 = time.perf_counter()
+    handle = offload(torch, args, model, spec, weight_bytes, dev, cpu)
+    sync()
+    res["enable_s"] = time.perf_counter() - t0
+    res["rss_after_enable"] = rss() - base
+    res["rss_anon_after_enable"] = rss("RssAnon")
+    res["rss_file_after_enable"] = rss("RssFile")
+    out, before = step(torch, args, model, x, res, handle, t0, sync, cpu)
     free, total = (0, 0) if cpu else torch.cuda.mem_get_info()
     res["device_used"] = total - free
     res["peak_rss"] = rss("VmHWM") - base
@@ -506,18 +586,7 @@ def variant(args):
     elif os.path.exists(out_path):
         res["bit_exact"] = bool(torch.equal(out.cpu(), torch.load(out_path)))
     if handle:
-        after = handle.stats()
-        streamed = sum(a["h2d_bytes"] for a in after["stacks"]) - sum(b["h2d_bytes"] for b in before["stacks"])
-        res["streamed_per_step"] = streamed / args.steps
-        res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(
-            a.get("device_bytes", 0) for a in after["stacks"]
-        )
-        res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "mapped_host_bytes", "pinned") if k in after}
-        hook_ms = after["hooks"]["total_ms"] - before["hooks"]["total_ms"]
-        res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / args.steps,
-                            record_waits=sum(a.get("record_waits", 0) for a in after["stacks"]),
-                            sync_fetches=sum(a.get("sync_fetches", 0) for a in after["stacks"]))
-        res["hook_share"] = hook_ms / 1e3 / args.steps / res["step_s"]
+        wf_results(res, handle, before, args.steps)
     elif v.startswith("group"):
         res["streamed_per_step"] = sum(
             t.numel() * t.element_size() for n, t in model.named_parameters() if "blocks." in n
@@ -535,14 +604,19 @@ def table(results):
     res = {r["variant"]: r for r in results}
     resident = res.get("resident", {}).get("step_s")
     print(f"\n{'variant':<14}{'step s':>9}{'bound s':>9}{'ratio':>8}{'GB/step':>9}{'H2D GB/s':>10}"
-          f"{'RSS GB':>8}{'peakRSS':>9}{'dev GB':>8}{'enable s':>9}  bit-exact")
+          f"{'RSS GB':>8}{'RSS×':>7}{'peakRSS':>9}{'peak×':>7}{'dev GB':>8}{'enable s':>9}{'pin s':>8}"
+          f"{'en/pin':>8}  bit-exact")
     for r in results:
         h2d = r["h2d_Bps"]
         bound = max(resident or 0, r["streamed_per_step"] / h2d)
         ratio = r["step_s"] / bound if bound else float("nan")
+        wb = r["weight_bytes"]
+        pin = r.get("pin_copy_s")
+        pin_s, per_pin = ("-", "-") if pin is None else (f"{pin:.1f}", f"{r['enable_s'] / pin:.2f}")
         print(f"{r['variant']:<14}{r['step_s']:>9.4f}{bound:>9.4f}{ratio:>8.3f}{r['streamed_per_step'] / 1e9:>9.2f}"
-              f"{h2d / 1e9:>10.1f}{r['rss_after_enable'] / 1e9:>8.1f}{r['peak_rss'] / 1e9:>9.1f}"
-              f"{r['device_used'] / 1e9:>8.1f}{r['enable_s']:>9.1f}  {r.get('bit_exact')}")
+              f"{h2d / 1e9:>10.1f}{r['rss_after_enable'] / 1e9:>8.1f}{r['rss_after_enable'] / wb:>7.2f}"
+              f"{r['peak_rss'] / 1e9:>9.1f}{r['peak_rss'] / wb:>7.2f}{r['device_used'] / 1e9:>8.1f}"
+              f"{r['enable_s']:>9.1f}{pin_s:>8}{per_pin:>8}  {r.get('bit_exact')}")
     for r in results:
         if "hook_share" in r:
             h = r["hooks"]
@@ -575,7 +649,7 @@ def table(results):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="flux-dev", choices=sorted(MODELS))
-    ap.add_argument("--variants", default="resident,wf_d1,wf_d2,wf_d4,wf_b50,wf_b75,group,group_record")
+    ap.add_argument("--variants", default="resident,wf_d1,wf_d2,wf_d4,wf_b25,wf_b50,wf_b75,group,group_record")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lora", type=int, default=0, help="rank of two LoRA adapters added before offloading (0: none)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -590,9 +664,12 @@ def main():
     args = ap.parse_args()
     if args.variant:
         return variant(args)
+    variants = args.variants.split(",")
+    if MODELS[args.model].get("pair") and (args.lora or any(v.startswith("ck_") for v in variants)):
+        raise SystemExit(f"{args.model} has two transformers: --lora and the ck_ variants (checkpoint= fills one "
+                         "component) take a model of one")
     os.makedirs(args.out, exist_ok=True)
     results = []
-    variants = args.variants.split(",")
     read_s = None
     if any(v.startswith("ck_") for v in variants):
         import torch
