@@ -9,8 +9,8 @@ nothing. Flux, SD3, Wan 2.2 (two transformers), LTX-Video, Qwen-Image and Hunyua
 import copy
 import warnings
 
-import pipelines
 import pytest
+import test_pipelines
 import torch
 from test_diffusers import flux_pipeline, run_pipeline
 
@@ -19,27 +19,17 @@ import weightferry as wf
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda", 0)
-PIPELINES = {
-    "flux": (flux_pipeline, run_pipeline),
-    "sd3": (pipelines.sd3_pipeline, pipelines.run_sd3),
-    "wan22": (pipelines.wan22_pipeline, pipelines.run_wan22),
-    "ltx": (pipelines.ltx_pipeline, pipelines.run_ltx),
-    "qwen_image": (pipelines.qwen_image_pipeline, pipelines.run_qwen_image),
-    "hunyuan_video": (pipelines.hunyuan_video_pipeline, pipelines.run_hunyuan_video),
-}
+PIPELINES = {"flux": (flux_pipeline, run_pipeline), **test_pipelines.PIPELINES}
 MODES = {
     "layer": {"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"]}},
-    "module": {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder", "vae"]}},
+    "module": test_pipelines.MODES["module"],
 }
 CASES = [(p, m) for p in PIPELINES for m in MODES]
 
 
-def modules(pipe):
-    return {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
-
-
 def cpu_state(pipe):
-    return {path: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()} for path, m in modules(pipe).items()}
+    parts = test_pipelines.modules(pipe)
+    return {path: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()} for path, m in parts.items()}
 
 
 @pytest.mark.parametrize("name,mode", CASES, ids=[f"{p}-{m}" for p, m in CASES])
