@@ -355,10 +355,10 @@ def test_a_tensor_off_the_cpu_is_a_pipeline_error_and_nothing_changed():
 
 
 class Wrapped(torch.Tensor):
-    """A tensor subclass, as quantization libraries make them."""
+    """A tensor subclass over its own bytes with a Python attribute (diffusers' ``GGUFParameter`` is one)."""
 
 
-def test_unsupported_layouts_and_tensor_subclasses_are_pipeline_errors_and_nothing_changed():
+def test_unsupported_layouts_are_pipeline_errors_and_nothing_changed():
     p = pipe(2)
     before = snapshot(p)
     p.vae.register_buffer("table", torch.eye(3).to_sparse())
@@ -370,15 +370,22 @@ def test_unsupported_layouts_and_tensor_subclasses_are_pipeline_errors_and_nothi
     )
     del p.vae.table
     assert snapshot(p) == before
-    p.transformer.blocks[0].fc.weight = nn.Parameter(torch.zeros(64, 64, dtype=BF16).as_subclass(Wrapped))
-    with pytest.raises(wf.PipelineError) as e:
-        wf.plan(p, layer(2))
-    assert str(e.value) == (
-        "tensor 'transformer.blocks.0.fc.weight' is a test_enable.Wrapped (a torch.Tensor subclass); weightferry "
-        "binds plain tensors only (quantized or distributed tensor subclasses are not supported): leave its module "
-        "out of the offloaded components"
-    )
     assert all(len(m._forward_pre_hooks) == 0 for m in p.transformer.modules())
+
+
+def test_a_tensor_subclass_over_its_own_bytes_streams_and_keeps_its_class_and_attributes():
+    p = pipe(3)
+    fc = p.transformer.blocks[1].fc
+    w = torch.randn(64, 64).to(BF16).as_subclass(Wrapped)
+    w.note = "kept"
+    fc._parameters["weight"] = w
+    expected = run(p)
+    data = w.detach().as_subclass(torch.Tensor).clone()
+    with wf.enable(p, layer(2), device="sim"):
+        assert_outputs_equal(run(p), expected)
+        assert fc.weight is w and type(w) is Wrapped
+    assert fc.weight is w and type(w) is Wrapped and w.note == "kept"
+    assert torch.equal(w.as_subclass(torch.Tensor), data)
 
 
 def test_a_forward_that_raises_still_releases_its_block(monkeypatch):

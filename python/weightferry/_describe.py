@@ -191,13 +191,8 @@ class _Describer:
                 f"tensor '{path}' has layout {t.layout}; weightferry offloads dense (strided) tensors only: make it "
                 "dense (.to_dense()) or leave its module out of the offloaded components"
             )
-        data = t.data if isinstance(t, torch.nn.Parameter) else t
-        if type(data) is not torch.Tensor:
-            raise _error(
-                f"tensor '{path}' is a {type(data).__module__}.{type(data).__qualname__} (a torch.Tensor subclass); "
-                "weightferry binds plain tensors only (quantized or distributed tensor subclasses are not "
-                "supported): leave its module out of the offloaded components"
-            )
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            _check_subclass(t, path)
         dtype = self.dtypes.get(t.dtype)
         if dtype is None:
             raise _error(
@@ -301,6 +296,49 @@ class _Describer:
             for view in views:
                 view[0]["storage"] = name
         return table
+
+
+def _check_subclass(t: torch.Tensor, path: str) -> None:
+    """Accepts a ``torch.Tensor`` subclass whose bytes are its own storage (``torch.Tensor._make_subclass``, as
+    diffusers' ``GGUFParameter`` is made): it streams as the plain tensor it wraps, and binding its data keeps the
+    object, its class and its Python attributes. Refuses (``PipelineError``, naming the tensor, its class and the
+    fix) one without storage of its own (a wrapper subclass) and one whose Python attributes hold tensors (e.g.
+    quantization scales): those would stay behind on the host while its data moved."""
+
+    name = f"{type(t).__module__}.{type(t).__qualname__}"
+    try:
+        has_storage = t.numel() == 0 or t.untyped_storage().data_ptr() != 0 or t.is_meta
+    except RuntimeError:  # a wrapper subclass: its storage is not its bytes
+        has_storage = False
+    if not has_storage:
+        raise _error(
+            f"tensor '{path}' is a {name}, a torch.Tensor subclass without storage of its own that does not "
+            "describe its parts (__tensor_flatten__); weightferry cannot stream it: leave its module out of the "
+            "offloaded components"
+        )
+    for attr, value in _state_tensors(t):
+        raise _error(
+            f"tensor '{path}' is a {name} whose attribute '{attr}' holds a tensor ({type(value).__name__}, "
+            f"{tuple(value.shape)}) that weightferry would leave on the host while the data moved; weightferry "
+            "streams tensor subclasses whose parts it can name: leave its module out of the offloaded components"
+        )
+
+
+def _state_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a tensor object's Python state holds (``torch._utils._get_obj_state``: its ``__dict__`` and
+    slots), directly or as attributes of an object there (such as a quantization state), as ``(dotted name,
+    tensor)``."""
+    import torch
+
+    state = torch._utils._get_obj_state(t)  # type: ignore[no-untyped-call]
+    found: list[tuple[str, torch.Tensor]] = []
+    for part in state if isinstance(state, tuple) else (state,):
+        for attr, value in (part or {}).items():
+            if isinstance(value, torch.Tensor):
+                found.append((attr, value))
+            elif hasattr(value, "__dict__") and not isinstance(value, type):
+                found.extend((f"{attr}.{k}", v) for k, v in vars(value).items() if isinstance(v, torch.Tensor))
+    return found
 
 
 def describe(

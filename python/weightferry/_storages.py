@@ -214,6 +214,22 @@ class StorageMap:
         for path in paths:
             sid, index = self.state_paths[path]
             if sid not in built:
-                built[sid] = tensors_over(session.read_storage(sid), self.views[sid])
+                views = self.views[sid]
+                plain = tensors_over(session.read_storage(sid), views)
+                built[sid] = [_as_class_of(v.tensor, t) for v, t in zip(views, plain)]
             out[path] = built[sid][index]
         return out
+
+
+def _as_class_of(original: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
+    """``plain`` as what ``original.detach()`` would be: a tensor subclass over its own bytes (such as diffusers'
+    ``GGUFParameter``) keeps its class and Python attributes (``torch._utils``' object-state protocol), a plain tensor
+    or ``Parameter`` is a plain tensor."""
+    import torch
+
+    cls = type(original)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return plain
+    out = torch.Tensor._make_subclass(cls, plain, False)
+    torch._utils._set_obj_state(out, torch._utils._get_obj_state(original))  # type: ignore[no-untyped-call]
+    return out

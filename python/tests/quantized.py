@@ -1,0 +1,83 @@
+"""Tiny quantized diffusers transformers for the tests, made the way users get them: a GGUF file written with the
+``gguf`` package (tensor names as the diffusers model names them, so diffusers' single-file loader maps none) and
+loaded through diffusers' GGUF quantizer (``from_single_file`` with a ``GGUFQuantizationConfig``)."""
+
+import os
+
+import diffusers
+import gguf
+import numpy as np
+import torch
+from test_diffusers import flux
+
+BF16 = torch.bfloat16
+
+
+def wan():
+    """A tiny Wan transformer whose projections are 32 or 64 wide, so GGUF's 32-value blocks quantize them."""
+    torch.manual_seed(0)
+    m = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=4, rope_max_seq_len=32,
+    )
+    g = torch.Generator().manual_seed(3)
+    x = dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
+    )
+    return m, x, 4
+
+
+MODELS = {"flux": flux, "wan": wan}
+
+
+def gguf_file(model, path, qtype):
+    """Writes ``model``'s state dict to the GGUF file ``path``: each matrix whose rows are whole blocks of ``qtype``
+    (a ``gguf.GGMLQuantizationType`` name) quantized to it, every other tensor as F32."""
+    q = gguf.GGMLQuantizationType[qtype]
+    block, _ = gguf.GGML_QUANT_SIZES[q]
+    w = gguf.GGUFWriter(path, "tiny")
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if t.ndim == 2 and a.shape[1] % block == 0:
+            data = gguf.quants.quantize(a, q)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q)
+        else:
+            w.add_tensor(name, a, raw_dtype=gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def gguf_model(name, qtype, folder):
+    """``(model, inputs)``: the tiny model ``name`` of test_diffusers written as ``qtype`` into ``folder`` (once) and
+    loaded back by diffusers' GGUF quantizer (bf16 compute); each call loads a new model object."""
+    path = os.path.join(folder, f"{name}-{qtype}.gguf")
+    model, x, _ = MODELS[name]()
+    if not os.path.exists(path):
+        model.save_config(os.path.join(folder, name))
+        gguf_file(model.to(BF16), path, qtype)
+    loaded = type(model).from_single_file(
+        path, config=os.path.join(folder, name), torch_dtype=BF16,
+        quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=BF16),
+    )
+    return loaded, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
+
+
+def gguf_parameters(model):
+    """``{name: parameter}`` of ``model``'s GGUF-quantized parameters."""
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    return {n: p for n, p in model.named_parameters() if isinstance(p, GGUFParameter)}
+
+
+def weights(model):
+    """Every parameter and buffer's class, dtype, shape, Python attributes (``quant_type``) and bytes."""
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        attrs = {k: v for k, v in vars(t).items() if not isinstance(v, torch.Tensor)}
+        with torch._C.DisableTorchFunctionSubclass():  # GGUFParameter wraps every result otherwise
+            data = np.asarray(t.detach().contiguous().view(torch.uint8).flatten()).tobytes()
+        out[name] = (type(t).__name__, t.dtype, tuple(t.shape), sorted(attrs.items(), key=str), data)
+    return out
