@@ -515,7 +515,7 @@ fn json_errors_name_the_json_path() {
         ),
         (
             r#"{"class": "P", "modules": {"t": {"class": "T", "tensors": {"w": {"dtype": "bfloat16", "shape": [2]}}}}}"#,
-            "modules.t.tensors.w.dtype: unknown dtype `bfloat16`; use one of f32, f16, bf16, f8e4m3, i64, i32, u8",
+            "modules.t.tensors.w.dtype: unknown dtype `bfloat16`; use one of f32, f16, bf16, f8e4m3, f8e5m2, i64, i32, i8, u8",
         ),
         (
             r#"{"class": "P", "modules": {"t": {"class": "T", "tensors": {"w": {"dtype": "f32"}}}}}"#,

@@ -86,7 +86,8 @@ def build_model(spec, tokens, device, build_device, seed, attention):
     from torch import nn
 
     torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-                   "f8e4m3": torch.float8_e4m3fn, "i64": torch.int64, "i32": torch.int32, "u8": torch.uint8}
+                   "f8e4m3": torch.float8_e4m3fn, "f8e5m2": torch.float8_e5m2, "i64": torch.int64, "i32": torch.int32,
+                   "i8": torch.int8, "u8": torch.uint8}
     rows, width = tokens, spec.width
 
     class Workspace:

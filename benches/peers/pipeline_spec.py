@@ -21,7 +21,7 @@ import json
 import os
 from collections import Counter
 
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f8e4m3": 1, "i64": 8, "i32": 4, "u8": 1}
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f8e4m3": 1, "f8e5m2": 1, "i64": 8, "i32": 4, "i8": 1, "u8": 1}
 MAX_GEMM_DIM = 32768
 ATTN_CHUNK = 1024
 RESIDUAL = 0.05

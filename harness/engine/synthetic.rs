@@ -45,6 +45,9 @@ pub fn synthetic_bytes(dtype: DType, numel: u64, seed: u64, storage: StorageId) 
             DType::Bf16 => out.extend_from_slice(&half::bf16::from_f32(unit(&mut st) * 0.05).to_le_bytes()),
             DType::F16 => out.extend_from_slice(&f16_toward_zero(unit(&mut st) * 0.05).to_le_bytes()),
             DType::F8e4m3 => out.push((splitmix64(&mut st) & 0x3F) as u8 | 0x20),
+            // e5m2: sign, exponent 0b01xxx (small normal values), any mantissa.
+            DType::F8e5m2 => out.push((splitmix64(&mut st) & 0x9F) as u8 | 0x20),
+            DType::I8 => out.push((splitmix64(&mut st) % 64) as u8),
             DType::I64 => out.extend_from_slice(&((splitmix64(&mut st) % 1024) as i64).to_le_bytes()),
             DType::I32 => out.extend_from_slice(&((splitmix64(&mut st) % 1024) as i32).to_le_bytes()),
             DType::U8 => out.push(splitmix64(&mut st) as u8),

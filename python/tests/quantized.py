@@ -1,6 +1,7 @@
 """Tiny quantized diffusers transformers for the tests, made the way users get them: a GGUF file written with the
 ``gguf`` package (tensor names as the diffusers model names them, so diffusers' single-file loader maps none) and
-loaded through diffusers' GGUF quantizer (``from_single_file`` with a ``GGUFQuantizationConfig``)."""
+loaded through diffusers' GGUF quantizer (``from_single_file`` with a ``GGUFQuantizationConfig``), or the bf16 model
+quantized in place by torchao's ``quantize_`` (what diffusers' ``TorchAoConfig`` runs)."""
 
 import os
 
@@ -65,6 +66,36 @@ def gguf_model(name, qtype, folder):
     return loaded, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
 
 
+def torchao_model(name, config):
+    """``(model, inputs)``: the tiny model ``name`` in bf16 quantized by ``torchao.quantization.quantize_`` with the
+    config class named ``config`` (e.g. ``Int8WeightOnlyConfig``); each call builds a new model object."""
+    import torchao.quantization as ao
+
+    model, x, _ = MODELS[name]()
+    model = model.to(BF16)
+    ao.quantize_(model, getattr(ao, config)())
+    return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
+
+
+def layerwise_cast_model(name):
+    """``(model, inputs)``: the tiny model ``name`` in bf16 with diffusers' layerwise casting (weights stored in
+    float8_e4m3fn, each layer cast to bf16 for its forward); each call builds a new model object."""
+    model, x, _ = MODELS[name]()
+    model = model.to(BF16)
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=BF16)
+    return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
+
+
+def parts(t):
+    """A tensor's plain parts as ``[(name, tensor)]``: itself, or for a wrapper subclass that names its parts
+    (``__tensor_flatten__``) each inner tensor, nested ones flattened again."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return [("", t)]
+    names, _ = t.__tensor_flatten__()
+    return [(f"{n}.{sub}" if sub else n, inner) for n in names for sub, inner in parts(getattr(t, n))]
+
+
 def gguf_parameters(model):
     """``{name: parameter}`` of ``model``'s GGUF-quantized parameters."""
     from diffusers.quantizers.gguf.utils import GGUFParameter
@@ -74,10 +105,16 @@ def gguf_parameters(model):
 
 def weights(model):
     """Every parameter and buffer's class, dtype, shape, Python attributes (``quant_type``) and bytes."""
-    out = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        attrs = {k: v for k, v in vars(t).items() if not isinstance(v, torch.Tensor)}
+    return {name: signature(t) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def signature(t):
+    """A tensor's class, dtype, shape, device, Python attributes (``quant_type``, a flatten context's) and the bytes
+    of each of its parts."""
+    attrs = {k: v for k, v in vars(t).items() if not isinstance(v, torch.Tensor)}
+    data = []
+    for name, p in parts(t):
         with torch._C.DisableTorchFunctionSubclass():  # GGUFParameter wraps every result otherwise
-            data = np.asarray(t.detach().contiguous().view(torch.uint8).flatten()).tobytes()
-        out[name] = (type(t).__name__, t.dtype, tuple(t.shape), sorted(attrs.items(), key=str), data)
-    return out
+            raw = np.asarray(p.detach().contiguous().view(torch.uint8).flatten()).tobytes()
+        data.append((name, p.dtype, tuple(p.shape), raw))
+    return (type(t).__name__, t.dtype, tuple(t.shape), str(t.device), sorted(attrs.items(), key=str), data)

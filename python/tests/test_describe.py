@@ -46,7 +46,7 @@ def test_persistent_buffers_and_transposed_strides():
 
 def test_every_supported_dtype_maps_and_others_are_refused():
     names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "f8e4m3",
-             torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8"}
+             torch.float8_e5m2: "f8e5m2", torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8"}
     m = nn.Module()
     for i, dt in enumerate(names):
         m.register_buffer(f"b{i}", torch.zeros(2, dtype=dt))
@@ -59,8 +59,8 @@ def test_every_supported_dtype_maps_and_others_are_refused():
         wf.describe({"transformer": bad})
     assert str(e.value) == (
         "tensor 'transformer.proj_out.weight' has dtype torch.float64, which weightferry does not support; use one "
-        "of float32, float16, bfloat16, float8_e4m3fn, int64, int32, uint8 (e.g. cast the module with "
-        ".to(torch.bfloat16))"
+        "of float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int64, int32, int8, uint8 (e.g. cast the module "
+        "with .to(torch.bfloat16))"
     )
     assert isinstance(e.value, wf.Error)
 

@@ -1,15 +1,19 @@
 """Quantized models offloaded on ``device="sim"`` (CI): tiny diffusers Flux and Wan transformers loaded from GGUF
 files through diffusers' GGUF quantizer (``GGUFParameter``: a tensor subclass over its own quantized bytes, with its
-``quant_type`` as a Python attribute). Outputs bit-identical to the same quantized model resident, the bytes
-streamed per pass equal to the stored (quantized) bytes of the streamed blocks, every parameter (class, attributes
-and bytes) bit-identical after disable and after a failure at every allocation and copy of enable; tensor subclasses
-weightferry cannot stream are refused naming the tensor before anything changes."""
+``quant_type`` as a Python attribute) and quantized by torchao (``Int8Tensor`` and ``Float8Tensor``: wrapper
+subclasses streamed by their parts). Outputs bit-identical to the same quantized model resident, the bytes streamed
+per pass equal to the stored (quantized) bytes of the streamed blocks, every parameter (object, class, attributes
+and the bytes of each part) bit-identical after disable and after a failure at every allocation and copy of enable,
+``state_dict`` while offloaded equal to the resident one; tensor subclasses weightferry cannot stream are refused
+naming the tensor before anything changes. Diffusers' layerwise casting (fp8 storage, each layer cast to bf16 for its
+forward) streams the fp8 bytes and computes as it does resident."""
 
+import copy
 import math
 
 import pytest
 import torch
-from quantized import gguf_model, gguf_parameters, weights
+from quantized import gguf_model, gguf_parameters, layerwise_cast_model, parts, signature, torchao_model, weights
 from test_diffusers import layer
 
 import weightferry as wf
@@ -26,8 +30,8 @@ def folder(tmp_path_factory):
 def block_bytes(model, align=1):
     """Stored bytes of every tensor in the model's block lists, each rounded up to ``align`` (a fully streamed pass
     copies them at the device's 256-byte alignment)."""
-    return sum(-(-t.untyped_storage().nbytes() // align) * align for attr in BLOCK_LISTS if hasattr(model, attr)
-               for t in getattr(model, attr).state_dict().values())
+    return sum(-(-p.untyped_storage().nbytes() // align) * align for attr in BLOCK_LISTS if hasattr(model, attr)
+               for t in getattr(model, attr).state_dict().values() for _, p in parts(t))
 
 
 def budget(model):
@@ -161,10 +165,132 @@ def test_a_gguf_model_s_state_dict_while_offloaded_is_the_resident_one(folder):
 
 
 def state_of(sd):
-    """Each entry's class, quant_type and bytes."""
-    out = {}
-    for k, t in sd.items():
-        with torch._C.DisableTorchFunctionSubclass():
-            data = t.detach().contiguous().view(torch.uint8).flatten().numpy().tobytes()
-        out[k] = (type(t).__name__, getattr(t, "quant_type", None), t.dtype, tuple(t.shape), data)
-    return out
+    """Each entry's :func:`quantized.signature` (class, attributes, the bytes of its parts)."""
+    return {k: signature(t) for k, t in sd.items()}
+
+
+AO = [("flux", "Int8WeightOnlyConfig"), ("flux", "Float8WeightOnlyConfig"), ("wan", "Int8WeightOnlyConfig"),
+      ("flux", "Int8DynamicActivationInt8WeightConfig")]
+
+
+@pytest.mark.parametrize("depth", [1, 2, 0], ids=["depth1", "depth2", "budget"])
+@pytest.mark.parametrize("name,config", AO, ids=[f"{n}-{c[:-6]}" for n, c in AO])
+def test_a_torchao_model_streams_its_parts_bit_identical_to_resident(name, config, depth):
+    model, x = torchao_model(name, config)
+    twin = copy.deepcopy(model)
+    wrapped = {n: t for n, t in model.named_parameters() if len(parts(t)) > 1}
+    assert len(wrapped) > 4
+    before = weights(model)
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    h = wf.enable({"transformer": model}, layer(depth) if depth else budget(model), device="sim")
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+        streamed = h.stats()["bytes_streamed"]
+        assert torch.equal(model(**x)[0], expected)
+    per_pass = h.stats()["bytes_streamed"] - streamed
+    if depth:
+        assert per_pass == block_bytes(twin, align=256)
+        # Between forwards a streamed weight's parts hold nothing (no copy of its bytes stays behind).
+        streamed_weights = [t for n, t in wrapped.items() if n.split(".")[0] in BLOCK_LISTS]
+        assert streamed_weights and all(p.numel() == 0 for t in streamed_weights for _, p in parts(t))
+    else:
+        assert h.stats()["stacks"][0]["resident"] > 0
+        assert per_pass < block_bytes(twin, align=256)
+    assert state_of(model.state_dict()) == state_of(twin.state_dict())
+    h.disable()
+    assert weights(model) == before
+    assert all(model.get_parameter(n) is t for n, t in wrapped.items())
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+
+
+@pytest.mark.parametrize("fault", ["oom_at_alloc", "fail_host_alloc", "fail_h2d_copy"])
+def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_a_torchao_model_as_it_was(fault):
+    model, x = torchao_model("flux", "Int8WeightOnlyConfig")
+    before = weights(model)
+    with torch.no_grad():
+        expected = model(**x)[0]
+    n = 0
+    while True:
+        try:
+            h = wf.enable({"transformer": model}, layer(2), device="sim", _seams=Seams(sim_faults={fault: n}))
+        except wf.OffloadError:
+            assert weights(model) == before, f"{fault} at call {n}"
+            n += 1
+            continue
+        try:
+            h.disable()
+        except wf.OffloadError:
+            h.disable()
+        break
+    assert n > 0 and weights(model) == before
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+
+
+def test_load_state_dict_into_a_torchao_weight_while_offloaded_is_refused_and_nothing_changes():
+    model, x = torchao_model("flux", "Int8WeightOnlyConfig")
+    sd = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        expected = model(**x)[0]
+    with wf.enable({"transformer": model}, layer(2), device="sim") as h:
+        before = state_of(h.state_dict())
+        with pytest.raises(wf.OffloadError) as e:
+            model.load_state_dict(sd)
+        assert str(e.value) == (
+            "'transformer' is offloaded by weightferry: its weight 'time_text_embed.timestep_embedder.linear_1.weight' "
+            "is a Int8Tensor, a tensor subclass weightferry streams by its parts, which load_state_dict cannot write "
+            "while offloaded; disable, load, and enable again (nothing was loaded)"
+        )
+        assert state_of(h.state_dict()) == before
+        with torch.no_grad():
+            assert torch.equal(model(**x)[0], expected)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 0], ids=["depth1", "depth2", "budget"])
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_layerwise_casting_streams_the_stored_fp8_bytes_and_computes_as_resident(name, depth):
+    model, x = layerwise_cast_model(name)
+    twin, _ = layerwise_cast_model(name)  # diffusers' casting hooks do not survive a deepcopy
+    before = weights(model)
+    fp8 = {n for n, t in model.named_parameters() if t.dtype == torch.float8_e4m3fn}
+    assert len(fp8) > 4
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    h = wf.enable({"transformer": model}, layer(depth) if depth else budget(model), device="sim")
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+        streamed = h.stats()["bytes_streamed"]
+        assert torch.equal(model(**x)[0], expected)
+    per_pass = h.stats()["bytes_streamed"] - streamed
+    if depth:
+        assert per_pass == block_bytes(twin, align=256)
+    # Between forwards every weight is in its stored dtype again (the casts of the forward are given back).
+    assert {n for n, t in model.named_parameters() if t.dtype == torch.float8_e4m3fn} == fp8
+    with pytest.raises(wf.OffloadError) as e:
+        model.to(torch.float16)  # outside a forward: still refused
+    assert str(e.value).startswith("'transformer' is offloaded by weightferry: converting it")
+    h.disable()
+    assert weights(model) == before
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+
+
+def test_a_cast_inside_a_forward_that_moves_a_layer_off_its_device_is_refused():
+    model, x = layerwise_cast_model("flux")
+    with torch.no_grad():
+        expected = model(**x)[0]
+    layer0 = model.transformer_blocks[0].attn.to_q
+    layer0.register_forward_pre_hook(lambda m, a: m.to("meta"))
+    with wf.enable({"transformer": model}, layer(2), device="sim"):
+        with pytest.raises(wf.OffloadError) as e, torch.no_grad():
+            model(**x)
+        assert str(e.value) == (
+            "'transformer.transformer_blocks.0.attn.to_q' is offloaded by weightferry: inside a forward only a change "
+            "of dtype on the device is allowed (diffusers' layerwise casting); moving it to another device would move "
+            "the device views it holds, not its weights"
+        )
+        layer0._forward_pre_hooks.clear()
+        with torch.no_grad():
+            assert torch.equal(model(**x)[0], expected)

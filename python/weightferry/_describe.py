@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Union
 
 from . import _core
+from ._composites import Composite, is_composite
 from ._discover import Declared, discover
 
 if TYPE_CHECKING:
@@ -24,15 +25,18 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from typing_extensions import TypeAlias
 
-__all__ = ["Bound", "Description", "Modules", "PipelineLike", "describe"]
+__all__ = ["Bound", "Composites", "Description", "Modules", "PipelineLike", "describe"]
 
 PipelineLike: TypeAlias = Union["Mapping[str, nn.Module]", "nn.Module", object]
 """What :func:`describe` accepts: a diffusers pipeline, an object whose public attributes are the components, a dict
 of name -> ``torch.nn.Module``, or one ``torch.nn.Module``."""
 Description: TypeAlias = "dict[str, Any]"
 """A pipeline description: JSON data in the ``weightferry-pipeline/1`` format."""
-Bound: TypeAlias = "dict[str, tuple[nn.Module, str]]"
-"""Tensor path -> (the module holding it, its attribute name there)."""
+Bound: TypeAlias = "dict[str, tuple[Any, str]]"
+"""Tensor path -> (the object holding it, its attribute name there): a module, or for a part of a tensor subclass
+described by its parts (``_composites``) the subclass object."""
+Composites: TypeAlias = "dict[str, Composite]"
+"""Tensor path -> the tensor subclass there, described by its parts (whose paths are in ``Bound``)."""
 Modules: TypeAlias = "dict[str, nn.Module]"
 """Module path -> module (the root module, if any, at ``""``)."""
 # One tensor viewing a storage, as the walk records it: (its description entry, its path, dtype name, element size,
@@ -50,7 +54,7 @@ _COMPONENT_DECLS = (
     ("_auxiliary_modules", "auxiliary"),
 )
 
-_SUPPORTED = "float32, float16, bfloat16, float8_e4m3fn, int64, int32, uint8"
+_SUPPORTED = "float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int64, int32, int8, uint8"
 
 
 def _dtype_names() -> dict[torch.dtype, str]:
@@ -61,6 +65,8 @@ def _dtype_names() -> dict[torch.dtype, str]:
         torch.float16: "f16",
         torch.bfloat16: "bf16",
         torch.float8_e4m3fn: "f8e4m3",
+        torch.float8_e5m2: "f8e5m2",
+        torch.int8: "i8",
         torch.int64: "i64",
         torch.int32: "i32",
         torch.uint8: "u8",
@@ -182,6 +188,7 @@ class _Describer:
         self.bound: Bound = {}
         self.modules: Modules = {}
         self.pinned: list[str] = []  # module paths whose tensors stay on the device (adapter layers)
+        self.composites: Composites = {}  # tensor path -> a tensor subclass described by its parts
 
     def tensor(self, t: torch.Tensor, path: str, kind: str) -> dict[str, Any]:
         import torch
@@ -239,15 +246,26 @@ class _Describer:
         out: dict[str, Any] = {}
         for name, p in m._parameters.items():
             if p is not None:
-                out[name] = self.tensor(p, prefix + name, "parameter")
-                self.bound[prefix + name] = (m, name)
+                self._entry(m, name, p, prefix, "parameter", out)
         for name, b in m._buffers.items():
             if b is not None:
                 persistent = name not in m._non_persistent_buffers_set
                 kind = "persistent_buffer" if persistent else "non_persistent_buffer"
-                out[name] = self.tensor(b, prefix + name, kind)
-                self.bound[prefix + name] = (m, name)
+                self._entry(m, name, b, prefix, kind, out)
         return out
+
+    def _entry(self, m: nn.Module, name: str, t: torch.Tensor, prefix: str, kind: str, out: dict[str, Any]) -> None:
+        """Describes ``m``'s tensor ``name`` into ``out``: one entry, or one per part of a tensor subclass described
+        by its parts (``_composites``)."""
+        if not is_composite(t):
+            out[name] = self.tensor(t, prefix + name, kind)
+            self.bound[prefix + name] = (m, name)
+            return
+        c = Composite(t, prefix + name, (m, name))
+        self.composites[prefix + name] = c
+        for holder, attr, path in c.leaves():
+            out[path[len(prefix) :]] = self.tensor(getattr(holder, attr), path, kind)
+            self.bound[path] = (holder, attr)
 
     def _class_decls(self, m: nn.Module, path: str) -> None:
         """Records the block-list declarations of ``m``'s class (keyed by class name, as the format keys them)."""
@@ -368,10 +386,12 @@ def describe(
     return _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))[0]
 
 
-def _describe(pipeline: PipelineLike, py: Declared | None = None) -> tuple[Description, Bound, Modules]:
-    """``(description, {tensor path: (module, attribute)}, {module path: module})``: :func:`describe` with the
-    objects its paths name (the root module, if any, at path ``""``); ``py`` is what the caller declared in
-    keyword arguments."""
+def _describe(
+    pipeline: PipelineLike, py: Declared | None = None
+) -> tuple[Description, Bound, Modules, Composites]:
+    """``(description, {tensor path: (holder, attribute)}, {module path: module}, {tensor path: composite})``:
+    :func:`describe` with the objects its paths name (the root module, if any, at path ``""``); ``py`` is what the
+    caller declared in keyword arguments."""
     cls, root, items = _root_modules(pipeline)
     items = [(name, _compiled_original(m)) for name, m in items]
     d = _Describer()
@@ -404,4 +424,4 @@ def _describe(pipeline: PipelineLike, py: Declared | None = None) -> tuple[Descr
     if d.pinned:
         desc["pinned"] = d.pinned
     discover(desc, items, declared, py if py is not None else Declared())
-    return desc, d.bound, d.modules
+    return desc, d.bound, d.modules, d.composites

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from ._storages import tensors_over
+from ._storages import set_data, tensors_over
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +104,7 @@ def editing(
         views = storages.views[sid]
         held[sid] = session.read_storage(sid)
         for view, t in zip(views, tensors_over(held[sid], views)):
-            view.tensor.data = t
+            set_data(view, t)
         sigs.record(views)
     sigs.editing = sids
     try:

@@ -83,7 +83,7 @@ def enable(
     seams = _seams if _seams is not None else Seams()
     device = _default_device(device)
     text, fmt = config_arg(config)
-    desc, bound, modules = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
+    desc, bound, modules, composites = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
     if any(is_offloaded(getattr(m, n)) for m, n in bound.values()):
         raise _core.OffloadError(
             f"pipeline {desc['class']} is already enabled by weightferry (one of its tensors is offloaded); call "
@@ -103,7 +103,7 @@ def enable(
     undo = UndoStack()
     try:
         # With a checkpoint, meta tensors become empty CPU tensors first; their bytes come from the file.
-        storages = StorageMap(session, bound, materialize_meta(bound, undo) if ckpt else {})
+        storages = StorageMap(session, bound, materialize_meta(bound, undo) if ckpt else {}, composites)
         handle = Handle(session, storages, modules, bound, binder, stream, json.loads(text) if fmt == "json" else None)
         if ckpt:
             # The session has every other storage from the file: those tensors keep their (empty) data until enable
@@ -202,7 +202,7 @@ def _check_computed_buffers(bound: Bound) -> None:
     """A module bound from a checkpoint keeps its non-persistent buffers (rotary tables and the like: computed when
     it is built, in no checkpoint), so they must hold real values, not ``meta``."""
     for path, (module, attr) in bound.items():
-        if attr in module._non_persistent_buffers_set and getattr(module, attr).is_meta:
+        if attr in getattr(module, "_non_persistent_buffers_set", ()) and getattr(module, attr).is_meta:
             raise _core.PipelineError(
                 f"buffer '{path}' is on the meta device, but no checkpoint holds it (a non-persistent buffer, "
                 "computed when the module is built); build the module with only its parameters on meta "

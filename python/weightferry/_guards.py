@@ -1,8 +1,17 @@
-"""What an offloaded pipeline refuses before anything changes. ``.to(...)``, ``.half()``, ``.cuda()``, ``.cpu()``
-and every other conversion go through ``nn.Module._apply``, which would convert the placeholders and device views
-the modules hold while offloaded, not weightferry's copy, and be undone at ``disable``: while enabled, every module of
-the pipeline carries an instance ``_apply`` that raises :class:`weightferry.OffloadError` naming the fix. It is set on
-every module (the root too), so the call fails at its first module, before any tensor is converted."""
+"""What an offloaded pipeline refuses before anything changes, and the one conversion it takes. ``.to(...)``,
+``.half()``, ``.cuda()``, ``.cpu()`` and every other conversion go through ``nn.Module._apply``, which would convert
+the placeholders and device views the modules hold while offloaded, not weightferry's copy, and be undone at
+``disable``: while enabled, every module of the pipeline carries an instance ``_apply`` that raises
+:class:`weightferry.OffloadError` naming the fix. It is set on every module (the root too), so the call fails at its
+first module, before any tensor is converted.
+
+The exception is a change of dtype on the device during a component's forward: what diffusers' layerwise casting
+does (``enable_layerwise_casting``: weights stored in fp8, each layer cast to the compute dtype for its own forward
+and back after it). Inside a forward, a conversion that keeps every tensor on its device converts the tensors the
+modules hold now (the bound device views, never weightferry's copy) and remembers what each held; converting back
+to a tensor's own dtype gives it exactly that again (the same view), and whatever is still converted when the
+component's forward ends is given back then. So weightferry streams the stored (fp8) bytes and the layer computes
+as it does resident."""
 
 from __future__ import annotations
 
@@ -13,6 +22,9 @@ from . import _core
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    import torch
+    import torch.nn as nn
+
     from ._describe import Modules
 
 __all__ = ["ConversionGuard"]
@@ -22,27 +34,37 @@ _MESSAGE = (
     "change the device views it holds while offloaded, not its weights; call disable() on the handle, convert the "
     "module, and enable again"
 )
+_MOVE = (
+    "'{path}' is offloaded by weightferry: inside a forward only a change of dtype on the device is allowed "
+    "(diffusers' layerwise casting); moving it to another device would move the device views it holds, not its "
+    "weights"
+)
 
 
 class ConversionGuard:
     """The instance ``_apply`` of every module of one enabled pipeline; :meth:`remove` gives each module its class's
-    own ``_apply`` back (or the instance attribute it had before)."""
+    own ``_apply`` back (or the instance attribute it had before). ``in_forward`` says whether a component's
+    forward is under way (when a dtype cast on the device is taken, see the module doc)."""
 
-    def __init__(self, modules: Modules) -> None:
+    def __init__(self, modules: Modules, in_forward: Callable[[], bool]) -> None:
         self._modules = modules
+        self._in_forward = in_forward
         self._saved: dict[int, tuple[Any, bool]] = {}  # id(module) -> (its own instance _apply, whether it had one)
+        # id(tensor) -> (the tensor, what it held before its first cast in this forward)
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def install(self) -> None:
-        """Puts the refusing ``_apply`` on every module."""
+        """Puts the guarding ``_apply`` on every module."""
         for path, module in self._modules.items():
             if id(module) in self._saved:
                 continue  # one module object reachable at two paths
             had = "_apply" in module.__dict__
             self._saved[id(module)] = (module.__dict__.get("_apply"), had)
-            module.__dict__["_apply"] = _refuse(path or type(module).__name__)
+            module.__dict__["_apply"] = self._guard(module, path or type(module).__name__)
 
     def remove(self) -> None:
         """Restores every module's ``_apply`` (idempotent)."""
+        self.forward_ended()
         for module in self._modules.values():
             saved = self._saved.pop(id(module), None)
             if saved is None:
@@ -53,10 +75,44 @@ class ConversionGuard:
             else:
                 module.__dict__.pop("_apply", None)
 
+    def forward_ended(self) -> None:
+        """Gives every tensor still cast what it held before its first cast (a forward cast it and did not cast it
+        back); one that was bound anew since (its block released it) keeps its new data."""
+        held, self._held = self._held, {}
+        for t, before in held.values():
+            if t.dtype != before.dtype:
+                t.data = before
 
-def _refuse(path: str) -> Callable[..., Any]:
-    def _apply(*args: Any, **kwargs: Any) -> Any:
-        raise _core.OffloadError(_MESSAGE.format(path=path))
+    def _guard(self, module: nn.Module, path: str) -> Callable[..., Any]:
+        def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+            if not self._in_forward():
+                raise _core.OffloadError(_MESSAGE.format(path=path))
+            self._cast(list(module.modules()) if recurse else [module], fn, path)
+            return module
 
-    return _apply
+        return _apply
 
+    def _cast(self, modules: list[nn.Module], fn: Callable[[torch.Tensor], torch.Tensor], path: str) -> None:
+        """Converts every tensor of ``modules`` with ``fn`` in place (``.data``), after checking that none would
+        leave its device."""
+        import torch
+
+        tensors = {id(t): t for m in modules for t in [*m._parameters.values(), *m._buffers.values()] if t is not None}
+        with torch.no_grad():
+            for t in tensors.values():
+                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                if probe.device != t.device:
+                    raise _core.OffloadError(_MOVE.format(path=path))
+            for key, t in tensors.items():
+                new = fn(t)
+                if new.dtype == t.dtype:
+                    continue
+                held = self._held.get(key)
+                if held is None:
+                    self._held[key] = (t, t.data)
+                    t.data = new
+                elif new.dtype == held[1].dtype:
+                    del self._held[key]
+                    t.data = held[1]  # the very view it held: no copy stays behind
+                else:
+                    t.data = new

@@ -55,7 +55,8 @@ class Handle:
         # While offloaded, the modules' own state_dict reads the true weights from the session.
         self._state_hooks = StateDictHooks(session, storages, bound, self._sigs, self._check)
         # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
-        self._guard = ConversionGuard(modules)
+        self._guard = ConversionGuard(modules, lambda: self._forwards > 0 or self._hooks.busy())
+        self._forwards = 0  # component forwards under way (a cast of dtype on the device is taken inside one)
         # Writes into the weights go through weightferry's copy: load_state_dict's, and edits inside editing().
         self._writer = Writer(session, storages, self._hooks.refreshed)
         self._load_hooks = LoadHooks(modules, storages, bound, self._writer, self._sigs)
@@ -78,7 +79,8 @@ class Handle:
     def _install_watch(self) -> None:
         """A forward pre-hook on every component (a top-level module with managed weights), first of its hooks:
         tensors of the component changed outside weightferry are refused before its forward binds anything; and a
-        forward hook that makes a backward from its output raise (``_grad``)."""
+        forward hook that makes a backward from its output raise (``_grad``). Between the two the component's forward
+        is counted as under way (``ConversionGuard`` takes a cast of dtype on the device then)."""
         import torch
 
         from ._grad import inference_only
@@ -93,14 +95,21 @@ class Handle:
 
             def pre(module: Any, args: Any, sids: set[int] = sids) -> None:
                 self._check(sids)
+                self._forwards += 1
 
             def post(module: Any, args: Any, output: Any, comp: str = comp) -> Any:
-                return inference_only(output, comp) if torch.is_grad_enabled() else None
+                self._forwards = max(0, self._forwards - 1)
+                if not self._forwards:
+                    self._guard.forward_ended()
+                if output is None or not torch.is_grad_enabled():  # None: the forward raised
+                    return None
+                return inference_only(output, comp)
 
             hook = _compiler_disabled(pre)
             self._watch.append(module.register_forward_pre_hook(hook, prepend=True))
-            # A backward is refused at the component's output, before any of its parameters gets a gradient.
-            self._watch.append(module.register_forward_hook(_compiler_disabled(post)))
+            # A backward is refused at the component's output, before any of its parameters gets a gradient; and
+            # the casts a forward made (diffusers' layerwise casting, see `_guards`) end with it, even when it raised.
+            self._watch.append(module.register_forward_hook(_compiler_disabled(post), always_call=True))
 
     def _remove_watch(self) -> None:
         while self._watch:

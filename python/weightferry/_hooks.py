@@ -111,7 +111,8 @@ class Hooks:
         self._inside = ""
         # storage id -> CPU tensors of its true bytes, for streamed storages of buffers only (see _idle)
         self._idle_buffers: dict[int, list[torch.Tensor]] = {}
-        self._buffer_only: frozenset[int] = frozenset()  # storages holding no parameter, found once at install
+        # storages holding no parameter (nor a part of one), found once at install
+        self._buffer_only: frozenset[int] = frozenset()
 
     def _idle(self, sid: int) -> None:
         """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
@@ -251,7 +252,7 @@ class Hooks:
         self._buffer_only = frozenset(
             sid
             for sid, views in self._storages.views.items()
-            if not any(isinstance(v.tensor, torch.nn.Parameter) for v in views)
+            if not any(isinstance(v.owner.tensor if v.owner else v.tensor, torch.nn.Parameter) for v in views)
         )
         self.rebind_idle(set(self._storages.views))
         for path in self._session.hooked_modules():

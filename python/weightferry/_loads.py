@@ -48,6 +48,17 @@ class LoadHooks:
         self._writer = writer
         self._sigs = sigs  # inside Handle.editing() torch loads into the edited CPU tensors itself
         self._sid = {path: sid for path, (sid, _) in storages.state_paths.items()}
+        # module path -> [(state-dict key relative to the module, path)] of the tensor subclasses below it
+        # (described by their parts): a load into them is refused before anything is written.
+        self._composites = storages.composites
+        self._composite_below: dict[str, list[tuple[str, str]]] = {}
+        for path in storages.composites:
+            parts = path.split(".")
+            for i in range(len(parts)):
+                owner = ".".join(parts[:i])
+                if owner in modules:
+                    self._composite_below.setdefault(owner, []).append((".".join(parts[i:]), path))
+                    below.setdefault(owner, [])
         self._handles: list[RemovableHandle] = []
         # Per thread: [(module, the keys its pre-hook wrote)] of the loads under way, struck from the missing keys by
         # the module's post-hook.
@@ -58,7 +69,8 @@ class LoadHooks:
         for path, keys in self._below.items():
             module = self._modules[path]
             name = path or type(module).__name__
-            self._handles.append(module.register_load_state_dict_pre_hook(self._pre(name, keys)))  # type: ignore[no-untyped-call]
+            pre = self._pre(name, keys, self._composite_below.get(path, []))
+            self._handles.append(module.register_load_state_dict_pre_hook(pre))  # type: ignore[no-untyped-call]
             self._handles.append(module.register_load_state_dict_post_hook(self._post))  # type: ignore[no-untyped-call]
 
     def remove(self) -> None:
@@ -73,10 +85,18 @@ class LoadHooks:
             pending = self._written.pending = []
         return pending
 
-    def _pre(self, name: str, keys: list[tuple[str, str]]) -> Callable[..., None]:
+    def _pre(self, name: str, keys: list[tuple[str, str]], composites: list[tuple[str, str]]) -> Callable[..., None]:
         def hook(module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any) -> None:
             if prefix == "":
                 self._pending().clear()  # a new load (a failed one may have left entries)
+            for key, path in composites:
+                if prefix + key in state_dict:
+                    raise _core.OffloadError(
+                        f"'{name}' is offloaded by weightferry: its weight '{prefix + key}' is a "
+                        f"{type(self._composites[path].tensor).__qualname__}, a tensor subclass weightferry streams "
+                        "by its parts, which load_state_dict cannot write while offloaded; disable, load, and enable "
+                        "again (nothing was loaded)"
+                    )
             editing = self._sigs.editing or set()
             found = {
                 prefix + key: path

@@ -57,7 +57,7 @@ def plan(
     Raises :class:`weightferry.ConfigError`, :class:`weightferry.PipelineError` or
     :class:`weightferry.PlanError` with the CLI's message.
     """
-    desc, _, modules = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
+    desc, _, modules, _ = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
     text, fmt = config_arg(config)
     with in_python_words():
         report: dict[str, Any] = json.loads(

@@ -45,6 +45,10 @@ class StateDictHooks:
         for path, (module, attr) in bound.items():
             if path in storages.state_paths:
                 self._owned.setdefault(id(module), (module, {}))[1][attr] = path
+        for path, c in storages.composites.items():  # a tensor subclass: its entry is rebuilt over its parts
+            if c.owner is not None:
+                module, attr = c.owner
+                self._owned.setdefault(id(module), (module, {}))[1][attr] = path
         self._handles: list[RemovableHandle] = []
 
     def install(self) -> None:
@@ -60,13 +64,19 @@ class StateDictHooks:
         self._handles.clear()
 
     def _hook(self, attrs: dict[str, str]) -> Callable[[nn.Module, dict[str, Any], str, Any], None]:
-        paths = self._storages.state_paths
-        sids = {paths[path][0] for path in attrs.values()}
+        paths = self._storages.locations
+        composites = self._storages.composites
+        parts = {p: [leaf for _, _, leaf in composites[p].leaves()] if p in composites else [p] for p in attrs.values()}
+        sids = {paths[leaf][0] for leaves in parts.values() for leaf in leaves}
 
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
             self._check(sids)
             editing = self._sigs.editing or set()
-            wanted = [p for a, p in attrs.items() if prefix + a in state_dict and paths[p][0] not in editing]
+            wanted = [
+                p
+                for a, p in attrs.items()
+                if prefix + a in state_dict and not any(paths[leaf][0] in editing for leaf in parts[p])
+            ]
             true: dict[str, torch.Tensor] = self._storages.true_tensors(self._session, wanted)
             for attr, path in attrs.items():
                 if path in true:

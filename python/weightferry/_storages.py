@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from ._composites import Composite, rebuild, settle
 
 # Bytes of torch tensors released between two trims of the C heap during the hand-over (see StorageMap.hand_over).
 _TRIM_BYTES = 1 << 30
@@ -16,21 +17,25 @@ _TRIM_BYTES = 1 << 30
 if TYPE_CHECKING:
     import torch
 
-    from ._describe import Bound
+    from ._describe import Bound, Composites
     from ._undo import UndoStack
 
 __all__ = ["StorageMap", "View", "materialize_meta", "set_data", "tensors_over"]
 
 
 class View:
-    """One torch tensor object viewing a storage: where its elements are (offset, shape, strides, dtype)."""
+    """One torch tensor object viewing a storage: where its elements are (offset, shape, strides, dtype), and the
+    tensor subclass it is a part of, if any (``owner``: re-pointed at the device its parts are on after a binding)."""
 
-    __slots__ = ("dtype", "offset", "path", "shape", "strides", "tensor")
+    __slots__ = ("dtype", "offset", "owner", "path", "shape", "strides", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, path: str, like: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, path: str, like: torch.Tensor | None = None, owner: Composite | None = None
+    ) -> None:
         """``like``: the tensor whose geometry this object takes (a meta tensor it replaced), else its own."""
         like = tensor if like is None else like
         self.tensor = tensor
+        self.owner = owner
         self.path = path
         self.dtype: torch.dtype = like.dtype
         self.shape = tuple(like.shape)
@@ -40,8 +45,11 @@ class View:
 
 def set_data(view: View, tensor: torch.Tensor) -> None:
     """Makes ``view``'s tensor object hold ``tensor``'s data (the object, its ``requires_grad`` and every reference
-    to it stay): how a binder binds a tensor unless told otherwise (see ``Seams.bind``)."""
+    to it stay), and the tensor subclass it is a part of follow it to its device: how a binder binds a tensor unless
+    told otherwise (see ``Seams.bind``)."""
     view.tensor.data = tensor
+    if view.owner is not None:
+        settle(view.owner)
 
 
 def tensors_over(data: bytearray, views: list[View]) -> list[torch.Tensor]:
@@ -85,7 +93,7 @@ def materialize_meta(bound: Bound, undo: UndoStack) -> dict[int, torch.Tensor]:
     replaced: dict[int, torch.Tensor] = {}
     for module, attr in bound.values():
         old = getattr(module, attr)
-        if old.device.type != "meta":
+        if old.device.type != "meta" or not isinstance(module, nn.Module):
             continue
         new = new_of.get(id(old))
         if new is None:
@@ -109,12 +117,23 @@ def _put_back(table: dict[str, Any], attr: str, old: torch.Tensor) -> Callable[[
 class StorageMap:
     """Storage id -> the tensor objects viewing it (:class:`View`), its size, and which unit streams it."""
 
-    def __init__(self, session: _core.Session, bound: Bound, replaced: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        session: _core.Session,
+        bound: Bound,
+        replaced: dict[int, torch.Tensor],
+        composites: Composites | None = None,
+    ) -> None:
         """Maps the pipeline's tensors (``bound``, from ``describe``) to the session's storages; ``replaced`` names
-        the meta tensor an empty CPU tensor stands for (its geometry is the view's)."""
+        the meta tensor an empty CPU tensor stands for (its geometry is the view's); ``composites`` are the tensor
+        subclasses described by their parts (whose parts ``bound`` holds)."""
+        import torch.nn as nn
+
         paths = dict(session.tensor_storages())
         if set(paths) != set(bound):
             raise _core.Error("internal error: the description's tensors and the pipeline's differ")
+        self.composites: Composites = dict(composites or {})
+        owner_of = {path: c for c in self.composites.values() for _, _, path in c.leaves()}
         self.views: dict[int, list[View]] = {}
         seen = set()
         for path, (module, attr) in bound.items():
@@ -122,19 +141,23 @@ class StorageMap:
             key = (paths[path], id(t))
             if key not in seen:  # a tensor object registered twice (a tied attribute) is bound once
                 seen.add(key)
-                self.views.setdefault(paths[path], []).append(View(t, path, replaced.get(id(t))))
+                view = View(t, path, replaced.get(id(t)), owner_of.get(path))
+                self.views.setdefault(paths[path], []).append(view)
         self.nbytes: dict[int, int] = {}
         self.streamed_by: dict[str, list[int]] = {}  # unit module path -> its storages
         for sid, size, unit in session.storages():
             self.nbytes[sid] = size
             if unit is not None:
                 self.streamed_by.setdefault(unit, []).append(sid)
-        # Every parameter and persistent buffer's path -> (storage, index of its tensor object among the views).
+        # Every parameter and persistent buffer's path -> (storage, index of its tensor object among the views);
+        # `locations` has the parts of tensor subclasses too.
         index_of = {id(v.tensor): (sid, i) for sid, vs in self.views.items() for i, v in enumerate(vs)}
+        self.locations = {path: index_of[id(getattr(holder, attr))] for path, (holder, attr) in bound.items()}
         self.state_paths: dict[str, tuple[int, int]] = {
-            path: index_of[id(getattr(module, attr))]
+            path: self.locations[path]
             for path, (module, attr) in bound.items()
-            if attr in module._parameters or attr not in module._non_persistent_buffers_set
+            if isinstance(module, nn.Module)
+            and (attr in module._parameters or attr not in module._non_persistent_buffers_set)
         }
 
     def tensors(self) -> Iterator[torch.Tensor]:
@@ -182,7 +205,7 @@ class StorageMap:
                 lost.append(f"{views[0].path}: {e}")
                 continue
             for view, tensor in zip(views, tensors_over(data, views)):
-                view.tensor.data = tensor
+                set_data(view, tensor)
         if lost:
             raise _core.OffloadError(
                 "weightferry could not give back the weights of "
@@ -200,25 +223,38 @@ class StorageMap:
     def state_dict(self, session: _core.Session, component: str | None) -> dict[str, torch.Tensor]:
         """The weights read from the session (see ``Handle.state_dict``)."""
         prefix = None if component is None else f"{component}."
-        wanted = {p: v for p, v in self.state_paths.items() if prefix is None or p.startswith(prefix)}
+        every = [*self.state_paths, *(p for p, c in self.composites.items() if _in_state_dict(c))]
+        wanted = [p for p in every if prefix is None or p.startswith(prefix)]
         if prefix is not None and not wanted:
             raise _core.PipelineError(f"the pipeline has no component '{component}' with weights")
-        true = self.true_tensors(session, list(wanted))
+        true = self.true_tensors(session, wanted)
         return {path if prefix is None else path[len(prefix) :]: t for path, t in true.items()}
 
     def true_tensors(self, session: _core.Session, paths: list[str]) -> dict[str, torch.Tensor]:
-        """Path -> the weight at ``paths`` (parameters and persistent buffers) as a CPU tensor read from the session,
-        each storage read once (its tensors share it)."""
+        """Path -> the weight at ``paths`` (parameters and persistent buffers; a tensor subclass described by its
+        parts is rebuilt over them) as a CPU tensor read from the session, each storage read once (its tensors
+        share it)."""
         built: dict[int, list[torch.Tensor]] = {}
-        out = {}
-        for path in paths:
-            sid, index = self.state_paths[path]
+
+        def true(path: str) -> torch.Tensor:
+            sid, index = self.locations[path]
             if sid not in built:
                 views = self.views[sid]
                 plain = tensors_over(session.read_storage(sid), views)
                 built[sid] = [_as_class_of(v.tensor, t) for v, t in zip(views, plain)]
-            out[path] = built[sid][index]
+            return built[sid][index]
+
+        out = {}
+        for path in paths:
+            c = self.composites.get(path)
+            out[path] = true(path) if c is None else rebuild(c, {p: true(p) for _, _, p in c.leaves()})
         return out
+
+
+def _in_state_dict(c: Composite) -> bool:
+    """Whether the tensor subclass is a parameter or persistent buffer of its module (a state-dict entry)."""
+    module, attr = c.owner if c.owner is not None else (None, "")
+    return module is not None and (attr in module._parameters or attr not in module._non_persistent_buffers_set)
 
 
 def _as_class_of(original: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:

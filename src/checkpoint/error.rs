@@ -59,7 +59,7 @@ pub enum CheckpointError {
     /// A tensor's dtype is not one the pipeline description supports.
     #[error(
         "{}: tensor `{tensor}` has dtype {dtype}, which weightferry does not support; supported: F32 F16 BF16 \
-         F8_E4M3 I64 I32 U8 (convert the checkpoint)",
+         F8_E4M3 F8_E5M2 I64 I32 I8 U8 (convert the checkpoint)",
         file.display()
     )]
     UnsupportedDtype {

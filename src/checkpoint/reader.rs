@@ -45,6 +45,8 @@ pub(super) fn dtype_from_safetensors(name: &str) -> Option<DType> {
         "F16" => DType::F16,
         "BF16" => DType::Bf16,
         "F8_E4M3" => DType::F8e4m3,
+        "F8_E5M2" => DType::F8e5m2,
+        "I8" => DType::I8,
         "I64" => DType::I64,
         "I32" => DType::I32,
         "U8" => DType::U8,

@@ -19,6 +19,10 @@ pub enum DType {
     Bf16,
     /// 8-bit float (e4m3).
     F8e4m3,
+    /// 8-bit float (e5m2).
+    F8e5m2,
+    /// 8-bit signed integer (e.g. int8 quantised weights).
+    I8,
     /// 64-bit integer (e.g. position ids).
     I64,
     /// 32-bit integer.
@@ -33,7 +37,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::Bf16 => 2,
-            DType::F8e4m3 | DType::U8 => 1,
+            DType::F8e4m3 | DType::F8e5m2 | DType::I8 | DType::U8 => 1,
             DType::I64 => 8,
         }
     }
@@ -44,6 +48,8 @@ impl DType {
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
             DType::F8e4m3 => "f8e4m3",
+            DType::F8e5m2 => "f8e5m2",
+            DType::I8 => "i8",
             DType::I64 => "i64",
             DType::I32 => "i32",
             DType::U8 => "u8",

@@ -96,7 +96,7 @@ pub enum PipelineError {
         at: String,
     },
     /// A dtype name the format does not know.
-    #[error("{at}: unknown dtype `{found}`; use one of f32, f16, bf16, f8e4m3, i64, i32, u8")]
+    #[error("{at}: unknown dtype `{found}`; use one of f32, f16, bf16, f8e4m3, f8e5m2, i64, i32, i8, u8")]
     UnknownDType {
         /// Where it was given.
         at: String,

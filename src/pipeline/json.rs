@@ -81,7 +81,7 @@
 //!
 //! | key | required | meaning |
 //! | --- | --- | --- |
-//! | `dtype` | yes | `f32`, `f16`, `bf16`, `f8e4m3`, `i64`, `i32` or `u8` |
+//! | `dtype` | yes | `f32`, `f16`, `bf16`, `f8e4m3`, `f8e5m2`, `i64`, `i32`, `i8` or `u8` |
 //! | `shape` | yes | array of extents (`[]` for a scalar) |
 //! | `strides` | no | strides in elements, one per dimension; default row-major contiguous |
 //! | `kind` | no | `parameter` (default), `persistent_buffer` or `non_persistent_buffer` |

@@ -194,7 +194,7 @@ pub(super) fn parse_dtype(v: &Json, at: &str) -> Result<DType, PipelineError> {
 }
 
 fn dtype_from_name(s: &str) -> Option<DType> {
-    [DType::F32, DType::F16, DType::Bf16, DType::F8e4m3, DType::I64, DType::I32, DType::U8]
+    [DType::F32, DType::F16, DType::Bf16, DType::F8e4m3, DType::F8e5m2, DType::I64, DType::I32, DType::I8, DType::U8]
         .into_iter()
         .find(|d| d.name() == s)
 }
