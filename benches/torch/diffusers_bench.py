@@ -48,6 +48,10 @@ bit for bit is the two outputs stacked. ``resident`` moves both, weightferry ena
 ``{"transformer": ..., "transformer_2": ...}`` with ``components: ["dit"]`` (both keys are discovered as DiTs and
 stream), group offloading is applied to each, the weight bytes count both; ``--lora`` and the ``ck_`` variants
 (``checkpoint=`` fills one component) take a model of one transformer.
+``--quant`` quantizes the model in every variant before it is placed: ``fp8-layerwise`` (diffusers' layerwise
+casting, weights stored in float8_e4m3fn and each layer cast to bf16 for its forward), ``torchao-int8`` /
+``torchao-fp8`` (torchao int8 / float8 weight-only, each linear layer quantized on the GPU and brought back); weight
+bytes, ``GB/step`` and the bound then count the stored (quantized) bytes.
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script:
 narrow, but with enough blocks that the budgets from 25% up leave room for a ring.
 
@@ -436,12 +440,43 @@ def lora_timings(torch, model, rank, handle, group, sync):
     return out
 
 
+def plain_parts(t):
+    """The plain tensors a weight is stored as: itself, or a torchao tensor's inner tensors (``__tensor_flatten__``)."""
+    if hasattr(type(t), "__tensor_flatten__") and not hasattr(t, "quant_type"):
+        names, _ = t.__tensor_flatten__()
+        return [p for n in names for p in plain_parts(getattr(t, n))]
+    return [t]
+
+
+def stored_bytes(tensors):
+    """Bytes the tensors are stored in (a quantized weight's quantized bytes and scales)."""
+    return sum(p.numel() * p.element_size() for t in tensors for p in plain_parts(t))
+
+
+def quantize(torch, model, kind, dev):
+    """Quantizes ``model`` in place as ``--quant`` says: ``fp8-layerwise`` (diffusers' layerwise casting: fp8 storage,
+    bf16 compute), ``torchao-int8`` / ``torchao-fp8`` (torchao int8 / float8 weight-only, quantized on ``dev`` one
+    linear layer at a time and brought back to the CPU)."""
+    if kind == "fp8-layerwise":
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        return
+    import torchao.quantization as ao
+
+    config = ao.Int8WeightOnlyConfig() if kind == "torchao-int8" else ao.Float8WeightOnlyConfig()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            ao.quantize_(m, config, device=dev)
+            m.to("cpu")
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+
 def pin_copy(torch, model, chunk=256 << 20):
     """Seconds to copy every weight of ``model`` once into freshly allocated pinned host memory: the floor under
     enable's time (a host master per weight, filled once). Buffers of ``chunk`` bytes (tensors split across them),
     each freed and torch's pinned cache emptied once it is full, so none is reused and host memory rises by one buffer
     at most (pinned pages count in the RSS peak); the frees are not timed."""
-    flats = [t.detach().reshape(-1).view(torch.uint8) for t in list(model.parameters()) + list(model.buffers())]
+    flats = [p.detach().reshape(-1).view(torch.uint8) for t in list(model.parameters()) + list(model.buffers())
+             for p in plain_parts(t)]
     total = sum(f.numel() for f in flats)
     timed, done, i, at = 0.0, 0, 0, 0
     while done < total:
@@ -546,19 +581,21 @@ def wf_results(res, handle, before, steps):
 def variant(args):
     import torch
 
-    res = {"variant": args.variant, "model": args.model}
+    res = {"variant": args.variant, "model": args.model, "quant": args.quant}
     base = rss()
     v, ck = args.variant, args.variant.startswith("ck_")
     model, spec = (build_on_meta if ck else build)(torch, args.model, args.tiny)
-    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    cpu = args.tiny and not torch.cuda.is_available()  # the script's own check on a machine without a GPU
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if args.quant != "none":
+        quantize(torch, model, args.quant, dev)
+    weight_bytes = stored_bytes(list(model.parameters()) + list(model.buffers()))
     if args.lora:
         res["adapter_bytes"] = add_adapters(model, args.lora)
         res["lora_rank"] = args.lora
         model.requires_grad_(False)
     res["weight_bytes"] = weight_bytes
     res["rss_built"] = rss() - base
-    cpu = args.tiny and not torch.cuda.is_available()  # the script's own check on a machine without a GPU
-    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
     x = inputs(torch, spec, dev, args.tiny)
     # the pinned-copy floor for enable (a checkpoint variant's weights are on meta: the file's read-once is its floor)
     res["pin_copy_s"] = pin_copy(torch, model) if v.startswith(("wf_", "group")) and not cpu else None
@@ -588,9 +625,7 @@ def variant(args):
     if handle:
         wf_results(res, handle, before, args.steps)
     elif v.startswith("group"):
-        res["streamed_per_step"] = sum(
-            t.numel() * t.element_size() for n, t in model.named_parameters() if "blocks." in n
-        )
+        res["streamed_per_step"] = stored_bytes(t for n, t in model.named_parameters() if "blocks." in n)
     else:
         res["streamed_per_step"] = 0
     if args.lora:
@@ -643,7 +678,8 @@ def table(results):
                   f"{t.get('fuse_s', float('nan')):>8.2f}{t.get('unfuse_s', float('nan')):>9.2f}")
         print(f"adapters: {loras[0]['adapter_bytes'] / 1e9:.3f} GB (two, rank {loras[0]['lora_rank']})")
     if results:
-        print(f"weights: {results[0]['weight_bytes'] / 1e9:.2f} GB ({results[0]['model']})")
+        quant = f", {results[0]['quant']}" if results[0].get("quant", "none") != "none" else ""
+        print(f"weights: {results[0]['weight_bytes'] / 1e9:.2f} GB stored ({results[0]['model']}{quant})")
 
 
 def main():
@@ -653,6 +689,9 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lora", type=int, default=0, help="rank of two LoRA adapters added before offloading (0: none)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--quant", default="none", choices=["none", "fp8-layerwise", "torchao-int8", "torchao-fp8"],
+                    help="quantize the model in every variant: diffusers' layerwise casting (fp8 storage), or torchao "
+                         "int8 / float8 weight-only")
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny configuration of the model (on the CPU and the simulated device without a GPU): "
                          "checks the script, measures nothing")
@@ -688,7 +727,7 @@ def main():
         if args.cold and v.startswith("ck_"):
             drop_caches()
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--out", args.out, "--lora", str(args.lora)]
+               "--warmup", str(args.warmup), "--out", args.out, "--lora", str(args.lora), "--quant", args.quant]
         if args.tiny:
             cmd.append("--tiny")
         t0 = time.time()
