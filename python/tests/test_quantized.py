@@ -294,3 +294,28 @@ def test_a_cast_inside_a_forward_that_moves_a_layer_off_its_device_is_refused():
         layer0._forward_pre_hooks.clear()
         with torch.no_grad():
             assert torch.equal(model(**x)[0], expected)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "layerwise"])
+def test_quantized_models_compose_with_retune_compile_and_editing(folder, kind):
+    def build():
+        return gguf_model("flux", "Q8_0", folder) if kind == "gguf" else layerwise_cast_model("flux")
+
+    model, x = build()
+    twin, _ = build()
+    before = weights(model)
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    h = wf.enable({"transformer": model}, layer(1), device="sim")
+    h.retune(prefetch_depth=3)
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+        assert torch.equal(torch.compile(model, backend="eager")(**x)[0], expected)
+    with h.editing():
+        pass
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+    h.disable()
+    for t in model.parameters():
+        t.__dict__.pop("_dynamo_static_input_type", None)  # what torch.compile marks on parameters
+    assert weights(model) == before
