@@ -18,6 +18,7 @@ from test_diffusers import layer
 
 import weightferry as wf
 from weightferry._enable import Seams
+from weightferry._storages import set_data
 
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
 
@@ -318,4 +319,36 @@ def test_quantized_models_compose_with_retune_compile_and_editing(folder, kind):
     h.disable()
     for t in model.parameters():
         t.__dict__.pop("_dynamo_static_input_type", None)  # what torch.compile marks on parameters
+    assert weights(model) == before
+
+
+def test_a_failure_at_every_binding_of_enable_leaves_a_torchao_model_as_it_was():
+    model, x = torchao_model("flux", "Float8WeightOnlyConfig")
+    before = weights(model)
+    with torch.no_grad():
+        expected = model(**x)[0]
+    count = [0, 0]
+
+    def failing(view, tensor):
+        count[0] += 1
+        if count[0] == count[1]:
+            raise RuntimeError(f"injected binding failure at {view.path}")
+        set_data(view, tensor)
+
+    n = 1
+    while True:
+        count[:] = [0, n]
+        try:
+            h = wf.enable({"transformer": model}, layer(2), device="sim", _seams=Seams(bind=failing))
+        except RuntimeError as e:
+            assert "injected binding failure" in str(e)
+            assert weights(model) == before, f"failure at binding {n}"
+            n += 1
+            continue
+        break
+    count[1] = -1
+    assert n > 2 * sum(len(parts(t)) for t in model.parameters() if len(parts(t)) > 1)
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+    h.disable()
     assert weights(model) == before
