@@ -352,3 +352,19 @@ def test_a_failure_at_every_binding_of_enable_leaves_a_torchao_model_as_it_was()
         assert torch.equal(model(**x)[0], expected)
     h.disable()
     assert weights(model) == before
+
+
+def test_the_plan_counts_stored_bytes_so_a_budget_keeps_more_quantized_blocks_resident(folder):
+    from test_diffusers import flux
+
+    plain, _, _ = flux()
+    plain = plain.to(torch.bfloat16)
+    quantized, _ = gguf_model("flux", "Q4_0", folder)
+    stacks = [wf.plan({"transformer": m}, layer(1))["components"][0]["stacks"][0] for m in (plain, quantized)]
+    assert [s["bytes"] for s in stacks] == [block_bytes(plain, align=256), block_bytes(quantized, align=256)]
+    # One budget: room for the bf16 ring and one more bf16 block.
+    smallest = wf.plan({"transformer": plain}, layer(1))["device_weight_bytes"]
+    one_block = stacks[0]["max_streaming_block_bytes"]
+    cfg = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": smallest + one_block}}
+    resident = [wf.plan({"transformer": m}, cfg)["components"][0]["stacks"][0]["resident"] for m in (plain, quantized)]
+    assert resident[0] >= 1 and resident[1] >= 2 * resident[0], resident
