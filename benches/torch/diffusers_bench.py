@@ -50,7 +50,9 @@ stream), group offloading is applied to each, the weight bytes count both; ``--l
 (``checkpoint=`` fills one component) take a model of one transformer.
 ``--quant`` quantizes the model in every variant before it is placed: ``fp8-layerwise`` (diffusers' layerwise
 casting, weights stored in float8_e4m3fn and each layer cast to bf16 for its forward), ``torchao-int8`` /
-``torchao-fp8`` (torchao int8 / float8 weight-only, each linear layer quantized on the GPU and brought back); weight
+``torchao-fp8`` (torchao int8 / float8 weight-only, each linear layer quantized on the GPU and brought back),
+``gguf-q8_0`` / ``gguf-q4_0`` (each linear layer quantized by the ``gguf`` package into diffusers' ``GGUFLinear``, as
+its GGUF quantizer loads a file; without the ``kernels`` package it dequantizes in torch each forward); weight
 bytes, ``GB/step`` and the bound then count the stored (quantized) bytes.
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script:
 narrow, but with enough blocks that the budgets from 25% up leave room for a ring.
@@ -460,6 +462,8 @@ def quantize(torch, model, kind, dev):
     if kind == "fp8-layerwise":
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         return
+    if kind.startswith("gguf-"):
+        return quantize_gguf(torch, model, kind[5:].upper())
     import torchao.quantization as ao
 
     config = ao.Int8WeightOnlyConfig() if kind == "torchao-int8" else ao.Float8WeightOnlyConfig()
@@ -468,6 +472,34 @@ def quantize(torch, model, kind, dev):
             ao.quantize_(m, config, device=dev)
             m.to("cpu")
     torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+
+def quantize_gguf(torch, model, qtype):
+    """Every linear layer whose rows are whole blocks of the GGUF type ``qtype`` (``Q8_0``, ``Q4_0``, ...) quantized
+    with the ``gguf`` package (on all cores) into diffusers' ``GGUFLinear`` / ``GGUFParameter``, as diffusers' GGUF
+    quantizer loads a GGUF file (bf16 compute)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear
+
+    q = gguf.GGMLQuantizationType[qtype]
+    block, _ = gguf.GGML_QUANT_SIZES[q]
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % block == 0}
+
+    def one(item):
+        name, m = item
+        data = gguf.quants.quantize(m.weight.detach().float().numpy(), q)
+        return name, GGUFParameter(torch.from_numpy(data), quant_type=q)
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        weights = {f"{n}.weight": p for n, p in pool.map(one, layers.items())}
+    biases = {n: m.bias for n, m in layers.items()}
+    _replace_with_gguf_linear(model, torch.bfloat16, weights)
+    for name, bias in biases.items():
+        m = model.get_submodule(name)
+        m.weight = weights[f"{name}.weight"]
+        m.bias = bias
 
 
 def pin_copy(torch, model, chunk=256 << 20):
@@ -689,9 +721,10 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lora", type=int, default=0, help="rank of two LoRA adapters added before offloading (0: none)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--quant", default="none", choices=["none", "fp8-layerwise", "torchao-int8", "torchao-fp8"],
-                    help="quantize the model in every variant: diffusers' layerwise casting (fp8 storage), or torchao "
-                         "int8 / float8 weight-only")
+    ap.add_argument("--quant", default="none",
+                    choices=["none", "fp8-layerwise", "torchao-int8", "torchao-fp8", "gguf-q8_0", "gguf-q4_0"],
+                    help="quantize the model in every variant: diffusers' layerwise casting (fp8 storage), torchao "
+                         "int8 / float8 weight-only, or GGUF Q8_0 / Q4_0 (diffusers' GGUFLinear)")
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny configuration of the model (on the CPU and the simulated device without a GPU): "
                          "checks the script, measures nothing")
