@@ -249,6 +249,43 @@ class FailingSession:
         return call
 
 
+def enable_through_sim_faults(enable, fault, check):
+    """Calls ``enable(seams)`` with the simulated device's ``fault`` armed at its n-th call, n = 0, 1, ... until an
+    enable gets through, running ``check(n)`` after each failed one; returns ``(handle, n)``."""
+    n = 0
+    while True:
+        try:
+            return enable(Seams(sim_faults={fault: n})), n
+        except wf.OffloadError:
+            check(n)
+            n += 1
+
+
+def enable_through_binding_failures(enable, check):
+    """Calls ``enable(seams)`` with its n-th binding of a tensor failing, n = 1, 2, ... until an enable gets through,
+    running ``check(n)`` after each failed one; returns ``(handle, n)``. Later bindings (the forwards') never fail."""
+    count = [0, 0]
+
+    def failing(view, tensor):
+        count[0] += 1
+        if count[0] == count[1]:
+            raise RuntimeError(f"injected binding failure at {view.path}")
+        set_data(view, tensor)
+
+    n = 1
+    while True:
+        count[:] = [0, n]
+        try:
+            h = enable(Seams(bind=failing))
+        except RuntimeError as e:
+            assert "injected binding failure" in str(e)
+            check(n)
+            n += 1
+            continue
+        count[1] = -1
+        return h, n
+
+
 @pytest.mark.parametrize("config", [layer(2), MODEL], ids=["layer", "model"])
 def test_a_failure_at_every_session_call_of_enable_leaves_the_modules_as_they_were(config):
     p = pipe(3)
@@ -282,27 +319,12 @@ def test_a_failure_at_every_binding_of_enable_leaves_the_modules_as_they_were():
     p = pipe(3)
     expected = run(p)
     before = snapshot(p)
-    count = [0, 0]
 
-    def failing(view, tensor):
-        count[0] += 1
-        if count[0] == count[1]:
-            raise RuntimeError(f"injected binding failure at {view.path}")
-        set_data(view, tensor)
+    def check(n):
+        assert snapshot(p) == before, f"failure at binding {n}"
+        assert_outputs_equal(run(p), expected)
 
-    n = 1
-    while True:
-        count[:] = [0, n]
-        try:
-            h = wf.enable(p, layer(2), device="sim", _seams=Seams(bind=failing))
-        except RuntimeError as e:
-            assert "injected binding failure" in str(e)
-            assert snapshot(p) == before, f"failure at binding {n}"
-            assert_outputs_equal(run(p), expected)
-            n += 1
-            continue
-        break
-    count[1] = -1  # the forwards bind too: no more failures
+    h, n = enable_through_binding_failures(lambda seams: wf.enable(p, layer(2), device="sim", _seams=seams), check)
     # Every binding of enable failed once: each tensor object is bound twice (its host copy released, then bound to
     # the device), so the first run without a failure was the one after 2 x (tensor objects) failures.
     assert n == 2 * len({id(t) for t in tensors(p).values()}) + 1, n
@@ -558,24 +580,20 @@ def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_
     p = pipe(3)
     expected = run(p)
     before = snapshot(p)
-    n = 0
-    while True:
-        try:
-            h = wf.enable(p, config, device="sim", _seams=Seams(sim_faults={fault: n}))
-        except wf.OffloadError:
-            assert snapshot(p) == before, f"{fault} at call {n}"
-            n += 1
-            continue
-        # The first count past every such call of enable: enable succeeds (a later copy may still fail in a
-        # forward, which is not enable's business). A host allocation of disable itself may now fail: disable
-        # says so, keeps every weight, and a second call finishes.
-        try:
-            h.disable()
-        except wf.OffloadError as e:
-            assert fault == "fail_host_alloc" and "call disable again" in str(e), e
-            h.disable()
-        assert snapshot(p) == before
-        break
+
+    def check(n):
+        assert snapshot(p) == before, f"{fault} at call {n}"
+
+    h, n = enable_through_sim_faults(lambda seams: wf.enable(p, config, device="sim", _seams=seams), fault, check)
+    # The first count past every such call of enable: enable succeeds (a later copy may still fail in a forward,
+    # which is not enable's business). A host allocation of disable itself may now fail: disable says so, keeps
+    # every weight, and a second call finishes.
+    try:
+        h.disable()
+    except wf.OffloadError as e:
+        assert fault == "fail_host_alloc" and "call disable again" in str(e), e
+        h.disable()
+    assert snapshot(p) == before
     # Model-level enable copies nothing (components move at their phases): no copy of enable to fail there.
     assert n > 0 or (fault == "fail_h2d_copy" and config is MODEL), "the fault never fired during enable"
     with wf.enable(p, config, device="sim"):

@@ -15,10 +15,9 @@ import pytest
 import torch
 from quantized import gguf_model, gguf_parameters, layerwise_cast_model, parts, signature, torchao_model, weights
 from test_diffusers import layer
+from test_enable import enable_through_binding_failures, enable_through_sim_faults
 
 import weightferry as wf
-from weightferry._enable import Seams
-from weightferry._storages import set_data
 
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
 
@@ -81,25 +80,31 @@ def test_a_gguf_model_streams_its_quantized_bytes_bit_identical_to_resident(fold
         assert torch.equal(model(**x)[0], expected)
 
 
+FAULT_MODELS = {
+    "gguf": lambda folder: gguf_model("flux", "Q8_0", folder),
+    "torchao": lambda folder: torchao_model("flux", "Int8WeightOnlyConfig"),
+}
+
+
 @pytest.mark.parametrize("fault", ["oom_at_alloc", "fail_host_alloc", "fail_h2d_copy"])
-def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_a_gguf_model_as_it_was(folder, fault):
-    model, x = gguf_model("flux", "Q8_0", folder)
+@pytest.mark.parametrize("kind", sorted(FAULT_MODELS))
+def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_a_quantized_model_as_it_was(folder, kind, fault):
+    model, x = FAULT_MODELS[kind](folder)
     before = weights(model)
     with torch.no_grad():
         expected = model(**x)[0]
-    n = 0
-    while True:
-        try:
-            h = wf.enable({"transformer": model}, layer(2), device="sim", _seams=Seams(sim_faults={fault: n}))
-        except wf.OffloadError:
-            assert weights(model) == before, f"{fault} at call {n}"
-            n += 1
-            continue
-        try:
-            h.disable()
-        except wf.OffloadError:
-            h.disable()
-        break
+
+    def check(n):
+        assert weights(model) == before, f"{fault} at call {n}"
+
+    def enable(seams):
+        return wf.enable({"transformer": model}, layer(2), device="sim", _seams=seams)
+
+    h, n = enable_through_sim_faults(enable, fault, check)
+    try:
+        h.disable()
+    except wf.OffloadError:  # a host allocation of disable itself failed: a second call finishes
+        h.disable()
     assert n > 0 and weights(model) == before
     with torch.no_grad():
         assert torch.equal(model(**x)[0], expected)
@@ -206,30 +211,6 @@ def test_a_torchao_model_streams_its_parts_bit_identical_to_resident(name, confi
         assert torch.equal(model(**x)[0], expected)
 
 
-@pytest.mark.parametrize("fault", ["oom_at_alloc", "fail_host_alloc", "fail_h2d_copy"])
-def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_a_torchao_model_as_it_was(fault):
-    model, x = torchao_model("flux", "Int8WeightOnlyConfig")
-    before = weights(model)
-    with torch.no_grad():
-        expected = model(**x)[0]
-    n = 0
-    while True:
-        try:
-            h = wf.enable({"transformer": model}, layer(2), device="sim", _seams=Seams(sim_faults={fault: n}))
-        except wf.OffloadError:
-            assert weights(model) == before, f"{fault} at call {n}"
-            n += 1
-            continue
-        try:
-            h.disable()
-        except wf.OffloadError:
-            h.disable()
-        break
-    assert n > 0 and weights(model) == before
-    with torch.no_grad():
-        assert torch.equal(model(**x)[0], expected)
-
-
 def test_load_state_dict_into_a_torchao_weight_while_offloaded_is_refused_and_nothing_changes():
     model, x = torchao_model("flux", "Int8WeightOnlyConfig")
     sd = copy.deepcopy(model.state_dict())
@@ -327,26 +308,14 @@ def test_a_failure_at_every_binding_of_enable_leaves_a_torchao_model_as_it_was()
     before = weights(model)
     with torch.no_grad():
         expected = model(**x)[0]
-    count = [0, 0]
 
-    def failing(view, tensor):
-        count[0] += 1
-        if count[0] == count[1]:
-            raise RuntimeError(f"injected binding failure at {view.path}")
-        set_data(view, tensor)
+    def check(n):
+        assert weights(model) == before, f"failure at binding {n}"
 
-    n = 1
-    while True:
-        count[:] = [0, n]
-        try:
-            h = wf.enable({"transformer": model}, layer(2), device="sim", _seams=Seams(bind=failing))
-        except RuntimeError as e:
-            assert "injected binding failure" in str(e)
-            assert weights(model) == before, f"failure at binding {n}"
-            n += 1
-            continue
-        break
-    count[1] = -1
+    def enable(seams):
+        return wf.enable({"transformer": model}, layer(2), device="sim", _seams=seams)
+
+    h, n = enable_through_binding_failures(enable, check)
     assert n > 2 * sum(len(parts(t)) for t in model.parameters() if len(parts(t)) > 1)
     with torch.no_grad():
         assert torch.equal(model(**x)[0], expected)
