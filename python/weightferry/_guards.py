@@ -101,9 +101,8 @@ class ConversionGuard:
 
         tensors = {id(t): t for m in modules for t in [*m._parameters.values(), *m._buffers.values()] if t is not None}
         with torch.no_grad():
-            for t in tensors.values():
-                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-                if probe.device != t.device:
+            for dtype, device in {(t.dtype, t.device) for t in tensors.values()}:
+                if fn(torch.empty(0, dtype=dtype, device=device)).device != device:
                     raise _core.OffloadError(_MOVE.format(path=path))
             for key, t in tensors.items():
                 new = fn(t)
