@@ -34,15 +34,7 @@ class LoadHooks:
         self, modules: Modules, storages: StorageMap, bound: Bound, writer: Writer, sigs: Signatures
     ) -> None:
         # module path -> [(state-dict key relative to the module, pipeline path)] of the managed weights below it.
-        below: dict[str, list[tuple[str, str]]] = {}
-        for path in bound:
-            if path not in storages.state_paths:
-                continue
-            parts = path.split(".")
-            for i in range(len(parts)):
-                owner = ".".join(parts[:i])
-                if owner in modules:
-                    below.setdefault(owner, []).append((".".join(parts[i:]), path))
+        below = _by_module([p for p in bound if p in storages.state_paths], modules)
         self._below = below
         self._modules = modules
         self._writer = writer
@@ -51,14 +43,9 @@ class LoadHooks:
         # module path -> [(state-dict key relative to the module, path)] of the tensor subclasses below it
         # (described by their parts): a load into them is refused before anything is written.
         self._composites = storages.composites
-        self._composite_below: dict[str, list[tuple[str, str]]] = {}
-        for path in storages.composites:
-            parts = path.split(".")
-            for i in range(len(parts)):
-                owner = ".".join(parts[:i])
-                if owner in modules:
-                    self._composite_below.setdefault(owner, []).append((".".join(parts[i:]), path))
-                    below.setdefault(owner, [])
+        self._composite_below = _by_module(list(storages.composites), modules)
+        for owner in self._composite_below:
+            below.setdefault(owner, [])
         self._handles: list[RemovableHandle] = []
         # Per thread: [(module, the keys its pre-hook wrote)] of the loads under way, struck from the missing keys by
         # the module's post-hook.
@@ -125,3 +112,16 @@ class LoadHooks:
                 written = pending.pop(i)[1]
                 incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in written]
                 return
+
+
+def _by_module(paths: list[str], modules: Modules) -> dict[str, list[tuple[str, str]]]:
+    """Module path -> [(the state-dict key relative to the module, pipeline path)] of ``paths`` below it, for every
+    module above each path."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for path in paths:
+        parts = path.split(".")
+        for i in range(len(parts)):
+            owner = ".".join(parts[:i])
+            if owner in modules:
+                out.setdefault(owner, []).append((".".join(parts[i:]), path))
+    return out
