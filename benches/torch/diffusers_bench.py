@@ -467,11 +467,18 @@ def quantize(torch, model, kind, dev):
     import torchao.quantization as ao
 
     config = ao.Int8WeightOnlyConfig() if kind == "torchao-int8" else ao.Float8WeightOnlyConfig()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            ao.quantize_(m, config, device=dev)
-            m.to("cpu")
+    for m in quantizable(torch, model).values():
+        ao.quantize_(m, config, device=dev)
+        m.to("cpu")
     torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+
+def quantizable(torch, model):
+    """The linear layers a diffusers quantizer converts: every one outside the modules the model keeps in float32
+    (its ``_keep_in_fp32_modules``, e.g. Wan's time embedder, whose input is cast to its weight's dtype)."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not any(k in n.split(".") for k in keep)}
 
 
 def quantize_gguf(torch, model, qtype):
@@ -485,7 +492,7 @@ def quantize_gguf(torch, model, qtype):
 
     q = gguf.GGMLQuantizationType[qtype]
     block, _ = gguf.GGML_QUANT_SIZES[q]
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % block == 0}
+    layers = {n: m for n, m in quantizable(torch, model).items() if m.in_features % block == 0}
 
     def one(item):
         name, m = item
