@@ -337,3 +337,40 @@ def test_the_plan_counts_stored_bytes_so_a_budget_keeps_more_quantized_blocks_re
     cfg = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": smallest + one_block}}
     resident = [wf.plan({"transformer": m}, cfg)["components"][0]["stacks"][0]["resident"] for m in (plain, quantized)]
     assert resident[0] >= 1 and resident[1] >= 2 * resident[0], resident
+
+
+class Counting(torch.Tensor):
+    """A storage-backed tensor subclass that counts the calls of its ``__torch_function__``."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_binding_swaps_a_subclass_s_bytes_without_its_torch_function_and_moves_a_wrapper_only_with_its_parts(
+    monkeypatch,
+):
+    from weightferry import _storages
+    from weightferry._composites import Composite
+
+    t = torch.zeros(4, 8, dtype=torch.uint8).as_subclass(Counting)
+    t.quant_type = 8
+    data = torch.arange(32, dtype=torch.uint8).reshape(4, 8)
+    view = _storages.View(t, "w")
+    before = Counting.calls
+    _storages.set_data(view, data)
+    assert Counting.calls == before  # torch's own assignment: the class computes nothing for a binding
+    assert type(t) is Counting and t.quant_type == 8 and t.data_ptr() == data.data_ptr()
+
+    model, _ = torchao_model("flux", "Int8WeightOnlyConfig")
+    name, w = next((n, p) for n, p in model.named_parameters() if len(parts(p)) > 1)
+    c = Composite(w, name, (model, name))
+    settled = []
+    monkeypatch.setattr(_storages, "settle", settled.append)
+    for holder, attr, path in c.leaves():
+        part = getattr(holder, attr)
+        _storages.set_data(_storages.View(part, path, owner=c), part.clone())
+    assert settled == []  # no part changed device: the wrapper is where its parts are, nothing to re-point

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Union
 
 from . import _core
-from ._storages import View, set_data, tensors_over
+from ._storages import View, assign, set_data, tensors_over
 
 if TYPE_CHECKING:
     import torch
@@ -131,9 +131,10 @@ class CudaBinder:
         return pairs
 
     def apply(self, pairs: Rebinding) -> None:
-        """Binds each tensor of a :meth:`rebinding` to its bytes."""
+        """Binds each tensor of a :meth:`rebinding` to its bytes (torch's own assignment, as ``set_data`` makes it:
+        the rebinding's tensors are plain or a subclass's parts already on the device, so no subclass moves)."""
         for t, src in pairs:
-            t.data = src
+            assign(t, src)
 
     def bind(self, views: list[View], nbytes: int, buffer: int, offset: int) -> None:
         """Binds the views of one storage to its bytes at ``offset`` of device buffer ``buffer``."""

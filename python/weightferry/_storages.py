@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ._describe import Bound, Composites
     from ._undo import UndoStack
 
-__all__ = ["StorageMap", "View", "materialize_meta", "set_data", "tensors_over"]
+__all__ = ["StorageMap", "View", "assign", "materialize_meta", "set_data", "tensors_over"]
 
 
 class View:
@@ -45,11 +45,23 @@ class View:
 
 def set_data(view: View, tensor: torch.Tensor) -> None:
     """Makes ``view``'s tensor object hold ``tensor``'s data (the object, its ``requires_grad`` and every reference
-    to it stay), and the tensor subclass it is a part of follow it to its device: how a binder binds a tensor unless
-    told otherwise (see ``Seams.bind``)."""
-    view.tensor.data = tensor
-    if view.owner is not None:
-        settle(view.owner)
+    to it stay), and the tensor subclass it is a part of follow it when it changes device: how a binder binds a
+    tensor unless told otherwise (see ``Seams.bind``). The assignment is torch's own (:func:`assign`): a subclass's
+    ``__torch_function__`` does not see it."""
+    owner = view.owner if view.owner is not None and view.tensor.device != tensor.device else None
+    assign(view.tensor, tensor)
+    if owner is not None:
+        settle(owner)
+
+
+def assign(t: torch.Tensor, data: torch.Tensor) -> None:
+    """``t.data = data`` as torch's tensor does it, whatever ``t``'s class: a tensor subclass's ``__torch_function__``
+    (diffusers' ``GGUFParameter``, torchao's tensors) would run in Python on every binding, about ten times the cost
+    of the assignment itself, and the binding swaps bytes under the object, which is nothing the class computes."""
+    import torch
+
+    with torch._C.DisableTorchFunctionSubclass():
+        t.data = data
 
 
 def tensors_over(data: bytearray, views: list[View]) -> list[torch.Tensor]:
