@@ -86,6 +86,41 @@ def layerwise_cast_model(name):
     return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
 
 
+def bnb_model(name, nested=False):
+    """``(model, inputs)``: the tiny model ``name`` in bf16 with every linear layer outside its
+    ``_keep_in_fp32_modules`` made a bitsandbytes ``Linear4bit`` (NF4, bf16 compute; ``nested``: the scales quantized
+    again, ``bnb_4bit_use_double_quant``) over the same weights, quantized by bitsandbytes' CPU build as ``.to()``
+    quantizes them (what diffusers' ``BitsAndBytesConfig(load_in_4bit=True)`` builds, on a GPU only)."""
+    import bitsandbytes as bnb
+
+    model, x, _ = MODELS[name]()
+    model = model.to(BF16)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for path, m in list(model.named_modules()):
+        for child, c in list(m.named_children()):
+            if type(c) is not torch.nn.Linear or any(k in f"{path}.{child}".split(".") for k in keep):
+                continue
+            new = bnb.nn.Linear4bit(c.in_features, c.out_features, bias=c.bias is not None, compute_dtype=BF16,
+                                    quant_type="nf4", compress_statistics=nested)
+            new.weight = bnb.nn.Params4bit(c.weight.data, requires_grad=False, quant_type="nf4",
+                                           compress_statistics=nested)
+            new.bias = c.bias
+            setattr(m, child, new.to("cpu"))
+    return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
+
+
+def state_tensors(t, prefix=""):
+    """``[(name, tensor)]`` of the tensors in ``t``'s Python attributes and, nested, in plain objects there
+    (bitsandbytes' ``quant_state`` and its ``state2``)."""
+    out = []
+    for k, v in sorted(vars(t).items()):
+        if isinstance(v, torch.Tensor):
+            out.append((prefix + k, v))
+        elif hasattr(v, "__dict__") and not isinstance(v, (type, torch.nn.Module)):
+            out.extend(state_tensors(v, f"{prefix}{k}."))
+    return out
+
+
 def parts(t):
     """A tensor's plain parts as ``[(name, tensor)]``: itself, or for a wrapper subclass that names its parts
     (``__tensor_flatten__``) each inner tensor, nested ones flattened again."""
@@ -109,12 +144,12 @@ def weights(model):
 
 
 def signature(t):
-    """A tensor's class, dtype, shape, device, Python attributes (``quant_type``, a flatten context's) and the bytes
-    of each of its parts."""
+    """A tensor's class, dtype, shape, device, Python attributes (``quant_type``, a flatten context's; objects there
+    by identity) and the bytes of each of its parts and of the tensors its attributes hold (``quant_state``'s)."""
     attrs = {k: v for k, v in vars(t).items() if not isinstance(v, torch.Tensor)}
     data = []
-    for name, p in parts(t):
+    for name, p in parts(t) + state_tensors(t, "state:"):
         with torch._C.DisableTorchFunctionSubclass():  # GGUFParameter wraps every result otherwise
-            raw = np.asarray(p.detach().contiguous().view(torch.uint8).flatten()).tobytes()
+            raw = np.asarray(p.detach().contiguous().reshape(-1).view(torch.uint8)).tobytes()
         data.append((name, p.dtype, tuple(p.shape), raw))
     return (type(t).__name__, t.dtype, tuple(t.shape), str(t.device), sorted(attrs.items(), key=str), data)

@@ -10,10 +10,21 @@ forward) streams the fp8 bytes and computes as it does resident."""
 
 import copy
 import math
+import types
 
 import pytest
 import torch
-from quantized import gguf_model, gguf_parameters, layerwise_cast_model, parts, signature, torchao_model, weights
+from quantized import (
+    bnb_model,
+    gguf_model,
+    gguf_parameters,
+    layerwise_cast_model,
+    parts,
+    signature,
+    state_tensors,
+    torchao_model,
+    weights,
+)
 from test_diffusers import layer
 from test_enable import enable_through_binding_failures, enable_through_sim_faults
 
@@ -83,6 +94,7 @@ def test_a_gguf_model_streams_its_quantized_bytes_bit_identical_to_resident(fold
 FAULT_MODELS = {
     "gguf": lambda folder: gguf_model("flux", "Q8_0", folder),
     "torchao": lambda folder: torchao_model("flux", "Int8WeightOnlyConfig"),
+    "bnb": lambda folder: bnb_model("flux", nested=True),
 }
 
 
@@ -136,15 +148,22 @@ def test_tensor_subclasses_weightferry_cannot_stream_are_refused_before_anything
     lin = model.transformer_blocks[0].attn.to_q
     weight = lin.weight
     scaled = torch.zeros(32, 32, dtype=torch.bfloat16).as_subclass(Scaled)
-    scaled.scale = torch.ones(32)
+    scaled.state = types.SimpleNamespace(scales=[torch.ones(32)])
     lin._parameters["weight"] = scaled
     with pytest.raises(wf.PipelineError) as e:
         wf.enable({"transformer": model}, layer(2), device="sim")
     assert str(e.value) == (
         "tensor 'transformer.transformer_blocks.0.attn.to_q.weight' is a test_quantized.Scaled whose attribute "
-        "'scale' holds a tensor (Tensor, (32,)) that weightferry would leave on the host while the data moved; "
-        "weightferry streams tensor subclasses whose parts it can name: leave its module out of the offloaded "
-        "components"
+        "'state.scales' holds a list of tensors, which weightferry cannot bind in place beside its data: leave its "
+        "module out of the offloaded components"
+    )
+    scaled.state = types.SimpleNamespace(scale=torch.ones(32).as_subclass(Scaled))
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable({"transformer": model}, layer(2), device="sim")
+    assert str(e.value) == (
+        "tensor 'transformer.transformer_blocks.0.attn.to_q.weight' is a test_quantized.Scaled whose attribute "
+        "'state.scale' holds a Scaled, a tensor subclass, which weightferry cannot bind in place beside its data: "
+        "leave its module out of the offloaded components"
     )
     lin._parameters["weight"] = Shell(torch.zeros(32, 32))
     with pytest.raises(wf.PipelineError) as e:
@@ -303,8 +322,15 @@ def test_quantized_models_compose_with_retune_compile_and_editing(folder, kind):
     assert weights(model) == before
 
 
-def test_a_failure_at_every_binding_of_enable_leaves_a_torchao_model_as_it_was():
-    model, x = torchao_model("flux", "Float8WeightOnlyConfig")
+BINDING_MODELS = {
+    "torchao": lambda: torchao_model("flux", "Float8WeightOnlyConfig"),
+    "bnb": lambda: bnb_model("flux", nested=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BINDING_MODELS))
+def test_a_failure_at_every_binding_of_enable_leaves_a_quantized_model_as_it_was(kind):
+    model, x = BINDING_MODELS[kind]()
     before = weights(model)
     with torch.no_grad():
         expected = model(**x)[0]
@@ -316,7 +342,9 @@ def test_a_failure_at_every_binding_of_enable_leaves_a_torchao_model_as_it_was()
         return wf.enable({"transformer": model}, layer(2), device="sim", _seams=seams)
 
     h, n = enable_through_binding_failures(enable, check)
-    assert n > 2 * sum(len(parts(t)) for t in model.parameters() if len(parts(t)) > 1)
+    # Past every part of a subclass (a wrapper's, or the quant_state tensors of a 4-bit weight) at least once.
+    subclasses = [t for t in model.parameters() if type(t) is not torch.nn.Parameter]
+    assert n > sum(len(parts(t)) + len(state_tensors(t)) for t in subclasses)
     with torch.no_grad():
         assert torch.equal(model(**x)[0], expected)
     h.disable()
@@ -374,3 +402,69 @@ def test_a_binding_swaps_a_subclass_s_bytes_without_its_torch_function_and_moves
         part = getattr(holder, attr)
         _storages.set_data(_storages.View(part, path, owner=c), part.clone())
     assert settled == []  # no part changed device: the wrapper is where its parts are, nothing to re-point
+
+
+def stored_bytes(model, align):
+    """Bytes of every parameter in the model's block lists and of the tensors its Python state holds (a 4-bit
+    weight's ``quant_state``), each its own storage rounded up to ``align``."""
+    tensors = [t for attr in BLOCK_LISTS if hasattr(model, attr) for t in getattr(model, attr).parameters()]
+    tensors += [s for t in tensors for _, s in state_tensors(t)]
+    return sum(-(-t.untyped_storage().nbytes() // align) * align for t in tensors)
+
+
+BNB = [("flux", True, 1), ("flux", True, 2), ("flux", True, 0), ("flux", False, 2), ("wan", False, 2), ("wan", True, 0)]
+
+
+@pytest.mark.parametrize("name,nested,depth", BNB, ids=[f"{n}-{'nested' if d else 'nf4'}-{k or 'budget'}"
+                                                        for n, d, k in BNB])
+def test_a_bitsandbytes_4bit_model_streams_its_weights_and_quant_state_bit_identical_to_resident(name, nested, depth):
+    model, x = bnb_model(name, nested)
+    twin, _ = bnb_model(name, nested)
+    four = {n: p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    quant_states = {n: p.quant_state for n, p in four.items()}
+    before = weights(model)
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    cfg = layer(depth) if depth else budget(model)
+    h = wf.enable({"transformer": model}, cfg, device="sim")
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+        streamed = h.stats()["bytes_streamed"]
+        assert torch.equal(model(**x)[0], expected)
+    per_pass = h.stats()["bytes_streamed"] - streamed
+    if depth:
+        # The packed 4-bit bytes and their quant_state tensors (absmax, code; nested: offset and state2's) stream.
+        assert per_pass == stored_bytes(twin, align=256)
+        # The same blocks in bf16 (a 4-bit weight's values: its quant_state's shape).
+        bf16 = sum(2 * math.prod(p.quant_state.shape if hasattr(p, "quant_state") else p.shape)
+                   for attr in BLOCK_LISTS if hasattr(twin, attr) for p in getattr(twin, attr).parameters())
+        assert stored_bytes(twin, align=1) < 0.5 * bf16, (stored_bytes(twin, align=1), bf16)  # tiny: code, absmax weigh
+    else:
+        assert h.stats()["stacks"][0]["resident"] > 0
+        assert per_pass < stored_bytes(twin, align=256)
+    # bitsandbytes writes the quant_state entries (weight.absmax, weight.quant_map, ...) from the live tensors.
+    assert state_of(model.state_dict()) == state_of(twin.state_dict())
+    h.disable()
+    assert weights(model) == before
+    assert all(model.get_parameter(n) is p and p.quant_state is quant_states[n] for n, p in four.items())
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+
+
+def test_load_state_dict_into_a_bitsandbytes_4bit_weight_while_offloaded_is_refused_and_nothing_changes():
+    model, x = bnb_model("flux", nested=True)
+    sd = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        expected = model(**x)[0]
+    with wf.enable({"transformer": model}, layer(2), device="sim"):
+        before = weights(model)
+        with pytest.raises(wf.OffloadError) as e:
+            model.load_state_dict(sd)
+        assert str(e.value) == (
+            "'transformer' is offloaded by weightferry: its weight 'time_text_embed.timestep_embedder.linear_1.weight' "
+            "is a Params4bit, a tensor subclass weightferry streams by its parts, which load_state_dict cannot write "
+            "while offloaded; disable, load, and enable again (nothing was loaded)"
+        )
+        assert weights(model) == before
+        with torch.no_grad():
+            assert torch.equal(model(**x)[0], expected)

@@ -12,12 +12,13 @@ declarations leave open, ``_discover`` finds from the host libraries' metadata (
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Union
 
 from . import _core
-from ._composites import Composite, is_composite
+from ._composites import SEP, Composite, is_composite
 from ._discover import Declared, discover
 
 if TYPE_CHECKING:
@@ -33,8 +34,9 @@ of name -> ``torch.nn.Module``, or one ``torch.nn.Module``."""
 Description: TypeAlias = "dict[str, Any]"
 """A pipeline description: JSON data in the ``weightferry-pipeline/1`` format."""
 Bound: TypeAlias = "dict[str, tuple[Any, str]]"
-"""Tensor path -> (the object holding it, its attribute name there): a module, or for a part of a tensor subclass
-described by its parts (``_composites``) the subclass object."""
+"""Tensor path -> (the object holding it, its attribute name there): a module; for a part of a tensor subclass
+described by its parts (``_composites``) the subclass object; for an attached part of a subclass over its own bytes
+(a tensor of its Python state) the subclass or the object of its state holding it."""
 Composites: TypeAlias = "dict[str, Composite]"
 """Tensor path -> the tensor subclass there, described by its parts (whose paths are in ``Bound``)."""
 Modules: TypeAlias = "dict[str, nn.Module]"
@@ -255,11 +257,19 @@ class _Describer:
         return out
 
     def _entry(self, m: nn.Module, name: str, t: torch.Tensor, prefix: str, kind: str, out: dict[str, Any]) -> None:
-        """Describes ``m``'s tensor ``name`` into ``out``: one entry, or one per part of a tensor subclass described
-        by its parts (``_composites``)."""
+        """Describes ``m``'s tensor ``name`` into ``out``: one entry, then one per attached part of a subclass over
+        its own bytes (the tensors of its Python state, ``<name>#<attribute>``), or one per part of a tensor subclass
+        described by its parts (``_composites``)."""
+        import torch
+
         if not is_composite(t):
             out[name] = self.tensor(t, prefix + name, kind)
             self.bound[prefix + name] = (m, name)
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                for part, holder, attr, value in _state_tensors(t, prefix + name):
+                    path = f"{prefix}{name}{SEP}{part}"
+                    out[path[len(prefix) :]] = self.tensor(value, path, kind)
+                    self.bound[path] = (holder, attr)
             return
         c = Composite(t, prefix + name, (m, name))
         self.composites[prefix + name] = c
@@ -318,10 +328,10 @@ class _Describer:
 
 def _check_subclass(t: torch.Tensor, path: str) -> None:
     """Accepts a ``torch.Tensor`` subclass whose bytes are its own storage (``torch.Tensor._make_subclass``, as
-    diffusers' ``GGUFParameter`` is made): it streams as the plain tensor it wraps, and binding its data keeps the
-    object, its class and its Python attributes. Refuses (``PipelineError``, naming the tensor, its class and the
-    fix) one without storage of its own (a wrapper subclass) and one whose Python attributes hold tensors (e.g.
-    quantization scales): those would stay behind on the host while its data moved."""
+    diffusers' ``GGUFParameter`` and bitsandbytes' ``Params4bit`` are made): it streams as the plain tensor it wraps,
+    and binding its data keeps the object, its class and its Python attributes (tensors there are its attached
+    parts: :func:`_state_tensors`). Refuses (``PipelineError``, naming the tensor, its class and the fix) one without
+    storage of its own that does not name its parts (a wrapper subclass without ``__tensor_flatten__``)."""
 
     name = f"{type(t).__module__}.{type(t).__qualname__}"
     try:
@@ -334,29 +344,47 @@ def _check_subclass(t: torch.Tensor, path: str) -> None:
             "describe its parts (__tensor_flatten__); weightferry cannot stream it: leave its module out of the "
             "offloaded components"
         )
-    for attr, value in _state_tensors(t):
-        raise _error(
-            f"tensor '{path}' is a {name} whose attribute '{attr}' holds a tensor ({type(value).__name__}, "
-            f"{tuple(value.shape)}) that weightferry would leave on the host while the data moved; weightferry "
-            "streams tensor subclasses whose parts it can name: leave its module out of the offloaded components"
-        )
 
 
-def _state_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The tensors a tensor object's Python state holds (``torch._utils._get_obj_state``: its ``__dict__`` and
-    slots), directly or as attributes of an object there (such as a quantization state), as ``(dotted name,
-    tensor)``."""
+def _state_tensors(t: torch.Tensor, path: str) -> list[tuple[str, Any, str, torch.Tensor]]:
+    """The tensors a tensor subclass's Python state holds (its ``__dict__`` and slots, not what a ``__getstate__``
+    makes of them), directly or as attributes of plain objects there, nested (bitsandbytes' ``quant_state`` and its
+    ``state2``), as ``(part name, holder object, attribute, tensor)``; the part name joins the attribute names with
+    ``#``. These are the subclass's attached parts: its kernels read them beside its data, so they stream with it.
+    Modules and classes there are references, not state. A tensor inside a container (list, dict) or itself a
+    subclass is refused (``PipelineError``): weightferry could not bind it in place."""
     import torch
+    import torch.nn as nn
 
-    state = torch._utils._get_obj_state(t)  # type: ignore[no-untyped-call]
-    found: list[tuple[str, torch.Tensor]] = []
-    for part in state if isinstance(state, tuple) else (state,):
-        for attr, value in (part or {}).items():
+    slots = {n: getattr(t, n) for n in copyreg._slotnames(type(t)) if hasattr(t, n)}  # type: ignore[attr-defined]
+    found: list[tuple[str, Any, str, torch.Tensor]] = []
+    seen = {id(t)}
+
+    def walk(holder: Any, items: Mapping[str, Any], prefix: str) -> None:
+        for attr, value in items.items():
+            name = f"{prefix}{attr}"
             if isinstance(value, torch.Tensor):
-                found.append((attr, value))
-            elif hasattr(value, "__dict__") and not isinstance(value, type):
-                found.extend((f"{attr}.{k}", v) for k, v in vars(value).items() if isinstance(v, torch.Tensor))
+                if type(value) is not torch.Tensor and type(value) is not nn.Parameter:
+                    raise _refused_part(t, path, name, f"a {type(value).__qualname__}, a tensor subclass")
+                found.append((name, holder, attr, value))
+            elif isinstance(value, (list, tuple, dict, set)):
+                inner = value.values() if isinstance(value, dict) else value
+                if any(isinstance(v, torch.Tensor) for v in inner):
+                    raise _refused_part(t, path, name, f"a {type(value).__name__} of tensors")
+            elif hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module)) and id(value) not in seen:
+                seen.add(id(value))
+                walk(value, vars(value), f"{name}{SEP}")
+
+    walk(t, {**vars(t), **slots}, "")
     return found
+
+
+def _refused_part(t: torch.Tensor, path: str, name: str, what: str) -> _core.PipelineError:
+    return _error(
+        f"tensor '{path}' is a {type(t).__module__}.{type(t).__qualname__} whose attribute '{name.replace(SEP, '.')}' "
+        f"holds {what}, which weightferry cannot bind in place beside its data: leave its module out of the "
+        "offloaded components"
+    )
 
 
 def describe(

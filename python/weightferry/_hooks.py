@@ -111,13 +111,16 @@ class Hooks:
         self._inside = ""
         # storage id -> CPU tensors of its true bytes, for streamed storages of buffers only (see _idle)
         self._idle_buffers: dict[int, list[torch.Tensor]] = {}
-        # storages holding no parameter (nor a part of one), found once at install
+        # storages holding no parameter (nor a part of one; an attached part of a subclass's state is none), found
+        # once at install
         self._buffer_only: frozenset[int] = frozenset()
 
     def _idle(self, sid: int) -> None:
         """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
-        of buffers only (a VAE's ``latents_mean``, a scheduler table), which pipelines read outside any forward:
-        those hold their true bytes on the CPU (a copy read once from the session; buffers are small)."""
+        holding no parameter (a VAE's ``latents_mean``, a scheduler table, the ``quant_state`` tensors attached to a
+        bitsandbytes 4-bit weight), which pipelines and classes read outside any forward (bitsandbytes' own
+        ``state_dict`` does): those hold their true bytes on the CPU (a copy read once from the session; they are
+        small)."""
         views = self._storages.views[sid]
         if sid not in self._buffer_only:
             self._binder.unbind(views)

@@ -40,10 +40,13 @@ class LoadHooks:
         self._writer = writer
         self._sigs = sigs  # inside Handle.editing() torch loads into the edited CPU tensors itself
         self._sid = {path: sid for path, (sid, _) in storages.state_paths.items()}
-        # module path -> [(state-dict key relative to the module, path)] of the tensor subclasses below it
-        # (described by their parts): a load into them is refused before anything is written.
-        self._composites = storages.composites
-        self._composite_below = _by_module(list(storages.composites), modules)
+        # module path -> [(state-dict key relative to the module, path)] of the tensor subclasses below it streamed
+        # by their parts (described by them, or with attached parts): a load into them is refused before anything
+        # is written.
+        by_parts = [*storages.composites, *storages.attached]
+        self._classes = {p: type(getattr(*bound[p])).__qualname__ for p in storages.attached}
+        self._classes.update({p: type(c.tensor).__qualname__ for p, c in storages.composites.items()})
+        self._composite_below = _by_module(by_parts, modules)
         for owner in self._composite_below:
             below.setdefault(owner, [])
         self._handles: list[RemovableHandle] = []
@@ -80,9 +83,9 @@ class LoadHooks:
                 if prefix + key in state_dict:
                     raise _core.OffloadError(
                         f"'{name}' is offloaded by weightferry: its weight '{prefix + key}' is a "
-                        f"{type(self._composites[path].tensor).__qualname__}, a tensor subclass weightferry streams "
-                        "by its parts, which load_state_dict cannot write while offloaded; disable, load, and enable "
-                        "again (nothing was loaded)"
+                        f"{self._classes[path]}, a tensor subclass weightferry streams by its parts, which "
+                        "load_state_dict cannot write while offloaded; disable, load, and enable again (nothing was "
+                        "loaded)"
                     )
             editing = self._sigs.editing or set()
             found = {

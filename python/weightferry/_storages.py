@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from ._composites import Composite, rebuild, settle
+from ._composites import SEP, Composite, rebuild, settle
 
 # Bytes of torch tensors released between two trims of the C heap during the hand-over (see StorageMap.hand_over).
 _TRIM_BYTES = 1 << 30
@@ -145,6 +145,12 @@ class StorageMap:
         if set(paths) != set(bound):
             raise _core.Error("internal error: the description's tensors and the pipeline's differ")
         self.composites: Composites = dict(composites or {})
+        # a subclass over its own bytes -> the paths of its attached parts (the tensors of its Python state)
+        self.attached: dict[str, list[str]] = {}
+        for path in bound:
+            base = path.split(SEP, 1)[0]
+            if base != path and base not in self.composites:
+                self.attached.setdefault(base, []).append(path)
         owner_of = {path: c for c in self.composites.values() for _, _, path in c.leaves()}
         self.views: dict[int, list[View]] = {}
         seen = set()
@@ -270,14 +276,16 @@ def _in_state_dict(c: Composite) -> bool:
 
 
 def _as_class_of(original: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
-    """``plain`` as what ``original.detach()`` would be: a tensor subclass over its own bytes (such as diffusers'
-    ``GGUFParameter``) keeps its class and Python attributes (``torch._utils``' object-state protocol), a plain tensor
-    or ``Parameter`` is a plain tensor."""
+    """``plain`` as ``original.detach()`` would give it: an object of ``original``'s class over ``plain`` with its
+    Python attributes (its ``__dict__``, not what a ``__getstate__`` makes of them: bitsandbytes' ``Params4bit`` puts
+    its live data there), detached by the class's own protocol. A ``Parameter`` gives a plain tensor, diffusers'
+    ``GGUFParameter`` keeps its class and ``quant_type``, bitsandbytes' ``Params4bit`` gives a plain tensor, as each
+    does resident."""
     import torch
 
     cls = type(original)
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return plain
     out = torch.Tensor._make_subclass(cls, plain, False)
-    torch._utils._set_obj_state(out, torch._utils._get_obj_state(original))  # type: ignore[no-untyped-call]
-    return out
+    out.__dict__.update(vars(original))
+    return out.detach()
