@@ -111,7 +111,9 @@ def bnb_model(name, nested=False):
 
 def state_tensors(t, prefix=""):
     """``[(name, tensor)]`` of the tensors in ``t``'s Python attributes and, nested, in plain objects there
-    (bitsandbytes' ``quant_state`` and its ``state2``)."""
+    (bitsandbytes' ``quant_state`` and its ``state2``); none for a wrapper subclass (its attributes are its parts)."""
+    if isinstance(t, torch.Tensor) and len(parts(t)) > 1:
+        return []
     out = []
     for k, v in sorted(vars(t).items()):
         if isinstance(v, torch.Tensor):

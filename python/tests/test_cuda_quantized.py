@@ -1,12 +1,13 @@
 """Quantized models offloaded on ``device="cuda"`` (skipped without a GPU; CI has none, the lent H200 runs them):
-tiny diffusers Flux transformers from a GGUF file (diffusers' GGUF quantizer) and quantized by torchao (int8 and
-float8 weight-only), offloaded layerwise and under a budget, equal the same quantized model resident on the GPU bit
-for bit; a torchao weight (a wrapper subclass streamed by its parts) reports the GPU while its block runs and every
-weight is back on the CPU, bit-identical, after disable."""
+tiny diffusers Flux transformers from a GGUF file (diffusers' GGUF quantizer), quantized by torchao (int8 and
+float8 weight-only) and by bitsandbytes (NF4, with and without nested scales), offloaded layerwise and under a
+budget, equal the same quantized model resident on the GPU bit for bit; a torchao weight (a wrapper subclass streamed
+by its parts) and a 4-bit weight's quant_state tensors report the GPU while its block runs, and every weight is back
+on the CPU, bit-identical, after disable."""
 
 import pytest
 import torch
-from quantized import gguf_model, parts, torchao_model, weights
+from quantized import bnb_model, gguf_model, parts, state_tensors, torchao_model, weights
 from test_diffusers import layer
 from test_quantized import budget
 
@@ -15,16 +16,19 @@ import weightferry as wf
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda", 0)
-MODELS = [("gguf", "Q8_0"), ("torchao", "Int8WeightOnlyConfig"), ("torchao", "Float8WeightOnlyConfig")]
+MODELS = [("gguf", "Q8_0"), ("torchao", "Int8WeightOnlyConfig"), ("torchao", "Float8WeightOnlyConfig"),
+          ("bnb", "nf4"), ("bnb", "nested")]
 
 
 def build(kind, variant, folder):
+    if kind == "bnb":  # quantized by bitsandbytes on the CPU, its kernels run on the GPU
+        return bnb_model("flux", nested=variant == "nested")
     return gguf_model("flux", variant, folder) if kind == "gguf" else torchao_model("flux", variant)
 
 
 def devices(w):
-    """The device types of a weight and of each of its parts."""
-    return [w.device.type] + [p.device.type for _, p in parts(w)]
+    """The device types of a weight, of each of its parts and of the tensors its state holds (a quant_state's)."""
+    return [w.device.type] + [p.device.type for _, p in parts(w) + state_tensors(w)]
 
 
 def on(x, dev):

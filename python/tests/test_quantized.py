@@ -297,9 +297,11 @@ def test_a_cast_inside_a_forward_that_moves_a_layer_off_its_device_is_refused():
             assert torch.equal(model(**x)[0], expected)
 
 
-@pytest.mark.parametrize("kind", ["gguf", "layerwise"])
+@pytest.mark.parametrize("kind", ["gguf", "layerwise", "bnb"])
 def test_quantized_models_compose_with_retune_compile_and_editing(folder, kind):
     def build():
+        if kind == "bnb":
+            return bnb_model("flux", nested=True)
         return gguf_model("flux", "Q8_0", folder) if kind == "gguf" else layerwise_cast_model("flux")
 
     model, x = build()
@@ -468,3 +470,35 @@ def test_load_state_dict_into_a_bitsandbytes_4bit_weight_while_offloaded_is_refu
         assert weights(model) == before
         with torch.no_grad():
             assert torch.equal(model(**x)[0], expected)
+
+
+MODULE_MODELS = {
+    "gguf": lambda folder: gguf_model("flux", "Q4_0", folder),
+    "torchao": lambda folder: torchao_model("flux", "Int8WeightOnlyConfig"),
+    "bnb": lambda folder: bnb_model("flux", nested=False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODULE_MODELS))
+def test_module_level_offload_swaps_quantized_models_as_stored(folder, kind):
+    # Two quantized models swapped whole (model-level offload swaps a DiT against an encoder stage).
+    model, x = MODULE_MODELS[kind](folder)
+    encoder, _ = MODULE_MODELS[kind](folder)
+    twin, _ = MODULE_MODELS[kind](folder)
+    before = (weights(model), weights(encoder))
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    cfg = {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder"]}}
+    pipeline = {"transformer": model, "text_encoder": encoder}
+    with wf.enable(pipeline, cfg, device="sim", dit=["transformer"], encoders=["text_encoder"]) as h:
+        with torch.no_grad():
+            for m in (encoder, model, encoder, model):
+                assert torch.equal(m(**x)[0], expected)
+        assert state_of(model.state_dict()) == state_of(twin.state_dict())
+        # Each swap-in copies a model's stored bytes: its parameters, their parts and their state's tensors (at
+        # least the bytes they view; at most their storages, each at the device alignment).
+        tensors = [q for t in twin.parameters() for _, q in parts(t) + state_tensors(t)]
+        viewed = sum(q.numel() * q.element_size() for q in tensors)
+        stored = sum(-(-q.untyped_storage().nbytes() // 256) * 256 for q in tensors)
+        assert 4 * viewed <= h.stats()["bytes_streamed"] <= 4 * stored, (h.stats()["bytes_streamed"], viewed, stored)
+    assert (weights(model), weights(encoder)) == before
