@@ -109,6 +109,26 @@ def bnb_model(name, nested=False):
     return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
 
 
+def bnb8_model(name):
+    """``(model, inputs)``: the tiny model ``name`` in bf16 with every linear layer outside its
+    ``_keep_in_fp32_modules`` a bitsandbytes ``Linear8bitLt`` (int8 weights, ``has_fp16_weights=False``: what
+    ``BitsAndBytesConfig(load_in_8bit=True)`` builds) over the same weights, quantized by ``.to()`` on the CPU."""
+    import bitsandbytes as bnb
+
+    model, x, _ = MODELS[name]()
+    model = model.to(BF16)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for path, m in list(model.named_modules()):
+        for child, c in list(m.named_children()):
+            if type(c) is not torch.nn.Linear or any(k in f"{path}.{child}".split(".") for k in keep):
+                continue
+            new = bnb.nn.Linear8bitLt(c.in_features, c.out_features, bias=c.bias is not None, has_fp16_weights=False)
+            new.weight = bnb.nn.Int8Params(c.weight.data, requires_grad=False, has_fp16_weights=False)
+            new.bias = c.bias
+            setattr(m, child, new.to("cpu"))
+    return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
+
+
 def state_tensors(t, prefix=""):
     """``[(name, tensor)]`` of the tensors in ``t``'s Python attributes and, nested, in plain objects there
     (bitsandbytes' ``quant_state`` and its ``state2``); none for a wrapper subclass (its attributes are its parts)."""

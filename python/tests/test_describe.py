@@ -195,3 +195,27 @@ def test_two_classes_of_one_name_with_different_block_lists_are_refused():
         "two module classes named Twin (test_describe and test_describe, the second at 'b') declare different "
         "_layerwise_offload_blocks_attrs; the description keys block attributes by class name, so rename one class"
     )
+
+
+def test_a_module_holding_a_view_of_its_weight_outside_its_parameters_is_refused():
+    # A tensor over a weight's bytes in a plain attribute (or an attribute of a plain object there) would keep the
+    # host bytes while weightferry moved the weight's: describe refuses it, naming the attribute and the weight.
+    import types
+
+    p = TinyPipeline()
+    lin = p.transformer.blocks[1].fc
+    lin.cache = lin.weight.detach().t()
+    with pytest.raises(wf.PipelineError) as e:
+        wf.describe(p)
+    assert str(e.value) == (
+        "module 'transformer.blocks.1.fc' (Linear) holds in its attribute 'cache' a tensor over the bytes of its "
+        "weight 'transformer.blocks.1.fc.weight', outside its parameters and buffers: weightferry moves the weight's "
+        "bytes and cannot move that tensor; build the module anew without running it before enable, or leave it out "
+        "of the offloaded components"
+    )
+    del lin.cache
+    lin.state = types.SimpleNamespace(scale=torch.ones(3), w=lin.weight[0])
+    with pytest.raises(wf.PipelineError, match=r"its attribute 'state\.w' a tensor over the bytes of its weight"):
+        wf.describe(p)
+    lin.state = types.SimpleNamespace(scale=torch.ones(3))  # a tensor of its own: not the weight's bytes
+    wf.describe(p)

@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 from quantized import (
+    bnb8_model,
     bnb_model,
     gguf_model,
     gguf_parameters,
@@ -502,3 +503,35 @@ def test_module_level_offload_swaps_quantized_models_as_stored(folder, kind):
         stored = sum(-(-q.untyped_storage().nbytes() // 256) * 256 for q in tensors)
         assert 4 * viewed <= h.stats()["bytes_streamed"] <= 4 * stored, (h.stats()["bytes_streamed"], viewed, stored)
     assert (weights(model), weights(encoder)) == before
+
+
+def test_a_bitsandbytes_8bit_model_streams_bit_identical_and_one_run_before_enable_is_refused():
+    # Int8Params: int8 bytes, with CB (a second view of them) and SCB (the row scales) in its attributes.
+    # Linear8bitLt's first forward moves CB and SCB into the module's `state` (the same tensor objects, which
+    # weightferry binds in place), and each forward puts state.CB back into the weight.
+    model, x = bnb8_model("flux")
+    twin, _ = bnb8_model("flux")
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    h = wf.enable({"transformer": model}, layer(2), device="sim")
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+        assert torch.equal(model(**x)[0], expected)
+    assert state_of(model.state_dict()) == state_of(twin.state_dict())
+    h.disable()
+    assert weights(model) == weights(twin)
+    # Run once resident, the module holds state.CB, a tensor over its weight's bytes that is neither a parameter nor
+    # a buffer: weightferry could not move it, so enable refuses before anything changes.
+    before = weights(twin)
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable({"transformer": twin}, layer(2), device="sim")
+    assert str(e.value) == (
+        "module 'transformer.time_text_embed.timestep_embedder.linear_1' (Linear8bitLt) holds in its attribute "
+        "'state.CB' a tensor over the bytes of its weight 'transformer.time_text_embed.timestep_embedder.linear_1."
+        "weight', outside its parameters and buffers: weightferry moves the weight's bytes and cannot move that "
+        "tensor; build the module anew without running it before enable, or leave it out of the offloaded components"
+    )
+    assert weights(twin) == before
+    assert all(len(m._forward_pre_hooks) == 0 for m in twin.modules())
+    with torch.no_grad():
+        assert torch.equal(twin(**x)[0], expected)

@@ -234,6 +234,7 @@ class _Describer:
         tensors = self.tensors(m, path)
         if tensors:
             node["tensors"] = tensors
+            _check_aliases(m, path)
         children: dict[str, Any] = {}
         for name, child in m._modules.items():
             if child is not None:
@@ -377,6 +378,38 @@ def _state_tensors(t: torch.Tensor, path: str) -> list[tuple[str, Any, str, torc
 
     walk(t, {**vars(t), **slots}, "")
     return found
+
+
+def _check_aliases(m: nn.Module, path: str) -> None:
+    """Refuses (``PipelineError``) a module that holds, outside its parameters and buffers, a tensor over the bytes
+    of one of its weights: in a plain attribute, or an attribute of a plain object there (bitsandbytes'
+    ``Linear8bitLt`` keeps its int8 weight in ``state.CB`` after its first forward and puts it back into the weight
+    each forward). weightferry moves the weight's bytes, not that tensor, which would keep the host bytes."""
+    import torch
+    import torch.nn as nn
+
+    prefix = f"{path}." if path else ""
+    own: dict[int, str] = {}
+    for name, w in [*m._parameters.items(), *m._buffers.items()]:
+        if w is not None and not is_composite(w) and not w.is_meta and w.untyped_storage().data_ptr():
+            own.setdefault(w.untyped_storage().data_ptr(), prefix + name)
+    if not own:
+        return
+    candidates: list[tuple[str, Any]] = []
+    for attr, value in vars(m).items():
+        if isinstance(value, torch.Tensor):
+            candidates.append((attr, value))
+        elif hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module, torch.Tensor)):
+            candidates.extend((f"{attr}.{k}", v) for k, v in vars(value).items() if isinstance(v, torch.Tensor))
+    for name, t in candidates:
+        ptr = t.untyped_storage().data_ptr() if not t.is_meta else 0
+        if ptr in own:
+            raise _error(
+                f"module '{path}' ({type(m).__qualname__}) holds in its attribute '{name}' a tensor over the bytes of "
+                f"its weight '{own[ptr]}', outside its parameters and buffers: weightferry moves the weight's bytes "
+                "and cannot move that tensor; build the module anew without running it before enable, or leave it "
+                "out of the offloaded components"
+            )
 
 
 def _refused_part(t: torch.Tensor, path: str, name: str, what: str) -> _core.PipelineError:
