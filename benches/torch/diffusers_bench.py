@@ -52,8 +52,10 @@ stream), group offloading is applied to each, the weight bytes count both; ``--l
 casting, weights stored in float8_e4m3fn and each layer cast to bf16 for its forward), ``torchao-int8`` /
 ``torchao-fp8`` (torchao int8 / float8 weight-only, each linear layer quantized on the GPU and brought back),
 ``gguf-q8_0`` / ``gguf-q4_0`` (each linear layer quantized by the ``gguf`` package into diffusers' ``GGUFLinear``, as
-its GGUF quantizer loads a file; without the ``kernels`` package it dequantizes in torch each forward); weight
-bytes, ``GB/step`` and the bound then count the stored (quantized) bytes.
+its GGUF quantizer loads a file; without the ``kernels`` package it dequantizes in torch each forward), ``bnb-nf4``
+/ ``bnb-int8`` (each linear layer a bitsandbytes ``Linear4bit`` (NF4) / ``Linear8bitLt``, quantized on the GPU and
+brought back, as diffusers' ``BitsAndBytesConfig`` builds them); weight bytes, ``GB/step`` and the bound then count
+the stored (quantized) bytes, a 4-bit weight's ``quant_state`` tensors included.
 ``--tiny`` runs a tiny configuration (on the CPU and the simulated device when there is no GPU) to check the script:
 narrow, but with enough blocks that the budgets from 25% up leave room for a ring.
 
@@ -443,16 +445,47 @@ def lora_timings(torch, model, rank, handle, group, sync):
 
 
 def plain_parts(t):
-    """The plain tensors a weight is stored as: itself, or a torchao tensor's inner tensors (``__tensor_flatten__``)."""
+    """The plain tensors a weight is stored as: itself, a torchao tensor's inner tensors (``__tensor_flatten__``),
+    or itself and the tensors its Python state holds (bitsandbytes' ``quant_state``: absmax, code, ...)."""
     if hasattr(type(t), "__tensor_flatten__") and not hasattr(t, "quant_type"):
         names, _ = t.__tensor_flatten__()
         return [p for n in names for p in plain_parts(getattr(t, n))]
-    return [t]
+    return [t, *state_tensors(t)]
+
+
+def state_tensors(obj, seen=None):
+    """The tensors in ``obj``'s attributes and, nested, in plain objects there (not modules)."""
+    import torch
+
+    seen = seen if seen is not None else {id(obj)}
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, torch.Tensor) and id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+        elif hasattr(v, "__dict__") and not isinstance(v, (type, torch.nn.Module, torch.Tensor)) and id(v) not in seen:
+            seen.add(id(v))
+            out.extend(state_tensors(v, seen))
+    return out
 
 
 def stored_bytes(tensors):
-    """Bytes the tensors are stored in (a quantized weight's quantized bytes and scales)."""
-    return sum(p.numel() * p.element_size() for t in tensors for p in plain_parts(t))
+    """Bytes the tensors are stored in (a quantized weight's quantized bytes and scales), each viewed byte range once
+    (bitsandbytes' ``Int8Params.CB`` is a second view of the weight's bytes)."""
+    return sum(n for _, _, n in unique_views(tensors))
+
+
+def unique_views(tensors):
+    """``(tensor, (storage, offset, bytes), bytes)`` of every plain part of ``tensors``, one per viewed byte range."""
+    seen, out = set(), []
+    for t in tensors:
+        for p in plain_parts(t):
+            n = p.numel() * p.element_size()
+            key = (p.untyped_storage().data_ptr(), p.storage_offset(), n) if n else ("empty", id(p), 0)
+            if key not in seen:
+                seen.add(key)
+                out.append((p, key, n))
+    return out
 
 
 def quantize(torch, model, kind, dev):
@@ -464,6 +497,8 @@ def quantize(torch, model, kind, dev):
         return
     if kind.startswith("gguf-"):
         return quantize_gguf(torch, model, kind[5:].upper())
+    if kind.startswith("bnb-"):
+        return quantize_bnb(torch, model, kind, dev)
     import torchao.quantization as ao
 
     config = ao.Int8WeightOnlyConfig() if kind == "torchao-int8" else ao.Float8WeightOnlyConfig()
@@ -479,6 +514,27 @@ def quantizable(torch, model):
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
     return {n: m for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and not any(k in n.split(".") for k in keep)}
+
+
+def quantize_bnb(torch, model, kind, dev):
+    """Every quantizable linear layer made a bitsandbytes ``Linear4bit`` (``bnb-nf4``: NF4, bf16 compute, scales not
+    quantized again, as diffusers' ``BitsAndBytesConfig(load_in_4bit=True)`` defaults) or ``Linear8bitLt``
+    (``bnb-int8``: ``load_in_8bit``), quantized on ``dev`` by bitsandbytes and brought back to the CPU."""
+    import bitsandbytes as bnb
+
+    for name, c in quantizable(torch, model).items():
+        parent, _, child = name.rpartition(".")
+        if kind == "bnb-nf4":
+            new = bnb.nn.Linear4bit(c.in_features, c.out_features, bias=c.bias is not None,
+                                    compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=False)
+            new.weight = bnb.nn.Params4bit(c.weight.data, requires_grad=False, quant_type="nf4",
+                                           compress_statistics=False)
+        else:
+            new = bnb.nn.Linear8bitLt(c.in_features, c.out_features, bias=c.bias is not None, has_fp16_weights=False)
+            new.weight = bnb.nn.Int8Params(c.weight.data, requires_grad=False, has_fp16_weights=False)
+        new.bias = c.bias
+        setattr(model.get_submodule(parent) if parent else model, child, new.to(dev).to("cpu"))
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
 
 
 def quantize_gguf(torch, model, qtype):
@@ -514,8 +570,8 @@ def pin_copy(torch, model, chunk=256 << 20):
     enable's time (a host master per weight, filled once). Buffers of ``chunk`` bytes (tensors split across them),
     each freed and torch's pinned cache emptied once it is full, so none is reused and host memory rises by one buffer
     at most (pinned pages count in the RSS peak); the frees are not timed."""
-    flats = [p.detach().reshape(-1).view(torch.uint8) for t in list(model.parameters()) + list(model.buffers())
-             for p in plain_parts(t)]
+    flats = [p.detach().reshape(-1).view(torch.uint8)
+             for p, _, n in unique_views(list(model.parameters()) + list(model.buffers())) if n]
     total = sum(f.numel() for f in flats)
     timed, done, i, at = 0.0, 0, 0, 0
     while done < total:
@@ -729,9 +785,11 @@ def main():
     ap.add_argument("--lora", type=int, default=0, help="rank of two LoRA adapters added before offloading (0: none)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quant", default="none",
-                    choices=["none", "fp8-layerwise", "torchao-int8", "torchao-fp8", "gguf-q8_0", "gguf-q4_0"],
+                    choices=["none", "fp8-layerwise", "torchao-int8", "torchao-fp8", "gguf-q8_0", "gguf-q4_0",
+                             "bnb-nf4", "bnb-int8"],
                     help="quantize the model in every variant: diffusers' layerwise casting (fp8 storage), torchao "
-                         "int8 / float8 weight-only, or GGUF Q8_0 / Q4_0 (diffusers' GGUFLinear)")
+                         "int8 / float8 weight-only, GGUF Q8_0 / Q4_0 (diffusers' GGUFLinear), or bitsandbytes NF4 / "
+                         "int8 (Linear4bit / Linear8bitLt)")
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny configuration of the model (on the CPU and the simulated device without a GPU): "
                          "checks the script, measures nothing")
