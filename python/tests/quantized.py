@@ -93,20 +93,14 @@ def bnb_model(name, nested=False):
     quantizes them (what diffusers' ``BitsAndBytesConfig(load_in_4bit=True)`` builds, on a GPU only)."""
     import bitsandbytes as bnb
 
-    model, x, _ = MODELS[name]()
-    model = model.to(BF16)
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    for path, m in list(model.named_modules()):
-        for child, c in list(m.named_children()):
-            if type(c) is not torch.nn.Linear or any(k in f"{path}.{child}".split(".") for k in keep):
-                continue
-            new = bnb.nn.Linear4bit(c.in_features, c.out_features, bias=c.bias is not None, compute_dtype=BF16,
-                                    quant_type="nf4", compress_statistics=nested)
-            new.weight = bnb.nn.Params4bit(c.weight.data, requires_grad=False, quant_type="nf4",
-                                           compress_statistics=nested)
-            new.bias = c.bias
-            setattr(m, child, new.to("cpu"))
-    return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
+    def four_bit(c):
+        new = bnb.nn.Linear4bit(c.in_features, c.out_features, bias=c.bias is not None, compute_dtype=BF16,
+                                quant_type="nf4", compress_statistics=nested)
+        new.weight = bnb.nn.Params4bit(c.weight.data, requires_grad=False, quant_type="nf4",
+                                       compress_statistics=nested)
+        return new
+
+    return _linears_replaced(name, four_bit)
 
 
 def bnb8_model(name):
@@ -115,6 +109,17 @@ def bnb8_model(name):
     ``BitsAndBytesConfig(load_in_8bit=True)`` builds) over the same weights, quantized by ``.to()`` on the CPU."""
     import bitsandbytes as bnb
 
+    def eight_bit(c):
+        new = bnb.nn.Linear8bitLt(c.in_features, c.out_features, bias=c.bias is not None, has_fp16_weights=False)
+        new.weight = bnb.nn.Int8Params(c.weight.data, requires_grad=False, has_fp16_weights=False)
+        return new
+
+    return _linears_replaced(name, eight_bit)
+
+
+def _linears_replaced(name, make):
+    """``(model, inputs)``: the tiny model ``name`` in bf16 with each ``nn.Linear`` outside the model's
+    ``_keep_in_fp32_modules`` replaced by ``make(linear)`` (given the linear's bias, then quantized by ``.to()``)."""
     model, x, _ = MODELS[name]()
     model = model.to(BF16)
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
@@ -122,8 +127,7 @@ def bnb8_model(name):
         for child, c in list(m.named_children()):
             if type(c) is not torch.nn.Linear or any(k in f"{path}.{child}".split(".") for k in keep):
                 continue
-            new = bnb.nn.Linear8bitLt(c.in_features, c.out_features, bias=c.bias is not None, has_fp16_weights=False)
-            new.weight = bnb.nn.Int8Params(c.weight.data, requires_grad=False, has_fp16_weights=False)
+            new = make(c)
             new.bias = c.bias
             setattr(m, child, new.to("cpu"))
     return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}

@@ -55,6 +55,20 @@ def budget(model):
     return {"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "device_budget": total}}
 
 
+def stream_twice(model, twin, x, depth):
+    """Enables ``model`` on sim (layerwise at prefetch ``depth``, or under :func:`budget` for 0) and runs two passes,
+    each bit-identical to ``twin`` resident; returns ``(handle, bytes the second pass streamed, the output)``."""
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    cfg = layer(depth) if depth else budget(model)
+    h = wf.enable({"transformer": model}, cfg, device="sim")
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], expected)
+        streamed = h.stats()["bytes_streamed"]
+        assert torch.equal(model(**x)[0], expected)
+    return h, h.stats()["bytes_streamed"] - streamed, expected
+
+
 CASES = [("flux", "Q8_0"), ("flux", "Q4_0"), ("wan", "Q8_0"), ("wan", "Q5_0")]
 
 
@@ -65,15 +79,7 @@ def test_a_gguf_model_streams_its_quantized_bytes_bit_identical_to_resident(fold
     twin, _ = gguf_model(name, qtype, folder)
     assert len(gguf_parameters(model)) > 4
     before = weights(model)
-    with torch.no_grad():
-        expected = twin(**x)[0]
-    cfg = layer(depth) if depth else budget(model)
-    h = wf.enable({"transformer": model}, cfg, device="sim")
-    with torch.no_grad():
-        assert torch.equal(model(**x)[0], expected)
-        streamed = h.stats()["bytes_streamed"]
-        assert torch.equal(model(**x)[0], expected)
-    per_pass = h.stats()["bytes_streamed"] - streamed
+    h, per_pass, expected = stream_twice(model, twin, x, depth)
     if depth:
         # Every block streams once a pass: exactly the stored bytes (each storage at the device alignment), GGUF
         # weights as their quantized bytes.
@@ -426,15 +432,7 @@ def test_a_bitsandbytes_4bit_model_streams_its_weights_and_quant_state_bit_ident
     four = {n: p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
     quant_states = {n: p.quant_state for n, p in four.items()}
     before = weights(model)
-    with torch.no_grad():
-        expected = twin(**x)[0]
-    cfg = layer(depth) if depth else budget(model)
-    h = wf.enable({"transformer": model}, cfg, device="sim")
-    with torch.no_grad():
-        assert torch.equal(model(**x)[0], expected)
-        streamed = h.stats()["bytes_streamed"]
-        assert torch.equal(model(**x)[0], expected)
-    per_pass = h.stats()["bytes_streamed"] - streamed
+    h, per_pass, expected = stream_twice(model, twin, x, depth)
     if depth:
         # The packed 4-bit bytes and their quant_state tensors (absmax, code; nested: offset and state2's) stream.
         assert per_pass == stored_bytes(twin, align=256)
