@@ -166,6 +166,9 @@ def main():
         table(args.model, results)
         with open(os.path.join(args.out, f"dist-{args.model}-{world}.json"), "w") as f:
             json.dump(results, f, indent=1)
+    # Every rank tears the group down together: a rank that leaves while rank 0 still writes can make gloo abort the
+    # other one's teardown (SIGABRT, seen under load in the test suite).
+    dist.barrier()
     dist.destroy_process_group()
 
 
