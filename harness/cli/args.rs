@@ -276,7 +276,7 @@ pub struct PlanArgs {
 /// Arguments of `inspect`.
 #[derive(Debug, clap::Args)]
 pub struct InspectArgs {
-    /// A `.safetensors` file, a `*.safetensors.index.json`, or a folder holding one index or one file.
+    /// A `.safetensors` or `.gguf` file, a `*.safetensors.index.json`, or a folder holding one index or one file.
     #[arg(value_name = "PATH")]
     pub path: PathBuf,
     /// Name of the DiT component the checkpoint becomes.

@@ -67,7 +67,7 @@ pub enum Command {
     Run(RunArgs),
     /// Print the resolved offload plan of a pipeline under a config.
     Plan(PlanArgs),
-    /// Print what a safetensors checkpoint holds: files, tensors, dtypes, bytes, block lists.
+    /// Print what a checkpoint (safetensors or GGUF) holds: files, tensors, dtypes, bytes, block lists.
     Inspect(InspectArgs),
     /// Measure step time against the physical bound on a GPU (needs the `cuda` feature).
     Bench(BenchArgs),

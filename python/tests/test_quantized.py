@@ -9,7 +9,9 @@ naming the tensor before anything changes. Diffusers' layerwise casting (fp8 sto
 forward) streams the fp8 bytes and computes as it does resident."""
 
 import copy
+import json
 import math
+import os
 import types
 
 import pytest
@@ -533,3 +535,45 @@ def test_a_bitsandbytes_8bit_model_streams_bit_identical_and_one_run_before_enab
     assert all(len(m._forward_pre_hooks) == 0 for m in twin.modules())
     with torch.no_grad():
         assert torch.equal(twin(**x)[0], expected)
+
+
+def test_weightferry_inspect_reads_a_gguf_file_as_the_gguf_package_does_and_enable_does_not_bind_it_yet(folder, cli):
+    # The file diffusers' GGUF quantizer loads (tensors named as the diffusers model names them), read by the CLI's
+    # checkpoint reader (header checked, tensors mapped as stored: quantized ones as their bytes) and by gguf's own.
+    import gguf
+    from quantized import gguf_file
+    from test_diffusers import flux
+
+    path = os.path.join(folder, "inspect-Q4_0.gguf")
+    gguf_file(flux()[0].to(torch.bfloat16), path, "Q4_0")
+    out = cli.run("inspect", "--json", path)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    tensors = gguf.GGUFReader(path).tensors
+    by_dtype = {}
+    for t in tensors:
+        dtype = "f32" if t.tensor_type == gguf.GGMLQuantizationType.F32 else "u8"
+        n, size = by_dtype.get(dtype, (0, 0))
+        by_dtype[dtype] = (n + 1, size + int(t.n_bytes))
+    assert got["tensors"] == len(tensors) and got["tensor_bytes"] == sum(int(t.n_bytes) for t in tensors)
+    assert {k: (v["tensors"], v["bytes"]) for k, v in got["dtypes"].items()} == by_dtype
+    # Every block of both block lists found by name, as from a safetensors file.
+    assert [(b["attr"], b["blocks"]) for b in got["block_lists"]] == [
+        ("transformer_blocks", 2), ("single_transformer_blocks", 3)]
+    # The CLI's engine runs the file resident and offloaded over its mapped bytes (quantized ones as stored).
+    run = cli.run("run", "--checkpoint", path)
+    assert run.returncode == 0, run.stderr
+    assert "outputs match: yes" in run.stdout and "weights match: yes" in run.stdout
+
+    # checkpoint= binds safetensors files only: a GGUF file is refused before anything changes.
+    model, _ = gguf_model("flux", "Q8_0", folder)
+    before = weights(model)
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.enable({"transformer": model}, layer(2), device="sim", checkpoint=path)
+    assert str(e.value) == (
+        f"checkpoint={path!r} is a GGUF file: `weightferry inspect` reads it, but checkpoint= binds safetensors files "
+        "only for now (a GGUF file's unquantized tensors are often in another dtype than the model's); load it with "
+        "diffusers' GGUF quantizer (from_single_file with a GGUFQuantizationConfig) and enable the model it returns: "
+        "its quantized bytes stream as stored"
+    )
+    assert weights(model) == before and all(len(m._forward_pre_hooks) == 0 for m in model.modules())

@@ -219,6 +219,13 @@ def _checkpoint_component(desc: dict[str, Any], checkpoint: str | os.PathLike[st
             f"checkpoint must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got "
             f"{type(checkpoint).__name__}"
         ) from None
+    if str(path).lower().endswith(".gguf"):
+        raise _core.CheckpointError(
+            f"checkpoint={str(path)!r} is a GGUF file: `weightferry inspect` reads it, but checkpoint= binds "
+            "safetensors files only for now (a GGUF file's unquantized tensors are often in another dtype than the "
+            "model's); load it with diffusers' GGUF quantizer (from_single_file with a GGUFQuantizationConfig) and "
+            "enable the model it returns: its quantized bytes stream as stored"
+        )
     modules = list(desc.get("modules", {}))
     if len(modules) != 1 or desc.get("tensors"):
         raise _core.PipelineError(

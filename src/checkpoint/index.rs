@@ -113,10 +113,10 @@ pub(crate) fn locate(path: &Path) -> Result<Located, CheckpointError> {
         if name.ends_with(INDEX_SUFFIX) {
             return Ok(Located::Index(path.to_path_buf()));
         }
-        if name.ends_with(".safetensors") {
+        if name.ends_with(".safetensors") || name.ends_with(".gguf") {
             return Ok(Located::File(path.to_path_buf()));
         }
-        return Err(not(format!("not a .safetensors file or a *{INDEX_SUFFIX} index")));
+        return Err(not(format!("not a .safetensors or .gguf file or a *{INDEX_SUFFIX} index")));
     }
     let entries = std::fs::read_dir(path).map_err(|source| CheckpointError::Io { file: path.to_path_buf(), source })?;
     let (mut indexes, mut files) = (Vec::new(), Vec::new());

@@ -1,5 +1,5 @@
-//! Real checkpoints: safetensors files (one file, or a sharded folder with its index) mapped read-only and
-//! checked before any byte is used (`reader.rs`, `index.rs`); a pipeline description derived from their tensor
+//! Real checkpoints: safetensors files (one file, or a sharded folder with its index) and GGUF files mapped read-only
+//! and checked before any byte is used (`reader.rs`, `index.rs`, `gguf.rs`); a pipeline description derived from their tensor
 //! names (`describe.rs`); a [`HostModel`](crate::model::HostModel) filled from the mapping (`load.rs`).
 //!
 //! Every failure is a [`CheckpointError`] naming the file and the tensor; nothing panics on bad input and nothing
@@ -7,6 +7,8 @@
 
 mod describe;
 mod error;
+mod gguf;
+mod header;
 mod index;
 mod load;
 mod reader;
@@ -14,7 +16,8 @@ mod region;
 
 pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
 pub use error::CheckpointError;
-pub use reader::{FileTensor, SafetensorsFile};
+pub use header::FileTensor;
+pub use reader::SafetensorsFile;
 pub use region::FileRegion;
 
 use std::collections::BTreeMap;

@@ -12,6 +12,7 @@
 //! reads ([`region`](super::region)), so a file changed later is an error, never a fault.
 
 use super::error::CheckpointError;
+use super::header::{FileTensor, Header};
 use super::region::FileRegion;
 use crate::pipeline::DType;
 use serde::de::{Deserializer, MapAccess, Visitor};
@@ -22,21 +23,6 @@ use weightferry_actors::platform::HostRegion;
 
 /// Largest header the safetensors format allows (the crate's limit).
 pub(super) const MAX_HEADER_BYTES: u64 = 100_000_000;
-
-/// One tensor of a file, checked.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FileTensor {
-    /// Its name in the header (dotted parameter name).
-    pub name: String,
-    /// Its dtype.
-    pub dtype: DType,
-    /// Its shape.
-    pub shape: Vec<u64>,
-    /// Byte offset of its data from the start of the file.
-    pub offset: u64,
-    /// Its byte length.
-    pub len: u64,
-}
 
 /// Maps a safetensors dtype name onto the description's dtypes; `None` for every other dtype.
 pub(super) fn dtype_from_safetensors(name: &str) -> Option<DType> {
@@ -54,18 +40,8 @@ pub(super) fn dtype_from_safetensors(name: &str) -> Option<DType> {
     })
 }
 
-/// A checked header: the tensors by start offset, the `__metadata__` strings and where the data region starts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Header {
-    /// Tensors in file order (by offset).
-    pub tensors: Vec<FileTensor>,
-    /// The header's `__metadata__` map (empty if absent).
-    pub metadata: BTreeMap<String, String>,
-    /// File offset of the data region (`8 + header length`).
-    pub data_start: u64,
-}
-
-/// A mapped, checked `.safetensors` file.
+/// A mapped, checked `.safetensors` file (or `.gguf` file: its header is read by [`super::gguf`] into the same
+/// [`Header`]).
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
@@ -88,7 +64,12 @@ impl SafetensorsFile {
             });
         }
         let region = FileRegion::new(path, file).map_err(io)?;
-        let header = parse_header(path, region.mapped())?;
+        let bytes = region.mapped();
+        let header = if bytes.starts_with(super::gguf::MAGIC) {
+            super::gguf::parse_header(path, bytes)?
+        } else {
+            parse_header(path, bytes)?
+        };
         Ok(SafetensorsFile { path: path.to_path_buf(), region: Arc::new(region), header })
     }
 
