@@ -40,8 +40,7 @@ pub(super) fn dtype_from_safetensors(name: &str) -> Option<DType> {
     })
 }
 
-/// A mapped, checked `.safetensors` file (or `.gguf` file: its header is read by [`super::gguf`] into the same
-/// [`Header`]).
+/// A mapped, checked `.safetensors` file (or `.gguf` file: `gguf.rs` reads its header into the same `Header`).
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
