@@ -56,12 +56,26 @@ def set_data(view: View, tensor: torch.Tensor) -> None:
 
 def assign(t: torch.Tensor, data: torch.Tensor) -> None:
     """``t.data = data`` as torch's tensor does it, whatever ``t``'s class: a tensor subclass's ``__torch_function__``
-    (diffusers' ``GGUFParameter``, torchao's tensors) would run in Python on every binding, about ten times the cost
-    of the assignment itself, and the binding swaps bytes under the object, which is nothing the class computes."""
+    (diffusers' ``GGUFParameter``) would run in Python on every binding, several times the cost of the assignment
+    itself, and the binding swaps bytes under the object, which is nothing the class computes. A plain tensor or
+    ``Parameter`` is assigned directly (switching torch functions off costs more than it saves there:
+    ``benches/torch/bind_cost.py``)."""
+    cls = type(t)
+    if cls in _PLAIN:
+        t.data = data
+        return
     import torch
 
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        _PLAIN.add(cls)
+        t.data = data
+        return
     with torch._C.DisableTorchFunctionSubclass():
         t.data = data
+
+
+_PLAIN: set[type] = set()
+"""torch's own tensor classes, once seen: their ``.data`` assignment runs no Python code."""
 
 
 def tensors_over(data: bytearray, views: list[View]) -> list[torch.Tensor]:
