@@ -442,11 +442,19 @@ def test_a_bitsandbytes_4bit_model_streams_its_weights_and_quant_state_bit_ident
         bf16 = sum(2 * math.prod(p.quant_state.shape if hasattr(p, "quant_state") else p.shape)
                    for attr in BLOCK_LISTS if hasattr(twin, attr) for p in getattr(twin, attr).parameters())
         assert stored_bytes(twin, align=1) < 0.5 * bf16, (stored_bytes(twin, align=1), bf16)  # tiny: code, absmax weigh
+        # Between forwards a streamed weight's quant_state tensors hold nothing (no host copy of its scales).
+        streamed4 = [p for n, p in four.items() if n.split(".")[0] in BLOCK_LISTS]
+        assert streamed4 and all(s.numel() == 0 for p in streamed4 for _, s in state_tensors(p))
     else:
         assert h.stats()["stacks"][0]["resident"] > 0
         assert per_pass < stored_bytes(twin, align=256)
-    # bitsandbytes writes the quant_state entries (weight.absmax, weight.quant_map, ...) from the live tensors.
+    # bitsandbytes writes the quant_state entries (weight.absmax, weight.quant_map, ...) from the live tensors,
+    # lent their true bytes while it does (given back after), with keep_vars too.
     assert state_of(model.state_dict()) == state_of(twin.state_dict())
+    kept = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+    assert state_of(kept) == state_of({k: v.detach() for k, v in twin.state_dict(keep_vars=True).items()})
+    if depth:
+        assert all(s.numel() == 0 for p in streamed4 for _, s in state_tensors(p))
     h.disable()
     assert weights(model) == before
     assert all(model.get_parameter(n) is p and p.quant_state is quant_states[n] for n, p in four.items())

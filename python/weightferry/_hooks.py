@@ -111,16 +111,15 @@ class Hooks:
         self._inside = ""
         # storage id -> CPU tensors of its true bytes, for streamed storages of buffers only (see _idle)
         self._idle_buffers: dict[int, list[torch.Tensor]] = {}
-        # storages holding no parameter (nor a part of one; an attached part of a subclass's state is none), found
-        # once at install
+        # storages holding no parameter (nor a part or an attached part of one), found once at install
         self._buffer_only: frozenset[int] = frozenset()
 
     def _idle(self, sid: int) -> None:
         """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
-        holding no parameter (a VAE's ``latents_mean``, a scheduler table, the ``quant_state`` tensors attached to a
-        bitsandbytes 4-bit weight), which pipelines and classes read outside any forward (bitsandbytes' own
-        ``state_dict`` does): those hold their true bytes on the CPU (a copy read once from the session; they are
-        small)."""
+        of buffers only (a VAE's ``latents_mean``, a scheduler table), which pipelines read outside any forward:
+        those hold their true bytes on the CPU (a copy read once from the session; buffers are small). The attached
+        parts of a weight (bitsandbytes' ``quant_state`` tensors) are no buffers: their class reads them outside a
+        forward only to write its state dict, which lends them their true bytes then (``_state_dict``)."""
         views = self._storages.views[sid]
         if sid not in self._buffer_only:
             self._binder.unbind(views)
@@ -252,10 +251,12 @@ class Hooks:
         import torch
 
         # Asked here once, not in every post-forward hook: which storages hold buffers only (see _idle).
+        attached = self._storages.attached_storages()
         self._buffer_only = frozenset(
             sid
             for sid, views in self._storages.views.items()
-            if not any(isinstance(v.owner.tensor if v.owner else v.tensor, torch.nn.Parameter) for v in views)
+            if sid not in attached
+            and not any(isinstance(v.owner.tensor if v.owner else v.tensor, torch.nn.Parameter) for v in views)
         )
         self.rebind_idle(set(self._storages.views))
         for path in self._session.hooked_modules():

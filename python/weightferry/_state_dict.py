@@ -2,11 +2,18 @@
 or recycled device slots, so a post-hook on every module that owns weights replaces its entries with the true
 weights read from the session: bit-identical to what ``enable`` took, as ``Handle.state_dict`` gives them (CPU
 tensors; views of one storage within a module share it). ``module.state_dict()``, ``save_pretrained``,
-``torch.save(module.state_dict())`` and safetensors' ``save_model`` all go through ``state_dict``."""
+``torch.save(module.state_dict())`` and safetensors' ``save_model`` all go through ``state_dict``.
+
+A module whose weights have attached parts (tensors of a subclass's Python state: bitsandbytes' ``quant_state``,
+which its ``_save_to_state_dict`` writes as ``weight.absmax``, ``weight.quant_map``, ...) gets a pre-hook too: it
+lends those tensors their true bytes (CPU tensors read from the session) while the module writes its entries, and
+the post-hook gives them back what they held."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from ._storages import assign
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -18,7 +25,7 @@ if TYPE_CHECKING:
     from . import _core
     from ._describe import Bound
     from ._edits import Signatures
-    from ._storages import StorageMap
+    from ._storages import StorageMap, View
 
 __all__ = ["StateDictHooks"]
 
@@ -50,12 +57,49 @@ class StateDictHooks:
                 module, attr = c.owner
                 self._owned.setdefault(id(module), (module, {}))[1][attr] = path
         self._handles: list[RemovableHandle] = []
+        # id(module) -> [(a lent attached part's view, what its tensor held before)] while the module writes
+        self._lent: dict[int, list[tuple[View, torch.Tensor]]] = {}
 
     def install(self) -> None:
-        """Registers a post-hook on every module that owns weights."""
+        """Registers a post-hook on every module that owns weights, and a pre-hook on those whose weights have
+        attached parts."""
         for module, attrs in self._owned.values():
+            attached = [part for path in attrs.values() for part in self._storages.attached.get(path, [])]
+            if attached:
+                pre = self._lend(attached)
+                self._handles.append(module.register_state_dict_pre_hook(pre))  # type: ignore[no-untyped-call]
             hook = self._hook(attrs)
             self._handles.append(module.register_state_dict_post_hook(hook))  # type: ignore[no-untyped-call]
+
+    def _lend(self, paths: list[str]) -> Callable[[nn.Module, str, bool], None]:
+        """The pre-hook lending the attached parts at ``paths`` their true bytes (nothing inside ``editing()``,
+        where they hold them already)."""
+        locations, views = self._storages.locations, self._storages.views
+        lent_views = [views[locations[p][0]][locations[p][1]] for p in paths]
+        sids = {locations[p][0] for p in paths}
+
+        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            if self._sigs.editing is not None:
+                return
+            self._check(sids)
+            true = self._storages.true_tensors(self._session, paths)
+            self._lent[id(module)] = [(v, v.tensor.data) for v in lent_views]
+            for v, p in zip(lent_views, paths):
+                assign(v.tensor, true[p])
+
+        return pre
+
+    def _give_back(self, module: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Gives the lent parts back what they held; an entry that is a lent tensor itself (``keep_vars``) becomes
+        a copy of the true bytes."""
+        lent = self._lent.pop(id(module), [])
+        for key, value in state_dict.items():
+            for v, _ in lent:
+                if value is v.tensor:
+                    state_dict[key] = v.tensor.detach().clone()
+        for v, old in lent:
+            assign(v.tensor, old)
+        self._sigs.record([v for v, _ in lent])
 
     def remove(self) -> None:
         """Removes every hook (idempotent)."""
@@ -70,6 +114,7 @@ class StateDictHooks:
         sids = {paths[leaf][0] for leaves in parts.values() for leaf in leaves}
 
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            self._give_back(module, state_dict)
             self._check(sids)
             editing = self._sigs.editing or set()
             wanted = [

@@ -192,6 +192,10 @@ class StorageMap:
             and (attr in module._parameters or attr not in module._non_persistent_buffers_set)
         }
 
+    def attached_storages(self) -> set[int]:
+        """The storages of the attached parts (tensors of a subclass's Python state, bitsandbytes' ``quant_state``)."""
+        return {self.locations[p][0] for parts in self.attached.values() for p in parts}
+
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor object of the map."""
         for views in self.views.values():
