@@ -57,8 +57,8 @@ class StateDictHooks:
                 module, attr = c.owner
                 self._owned.setdefault(id(module), (module, {}))[1][attr] = path
         self._handles: list[RemovableHandle] = []
-        # id(module) -> [(a lent attached part's view, what its tensor held before)] while the module writes
-        self._lent: dict[int, list[tuple[View, torch.Tensor]]] = {}
+        # id(module) -> ([(a lent attached part's view, what its tensor held before)], keep_vars) while it writes
+        self._lent: dict[int, tuple[list[tuple[View, torch.Tensor]], bool]] = {}
 
     def install(self) -> None:
         """Registers a post-hook on every module that owns weights, and a pre-hook on those whose weights have
@@ -83,7 +83,7 @@ class StateDictHooks:
                 return
             self._check(sids)
             true = self._storages.true_tensors(self._session, paths)
-            self._lent[id(module)] = [(v, v.tensor.data) for v in lent_views]
+            self._lent[id(module)] = ([(v, v.tensor.data) for v in lent_views], keep_vars)
             for v, p in zip(lent_views, paths):
                 assign(v.tensor, true[p])
 
@@ -92,11 +92,12 @@ class StateDictHooks:
     def _give_back(self, module: nn.Module, state_dict: dict[str, Any]) -> None:
         """Gives the lent parts back what they held; an entry that is a lent tensor itself (``keep_vars``) becomes
         a copy of the true bytes."""
-        lent = self._lent.pop(id(module), [])
-        for key, value in state_dict.items():
-            for v, _ in lent:
-                if value is v.tensor:
-                    state_dict[key] = v.tensor.detach().clone()
+        lent, keep_vars = self._lent.pop(id(module), ([], False))
+        if keep_vars:  # otherwise every entry is a detached tensor of its own
+            by_id = {id(v.tensor): v for v, _ in lent}
+            for key, value in state_dict.items():
+                if id(value) in by_id:
+                    state_dict[key] = value.detach().clone()
         for v, old in lent:
             assign(v.tensor, old)
         self._sigs.record([v for v, _ in lent])
