@@ -333,6 +333,36 @@ def test_quantized_models_compose_with_retune_compile_and_editing(folder, kind):
     assert weights(model) == before
 
 
+REGIONAL_MODELS = {
+    "torchao-int8": lambda folder: torchao_model("flux", "Int8WeightOnlyConfig"),
+    "torchao-float8": lambda folder: torchao_model("wan", "Float8WeightOnlyConfig"),
+    "gguf": lambda folder: gguf_model("wan", "Q8_0", folder),
+    "bnb": lambda folder: bnb_model("flux", nested=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REGIONAL_MODELS))
+def test_an_offloaded_quantized_model_compiled_block_by_block_runs_bit_identical_to_resident(folder, kind):
+    # diffusers' regional compilation (each repeated block's call compiled, hooks included): the way to compile an
+    # offloaded torchao model, whose whole-model compile dynamo refuses after any graph break (docs/python.md)
+    model, x = REGIONAL_MODELS[kind](folder)
+    twin, _ = REGIONAL_MODELS[kind](folder)
+    before = weights(model)
+    with torch.no_grad():
+        expected = twin(**x)[0]
+    h = wf.enable({"transformer": model}, layer(2), device="sim")
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(backend="eager")
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**x)[0], expected)
+    assert h.stats()["bytes_streamed"] > 0
+    h.disable()
+    for t in model.parameters():
+        t.__dict__.pop("_dynamo_static_input_type", None)
+    assert weights(model) == before
+
+
 BINDING_MODELS = {
     "torchao": lambda: torchao_model("flux", "Float8WeightOnlyConfig"),
     "bnb": lambda: bnb_model("flux", nested=True),
