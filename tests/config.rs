@@ -590,7 +590,7 @@ fn unknown_compact_key_lists_valid_keys() {
         r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "budget": "1GiB"}}"#,
         "diffusion_offload_config.budget",
         "diffusion_offload_config.budget: unknown diffusion_offload_config key; valid keys are: mode, components, \
-         layer_options, pin_memory, host_masters, device_budget, keep_dit_resident",
+         layer_options, pin_memory, host_masters, device_budget, host_budget, keep_dit_resident",
     );
 }
 

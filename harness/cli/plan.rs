@@ -6,7 +6,6 @@ use super::{
     check_blockless, emit, load_checkpoint, load_config, load_pipeline, CliError, LoadedPipeline, PlanArgs,
     DEFAULT_PRESET,
 };
-use crate::report::PlanReport;
 
 /// Runs `weightferry plan`; returns the exit code.
 pub fn plan(a: &PlanArgs) -> Result<i32, CliError> {
@@ -19,7 +18,7 @@ pub fn plan(a: &PlanArgs) -> Result<i32, CliError> {
     if let (Some(path), Some(l)) = (&a.checkpoint, &loaded) {
         check_blockless(path, l, &config)?;
     }
-    let report = PlanReport::resolve(&pipeline.name, &pipeline.desc, &config)
+    let report = weightferry::offload::predict::plan_report(&pipeline.name, &pipeline.desc, &config)
         .map_err(|e| CliError::invalid(format!("the config cannot be applied to {}: {e}", pipeline.name)))?;
     if a.json {
         let text =

@@ -101,7 +101,7 @@ fn encode_plan(report: &PlanReport) -> Result<String, CoreError> {
 pub fn plan_json(pipeline_json: &str, config: &str, config_format: &str, name: &str) -> Result<String, CoreError> {
     let desc = load_pipeline(pipeline_json, name)?;
     let config = load_config(config, config_format)?;
-    let report = PlanReport::resolve(name, &desc, &config)
+    let report = weightferry::offload::predict::plan_report(name, &desc, &config)
         .map_err(|e| CoreError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
     encode_plan(&report)
 }
@@ -466,7 +466,9 @@ mod tests {
         let config = r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#;
         let text = plan_json(PIPELINE, config, "json", "p").unwrap();
         let desc = load_pipeline_json(PIPELINE).unwrap();
-        let report = PlanReport::resolve("p", &desc, &OffloadConfig::from_json_str(config).unwrap()).unwrap();
+        let report =
+            weightferry::offload::predict::plan_report("p", &desc, &OffloadConfig::from_json_str(config).unwrap())
+                .unwrap();
         assert_eq!(text, serde_json::to_string(&report).unwrap());
         assert_eq!(report.strategy, "layer");
         assert_eq!(report.total_weight_bytes, 512);

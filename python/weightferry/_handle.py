@@ -200,7 +200,9 @@ class Handle:
         ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes`` (fixed placement and every
         stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
         ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
-        4096 calls, ``max_us``, ``total_ms``)."""
+        4096 calls, ``max_us``, ``total_ms``), and ``plan_host``: the host memory the plan predicted before
+        anything was allocated (``master_bytes``, ``mapped_bytes``, ``sharded_bytes``, ``pinned``, ``budget``: the
+        ``host_budget`` enable checked it against)."""
         report: dict[str, Any] = json.loads(self._session.report())
         stacks = report.get("stacks", [])
         report["bytes_streamed"] = sum(s.get("h2d_bytes", 0) for s in stacks)
@@ -208,6 +210,7 @@ class Handle:
         report["host_bytes"] = report.get("master_host_bytes", 0)
         report["stalls"] = sum(s.get("sync_fetches", 0) for s in stacks)
         report["hooks"] = self._hooks.clock.summary()
+        report["plan_host"] = json.loads(self._session.plan_json())["host"]
         return report
 
     def retune(

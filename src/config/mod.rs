@@ -231,6 +231,8 @@ pub struct OffloadConfig {
     /// `device_budget = "auto"`: the budget comes from the device's free memory when offload is enabled
     /// ([`OffloadConfig::resolve_auto_budget`]); until then `device_budget` is `None` and planning refuses.
     pub device_budget_auto: bool,
+    /// Host memory the masters may use (`host_budget`), if bounded: enable refuses a plan whose masters need more.
+    pub host_budget: Option<Bytes>,
     /// Model-level only: keep the DiT resident (no swapping) when everything fits in the budget/device.
     pub keep_dit_resident: bool,
     /// Parallel layout as configured.
@@ -283,6 +285,7 @@ impl OffloadConfig {
             host_masters: HostMasters::Auto,
             device_budget: None,
             device_budget_auto: false,
+            host_budget: None,
             keep_dit_resident: false,
             parallel: ParallelConfig::default(),
             group: OffloadGroup { size: 1, axis: GroupAxis::Single },

@@ -32,8 +32,16 @@ pub(crate) const TOP_KEYS: &[&str] = &[
 ];
 
 /// Every accepted key of `diffusion_offload_config`.
-pub(crate) const COMPACT_KEYS: &[&str] =
-    &["mode", "components", "layer_options", "pin_memory", "host_masters", "device_budget", "keep_dit_resident"];
+pub(crate) const COMPACT_KEYS: &[&str] = &[
+    "mode",
+    "components",
+    "layer_options",
+    "pin_memory",
+    "host_masters",
+    "device_budget",
+    "host_budget",
+    "keep_dit_resident",
+];
 
 /// Every accepted key of `diffusion_offload_config.layer_options.<component>`.
 pub(crate) const LAYER_KEYS: &[&str] =
@@ -208,6 +216,7 @@ struct Compact {
     host_masters: HostMasters,
     device_budget: Option<u64>,
     device_budget_auto: bool,
+    host_budget: Option<u64>,
     keep_dit_resident: bool,
 }
 
@@ -243,6 +252,10 @@ impl Compact {
             Some(Value::String(s)) if s == "auto" => (None, true),
             Some(v) => (Some(parse_budget_value(&t.key_path("device_budget"), v)?), false),
         };
+        let host_budget = match t.get("host_budget") {
+            None => None,
+            Some(v) => Some(parse_budget_value(&t.key_path("host_budget"), v)?),
+        };
         let keep_dit_resident = match t.opt_bool("keep_dit_resident")? {
             None => false,
             Some(_) if mode == Mode::Layer => {
@@ -270,6 +283,7 @@ impl Compact {
             host_masters,
             device_budget,
             device_budget_auto,
+            host_budget,
             keep_dit_resident,
         })
     }
@@ -607,6 +621,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy, migrated: &Migrated) -> R
         host_masters: compact.host_masters,
         device_budget: compact.device_budget,
         device_budget_auto: compact.device_budget_auto,
+        host_budget: compact.host_budget,
         keep_dit_resident: compact.keep_dit_resident,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },
@@ -657,6 +672,7 @@ fn resolve_legacy(legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig,
         host_masters: HostMasters::Auto,
         device_budget: None,
         device_budget_auto: false,
+        host_budget: None,
         keep_dit_resident: false,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },

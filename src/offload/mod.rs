@@ -19,6 +19,7 @@ pub mod distributed;
 mod group;
 pub mod layout;
 pub mod mapped;
+pub mod predict;
 mod resident;
 pub mod shard_restore;
 mod tags;

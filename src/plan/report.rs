@@ -7,7 +7,6 @@
 
 use super::bytes::human_bytes;
 use super::resolved::{ComponentKind, ResolvedComponent, ResolvedPlan};
-use super::resolver::{resolve_offload_plan, PlanError};
 use super::stack::StackPlan;
 use crate::config::{OffloadConfig, Strategy};
 use crate::pipeline::PipelineDesc;
@@ -79,6 +78,25 @@ pub struct PlanBudget {
     pub planner_chose: bool,
 }
 
+/// The host memory side of a plan: what `enable` will hold in host memory for the weights, predicted before
+/// anything is allocated (`offload/predict.rs`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PlanHost {
+    /// Configured `host_budget`.
+    pub budget: Option<u64>,
+    /// Bytes of the host masters `enable` builds: one copy of every streamed or staged unit, packed per dtype at
+    /// the device alignment (pinned, or pageable with `pin_memory = false`). With weights from a checkpoint, the
+    /// sections its file serves (`host_masters`) are `mapped_bytes` instead.
+    pub master_bytes: u64,
+    /// Bytes the checkpoint's files serve as masters (mapped, registered read-only; counted in the page cache, not
+    /// the process): known once the files are open (the session's report), 0 in `plan`'s.
+    pub mapped_bytes: u64,
+    /// Bytes of the blocks of AllGather stacks, not in `master_bytes`: each rank's masters hold its shard of them.
+    pub sharded_bytes: u64,
+    /// Whether the masters are pinned.
+    pub pinned: bool,
+}
+
 /// What `weightferry plan` resolved.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PlanReport {
@@ -96,6 +114,8 @@ pub struct PlanReport {
     pub total_weight_bytes: u64,
     /// Breakdown of the bound.
     pub budget: PlanBudget,
+    /// Host memory the weights will take.
+    pub host: PlanHost,
     /// Budget notes (planner choices).
     pub notes: Vec<String>,
     /// Warnings raised while resolving.
@@ -176,8 +196,14 @@ fn plan_component(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent
 }
 
 impl PlanReport {
-    /// Builds the report of an already resolved plan.
-    pub fn from_plan(pipeline: &str, desc: &PipelineDesc, config: &OffloadConfig, plan: &ResolvedPlan) -> PlanReport {
+    /// Builds the report of an already resolved plan, with its predicted host memory (`host`).
+    pub fn from_plan(
+        pipeline: &str,
+        desc: &PipelineDesc,
+        config: &OffloadConfig,
+        plan: &ResolvedPlan,
+        host: PlanHost,
+    ) -> PlanReport {
         let b = &plan.budget;
         PlanReport {
             pipeline: pipeline.to_string(),
@@ -197,15 +223,10 @@ impl PlanReport {
                 on_demand_peak_bytes: b.on_demand_peak_bytes,
                 planner_chose: b.planner_chose,
             },
+            host,
             notes: b.notes.clone(),
             warnings: plan.warnings.clone(),
         }
-    }
-
-    /// Resolves `config` against `desc` and reports the plan.
-    pub fn resolve(pipeline: &str, desc: &PipelineDesc, config: &OffloadConfig) -> Result<PlanReport, PlanError> {
-        let plan = resolve_offload_plan(desc, config)?;
-        Ok(Self::from_plan(pipeline, desc, config, &plan))
     }
 }
 
@@ -267,6 +288,19 @@ impl fmt::Display for PlanReport {
                 human_bytes(budget),
                 if b.planner_chose { " (planner chose residency and depth)" } else { "" }
             )?,
+            None => writeln!(f, "  budget           none set")?,
+        }
+        let h = &self.host;
+        let kind = if h.pinned { "pinned" } else { "pageable" };
+        writeln!(f, "host weight memory (masters): {} {kind}", human_bytes(h.master_bytes))?;
+        if h.mapped_bytes > 0 {
+            writeln!(f, "  from the files   {} (mapped)", human_bytes(h.mapped_bytes))?;
+        }
+        if h.sharded_bytes > 0 {
+            writeln!(f, "  AllGather blocks {} (each rank holds its shard)", human_bytes(h.sharded_bytes))?;
+        }
+        match h.budget {
+            Some(budget) => writeln!(f, "  budget           {}", human_bytes(budget))?,
             None => writeln!(f, "  budget           none set")?,
         }
         for n in &self.notes {

@@ -62,10 +62,11 @@ use crate::dist::rank::{rank_collective, RankOptions};
 use crate::hooks::{HookRegistry, Residency};
 use crate::model::HostModel;
 use crate::offload::backend::EnableProgress;
+use crate::offload::predict::{check_host_budget, host_of};
 use crate::offload::units::build_unit_plan;
 use crate::offload::{get_offload_backend, BackendReport, OffloadError, StreamingBackend, WeightSource};
 use crate::pipeline::{PipelineDesc, StorageId};
-use crate::plan::report::PlanReport;
+use crate::plan::report::{PlanHost, PlanReport};
 use crate::plan::{resolve_offload_plan, ResolvedPlan};
 use error::offload_err;
 use std::collections::{BTreeMap, BTreeSet};
@@ -175,7 +176,7 @@ fn resolve(
     }
     let plan = resolve_offload_plan(desc, config)
         .map_err(|e| SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
-    let report = PlanReport::from_plan(name, desc, config, &plan);
+    let report = PlanReport::from_plan(name, desc, config, &plan, host_of(desc, config, &plan, None));
     Ok((plan, report))
 }
 
@@ -249,6 +250,14 @@ impl Session {
             }
         };
         let (model, written) = Self::host_model(platform.clone(), desc, checkpoint)?;
+        let mut report = report;
+        if !model.mapped_files().is_empty() {
+            report.host = host_of(model.desc(), &config, &plan, Some(&model));
+        }
+        if let Err(e) = check_host_budget(&report.host) {
+            model.release();
+            return Err(SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))));
+        }
         let mut backend = backend(&config, platform, collective, options.ordering_fault, options.enable_progress)?;
         if let Some(b) = backend.as_mut() {
             b.begin_staging(&model, &plan); // the caller's writes go straight into the masters enable will use
@@ -310,6 +319,8 @@ impl Session {
             ));
         }
         let (plan, report) = resolve(name, model.desc(), config, None)?;
+        check_host_budget(&report.host)
+            .map_err(|e| SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
         let platform = model.platform().clone();
         let backend = backend(config, platform, collective, options.ordering_fault, options.enable_progress)?;
         Ok((plan, report, backend))
@@ -425,7 +436,10 @@ impl Session {
     /// blocks is refused before anything changes. Returns the new plan report.
     pub fn retune(&mut self, mut config: OffloadConfig, free_bytes: u64) -> Result<&PlanReport, SessionError> {
         let free = self.sim_capacity.unwrap_or(free_bytes);
-        let (plan, report) = resolve(&self.name, self.model.desc(), &mut config, Some(free))?;
+        let (plan, mut report) = resolve(&self.name, self.model.desc(), &mut config, Some(free))?;
+        // Retuning keeps the host masters: the host side is the enabled one's, under the new budget.
+        report.host = PlanHost { budget: config.host_budget, ..self.report.host.clone() };
+        check_host_budget(&report.host).map_err(|e| SessionError::Plan(one_line(&e.0)))?;
         let Some(backend) = self.backend.as_mut().filter(|b| b.is_enabled()) else {
             return Err(SessionError::Offload("retune needs an enabled offload; nothing is offloaded now".into()));
         };

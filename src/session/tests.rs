@@ -35,7 +35,7 @@ fn the_plan_is_resolved_once_and_enable_uses_it() {
     let mut s = written(LAYER);
     let desc = load_pipeline_json(PIPELINE).unwrap();
     let config = load_config(ConfigSource::Json(LAYER)).unwrap();
-    assert_eq!(s.plan_report(), &PlanReport::resolve("p", &desc, &config).unwrap());
+    assert_eq!(s.plan_report(), &crate::offload::predict::plan_report("p", &desc, &config).unwrap());
     assert_eq!(s.plan(), &resolve_offload_plan(&desc, &config).unwrap());
     assert_eq!(s.enable(), Ok(true));
     assert_eq!(s.backend().and_then(StreamingBackend::plan), Some(s.plan()));

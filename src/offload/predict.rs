@@ -1,0 +1,104 @@
+//! Host memory predicted before anything is allocated: the bytes of the host masters `enable` will build for a
+//! resolved plan, from the same units, layouts and file ranges the backend builds them from ([`build_unit_plan`],
+//! `mapped::plan_sections`), and the check of `host_budget` against them. The plan report (`weightferry plan`,
+//! `weightferry.plan()`) reads its host side from [`plan_report`], the session from [`host_of`] and
+//! [`check_host_budget`] (before its backend exists), so what `plan` prints is what `enable` checks.
+//!
+//! Invariant: [`host_of`]'s `master_bytes` and `mapped_bytes` equal the backend's `master_host_bytes` and
+//! `mapped_host_bytes` after `enable` (every section of every non-AllGather unit gets one master of its length,
+//! unless its checkpoint file serves it). Without the host model (`plan`), no section counts as served.
+
+use super::mapped::{order_by_files, plan_sections};
+use super::units::build_unit_plan;
+use crate::config::{HostMasters, OffloadConfig};
+use crate::model::HostModel;
+use crate::pipeline::PipelineDesc;
+use crate::plan::bytes::human_bytes;
+use crate::plan::report::{PlanHost, PlanReport};
+use crate::plan::{resolve_offload_plan, PlanError, ResolvedPlan};
+
+/// The host memory `enable` will take for the weights of `plan`; with `model` (weights read from a checkpoint),
+/// the sections its files serve under `host_masters` count as mapped, not as masters.
+pub fn host_of(
+    desc: &PipelineDesc,
+    config: &OffloadConfig,
+    plan: &ResolvedPlan,
+    model: Option<&HostModel>,
+) -> PlanHost {
+    let units = build_unit_plan(desc, config, plan);
+    let mut host = PlanHost { budget: config.host_budget, pinned: config.pin_memory, ..PlanHost::default() };
+    for stack in units.stacks {
+        if stack.allgather && config.group.size > 1 {
+            host.sharded_bytes += stack.units.iter().flat_map(|u| &u.sections).map(|s| s.len).sum::<u64>();
+            continue;
+        }
+        let mut layouts = stack.units;
+        let served = match model.filter(|m| !m.mapped_files().is_empty()) {
+            Some(m) => {
+                order_by_files(desc, m, &mut layouts);
+                // Under "mapped" an unservable section fails enable; counting it as a master is what "auto" does.
+                let mode =
+                    if config.host_masters == HostMasters::Mapped { HostMasters::Auto } else { config.host_masters };
+                plan_sections(m, &layouts, mode).unwrap_or_default()
+            }
+            None => Vec::new(),
+        };
+        for (k, unit) in layouts.iter().enumerate() {
+            for (j, sec) in unit.sections.iter().enumerate() {
+                match served.get(k).and_then(|u| u.get(j)).copied().flatten() {
+                    Some(m) => host.mapped_bytes += m.len,
+                    None => host.master_bytes += sec.len,
+                }
+            }
+        }
+    }
+    host
+}
+
+/// Resolves `config` against `desc` and reports the plan, its host memory predicted as if no checkpoint served a
+/// block; a plan whose masters exceed `host_budget` gets a warning (enable refuses it, unless a checkpoint file
+/// serves enough of it).
+pub fn plan_report(name: &str, desc: &PipelineDesc, config: &OffloadConfig) -> Result<PlanReport, PlanError> {
+    let plan = resolve_offload_plan(desc, config)?;
+    let host = host_of(desc, config, &plan, None);
+    let over = check_host_budget(&host).err();
+    let mut report = PlanReport::from_plan(name, desc, config, &plan, host);
+    report.warnings.extend(over.map(|e| format!("enable will refuse this plan: {}", e.0)));
+    Ok(report)
+}
+
+/// `Err` when the masters exceed `host_budget`, naming both and what to change.
+pub fn check_host_budget(host: &PlanHost) -> Result<(), PlanError> {
+    match host.budget {
+        Some(budget) if host.master_bytes > budget => Err(PlanError(format!(
+            "host_budget: the host masters of the offloaded weights need {}, over the budget of {}; raise \
+             host_budget, offload fewer components, or bind the weights from a checkpoint with host_masters = \
+             \"mapped\" (its file serves the blocks and takes no master)",
+            human_bytes(host.master_bytes),
+            human_bytes(budget),
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(master_bytes: u64, budget: Option<u64>) -> PlanHost {
+        PlanHost { budget, master_bytes, mapped_bytes: 0, sharded_bytes: 0, pinned: true }
+    }
+
+    #[test]
+    fn a_budget_at_or_above_the_masters_passes_and_one_byte_less_is_refused_naming_both() {
+        assert_eq!(check_host_budget(&host(4096, None)), Ok(()));
+        assert_eq!(check_host_budget(&host(4096, Some(4096))), Ok(()));
+        let e = check_host_budget(&host(4096, Some(4095))).unwrap_err();
+        assert_eq!(
+            e.0,
+            "host_budget: the host masters of the offloaded weights need 4.00 KiB (4096 B), over the budget of \
+             4.00 KiB (4095 B); raise host_budget, offload fewer components, or bind the weights from a checkpoint \
+             with host_masters = \"mapped\" (its file serves the blocks and takes no master)"
+        );
+    }
+}
