@@ -481,6 +481,28 @@ fn flux_like_checkpoint(name: &str) -> (Checkpoint, weightferry::pipeline::Pipel
 }
 
 #[test]
+fn a_tied_weight_is_filled_from_the_one_name_of_its_tie_the_checkpoint_holds() {
+    let (ck, desc) = flux_like_checkpoint("tied");
+    // `x_embedder.weight` and a second name over its storage (as a tied embedding), the second in no file.
+    let mut tied = desc.clone();
+    let embedder = tied.root.children[0].1.children.iter_mut().find(|(n, _)| n == "x_embedder").unwrap();
+    let mut alias = embedder.1.tensors.iter().find(|t| t.name == "weight").unwrap().clone();
+    alias.name = "weight_tied".into();
+    embedder.1.tensors.push(alias.clone());
+    let model = HostModel::from_checkpoint(sim(), Arc::new(tied.clone()), &ck, "transformer").unwrap();
+    assert_eq!(model.read_storage(alias.storage).unwrap(), ck.read_tensor("x_embedder.weight").unwrap().unwrap());
+    // With neither name in the checkpoint, the first one the description names is the missing tensor.
+    let embedder = tied.root.children[0].1.children.iter_mut().find(|(n, _)| n == "x_embedder").unwrap();
+    embedder.1.tensors.iter_mut().find(|t| t.name == "weight").unwrap().name = "weight_gone".into();
+    let e = HostModel::from_checkpoint(sim(), Arc::new(tied), &ck, "transformer").unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::MissingTensor { tensor, expected_by: "pipeline description", .. }
+        if tensor == "x_embedder.weight_gone"),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_description_that_does_not_match_the_checkpoint_is_refused() {
     let (ck, mut desc) = flux_like_checkpoint("mismatch");
     // A tensor the checkpoint lacks.

@@ -9,6 +9,8 @@ Public API:
 - :func:`enable` — offloads a pipeline on a CUDA GPU (``device="cuda"``) or the simulated device (``"sim"``),
   optionally reading its weights from a safetensors checkpoint, and returns a :class:`Handle` (``disable()``,
   ``stats()``, a context manager).
+- :func:`from_pretrained` — a diffusers or transformers model built on ``meta`` from its saved folder and offloaded
+  with its weights bound from the folder's safetensors files (never held whole in host memory).
 - :func:`check_config` — validates a config and names the strategy it selects.
 - :class:`Error` and its subclasses :class:`ConfigError`, :class:`PipelineError`, :class:`PlanError`,
   :class:`OffloadError`, :class:`DeviceError`, :class:`CheckpointError`; :class:`WeightferryWarning` for the
@@ -29,6 +31,7 @@ from ._describe import describe
 from ._enable import enable
 from ._handle import Handle
 from ._plan import check_config, plan
+from ._pretrained import from_pretrained
 from ._warnings import WeightferryWarning
 
 __all__ = [
@@ -45,5 +48,6 @@ __all__ = [
     "check_config",
     "describe",
     "enable",
+    "from_pretrained",
     "plan",
 ]

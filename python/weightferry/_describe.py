@@ -216,8 +216,12 @@ class _Describer:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         nbytes = storage.nbytes()
-        # Storages without memory (empty, meta) have no identity: each owns its own.
-        key = (str(t.device), ptr) if ptr != 0 and nbytes > 0 else ("unique", id(entry))
+        # Storages without memory (empty, meta) have no address: each owns its own, except that one meta tensor
+        # object reached at several paths (tied weights) is one storage, as it is once materialized.
+        if ptr != 0 and nbytes > 0:
+            key: tuple[str, int] = (str(t.device), ptr)
+        else:
+            key = ("meta", id(t)) if t.is_meta and t.numel() > 0 else ("unique", id(entry))
         self.storages.setdefault(key, []).append((entry, path, dtype, t.element_size(), offset + span, nbytes))
         return entry
 

@@ -7,15 +7,16 @@
 use super::error::CheckpointError;
 use super::Checkpoint;
 use crate::model::{zeroed_buffers, HostModel};
-use crate::pipeline::{PipelineDesc, TensorDesc, TensorKind};
+use crate::pipeline::{PipelineDesc, StorageId, TensorDesc, TensorKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use weightferry_actors::platform::{HostBufferId, PlatformRef};
 
 impl HostModel {
     /// Loads `desc` from `checkpoint`: the description's tensor `<component>.K` is the checkpoint's tensor `K`.
-    /// Every tensor of `desc` must lie under `component`, exist in the checkpoint with the same dtype and shape,
-    /// and be the whole of its own contiguous storage ([`CheckpointError::MissingTensor`],
+    /// Every tensor of `desc` must lie under `component` and be the whole of its contiguous storage, and every
+    /// storage must be filled by a checkpoint tensor of the same dtype and shape (one of its tied tensors:
+    /// `match_storages`) ([`CheckpointError::MissingTensor`],
     /// [`CheckpointError::DescriptionMismatch`]); all of this is checked before any file is mapped. Each storage
     /// is homed in its file ([`Home::File`](crate::model::Home::File)); on a platform error every file mapped so far
     /// is released. The storages of non-persistent buffers are not read from the file but zero-filled in buffers
@@ -28,65 +29,7 @@ impl HostModel {
         component: &str,
     ) -> Result<HostModel, CheckpointError> {
         let file = || checkpoint.path().to_path_buf();
-        let prefix = format!("{component}.");
-        let mut plan = BTreeMap::new();
-        let mut own = BTreeSet::new();
-        for (path, t) in desc.root.tensors_recursive() {
-            if t.kind == TensorKind::NonPersistentBuffer {
-                own.insert(t.storage);
-                continue;
-            }
-            let mismatch = |tensor: &str, reason: String| CheckpointError::DescriptionMismatch {
-                file: file(),
-                tensor: tensor.to_string(),
-                reason,
-            };
-            let Some(key) = path.strip_prefix(&prefix) else {
-                return Err(mismatch(
-                    &path,
-                    format!("the description's tensor `{path}` is outside component `{component}`"),
-                ));
-            };
-            let Some((_, ft)) = checkpoint.tensor(key) else {
-                return Err(CheckpointError::MissingTensor {
-                    file: file(),
-                    tensor: key.to_string(),
-                    expected_by: "pipeline description",
-                });
-            };
-            if ft.dtype != t.dtype || ft.shape != t.shape {
-                return Err(mismatch(
-                    key,
-                    format!(
-                        "the checkpoint has {} {:?}, the description {} {:?}",
-                        ft.dtype.name(),
-                        ft.shape,
-                        t.dtype.name(),
-                        t.shape
-                    ),
-                ));
-            }
-            let whole = desc.storages.get(&t.storage).is_some_and(|s| s.numel == t.numel())
-                && t.storage_offset == 0
-                && t.strides == TensorDesc::contiguous_strides(&t.shape);
-            if !whole || plan.insert(t.storage, key.to_string()).is_some() {
-                return Err(mismatch(
-                    key,
-                    format!(
-                        "the description's `{path}` is not the whole contiguous storage it views, or shares it; a \
-                         checkpoint tensor fills exactly one storage"
-                    ),
-                ));
-            }
-        }
-        own.retain(|id| !plan.contains_key(id)); // a storage a file tensor fills comes from the file
-        if let Some(id) = desc.storages.keys().find(|id| !plan.contains_key(id) && !own.contains(id)) {
-            return Err(CheckpointError::DescriptionMismatch {
-                file: file(),
-                tensor: format!("storage {}", id.0),
-                reason: "no tensor of the description views this storage".into(),
-            });
-        }
+        let (plan, own) = match_storages(&desc, checkpoint, component)?;
         // Map every file that holds a tensor of the description: the storages' homes are their tensors' ranges.
         let mut mapped: BTreeMap<usize, HostBufferId> = BTreeMap::new();
         let mut at = BTreeMap::new();
@@ -120,4 +63,82 @@ impl HostModel {
         };
         Ok(HostModel::from_files(platform, desc, mapped.into_values().collect(), at, loaded))
     }
+}
+
+/// Which checkpoint tensor fills each storage (`storage -> key`), and the storages of non-persistent buffers (no
+/// checkpoint holds them). A storage several tensors view whole (tied weights, e.g. an encoder's input embedding
+/// and its shared table) is filled from the first of them the checkpoint holds: a file saved from a model with
+/// tied weights keeps one name of each tie. Every tensor that views a storage must lie under `component` and be
+/// the whole of its contiguous storage, and every one the checkpoint holds must match it in dtype and shape.
+fn match_storages(
+    desc: &PipelineDesc,
+    checkpoint: &Checkpoint,
+    component: &str,
+) -> Result<(BTreeMap<StorageId, String>, BTreeSet<StorageId>), CheckpointError> {
+    let file = || checkpoint.path().to_path_buf();
+    let mismatch = |tensor: &str, reason: String| CheckpointError::DescriptionMismatch {
+        file: file(),
+        tensor: tensor.to_string(),
+        reason,
+    };
+    let prefix = format!("{component}.");
+    let mut views: BTreeMap<StorageId, Vec<String>> = BTreeMap::new();
+    let mut own = BTreeSet::new();
+    for (path, t) in desc.root.tensors_recursive() {
+        if t.kind == TensorKind::NonPersistentBuffer {
+            own.insert(t.storage);
+            continue;
+        }
+        let Some(key) = path.strip_prefix(&prefix) else {
+            return Err(mismatch(
+                &path,
+                format!("the description's tensor `{path}` is outside component `{component}`"),
+            ));
+        };
+        let whole = desc.storages.get(&t.storage).is_some_and(|s| s.numel == t.numel())
+            && t.storage_offset == 0
+            && t.strides == TensorDesc::contiguous_strides(&t.shape);
+        if !whole {
+            return Err(mismatch(
+                key,
+                format!(
+                    "the description's `{path}` is not the whole contiguous storage it views; a checkpoint tensor \
+                     fills exactly one storage"
+                ),
+            ));
+        }
+        if let Some((_, ft)) = checkpoint.tensor(key) {
+            if ft.dtype != t.dtype || ft.shape != t.shape {
+                let (fd, dd) = (ft.dtype.name(), t.dtype.name());
+                let reason = format!("the checkpoint has {fd} {:?}, the description {dd} {:?}", ft.shape, t.shape);
+                return Err(mismatch(key, reason));
+            }
+        }
+        views.entry(t.storage).or_default().push(key.to_string());
+    }
+    let mut plan = BTreeMap::new();
+    for (id, keys) in views {
+        match keys.iter().find(|k| checkpoint.tensor(k).is_some()) {
+            Some(key) => {
+                plan.insert(id, key.clone());
+            }
+            None if own.contains(&id) => {}
+            None => {
+                return Err(CheckpointError::MissingTensor {
+                    file: file(),
+                    tensor: keys[0].clone(),
+                    expected_by: "pipeline description",
+                })
+            }
+        }
+    }
+    own.retain(|id| !plan.contains_key(id)); // a storage a file tensor fills comes from the file
+    if let Some(id) = desc.storages.keys().find(|id| !plan.contains_key(id) && !own.contains(id)) {
+        return Err(CheckpointError::DescriptionMismatch {
+            file: file(),
+            tensor: format!("storage {}", id.0),
+            reason: "no tensor of the description views this storage".into(),
+        });
+    }
+    Ok((plan, own))
 }

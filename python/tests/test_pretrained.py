@@ -1,0 +1,102 @@
+"""``weightferry.from_pretrained`` on ``device="sim"``: a diffusers transformer and a transformers text encoder saved
+with ``save_pretrained`` (one file and sharded, mixed dtypes, tied weights), built on ``meta`` and bound from their
+files: outputs bit-identical to the model saved, the weights after ``disable`` the saved ones (ties kept), the
+model never materialized before binding; a folder weightferry cannot read is a ``CheckpointError`` naming it."""
+
+import os
+
+import diffusers
+import pytest
+import torch
+import transformers
+from test_checkpoint import CONFIG, LAYER, forward, inputs
+
+import weightferry as wf
+
+pytestmark = pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+ENCODER = {"diffusion_offload_config": {"mode": "layer", "components": ["text_encoder"]}}
+
+
+def flux(dtype=torch.bfloat16):
+    """A tiny Flux in ``dtype`` (the class builds f32: a bf16 folder is read as bf16, from its files' headers)."""
+    torch.manual_seed(0)
+    return diffusers.FluxTransformer2DModel(**CONFIG).to(dtype).eval()
+
+
+def same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("shard, dtype", [(None, torch.bfloat16), ("40KB", torch.float32)])
+def test_a_diffusers_transformer_streams_from_its_saved_folder_bit_identical(tmp_path, shard, dtype):
+    ref = flux(dtype)
+    ref.save_pretrained(tmp_path / "transformer", **({"max_shard_size": shard} if shard else {}))
+    x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs().items()}
+    expected = forward(ref, x)
+    model, h = wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim",
+                                  subfolder="transformer")
+    with h:
+        assert h.stats()["plan_host"]["master_bytes"] > 0
+        for _ in range(2):
+            assert torch.equal(forward(model, x), expected)
+    assert same_weights(model, ref)
+
+
+def test_a_transformers_encoder_with_tied_weights_streams_from_its_sharded_folder(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4)
+    ref = transformers.T5EncoderModel(cfg).eval()
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        expected = ref(ids).last_hidden_state
+    model, h = wf.from_pretrained(transformers.T5EncoderModel, tmp_path, ENCODER, device="sim", name="text_encoder")
+    with h:
+        (stack,) = h.stats()["stacks"]
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(ids).last_hidden_state, expected)
+        assert stack["h2d_bytes"] > 0
+    assert model.shared.weight is model.encoder.embed_tokens.weight
+    assert same_weights(model, ref)
+
+
+def test_a_folder_weightferry_cannot_read_is_refused_naming_it(tmp_path):
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim")
+    assert str(e.value) == (
+        f"{str(tmp_path)!r} holds no config.json: from_pretrained reads a model saved with save_pretrained (pass the "
+        "pipeline folder with subfolder='transformer', for instance)"
+    )
+    flux().save_pretrained(tmp_path)
+    os.link(tmp_path / "diffusion_pytorch_model.safetensors", tmp_path / "diffusion_pytorch_model.fp16.safetensors")
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim")
+    assert str(e.value) == (
+        f"{str(tmp_path)!r} must hold one .safetensors file or one *.safetensors.index.json (found: "
+        "diffusion_pytorch_model.fp16.safetensors, diffusion_pytorch_model.safetensors); keep one variant of the "
+        "weights in the folder, or call weightferry.enable(model, config, checkpoint=FILE) with the file to read"
+    )
+    with pytest.raises(wf.PipelineError, match=r"^from_pretrained builds diffusers \(ModelMixin\) and transformers"):
+        (tmp_path / "diffusion_pytorch_model.fp16.safetensors").unlink()
+        wf.from_pretrained(torch.nn.Linear, tmp_path, LAYER, device="sim")
+
+
+def test_nothing_is_materialized_before_the_files_bind_it(tmp_path, monkeypatch):
+    # The model enable receives has every parameter on meta: no copy of the weights is made on the way.
+    flux().save_pretrained(tmp_path)
+    seen = {}
+    real = wf._pretrained.enable
+
+    def spy(pipeline, config, device=None, **kw):
+        (model,) = pipeline.values()
+        seen["meta"] = all(p.is_meta for p in model.parameters())
+        seen["checkpoint"] = os.path.basename(kw["checkpoint"])
+        return real(pipeline, config, device, **kw)
+
+    monkeypatch.setattr(wf._pretrained, "enable", spy)
+    _, h = wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim")
+    h.disable()
+    assert seen == {"meta": True, "checkpoint": "diffusion_pytorch_model.safetensors"}

@@ -1,0 +1,137 @@
+"""``from_pretrained()``: a model offloaded straight from its saved folder, never held whole in host memory.
+
+The model is built on ``meta`` from the folder's config (its parameters only: buffers stay real, computed as the
+class builds them), each parameter given the dtype its tensor has in the folder's safetensors files (read from
+their headers), and bound from those files by :func:`weightferry.enable` with ``checkpoint=``: the weights go from
+the files to their masters (or are served by the files themselves, ``host_masters``) and no full copy of the model
+exists in the process. Works for diffusers models (``ModelMixin``: ``config.json`` and
+``diffusion_pytorch_model*.safetensors``) and transformers models (``PreTrainedModel``: ``config.json`` and
+``model*.safetensors``), single files or sharded with their index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import _core
+from ._config import ConfigLike
+from ._enable import enable
+from ._handle import Handle
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["from_pretrained"]
+
+# safetensors' dtype names as torch dtypes (the names its headers use).
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def from_pretrained(
+    model_class: type[torch.nn.Module],
+    folder: str | os.PathLike[str],
+    config: ConfigLike,
+    device: str | torch.device | None = None,
+    *,
+    subfolder: str | None = None,
+    name: str = "transformer",
+) -> tuple[torch.nn.Module, Handle]:
+    """Builds ``model_class`` from the saved model in ``folder`` (``subfolder`` inside it, as a pipeline folder's
+    ``"transformer"``) on ``meta``, and offloads it under ``config`` on ``device`` with its weights bound from the
+    folder's safetensors files; returns ``(model, handle)``. The model's component name in the config's vocabulary
+    is ``name`` (its key in the one-component pipeline ``{name: model}``).
+
+    Raises :class:`weightferry.CheckpointError` when the folder holds no config or no safetensors weights (or
+    several candidate files), and whatever :func:`weightferry.enable` raises; on any failure nothing is left
+    allocated."""
+    path = Path(os.fspath(folder)) / (subfolder or "")
+    files = _weight_files(path)
+    dtypes = _file_dtypes(files)
+    model = _on_meta(model_class, path)
+    _follow_file_dtypes(model, dtypes)
+    handle = enable({name: model}, config, device, checkpoint=_checkpoint_path(path, files))
+    return model, handle
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The folder's safetensors files: the shards its index names, or its one file."""
+    if not (path / "config.json").is_file():
+        raise _core.CheckpointError(
+            f"{str(path)!r} holds no config.json: from_pretrained reads a model saved with save_pretrained (pass the "
+            "pipeline folder with subfolder='transformer', for instance)"
+        )
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if len(indexes) == 1:
+        weight_map = json.loads(indexes[0].read_text()).get("weight_map", {})
+        return sorted({path / f for f in weight_map.values()})
+    files = sorted(path.glob("*.safetensors"))
+    if len(indexes) > 1 or len(files) != 1:
+        found = ", ".join(p.name for p in indexes or files) or "none"
+        raise _core.CheckpointError(
+            f"{str(path)!r} must hold one .safetensors file or one *.safetensors.index.json (found: {found}); "
+            "keep one variant of the weights in the folder, or call weightferry.enable(model, config, "
+            "checkpoint=FILE) with the file to read"
+        )
+    return files
+
+
+def _checkpoint_path(path: Path, files: list[Path]) -> str:
+    """What ``enable(checkpoint=)`` reads: the index of a sharded folder, else the one file."""
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    return str(indexes[0] if indexes else files[0])
+
+
+def _file_dtypes(files: list[Path]) -> dict[str, Any]:
+    """Each tensor's torch dtype, read from the files' headers (no tensor data is read)."""
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                kind = st.get_slice(key).get_dtype()
+                if kind in _DTYPES:
+                    out[key] = getattr(torch, _DTYPES[kind])
+    return out
+
+
+def _on_meta(model_class: type[torch.nn.Module], path: Path) -> torch.nn.Module:
+    """``model_class`` built from the folder's config with its parameters on ``meta`` (buffers real), a
+    transformers model's tied weights tied (its own ``tie_weights``)."""
+    from accelerate import init_empty_weights  # type: ignore[import-untyped]
+
+    model: torch.nn.Module
+    with init_empty_weights():
+        if hasattr(model_class, "load_config") and hasattr(model_class, "from_config"):  # diffusers' ModelMixin
+            model = model_class.from_config(model_class.load_config(str(path)))
+        elif hasattr(model_class, "config_class") and hasattr(model_class, "_from_config"):  # transformers
+            model = model_class._from_config(model_class.config_class.from_pretrained(str(path)))
+        else:
+            raise _core.PipelineError(
+                f"from_pretrained builds diffusers (ModelMixin) and transformers (PreTrainedModel) models; "
+                f"{model_class.__name__} is neither: build it on meta yourself and call weightferry.enable(model, "
+                "config, checkpoint=FILE)"
+            )
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        # As transformers' from_pretrained ties them (after init_empty_weights, whose patched registration would
+        # give each tie a new meta parameter): the files hold one name of each tie.
+        tie()
+    return model.eval()
+
+
+def _follow_file_dtypes(model: torch.nn.Module, dtypes: dict[str, Any]) -> None:
+    """Gives each meta parameter the dtype of its tensor in the files (a meta cast moves no byte); a parameter the
+    files do not hold keeps its dtype (``enable`` names it)."""
+    for key, t in model.state_dict(keep_vars=True).items():
+        want = dtypes.get(key)
+        if want is not None and t.is_meta and t.dtype != want:
+            t.data = t.data.to(want)
