@@ -169,10 +169,10 @@ pub struct SessionOptions {
     pub name: Option<String>,
     /// `"sim"`, `"cuda"` (meaning `cuda:{torch.default_cuda}`) or `"cuda:N"`.
     pub device: String,
-    /// A safetensors file or sharded folder to read every storage from; needs `component`.
-    pub checkpoint: Option<String>,
-    /// The component the checkpoint fills: the description's tensor `<component>.K` is the file's tensor `K`.
-    pub component: Option<String>,
+    /// Checkpoints to read components from: `(path, component)`, a safetensors file or sharded folder and the
+    /// component it fills (the description's tensor `<component>.K` is the file's tensor `K`); every other storage
+    /// is the caller's to write.
+    pub checkpoints: Vec<(String, String)>,
     /// A distributed session: the port rank 0 listens on for weightferry's rendezvous instead of `MASTER_PORT`
     /// (which torch.distributed's own store holds once a process group exists; the package agrees on this port
     /// through that store).
@@ -189,8 +189,7 @@ impl Default for SessionOptions {
             config_format: "json".into(),
             name: None,
             device: "sim".into(),
-            checkpoint: None,
-            component: None,
+            checkpoints: Vec::new(),
             rendezvous_port: None,
             torch: TorchCuda::default(),
             sim_faults: None,
@@ -244,7 +243,7 @@ pub struct Session {
 }
 
 impl Session {
-    /// Parses the arguments (device first, then the checkpoint pair and the sim faults), loads the pipeline and
+    /// Parses the arguments (device first, then the checkpoints and the sim faults), loads the pipeline and
     /// the config, and opens the library session (see [`session::Session::new`]): the plan resolved (errors as
     /// [`plan_json`]'s) before anything is allocated, the device opened (`options.torch` names torch's stream and
     /// memory on CUDA), a distributed session's collective built from the launch environment, and the host model
@@ -253,13 +252,11 @@ impl Session {
         let name = options.name.as_deref().unwrap_or("<python>");
         let torch = options.torch;
         let device = parse_device(&options.device, torch.default_cuda)?;
-        let checkpoint = match (&options.checkpoint, &options.component) {
-            (Some(path), Some(component)) => Some(CheckpointSource { path: path.into(), component: component.clone() }),
-            (None, None) => None,
-            _ => {
-                return Err(CoreError::Checkpoint("a checkpoint needs both its path and the component it fills".into()))
-            }
-        };
+        let checkpoints = options
+            .checkpoints
+            .iter()
+            .map(|(path, component)| CheckpointSource { path: path.into(), component: component.clone() })
+            .collect();
         let faults = options.sim_faults.as_deref().map(parse_sim_faults).transpose()?.unwrap_or_default();
         let desc = load_pipeline(pipeline_json, name)?;
         let offload = load_config(config, &options.config_format)?;
@@ -282,7 +279,7 @@ impl Session {
         };
         let session_options = session::SessionOptions {
             name: name.to_string(),
-            checkpoint,
+            checkpoints,
             collective: CollectiveSource::Launch(launch),
             ..session::SessionOptions::default()
         };

@@ -106,10 +106,10 @@ impl PyTorchCuda {
 }
 
 /// How a `Session` is opened: `config_format` (`"json"`, `"toml"` or `"file"`, as for `plan`), `name` (how errors
-/// name the pipeline, default `"<python>"`), `device` (`"sim"`, `"cuda"` or `"cuda:N"`), `checkpoint` (a
-/// safetensors file or sharded folder) with the `component` it fills, `rendezvous_port` (a distributed session's
-/// rendezvous port, when torch.distributed holds `MASTER_PORT`), `torch` (a `TorchCuda`, for a CUDA device) and
-/// `sim_faults` (tests: a JSON fault plan for the simulated device).
+/// name the pipeline, default `"<python>"`), `device` (`"sim"`, `"cuda"` or `"cuda:N"`), `checkpoints` (a list
+/// of `(path, component)`: a safetensors file or sharded folder and the component it fills), `rendezvous_port` (a
+/// distributed session's rendezvous port, when torch.distributed holds `MASTER_PORT`), `torch` (a `TorchCuda`,
+/// for a CUDA device) and `sim_faults` (tests: a JSON fault plan for the simulated device).
 #[pyclass(frozen, module = "weightferry._core", name = "SessionOptions")]
 struct PySessionOptions(api::SessionOptions);
 
@@ -125,8 +125,7 @@ impl PySessionOptions {
                 "config_format" => o.config_format = value.extract()?,
                 "name" => o.name = value.extract()?,
                 "device" => o.device = value.extract()?,
-                "checkpoint" => o.checkpoint = value.extract()?,
-                "component" => o.component = value.extract()?,
+                "checkpoints" => o.checkpoints = value.extract()?,
                 "rendezvous_port" => o.rendezvous_port = value.extract()?,
                 "torch" => {
                     let torch: Option<PyRef<'_, PyTorchCuda>> = value.extract()?;

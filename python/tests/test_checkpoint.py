@@ -2,12 +2,15 @@
 device is filled from a safetensors file (one file, and a sharded folder with its index) without the weights
 passing through torch, bit-identical to the module the file was saved from; a file that does not match (a missing
 tensor, another shape) raises ``CheckpointError`` naming the file and the tensor, with the module left as it was;
-a pipeline of several components is refused. With ``host_masters`` the blocks are served from the file itself
+a pipeline of several components takes one file per component it names (``checkpoint={component: path}``), the
+others keeping their own tensors. With ``host_masters`` the blocks are served from the file itself
 (``auto``, ``mapped``) or from pinned masters (``pinned``), bit-exact either way; ``mapped`` refuses a layout the file
 cannot serve; served from the file, a 141 MB transformer grows the process by under 0.3 × its weights (the
 simulated device's own memory), against more than 0.9 × with pinned masters."""
 
+import copy
 import json
+import re
 
 import diffusers
 import pytest
@@ -121,14 +124,64 @@ def test_a_checkpoint_that_does_not_match_raises_and_leaves_the_module(tmp_path)
     )
 
 
-def test_a_checkpoint_fills_one_component():
+def test_a_checkpoint_path_fills_one_component_and_a_mapping_names_each():
     m = on_meta()
     with pytest.raises(wf.PipelineError) as e:
         wf.enable({"transformer": m, "transformer_2": on_meta()}, LAYER, device="sim", checkpoint="x.safetensors")
     assert str(e.value) == (
         "checkpoint= fills one component, but pipeline dict has transformer, transformer_2; pass the module the "
-        "file holds alone, e.g. {'transformer': model}"
+        "file holds alone, e.g. {'transformer': model}, or key each file by the component it fills: "
+        "checkpoint={'transformer': path}"
     )
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable({"transformer": m}, LAYER, device="sim", checkpoint={"unet": "x.safetensors"})
+    assert str(e.value) == (
+        "checkpoint= names 'unet', but pipeline dict has components transformer; key each file by the component it "
+        "fills, e.g. {'transformer': 'transformer/diffusion_pytorch_model.safetensors'}"
+    )
+    with pytest.raises(wf.CheckpointError) as e:
+        wf.enable({"transformer": m}, LAYER, device="sim", checkpoint={"transformer": 7})
+    assert str(e.value) == (
+        "checkpoint['transformer'] must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, "
+        "got int"
+    )
+    assert all(p.is_meta for p in m.parameters())
+
+
+def test_two_components_from_their_own_files_and_a_third_from_its_tensors(tmp_path):
+    # A pipeline of two transformers from two files (one sharded) and a third component with real CPU tensors:
+    # every output bit-identical to the references, weights after disable the files' and the module's own.
+    torch.manual_seed(1)
+    refs = {"transformer": reference(), "transformer_2": diffusers.FluxTransformer2DModel(**CONFIG).to(BF16).eval()}
+    save_file({k: v.contiguous() for k, v in weights(refs["transformer"]).items()}, str(tmp_path / "t1.safetensors"))
+    (tmp_path / "t2").mkdir()
+    save_sharded(weights(refs["transformer_2"]), tmp_path / "t2", 7)
+    torch.manual_seed(2)
+    third = diffusers.FluxTransformer2DModel(**CONFIG).to(BF16).eval()
+    twin = copy.deepcopy(third)
+    pipe = {"transformer": on_meta(), "transformer_2": on_meta(), "transformer_3": third}
+    files = {"transformer": tmp_path / "t1.safetensors", "transformer_2": tmp_path / "t2"}
+    cfg = json.loads(json.dumps(LAYER))
+    x = inputs()
+    with wf.enable(pipe, cfg, device="sim", checkpoint=files) as h:
+        for _ in range(2):
+            for name, ref in [*refs.items(), ("transformer_3", twin)]:
+                assert torch.equal(forward(pipe[name], x), forward(ref, x)), name
+        assert h.stats()["plan_host"]["master_bytes"] == h.stats()["master_host_bytes"]
+    for name, ref in [*refs.items(), ("transformer_3", twin)]:
+        got, want = weights(pipe[name]), weights(ref)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def test_a_meta_tensor_no_checkpoint_fills_is_refused_before_anything_changes(tmp_path):
+    save_file({k: v.contiguous() for k, v in weights(reference()).items()}, str(tmp_path / "t.safetensors"))
+    pipe = {"transformer": on_meta(), "transformer_2": on_meta()}
+    with pytest.raises(wf.PipelineError) as e:
+        wf.enable(pipe, LAYER, device="sim", checkpoint={"transformer": tmp_path / "t.safetensors"})
+    assert re.fullmatch(
+        r"tensor 'transformer_2\.[\w.]+' is on the meta device, but no checkpoint fills its component; give its "
+        r"component a file in checkpoint= \(\{component: path\}\), or build it with its weights", str(e.value))
+    assert all(p.is_meta for m in pipe.values() for p in m.parameters())
 
 
 @pytest.mark.parametrize("host_masters", ["auto", "mapped", "pinned"])

@@ -41,8 +41,10 @@ def test_options_are_keywords_with_defaults():
 def test_bad_option_values_raise_their_kinds():
     with pytest.raises(wf.DeviceError):
         _core.Session(PIPELINE, LAYER, _core.SessionOptions(device="tpu"))
-    with pytest.raises(wf.CheckpointError, match="needs both its path and the component"):
-        _core.Session(PIPELINE, LAYER, _core.SessionOptions(checkpoint="/nowhere"))
+    with pytest.raises(wf.CheckpointError, match=r"^component `t` is given two checkpoints; give each component one$"):
+        _core.Session(PIPELINE, LAYER, _core.SessionOptions(checkpoints=[("/a", "t"), ("/b", "t")]))
+    with pytest.raises(TypeError):
+        _core.SessionOptions(checkpoints="/nowhere")
     with pytest.raises(wf.OffloadError, match="sim faults: unknown fault 'x'"):
         _core.Session(PIPELINE, LAYER, _core.SessionOptions(sim_faults='{"x": 1}'))
     with pytest.raises(wf.ConfigError, match="unknown config format 'yaml'"):

@@ -62,9 +62,10 @@ class TorchCuda:
 @final
 class SessionOptions:
     """How a :class:`Session` opens: ``config_format`` as for :func:`plan`; ``name`` the report's pipeline (default
-    ``"<python>"``); ``device`` ``"sim"``, ``"cuda"`` or ``"cuda:N"``; ``checkpoint`` (a safetensors file or sharded
-    folder) with the ``component`` it fills; ``rendezvous_port`` for a distributed session when torch.distributed
-    holds ``MASTER_PORT``; ``torch`` on CUDA; ``sim_faults`` (tests) a JSON fault plan for the simulated device."""
+    ``"<python>"``); ``device`` ``"sim"``, ``"cuda"`` or ``"cuda:N"``; ``checkpoints``: ``(path, component)``
+    pairs, a safetensors file or sharded folder and the component it fills; ``rendezvous_port`` for a distributed
+    session when torch.distributed holds ``MASTER_PORT``; ``torch`` on CUDA; ``sim_faults`` (tests) a JSON fault
+    plan for the simulated device."""
 
     def __new__(
         cls,
@@ -72,8 +73,7 @@ class SessionOptions:
         config_format: Literal["json", "toml", "file"] = "json",
         name: str | None = None,
         device: str = "sim",
-        checkpoint: str | None = None,
-        component: str | None = None,
+        checkpoints: list[tuple[str, str]] = ...,
         rendezvous_port: int | None = None,
         torch: TorchCuda | None = None,
         sim_faults: str | None = None,

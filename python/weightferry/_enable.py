@@ -45,7 +45,7 @@ def enable(
     device: str | torch.device | None = None,
     *,
     name: str | None = None,
-    checkpoint: str | os.PathLike[str] | None = None,
+    checkpoint: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
     dit: list[str] | None = None,
     encoders: list[str] | None = None,
     vaes: list[str] | None = None,
@@ -67,7 +67,9 @@ def enable(
     component (e.g. ``{"transformer": model}`` with the model built on the ``meta`` device) from the file: the
     component's tensor ``K`` is the file's tensor ``K``, every one checked by name, dtype and shape before a byte is
     read (:class:`weightferry.CheckpointError` naming the file and the tensor otherwise), and the weights never pass
-    through torch. After :meth:`Handle.disable` the module holds them as ordinary CPU tensors.
+    through torch. After :meth:`Handle.disable` the module holds them as ordinary CPU tensors. A mapping
+    (``{"transformer": path, "text_encoder_2": path}``) fills each named component from its own file; the other
+    components keep their own (CPU) tensors.
 
     The plan is resolved first, so a bad config or pipeline raises :class:`weightferry.ConfigError`,
     :class:`weightferry.PipelineError` or :class:`weightferry.PlanError` with the CLI's message before anything
@@ -89,14 +91,14 @@ def enable(
             f"pipeline {desc['class']} is already enabled by weightferry (one of its tensors is offloaded); call "
             "disable() on its handle first"
         )
-    ckpt = _checkpoint_component(desc, checkpoint) if checkpoint is not None else None
+    ckpt = _checkpoint_components(desc, checkpoint) if checkpoint is not None else []
     if ckpt:
         _check_computed_buffers(bound)
     with in_python_words():
         session, binder, stream = _open_session(
             json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt, seams
         )
-    _check_tensors(bound, ("cpu", "meta") if ckpt else ("cpu",))
+    _check_tensors(bound, [component for _, component in ckpt])
     report = json.loads(session.plan_json())
     warn_report(report, stacklevel=2)
 
@@ -185,12 +187,18 @@ def _disable_after_failure(session: _core.Session) -> None:
         warnings.warn(message, WeightferryWarning, stacklevel=1)
 
 
-def _check_tensors(bound: Bound, allowed: tuple[str, ...] = ("cpu",)) -> None:
-    """Refuses (``PipelineError``) a tensor that is not on the CPU: the host masters are made from CPU tensors (with a
-    checkpoint, ``meta`` tensors are fine too: their bytes come from the file)."""
+def _check_tensors(bound: Bound, from_files: list[str]) -> None:
+    """Refuses (``PipelineError``) a tensor that is not on the CPU: the host masters are made from CPU tensors (in a
+    component a checkpoint fills, ``from_files``, ``meta`` tensors are fine too: their bytes come from the file)."""
     for path, (module, name) in bound.items():
         t = getattr(module, name)
-        if t.device.type not in allowed:
+        filled = any(path.startswith(f"{component}.") for component in from_files)
+        if t.is_meta and from_files and not filled:
+            raise _core.PipelineError(
+                f"tensor '{path}' is on the meta device, but no checkpoint fills its component; give its component "
+                "a file in checkpoint= ({component: path}), or build it with its weights"
+            )
+        if t.device.type not in (("cpu", "meta") if filled else ("cpu",)):
             raise _core.PipelineError(
                 f"tensor '{path}' is on {t.device}; weightferry offloads a pipeline whose weights are on the CPU "
                 "(move it there with .to('cpu') before enable; a module the config does not offload, such as a VAE "
@@ -210,30 +218,50 @@ def _check_computed_buffers(bound: Bound) -> None:
             )
 
 
-def _checkpoint_component(desc: dict[str, Any], checkpoint: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(path, component)`` for ``checkpoint=``: the one component the file fills."""
-    try:
-        path = os.fspath(checkpoint)
-    except TypeError:
-        raise _core.CheckpointError(
-            f"checkpoint must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got "
-            f"{type(checkpoint).__name__}"
-        ) from None
-    if str(path).lower().endswith(".gguf"):
-        raise _core.CheckpointError(
-            f"checkpoint={str(path)!r} is a GGUF file: `weightferry inspect` reads it, but checkpoint= binds "
-            "safetensors files only for now (a GGUF file's unquantized tensors are often in another dtype than the "
-            "model's); load it with diffusers' GGUF quantizer (from_single_file with a GGUFQuantizationConfig) and "
-            "enable the model it returns: its quantized bytes stream as stored"
-        )
+def _checkpoint_components(
+    desc: dict[str, Any], checkpoint: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]]
+) -> list[tuple[str, str]]:
+    """``[(path, component)]`` for ``checkpoint=``: a path fills the pipeline's one component; a mapping names the
+    component each file fills (``{"transformer": path, "text_encoder_2": path}``), the others keep their tensors."""
     modules = list(desc.get("modules", {}))
+    if isinstance(checkpoint, Mapping):
+        pairs = [(_checkpoint_path(p, f"checkpoint[{c!r}]"), str(c)) for c, p in checkpoint.items()]
+        unknown = [c for _, c in pairs if c not in modules]
+        if unknown or not pairs:
+            raise _core.PipelineError(
+                f"checkpoint= names {', '.join(repr(c) for c in unknown) or 'no component'}, but pipeline "
+                f"{desc['class']} has components {', '.join(modules) or 'none'}; key each file by the component it "
+                "fills, e.g. {'transformer': 'transformer/diffusion_pytorch_model.safetensors'}"
+            )
+        return pairs
+    path = _checkpoint_path(checkpoint, "checkpoint")
     if len(modules) != 1 or desc.get("tensors"):
         raise _core.PipelineError(
             f"checkpoint= fills one component, but pipeline {desc['class']} has "
             f"{', '.join(modules) or 'no components'}{' and tensors of its own' if desc.get('tensors') else ''}; "
-            "pass the module the file holds alone, e.g. {'transformer': model}"
+            "pass the module the file holds alone, e.g. {'transformer': model}, or key each file by the component "
+            "it fills: checkpoint={'transformer': path}"
         )
-    return str(path), modules[0]
+    return [(path, modules[0])]
+
+
+def _checkpoint_path(checkpoint: Any, what: str) -> str:
+    """``checkpoint`` as a path string, or the error naming ``what`` (a GGUF file is refused: see the message)."""
+    try:
+        path = os.fspath(checkpoint)
+    except TypeError:
+        raise _core.CheckpointError(
+            f"{what} must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got "
+            f"{type(checkpoint).__name__}"
+        ) from None
+    if str(path).lower().endswith(".gguf"):
+        raise _core.CheckpointError(
+            f"{what}={str(path)!r} is a GGUF file: `weightferry inspect` reads it, but checkpoint= binds "
+            "safetensors files only for now (a GGUF file's unquantized tensors are often in another dtype than the "
+            "model's); load it with diffusers' GGUF quantizer (from_single_file with a GGUFQuantizationConfig) and "
+            "enable the model it returns: its quantized bytes stream as stored"
+        )
+    return str(path)
 
 
 def _cuda_index(device: str) -> int | None:
@@ -280,20 +308,19 @@ def _open_session(
     fmt: ConfigFormat,
     name: str,
     device: str | torch.device,
-    checkpoint: tuple[str, str] | None,
+    checkpoints: list[tuple[str, str]],
     seams: Seams,
 ) -> tuple[_core.Session, Binder, StreamCheck | None]:
     """The native session on ``device`` and its binder; on CUDA also (torch's raw stream, a reader of the current
-    one). ``checkpoint`` is ``(path, component)`` or ``None``."""
+    one). ``checkpoints`` are ``(path, component)`` pairs."""
     if not isinstance(device, str):
         device = str(device)  # a torch.device
     index = _cuda_index(device)
-    path, component = checkpoint if checkpoint is not None else (None, None)
     port = rendezvous_port(text, fmt)
     new = seams.session if seams.session is not None else _core.Session
     if index is None:
         faults = json.dumps(seams.sim_faults) if seams.sim_faults is not None else None
-        session = _new_session(new, desc_json, text, fmt, name, device, path, component, port, None, faults)
+        session = _new_session(new, desc_json, text, fmt, name, device, checkpoints, port, None, faults)
         return session, SimBinder(session, seams.bind), None
     import torch
 
@@ -304,7 +331,7 @@ def _open_session(
     torch.cuda.empty_cache()  # device_budget = "auto" plans from the free memory, with torch's cache given back
     free, _total = torch.cuda.mem_get_info(index)
     cuda = _TorchCuda(stream=stream, probe_ptr=probe.data_ptr(), free_bytes=free, default_cuda=index)
-    session = _new_session(new, desc_json, text, fmt, name, device, path, component, port, cuda, None)
+    session = _new_session(new, desc_json, text, fmt, name, device, checkpoints, port, cuda, None)
     del probe
     return session, CudaBinder(session, dev, seams.bind), (stream, current)
 
@@ -316,8 +343,7 @@ def _new_session(
     config_format: ConfigFormat,
     name: str,
     device: str,
-    checkpoint: str | None,
-    component: str | None,
+    checkpoints: list[tuple[str, str]],
     rendezvous_port: int | None,
     torch: _TorchCuda | None,
     sim_faults: str | None,
@@ -327,7 +353,7 @@ def _new_session(
     if torch is not None:
         native_torch = _core.TorchCuda(stream=torch.stream, probe_ptr=torch.probe_ptr, free_bytes=torch.free_bytes,
                                        default_cuda=torch.default_cuda)
-    options = _core.SessionOptions(config_format=config_format, name=name, device=device, checkpoint=checkpoint,
-                                   component=component, rendezvous_port=rendezvous_port, torch=native_torch,
+    options = _core.SessionOptions(config_format=config_format, name=name, device=device,
+                                   checkpoints=checkpoints, rendezvous_port=rendezvous_port, torch=native_torch,
                                    sim_faults=sim_faults)
     return new(pipeline_json, config, options)

@@ -16,37 +16,66 @@ impl HostModel {
     /// Loads `desc` from `checkpoint`: the description's tensor `<component>.K` is the checkpoint's tensor `K`.
     /// Every tensor of `desc` must lie under `component` and be the whole of its contiguous storage, and every
     /// storage must be filled by a checkpoint tensor of the same dtype and shape (one of its tied tensors:
-    /// `match_storages`) ([`CheckpointError::MissingTensor`],
-    /// [`CheckpointError::DescriptionMismatch`]); all of this is checked before any file is mapped. Each storage
-    /// is homed in its file ([`Home::File`](crate::model::Home::File)); on a platform error every file mapped so far
-    /// is released. The storages of non-persistent buffers are not read from the file but zero-filled in buffers
-    /// of their own ([`Home::Loaded`](crate::model::Home::Loaded)): the caller writes them
-    /// ([`write_storage`](Self::write_storage)); [`HostModel::caller_storages`] lists them.
+    /// `match_storages`) ([`CheckpointError::MissingTensor`], [`CheckpointError::DescriptionMismatch`]); all of
+    /// this is checked before any file is mapped. Each storage is homed in its file
+    /// ([`Home::File`](crate::model::Home::File)); on a platform error every file mapped so far is released. The
+    /// storages of non-persistent buffers are not read from the file but zero-filled in buffers of their own
+    /// ([`Home::Loaded`](crate::model::Home::Loaded)): the caller writes them ([`write_storage`](Self::write_storage));
+    /// [`HostModel::caller_storages`] lists them.
     pub fn from_checkpoint(
         platform: PlatformRef,
         desc: Arc<PipelineDesc>,
         checkpoint: &Checkpoint,
         component: &str,
     ) -> Result<HostModel, CheckpointError> {
-        let file = || checkpoint.path().to_path_buf();
-        let (plan, own) = match_storages(&desc, checkpoint, component)?;
+        let prefix = format!("{component}.");
+        if let Some((path, _)) = desc.root.tensors_recursive().into_iter().find(|(p, _)| !p.starts_with(&prefix)) {
+            return Err(CheckpointError::DescriptionMismatch {
+                file: checkpoint.path().to_path_buf(),
+                tensor: path.clone(),
+                reason: format!("the description's tensor `{path}` is outside component `{component}`"),
+            });
+        }
+        Self::from_checkpoints(platform, desc, &[(checkpoint, component)])
+    }
+
+    /// [`from_checkpoint`](Self::from_checkpoint) for several components, each from its own checkpoint
+    /// (`(checkpoint, component)`, components distinct): a pipeline whose transformer and text encoder come from
+    /// their own files. The storages of tensors under none of the components are the caller's, zero-filled like
+    /// non-persistent buffers (a VAE the files do not hold, written from the module).
+    pub fn from_checkpoints(
+        platform: PlatformRef,
+        desc: Arc<PipelineDesc>,
+        parts: &[(&Checkpoint, &str)],
+    ) -> Result<HostModel, CheckpointError> {
+        let mut plan = BTreeMap::new();
+        let mut own = BTreeSet::new();
+        for (i, &(checkpoint, component)) in parts.iter().enumerate() {
+            let (filled, caller) = match_storages(&desc, checkpoint, component)?;
+            plan.extend(filled.into_iter().map(|(id, key)| (id, (i, key))));
+            own.extend(caller);
+        }
+        // A storage a file tensor fills comes from the file.
+        own.retain(|id| !plan.contains_key(id));
         // Map every file that holds a tensor of the description: the storages' homes are their tensors' ranges.
-        let mut mapped: BTreeMap<usize, HostBufferId> = BTreeMap::new();
+        let mut mapped: BTreeMap<(usize, usize), HostBufferId> = BTreeMap::new();
+        let release = |mapped: &BTreeMap<(usize, usize), HostBufferId>| {
+            for b in mapped.values() {
+                let _ = platform.free_host(*b);
+            }
+        };
         let mut at = BTreeMap::new();
-        for (id, key) in &plan {
+        for (id, (i, key)) in &plan {
+            let checkpoint = parts[*i].0;
             let Some((fi, ft)) = checkpoint.locate(key) else { continue };
-            let buf = match mapped.get(&fi) {
+            let buf = match mapped.get(&(*i, fi)) {
                 Some(&b) => b,
                 None => match platform.map_host(checkpoint.files()[fi].region()) {
-                    Ok(b) => *mapped.entry(fi).or_insert(b),
+                    Ok(b) => *mapped.entry((*i, fi)).or_insert(b),
                     Err(source) => {
-                        for b in mapped.values() {
-                            let _ = platform.free_host(*b);
-                        }
-                        return Err(CheckpointError::Platform {
-                            file: checkpoint.files()[fi].path().to_path_buf(),
-                            source,
-                        });
+                        release(&mapped);
+                        let file = checkpoint.files()[fi].path().to_path_buf();
+                        return Err(CheckpointError::Platform { file, source });
                     }
                 },
             };
@@ -55,21 +84,21 @@ impl HostModel {
         let loaded = match zeroed_buffers(&platform, &desc, own) {
             Ok(loaded) => loaded,
             Err(source) => {
-                for b in mapped.values() {
-                    let _ = platform.free_host(*b);
-                }
-                return Err(CheckpointError::Platform { file: file(), source });
+                release(&mapped);
+                let file = parts.first().map(|(c, _)| c.path().to_path_buf()).unwrap_or_default();
+                return Err(CheckpointError::Platform { file, source });
             }
         };
         Ok(HostModel::from_files(platform, desc, mapped.into_values().collect(), at, loaded))
     }
 }
 
-/// Which checkpoint tensor fills each storage (`storage -> key`), and the storages of non-persistent buffers (no
-/// checkpoint holds them). A storage several tensors view whole (tied weights, e.g. an encoder's input embedding
-/// and its shared table) is filled from the first of them the checkpoint holds: a file saved from a model with
-/// tied weights keeps one name of each tie. Every tensor that views a storage must lie under `component` and be
-/// the whole of its contiguous storage, and every one the checkpoint holds must match it in dtype and shape.
+/// Which tensor of `checkpoint` fills each storage of `component` (`storage -> key`), and the storages the caller
+/// fills (non-persistent buffers: no checkpoint holds them; tensors outside `component`: another part's or the
+/// caller's). A storage several tensors view whole (tied weights, e.g. an encoder's input embedding and its shared
+/// table) is filled from the first of them the checkpoint holds: a file saved from a model with tied weights keeps
+/// one name of each tie. Every tensor of `component` that views a storage must be the whole of its contiguous
+/// storage, and every one the checkpoint holds must match it in dtype and shape.
 fn match_storages(
     desc: &PipelineDesc,
     checkpoint: &Checkpoint,
@@ -85,16 +114,14 @@ fn match_storages(
     let mut views: BTreeMap<StorageId, Vec<String>> = BTreeMap::new();
     let mut own = BTreeSet::new();
     for (path, t) in desc.root.tensors_recursive() {
+        let Some(key) = path.strip_prefix(&prefix) else {
+            own.insert(t.storage);
+            continue;
+        };
         if t.kind == TensorKind::NonPersistentBuffer {
             own.insert(t.storage);
             continue;
         }
-        let Some(key) = path.strip_prefix(&prefix) else {
-            return Err(mismatch(
-                &path,
-                format!("the description's tensor `{path}` is outside component `{component}`"),
-            ));
-        };
         let whole = desc.storages.get(&t.storage).is_some_and(|s| s.numel == t.numel())
             && t.storage_offset == 0
             && t.strides == TensorDesc::contiguous_strides(&t.shape);
@@ -132,7 +159,6 @@ fn match_storages(
             }
         }
     }
-    own.retain(|id| !plan.contains_key(id)); // a storage a file tensor fills comes from the file
     if let Some(id) = desc.storages.keys().find(|id| !plan.contains_key(id) && !own.contains(id)) {
         return Err(CheckpointError::DescriptionMismatch {
             file: file(),

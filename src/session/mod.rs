@@ -76,8 +76,8 @@ use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformRef, StreamId};
 use weightferry_actors::OrderingFault;
 
-/// A checkpoint the session reads every weight from: the description's tensor `<component>.K` is the file's tensor
-/// `K` (every one checked before a byte is read).
+/// A checkpoint the session reads a component's weights from: the description's tensor `<component>.K` is the
+/// file's tensor `K` (every one checked before a byte is read).
 #[derive(Debug, Clone)]
 pub struct CheckpointSource {
     /// A safetensors file, or a folder of shards.
@@ -125,8 +125,9 @@ pub struct LaunchExchange {
 pub struct SessionOptions {
     /// How errors and the plan report name the pipeline (empty: `<pipeline>`).
     pub name: String,
-    /// A checkpoint to read the weights from (else the host model starts zero-filled and the caller writes it).
-    pub checkpoint: Option<CheckpointSource>,
+    /// Checkpoints to read components' weights from, one per component (else, and for every storage outside
+    /// them, the host model starts zero-filled and the caller writes it).
+    pub checkpoints: Vec<CheckpointSource>,
     /// The rank's collective, for a distributed session.
     pub collective: CollectiveSource,
     /// Test seam: the block stacks run with a deliberately broken ordering, to prove a check can fail (only
@@ -161,6 +162,19 @@ impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session").field("backend", &self.backend).field("written", &self.written.len()).finish()
     }
+}
+
+/// The checkpoints of `sources`, opened and checked, with their components (each component once).
+fn open_checkpoints(sources: &[CheckpointSource]) -> Result<Vec<(Checkpoint, String)>, SessionError> {
+    for (i, source) in sources.iter().enumerate() {
+        if sources[..i].iter().any(|s| s.component == source.component) {
+            return Err(SessionError::Checkpoint(format!(
+                "component `{}` is given two checkpoints; give each component one",
+                source.component
+            )));
+        }
+    }
+    sources.iter().map(|s| Ok((Checkpoint::open(&s.path).map_err(checkpoint_err)?, s.component.clone()))).collect()
 }
 
 /// The plan of `desc` under `config` (its automatic budget resolved from `free` device bytes when given), resolved
@@ -227,10 +241,7 @@ impl Session {
         let name = if options.name.is_empty() { "<pipeline>".to_string() } else { options.name };
         let (plan, report) = resolve(&name, &desc, &mut config, Some(device.free_bytes()))?;
         let streamed = streamed_storages(&desc, &config, &plan);
-        let checkpoint = match options.checkpoint {
-            Some(source) => Some((Checkpoint::open(&source.path).map_err(checkpoint_err)?, source.component)),
-            None => None,
-        };
+        let checkpoints = open_checkpoints(&options.checkpoints)?;
         let sim_capacity = match &device {
             DeviceSpec::Sim(sim) => Some(sim.device_capacity),
             DeviceSpec::Cuda(_) => None,
@@ -249,7 +260,7 @@ impl Session {
                 rank_collective(&config, device, rank).map_err(offload_err)?
             }
         };
-        let (model, written) = Self::host_model(platform.clone(), desc, checkpoint)?;
+        let (model, written) = Self::host_model(platform.clone(), desc, &checkpoints)?;
         let mut report = report;
         if !model.mapped_files().is_empty() {
             report.host = host_of(model.desc(), &config, &plan, Some(&model));
@@ -270,7 +281,7 @@ impl Session {
     /// reference engine's weight generator): the plan of the model's description under `config` as given (an
     /// automatic budget the engine resolved itself with [`OffloadConfig::resolve_auto_budget`]), the hooks
     /// ordering copies against the engine's `compute` stream. The collective, if any, comes as a
-    /// [`CollectiveSource::Factory`]; [`SessionOptions::checkpoint`] does not apply (the model is already
+    /// [`CollectiveSource::Factory`]; [`SessionOptions::checkpoints`] do not apply (the model is already
     /// filled). The session releases the model's host buffers when dropped, and never shuts the platform down.
     pub fn from_model(
         model: HostModel,
@@ -311,10 +322,10 @@ impl Session {
                 ))
             }
         };
-        if options.checkpoint.is_some() {
+        if !options.checkpoints.is_empty() {
             return Err(SessionError::Checkpoint(
                 "a session over the engine's own host model reads no checkpoint: fill the model from it \
-                 (HostModel::from_checkpoint) and leave SessionOptions::checkpoint empty"
+                 (HostModel::from_checkpoint) and leave SessionOptions::checkpoints empty"
                     .into(),
             ));
         }
@@ -326,21 +337,20 @@ impl Session {
         Ok((plan, report, backend))
     }
 
-    /// The host model, zero-filled or read from the checkpoint, and the storages already written.
+    /// The host model, zero-filled or read from the checkpoints (each filling its component), and the storages
+    /// already written.
     fn host_model(
         platform: PlatformRef,
         desc: Arc<PipelineDesc>,
-        checkpoint: Option<(Checkpoint, String)>,
+        checkpoints: &[(Checkpoint, String)],
     ) -> Result<(HostModel, BTreeSet<StorageId>), SessionError> {
-        match checkpoint {
-            Some((ckpt, component)) => {
-                let model =
-                    HostModel::from_checkpoint(platform, desc.clone(), &ckpt, &component).map_err(checkpoint_err)?;
-                let caller: BTreeSet<StorageId> = model.caller_storages().iter().copied().collect();
-                Ok((model, desc.storages.keys().filter(|s| !caller.contains(s)).copied().collect()))
-            }
-            None => Ok((HostModel::zeroed(platform, desc).map_err(offload_err)?, BTreeSet::new())),
+        if checkpoints.is_empty() {
+            return Ok((HostModel::zeroed(platform, desc).map_err(offload_err)?, BTreeSet::new()));
         }
+        let parts: Vec<(&Checkpoint, &str)> = checkpoints.iter().map(|(c, name)| (c, name.as_str())).collect();
+        let model = HostModel::from_checkpoints(platform, desc.clone(), &parts).map_err(checkpoint_err)?;
+        let caller: BTreeSet<StorageId> = model.caller_storages().iter().copied().collect();
+        Ok((model, desc.storages.keys().filter(|s| !caller.contains(s)).copied().collect()))
     }
 
     /// The plan report (what `weightferry plan` prints for the same pipeline and config).

@@ -78,7 +78,7 @@ fn each_failure_has_its_kind() {
     let desc = load_pipeline_json(PIPELINE).unwrap();
     let config = load_config(ConfigSource::Json(LAYER)).unwrap();
     let missing = CheckpointSource { path: "/nonexistent/weightferry.safetensors".into(), component: "t".into() };
-    let options = SessionOptions { checkpoint: Some(missing), ..SessionOptions::default() };
+    let options = SessionOptions { checkpoints: vec![missing], ..SessionOptions::default() };
     let Err(SessionError::Checkpoint(_)) = Session::new(desc, config, sim(), options) else {
         panic!("a missing checkpoint was opened")
     };
