@@ -1,8 +1,11 @@
 """``weightferry.from_pretrained`` on ``device="sim"``: a diffusers transformer and a transformers text encoder saved
-with ``save_pretrained`` (one file and sharded, mixed dtypes, tied weights), built on ``meta`` and bound from their
+with ``save_pretrained`` (one file and sharded, bf16 and f32, tied weights), built on ``meta`` and bound from their
 files: outputs bit-identical to the model saved, the weights after ``disable`` the saved ones (ties kept), the
-model never materialized before binding; a folder weightferry cannot read is a ``CheckpointError`` naming it."""
+model never materialized before binding; a whole saved FluxPipeline, its offloaded components from their files and
+the rest loaded as usual, runs bit-identical to the pipeline saved; a folder weightferry cannot read is a
+``CheckpointError`` naming it."""
 
+import copy
 import os
 
 import diffusers
@@ -10,6 +13,7 @@ import pytest
 import torch
 import transformers
 from test_checkpoint import CONFIG, LAYER, forward, inputs
+from test_diffusers import flux_pipeline, run_pipeline
 
 import weightferry as wf
 
@@ -100,3 +104,22 @@ def test_nothing_is_materialized_before_the_files_bind_it(tmp_path, monkeypatch)
     _, h = wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim")
     h.disable()
     assert seen == {"meta": True, "checkpoint": "diffusion_pytorch_model.safetensors"}
+
+
+@pytest.mark.parametrize("mode, components", [("layer", ["dit", "text_encoder"]), ("layer", ["dit"]),
+                                              ("module", ["dit", "text_encoder", "vae"])])
+def test_a_saved_pipeline_runs_with_its_offloaded_components_bound_from_their_files(tmp_path, mode, components):
+    saved = flux_pipeline()
+    want = run_pipeline(copy.deepcopy(saved))
+    saved.save_pretrained(tmp_path)
+    cfg = {"diffusion_offload_config": {"mode": mode, "components": components}}
+    pipe, h = wf.from_pretrained(diffusers.FluxPipeline, tmp_path, cfg, device="sim")
+    with h:
+        offloaded = {c["path"] for c in wf.plan(pipe, cfg)["components"] if c["selected"]}
+        assert torch.equal(run_pipeline(pipe), want)
+        assert torch.equal(run_pipeline(pipe), want)
+        assert h.stats()["plan_host"]["master_bytes"] == h.stats()["master_host_bytes"]
+    assert ("text_encoder_2" in offloaded) == ("text_encoder" in components)
+    assert ("vae" in offloaded) == ("vae" in components)
+    for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        assert same_weights(getattr(pipe, name), getattr(saved, name)), name

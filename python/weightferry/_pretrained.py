@@ -1,4 +1,5 @@
-"""``from_pretrained()``: a model offloaded straight from its saved folder, never held whole in host memory.
+"""``from_pretrained()``: a model or a whole diffusers pipeline offloaded straight from its saved folder, never held
+whole in host memory.
 
 The model is built on ``meta`` from the folder's config (its parameters only: buffers stay real, computed as the
 class builds them), each parameter given the dtype its tensor has in the folder's safetensors files (read from
@@ -6,13 +7,18 @@ their headers), and bound from those files by :func:`weightferry.enable` with ``
 the files to their masters (or are served by the files themselves, ``host_masters``) and no full copy of the model
 exists in the process. Works for diffusers models (``ModelMixin``: ``config.json`` and
 ``diffusion_pytorch_model*.safetensors``) and transformers models (``PreTrainedModel``: ``config.json`` and
-``model*.safetensors``), single files or sharded with their index.
+``model*.safetensors``), single files or sharded with their index. A pipeline folder (``model_index.json``) gives
+each component the config offloads that treatment (one checkpoint per component); the others (a VAE left out,
+tokenizers, the scheduler) load as their own ``from_pretrained`` loads them, in their files' dtype.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +26,7 @@ from . import _core
 from ._config import ConfigLike
 from ._enable import enable
 from ._handle import Handle
+from ._plan import plan
 
 if TYPE_CHECKING:
     import torch
@@ -50,8 +57,14 @@ def from_pretrained(
 
     Raises :class:`weightferry.CheckpointError` when the folder holds no config or no safetensors weights (or
     several candidate files), and whatever :func:`weightferry.enable` raises; on any failure nothing is left
-    allocated."""
+    allocated.
+
+    ``model_class`` may also be a diffusers pipeline class and ``folder`` its saved folder (``model_index.json``):
+    then every component the config offloads is built on ``meta`` and bound from its subfolder's files, the others
+    load as usual, and the result is ``(pipeline, handle)``."""
     path = Path(os.fspath(folder)) / (subfolder or "")
+    if subfolder is None and (path / "model_index.json").is_file():
+        return _pipeline(model_class, path, config, device)
     files = _weight_files(path)
     dtypes = _file_dtypes(files)
     model = _on_meta(model_class, path)
@@ -135,3 +148,35 @@ def _follow_file_dtypes(model: torch.nn.Module, dtypes: dict[str, Any]) -> None:
         want = dtypes.get(key)
         if want is not None and t.is_meta and t.dtype != want:
             t.data = t.data.to(want)
+
+
+def _pipeline(pipeline_class: Any, path: Path, config: ConfigLike, device: Any) -> tuple[Any, Handle]:
+    """A diffusers pipeline from its saved folder: the offloaded components built on ``meta`` and bound from their
+    files, the rest loaded by their own ``from_pretrained``."""
+    index = json.loads((path / "model_index.json").read_text())
+    components: dict[str, Any] = {}
+    on_meta: dict[str, Path] = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or None in entry:
+            continue
+        klass = getattr(importlib.import_module(entry[0]), entry[1])
+        sub = path / name
+        if (sub / "config.json").is_file() and any(sub.glob("*.safetensors")):
+            model = _on_meta(klass, sub)
+            _follow_file_dtypes(model, _file_dtypes(_weight_files(sub)))
+            components[name], on_meta[name] = model, sub
+        else:
+            components[name] = klass.from_pretrained(str(sub))
+    accepted = inspect.signature(pipeline_class.__init__).parameters
+    extra = {k: v for k, v in index.items() if k in accepted and k not in components and not isinstance(v, list)}
+    pipe = pipeline_class(**components, **extra)
+    selected = {c["path"] for c in plan(pipe, config)["components"] if c["selected"]}
+    for name, sub in list(on_meta.items()):
+        if name not in selected:  # left resident by the config: loaded whole, as its own from_pretrained loads it
+            klass = type(components[name])
+            dtype = Counter(_file_dtypes(_weight_files(sub)).values()).most_common(1)[0][0]
+            pipe.register_modules(**{name: klass.from_pretrained(str(sub), torch_dtype=dtype).eval()})
+            del on_meta[name]
+    checkpoints = {name: _checkpoint_path(sub, _weight_files(sub)) for name, sub in on_meta.items()}
+    handle = enable(pipe, config, device, checkpoint=checkpoints)
+    return pipe, handle
