@@ -1,11 +1,13 @@
 //! Real checkpoints: safetensors files (one file, or a sharded folder with its index) and GGUF files mapped read-only
 //! and checked before any byte is used (`reader.rs`, `index.rs`, `gguf.rs`); a pipeline description derived from their tensor
-//! names (`describe.rs`); a [`HostModel`](crate::model::HostModel) filled from the mapping (`load.rs`).
+//! names (`describe.rs`); a [`HostModel`](crate::model::HostModel) filled from the mapping (`load.rs`); reads of
+//! byte ranges around the page cache for the disk tier (`direct.rs`).
 //!
 //! Every failure is a [`CheckpointError`] naming the file and the tensor; nothing panics on bad input and nothing
 //! is read outside a mapping.
 
 mod describe;
+mod direct;
 mod error;
 mod gguf;
 mod header;
@@ -15,6 +17,7 @@ mod reader;
 mod region;
 
 pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
+pub use direct::{AlignedBuf, DirectFile, DIRECT_ALIGN};
 pub use error::CheckpointError;
 pub use header::FileTensor;
 pub use reader::SafetensorsFile;

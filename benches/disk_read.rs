@@ -1,0 +1,89 @@
+#![allow(missing_docs)]
+//! Disk read rate by mechanism, for the disk tier's choice (issue: models bigger than host memory): a file of
+//! `DISK_READ_MIB` MiB (default 1024) read in block-sized ranges of `DISK_READ_CHUNK_MIB` MiB (default 64) by
+//! - `buffered`: `pread` through the page cache, the file's pages dropped first (`posix_fadvise(DONTNEED)`), so
+//!   the figure is a cold read as the page cache serves it;
+//! - `direct xN`: [`DirectFile`] (`O_DIRECT`, no page cache) with N threads each reading a contiguous part of every
+//!   range into its own aligned buffer (N = 1, 2, 4, 8): one reader thread against a small pool of `pread`s.
+//!
+//! Each row is the best of `DISK_READ_ROUNDS` rounds (default 3) in GB/s (10^9 bytes). The file lives in
+//! `DISK_READ_DIR` (default the system temp folder); the figures describe that folder's device.
+//!
+//! Run: `cargo bench --bench disk_read`
+
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use std::time::Instant;
+use weightferry::checkpoint::{AlignedBuf, DirectFile};
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn drop_cache(path: &Path) {
+    let f = std::fs::File::open(path).unwrap();
+    // SAFETY: a valid open descriptor; the advice only drops clean cached pages of this file.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+fn buffered(path: &Path, total: u64, chunk: u64) -> f64 {
+    drop_cache(path);
+    let f = std::fs::File::open(path).unwrap();
+    let mut buf = vec![0u8; chunk as usize];
+    let t0 = Instant::now();
+    let mut at = 0;
+    while at < total {
+        let n = chunk.min(total - at) as usize;
+        f.read_exact_at(&mut buf[..n], at).unwrap();
+        at += n as u64;
+    }
+    total as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+fn direct(path: &Path, total: u64, chunk: u64, threads: u64) -> f64 {
+    let f = DirectFile::open(path).unwrap();
+    assert!(f.is_direct(), "{} refuses O_DIRECT: set DISK_READ_DIR to a disk-backed folder", path.display());
+    let part = chunk / threads;
+    let mut bufs: Vec<AlignedBuf> = (0..threads).map(|_| AlignedBuf::new(part as usize)).collect();
+    let t0 = Instant::now();
+    let mut at = 0;
+    while at < total {
+        let n = chunk.min(total - at);
+        std::thread::scope(|s| {
+            for (i, buf) in bufs.iter_mut().enumerate() {
+                let (f, start) = (&f, at + i as u64 * part);
+                let len = part.min((at + n).saturating_sub(start));
+                if len > 0 {
+                    s.spawn(move || f.read(start, len, buf).unwrap());
+                }
+            }
+        });
+        at += n;
+    }
+    total as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+fn main() {
+    let (mib, chunk_mib, rounds) =
+        (env("DISK_READ_MIB", 1024), env("DISK_READ_CHUNK_MIB", 64), env("DISK_READ_ROUNDS", 3));
+    let dir = std::env::var("DISK_READ_DIR").map_or_else(|_| std::env::temp_dir(), Into::into);
+    let path = dir.join(format!("weightferry-disk-read-{}.bin", std::process::id()));
+    let (total, chunk) = (mib << 20, chunk_mib << 20);
+    {
+        let f = std::fs::File::create(&path).unwrap();
+        let block: Vec<u8> = (0..(1usize << 20)).map(|i| (i * 131) as u8).collect();
+        for i in 0..mib {
+            f.write_all_at(&block, i << 20).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    println!("disk_read: {mib} MiB file in {}, ranges of {chunk_mib} MiB, best of {rounds}", dir.display());
+    let best = |f: &dyn Fn() -> f64| (0..rounds).map(|_| f()).fold(0.0f64, f64::max);
+    println!("{:<12} {:>8}", "mechanism", "GB/s");
+    println!("{:<12} {:>8.2}", "buffered", best(&|| buffered(&path, total, chunk)));
+    for threads in [1, 2, 4, 8] {
+        println!("{:<12} {:>8.2}", format!("direct x{threads}"), best(&|| direct(&path, total, chunk, threads)));
+    }
+    std::fs::remove_file(&path).unwrap();
+}
