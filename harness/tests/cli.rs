@@ -216,6 +216,35 @@ fn plan_with_resident_layers_and_model_level() {
 }
 
 #[test]
+fn plan_predicts_the_host_masters_and_run_refuses_a_host_budget_below_them() {
+    let v = stdout_json(&wf(&["plan", "--pipeline", "flux-tiny", "--json"]));
+    let bytes =
+        |c: &Value| -> u64 { c["stacks"].as_array().unwrap().iter().map(|s| s["bytes"].as_u64().unwrap()).sum() };
+    let components = v["components"].as_array().unwrap();
+    let all: u64 = components.iter().map(bytes).sum();
+    assert_eq!(v["host"]["master_bytes"].as_u64(), Some(all), "layerwise: one master per streamed block");
+    let stacks = bytes(&components[0]); // the DiT's, all the config below offloads
+    assert_eq!((v["host"]["budget"].clone(), v["host"]["pinned"].clone()), (Value::Null, Value::Bool(true)));
+    let cfg = temp(
+        "host.json",
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "host_budget": 1024}}"#,
+    );
+    let need = format!(
+        "host_budget: the host masters of the offloaded weights need {}, over the budget of 1.00 KiB (1024 B); \
+         raise host_budget, offload fewer components, or bind the weights from a checkpoint with host_masters = \
+         \"mapped\" (its file serves the blocks and takes no master)",
+        weightferry::plan::bytes::human_bytes(stacks)
+    );
+    let o = wf(&["plan", "--pipeline", "flux-tiny", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains(&format!("warning: enable will refuse this plan: {need}\n")), "{text}");
+    let o = wf(&["run", "--preset", "flux-tiny", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(stderr(&o).trim_end(), format!("error: the config cannot be applied to flux-tiny: {need}"));
+}
+
+#[test]
 fn invalid_input_exits_2_with_one_line() {
     let e = invalid(&["run", "--config", "/definitely/not/here.json"]);
     assert!(e.starts_with("error: invalid config: /definitely/not/here.json: cannot read the config file"), "{e}");
