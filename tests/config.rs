@@ -993,6 +993,21 @@ fn device_budget_auto_is_resolved_from_the_free_memory() {
     assert_eq!(sized.device_budget, Some(24 << 30));
 }
 
+#[test]
+fn host_budget_auto_is_the_available_memory_plus_the_weights_held_less_a_headroom() {
+    let mut c = ok(&compact(r#""mode": "layer", "components": ["dit"], "host_budget": "auto""#));
+    assert_eq!((c.host_budget, c.host_budget_auto), (None, true));
+    let mut small = c.clone();
+    // 70 GiB available + 30 GiB of weights held: a tenth of the 100 GiB is the headroom.
+    assert_eq!(c.resolve_auto_host_budget(70 << 30, 30 << 30), Some((90 << 30, 10 << 30)));
+    assert_eq!((c.host_budget, c.host_budget_auto), (Some(90 << 30), false));
+    assert_eq!(c.resolve_auto_host_budget(70 << 30, 30 << 30), None, "resolved once");
+    // Under 2 GiB in all: a 1-byte budget, so enable says what the masters need.
+    assert_eq!(small.resolve_auto_host_budget(1 << 30, 0), Some((1, 2 << 30)));
+    let mut sized = ok(&compact(r#""mode": "layer", "components": ["dit"], "host_budget": "64GiB""#));
+    assert_eq!((sized.host_budget, sized.resolve_auto_host_budget(1 << 40, 0)), (Some(64 << 30), None));
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Syntax errors, formats, files
 

@@ -160,3 +160,17 @@ def test_a_checkpoint_s_file_served_blocks_do_not_count_against_the_host_budget(
 def test_plan_json_shows_the_host_side():
     report = wf.plan({"transformer": flux()[0]}, with_key(layer(1), host_budget="1GiB"))
     assert json.loads(json.dumps(report["host"]))["budget"] == 1 << 30
+
+
+def test_an_automatic_host_budget_is_resolved_when_the_session_opens():
+    model, x, _ = flux()
+    cfg = with_key(layer(1), host_budget="auto")
+    report = wf.plan({"transformer": model}, cfg)
+    assert report["host"]["budget"] is None
+    assert "host_budget = \"auto\": resolved when a session opens" in " ".join(report["notes"])
+    with wf.enable({"transformer": model}, cfg, device="sim") as h:
+        host = h.stats()["plan_host"]
+        # A number now, which the masters fit (enable checked them against it).
+        assert isinstance(host["budget"], int) and host["budget"] >= host["master_bytes"] > 0
+        with torch.no_grad():
+            model(**x)

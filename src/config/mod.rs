@@ -233,6 +233,9 @@ pub struct OffloadConfig {
     pub device_budget_auto: bool,
     /// Host memory the masters may use (`host_budget`), if bounded: enable refuses a plan whose masters need more.
     pub host_budget: Option<Bytes>,
+    /// `host_budget = "auto"`: the budget comes from the host's available memory when a session opens
+    /// ([`OffloadConfig::resolve_auto_host_budget`]); until then `host_budget` is `None`.
+    pub host_budget_auto: bool,
     /// Model-level only: keep the DiT resident (no swapping) when everything fits in the budget/device.
     pub keep_dit_resident: bool,
     /// Parallel layout as configured.
@@ -267,6 +270,23 @@ impl OffloadConfig {
         Some((budget, headroom))
     }
 
+    /// Resolves `host_budget = "auto"`: the memory the process may still take (`available`: the smaller of the
+    /// kernel's available memory and the room under its cgroup limit) plus the weights it holds now that the
+    /// masters will replace (`held`), less a headroom of the larger of 2 GiB and a tenth of that sum (for
+    /// activations, the framework and the page cache). Returns `(budget, headroom)` when the config asked for
+    /// "auto", `None` otherwise.
+    pub fn resolve_auto_host_budget(&mut self, available: u64, held: u64) -> Option<(u64, u64)> {
+        if !self.host_budget_auto {
+            return None;
+        }
+        let room = available.saturating_add(held);
+        let headroom = (2u64 << 30).max(room / 10);
+        let budget = room.saturating_sub(headroom).max(1);
+        self.host_budget = Some(budget);
+        self.host_budget_auto = false;
+        Some((budget, headroom))
+    }
+
     /// Offload disabled.
     pub fn disabled() -> Self {
         let opts = LayerOptions {
@@ -286,6 +306,7 @@ impl OffloadConfig {
             device_budget: None,
             device_budget_auto: false,
             host_budget: None,
+            host_budget_auto: false,
             keep_dit_resident: false,
             parallel: ParallelConfig::default(),
             group: OffloadGroup { size: 1, axis: GroupAxis::Single },

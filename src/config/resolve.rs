@@ -217,6 +217,7 @@ struct Compact {
     device_budget: Option<u64>,
     device_budget_auto: bool,
     host_budget: Option<u64>,
+    host_budget_auto: bool,
     keep_dit_resident: bool,
 }
 
@@ -252,9 +253,10 @@ impl Compact {
             Some(Value::String(s)) if s == "auto" => (None, true),
             Some(v) => (Some(parse_budget_value(&t.key_path("device_budget"), v)?), false),
         };
-        let host_budget = match t.get("host_budget") {
-            None => None,
-            Some(v) => Some(parse_budget_value(&t.key_path("host_budget"), v)?),
+        let (host_budget, host_budget_auto) = match t.get("host_budget") {
+            None => (None, false),
+            Some(Value::String(s)) if s == "auto" => (None, true),
+            Some(v) => (Some(parse_budget_value(&t.key_path("host_budget"), v)?), false),
         };
         let keep_dit_resident = match t.opt_bool("keep_dit_resident")? {
             None => false,
@@ -284,6 +286,7 @@ impl Compact {
             device_budget,
             device_budget_auto,
             host_budget,
+            host_budget_auto,
             keep_dit_resident,
         })
     }
@@ -622,6 +625,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy, migrated: &Migrated) -> R
         device_budget: compact.device_budget,
         device_budget_auto: compact.device_budget_auto,
         host_budget: compact.host_budget,
+        host_budget_auto: compact.host_budget_auto,
         keep_dit_resident: compact.keep_dit_resident,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },
@@ -673,6 +677,7 @@ fn resolve_legacy(legacy: &Legacy, migrated: &Migrated) -> Result<OffloadConfig,
         device_budget: None,
         device_budget_auto: false,
         host_budget: None,
+        host_budget_auto: false,
         keep_dit_resident: false,
         parallel: ParallelConfig::default(),
         group: OffloadGroup { size: 1, axis: GroupAxis::Single },

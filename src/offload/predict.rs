@@ -64,6 +64,13 @@ pub fn plan_report(name: &str, desc: &PipelineDesc, config: &OffloadConfig) -> R
     let over = check_host_budget(&host).err();
     let mut report = PlanReport::from_plan(name, desc, config, &plan, host);
     report.warnings.extend(over.map(|e| format!("enable will refuse this plan: {}", e.0)));
+    if config.host_budget_auto {
+        report.notes.push(
+            "host_budget = \"auto\": resolved when a session opens, from the memory the process may still take \
+             and the weights it holds then"
+                .into(),
+        );
+    }
     Ok(report)
 }
 

@@ -16,4 +16,5 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host_heap;
+pub mod host_memory;
 pub mod timeline;

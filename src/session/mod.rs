@@ -66,6 +66,7 @@ use crate::offload::predict::{check_host_budget, host_of};
 use crate::offload::units::build_unit_plan;
 use crate::offload::{get_offload_backend, BackendReport, OffloadError, StreamingBackend, WeightSource};
 use crate::pipeline::{PipelineDesc, StorageId};
+use crate::plan::bytes::human_bytes;
 use crate::plan::report::{PlanHost, PlanReport};
 use crate::plan::{resolve_offload_plan, ResolvedPlan};
 use error::offload_err;
@@ -161,6 +162,26 @@ pub struct Session {
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session").field("backend", &self.backend).field("written", &self.written.len()).finish()
+    }
+}
+
+/// Resolves `host_budget = "auto"` ([`OffloadConfig::resolve_auto_host_budget`]) from the memory the process may
+/// still take and the weights it holds now (every storage not served by a checkpoint file: the masters take their
+/// place), into the config and the report; a note in the report says what it became.
+fn resolve_auto_host_budget(config: &mut OffloadConfig, model: &HostModel, report: &mut PlanReport) {
+    let desc = model.desc();
+    let held: u64 =
+        desc.storages.iter().filter(|(id, _)| model.file_origin(**id).is_none()).map(|(_, s)| s.byte_size()).sum();
+    let available = crate::platform::host_memory::host_available().unwrap_or(0);
+    if let Some((budget, headroom)) = config.resolve_auto_host_budget(available, held) {
+        report.host.budget = Some(budget);
+        report.notes.push(format!(
+            "host_budget = \"auto\": {} ({} available + {} of weights held now, less a headroom of {})",
+            human_bytes(budget),
+            human_bytes(available),
+            human_bytes(held),
+            human_bytes(headroom)
+        ));
     }
 }
 
@@ -265,6 +286,7 @@ impl Session {
         if !model.mapped_files().is_empty() {
             report.host = host_of(model.desc(), &config, &plan, Some(&model));
         }
+        resolve_auto_host_budget(&mut config, &model, &mut report);
         if let Err(e) = check_host_budget(&report.host) {
             model.release();
             return Err(SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))));
@@ -329,7 +351,8 @@ impl Session {
                     .into(),
             ));
         }
-        let (plan, report) = resolve(name, model.desc(), config, None)?;
+        let (plan, mut report) = resolve(name, model.desc(), config, None)?;
+        resolve_auto_host_budget(config, model, &mut report);
         check_host_budget(&report.host)
             .map_err(|e| SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
         let platform = model.platform().clone();
@@ -449,6 +472,7 @@ impl Session {
         let (plan, mut report) = resolve(&self.name, self.model.desc(), &mut config, Some(free))?;
         // Retuning keeps the host masters: the host side is the enabled one's, under the new budget.
         report.host = PlanHost { budget: config.host_budget, ..self.report.host.clone() };
+        resolve_auto_host_budget(&mut config, &self.model, &mut report);
         check_host_budget(&report.host).map_err(|e| SessionError::Plan(one_line(&e.0)))?;
         let Some(backend) = self.backend.as_mut().filter(|b| b.is_enabled()) else {
             return Err(SessionError::Offload("retune needs an enabled offload; nothing is offloaded now".into()));
