@@ -75,16 +75,18 @@ def test_a_folder_weightferry_cannot_read_is_refused_naming_it(tmp_path):
         "pipeline folder with subfolder='transformer', for instance)"
     )
     flux().save_pretrained(tmp_path)
-    os.link(tmp_path / "diffusion_pytorch_model.safetensors", tmp_path / "diffusion_pytorch_model.fp16.safetensors")
+    os.link(tmp_path / "diffusion_pytorch_model.safetensors", tmp_path / "other.safetensors")
     with pytest.raises(wf.CheckpointError) as e:
         wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim")
     assert str(e.value) == (
-        f"{str(tmp_path)!r} must hold one .safetensors file or one *.safetensors.index.json (found: "
-        "diffusion_pytorch_model.fp16.safetensors, diffusion_pytorch_model.safetensors); keep one variant of the "
-        "weights in the folder, or call weightferry.enable(model, config, checkpoint=FILE) with the file to read"
+        f"{str(tmp_path)!r} must hold one .safetensors file or one *.safetensors.index.json of no variant (found: "
+        "diffusion_pytorch_model.safetensors, other.safetensors); pass variant= to pick one, or call "
+        "weightferry.enable(model, config, checkpoint=FILE) with the file to read"
     )
+    with pytest.raises(wf.CheckpointError, match=r"of variant 'fp8' \(found: "):
+        wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim", variant="fp8")
     with pytest.raises(wf.PipelineError, match=r"^from_pretrained builds diffusers \(ModelMixin\) and transformers"):
-        (tmp_path / "diffusion_pytorch_model.fp16.safetensors").unlink()
+        (tmp_path / "other.safetensors").unlink()
         wf.from_pretrained(torch.nn.Linear, tmp_path, LAYER, device="sim")
 
 
@@ -123,3 +125,27 @@ def test_a_saved_pipeline_runs_with_its_offloaded_components_bound_from_their_fi
     assert ("vae" in offloaded) == ("vae" in components)
     for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         assert same_weights(getattr(pipe, name), getattr(saved, name)), name
+
+
+def test_variants_are_picked_by_name_as_diffusers_names_them(tmp_path):
+    # One folder, the bf16 weights with no variant and an f32 copy as variant "fp32" (sharded): each binds its own.
+    bf16, f32 = flux(), flux(torch.float32)
+    bf16.save_pretrained(tmp_path)
+    f32.save_pretrained(tmp_path, variant="fp32", max_shard_size="40KB")
+    assert any("fp32-0000" in p.name for p in tmp_path.iterdir())
+    for variant, ref in [(None, bf16), ("fp32", f32)]:
+        dtype = next(ref.parameters()).dtype
+        x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs().items()}
+        model, h = wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, LAYER, device="sim", variant=variant)
+        with h:
+            assert torch.equal(forward(model, x), forward(ref, x))
+        assert same_weights(model, ref)
+
+
+@pytest.mark.parametrize("name, variant", [
+    ("model.safetensors", None), ("model-00001-of-00002.safetensors", None), ("model.safetensors.index.json", None),
+    ("diffusion_pytorch_model.fp16.safetensors", "fp16"), ("model.fp16-00001-of-00002.safetensors", "fp16"),
+    ("diffusion_pytorch_model.safetensors.index.fp16.json", "fp16"),
+])
+def test_a_weight_file_s_variant_is_read_from_its_name(name, variant):
+    assert wf._pretrained._variant_of(name) == variant

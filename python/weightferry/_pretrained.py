@@ -18,6 +18,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,11 +50,14 @@ def from_pretrained(
     *,
     subfolder: str | None = None,
     name: str = "transformer",
+    variant: str | None = None,
 ) -> tuple[torch.nn.Module, Handle]:
     """Builds ``model_class`` from the saved model in ``folder`` (``subfolder`` inside it, as a pipeline folder's
     ``"transformer"``) on ``meta``, and offloads it under ``config`` on ``device`` with its weights bound from the
     folder's safetensors files; returns ``(model, handle)``. The model's component name in the config's vocabulary
-    is ``name`` (its key in the one-component pipeline ``{name: model}``).
+    is ``name`` (its key in the one-component pipeline ``{name: model}``). ``variant`` picks the weight files of that
+    variant (``"fp16"``: ``diffusion_pytorch_model.fp16.safetensors``), as diffusers' own ``variant=`` does; without
+    it, the files with no variant in their name.
 
     Raises :class:`weightferry.CheckpointError` when the folder holds no config or no safetensors weights (or
     several candidate files), and whatever :func:`weightferry.enable` raises; on any failure nothing is left
@@ -64,41 +68,48 @@ def from_pretrained(
     load as usual, and the result is ``(pipeline, handle)``."""
     path = Path(os.fspath(folder)) / (subfolder or "")
     if subfolder is None and (path / "model_index.json").is_file():
-        return _pipeline(model_class, path, config, device)
-    files = _weight_files(path)
+        return _pipeline(model_class, path, config, device, variant)
+    checkpoint, files = _weights(path, variant)
     dtypes = _file_dtypes(files)
     model = _on_meta(model_class, path)
     _follow_file_dtypes(model, dtypes)
-    handle = enable({name: model}, config, device, checkpoint=_checkpoint_path(path, files))
+    handle = enable({name: model}, config, device, checkpoint=checkpoint)
     return model, handle
 
 
-def _weight_files(path: Path) -> list[Path]:
-    """The folder's safetensors files: the shards its index names, or its one file."""
+def _variant_of(name: str) -> str | None:
+    """The variant a weight file's name carries, as diffusers and transformers name them: ``None`` for
+    ``model.safetensors``, ``model-00001-of-00002.safetensors`` and ``model.safetensors.index.json``; ``"fp16"`` for
+    ``model.fp16.safetensors``, ``model.fp16-00001-of-00002.safetensors`` and ``model.safetensors.index.fp16.json``."""
+    index = re.fullmatch(r".*\.safetensors\.index(?:\.(.+))?\.json", name)
+    if index:
+        return index.group(1)
+    stem = re.sub(r"-\d+-of-\d+$", "", name.removesuffix(".safetensors"))
+    return stem.rsplit(".", 1)[1] if "." in stem else None
+
+
+def _weights(path: Path, variant: str | None) -> tuple[str, list[Path]]:
+    """What ``enable(checkpoint=)`` reads for the folder's weights of ``variant`` (its index, else its one file), and
+    the safetensors files that holds."""
     if not (path / "config.json").is_file():
         raise _core.CheckpointError(
             f"{str(path)!r} holds no config.json: from_pretrained reads a model saved with save_pretrained (pass the "
             "pipeline folder with subfolder='transformer', for instance)"
         )
-    indexes = sorted(path.glob("*.safetensors.index.json"))
+    indexes = [p for p in sorted(path.glob("*.safetensors.index*.json")) if _variant_of(p.name) == variant]
     if len(indexes) == 1:
         weight_map = json.loads(indexes[0].read_text()).get("weight_map", {})
-        return sorted({path / f for f in weight_map.values()})
-    files = sorted(path.glob("*.safetensors"))
+        return str(indexes[0]), sorted({path / f for f in weight_map.values()})
+    files = [p for p in sorted(path.glob("*.safetensors")) if _variant_of(p.name) == variant]
     if len(indexes) > 1 or len(files) != 1:
-        found = ", ".join(p.name for p in indexes or files) or "none"
+        found = ", ".join(p.name for p in sorted(path.glob("*.safetensors*"))) or "none"
+        which = f"variant {variant!r}" if variant else "no variant"
         raise _core.CheckpointError(
-            f"{str(path)!r} must hold one .safetensors file or one *.safetensors.index.json (found: {found}); "
-            "keep one variant of the weights in the folder, or call weightferry.enable(model, config, "
-            "checkpoint=FILE) with the file to read"
+            f"{str(path)!r} must hold one .safetensors file or one *.safetensors.index.json of {which} (found: "
+            f"{found}); pass variant= to pick one, or call weightferry.enable(model, config, checkpoint=FILE) with "
+            "the file to read"
         )
-    return files
-
-
-def _checkpoint_path(path: Path, files: list[Path]) -> str:
-    """What ``enable(checkpoint=)`` reads: the index of a sharded folder, else the one file."""
-    indexes = sorted(path.glob("*.safetensors.index.json"))
-    return str(indexes[0] if indexes else files[0])
+    return str(files[0]), files
 
 
 def _file_dtypes(files: list[Path]) -> dict[str, Any]:
@@ -150,33 +161,37 @@ def _follow_file_dtypes(model: torch.nn.Module, dtypes: dict[str, Any]) -> None:
             t.data = t.data.to(want)
 
 
-def _pipeline(pipeline_class: Any, path: Path, config: ConfigLike, device: Any) -> tuple[Any, Handle]:
+def _pipeline(
+    pipeline_class: Any, path: Path, config: ConfigLike, device: Any, variant: str | None
+) -> tuple[Any, Handle]:
     """A diffusers pipeline from its saved folder: the offloaded components built on ``meta`` and bound from their
     files, the rest loaded by their own ``from_pretrained``."""
     index = json.loads((path / "model_index.json").read_text())
     components: dict[str, Any] = {}
-    on_meta: dict[str, Path] = {}
+    on_meta: dict[str, tuple[Path, str, list[Path]]] = {}
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or None in entry:
             continue
         klass = getattr(importlib.import_module(entry[0]), entry[1])
         sub = path / name
         if (sub / "config.json").is_file() and any(sub.glob("*.safetensors")):
+            checkpoint, files = _weights(sub, variant)
             model = _on_meta(klass, sub)
-            _follow_file_dtypes(model, _file_dtypes(_weight_files(sub)))
-            components[name], on_meta[name] = model, sub
+            _follow_file_dtypes(model, _file_dtypes(files))
+            components[name], on_meta[name] = model, (sub, checkpoint, files)
         else:
             components[name] = klass.from_pretrained(str(sub))
     accepted = inspect.signature(pipeline_class.__init__).parameters
     extra = {k: v for k, v in index.items() if k in accepted and k not in components and not isinstance(v, list)}
     pipe = pipeline_class(**components, **extra)
     selected = {c["path"] for c in plan(pipe, config)["components"] if c["selected"]}
-    for name, sub in list(on_meta.items()):
+    for name, (sub, _, files) in list(on_meta.items()):
         if name not in selected:  # left resident by the config: loaded whole, as its own from_pretrained loads it
             klass = type(components[name])
-            dtype = Counter(_file_dtypes(_weight_files(sub)).values()).most_common(1)[0][0]
-            pipe.register_modules(**{name: klass.from_pretrained(str(sub), torch_dtype=dtype).eval()})
+            dtype = Counter(_file_dtypes(files).values()).most_common(1)[0][0]
+            loaded = klass.from_pretrained(str(sub), torch_dtype=dtype, variant=variant)
+            pipe.register_modules(**{name: loaded.eval()})
             del on_meta[name]
-    checkpoints = {name: _checkpoint_path(sub, _weight_files(sub)) for name, sub in on_meta.items()}
+    checkpoints = {name: checkpoint for name, (_, checkpoint, _) in on_meta.items()}
     handle = enable(pipe, config, device, checkpoint=checkpoints)
     return pipe, handle

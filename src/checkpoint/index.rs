@@ -104,13 +104,20 @@ pub(crate) enum Located {
     File(PathBuf),
 }
 
+/// Whether a file name is a sharded checkpoint's index: `*.safetensors.index.json`, or a variant's
+/// `*.safetensors.index.<variant>.json` (diffusers' and transformers' `variant=` naming).
+fn is_index_name(name: &str) -> bool {
+    name.ends_with(INDEX_SUFFIX)
+        || name.split_once(".safetensors.index.").is_some_and(|(_, rest)| rest.ends_with(".json") && rest.len() > 5)
+}
+
 /// Resolves the path given by the user (see [`super::Checkpoint::open`]).
 pub(crate) fn locate(path: &Path) -> Result<Located, CheckpointError> {
     let not = |reason: String| CheckpointError::NotACheckpoint { path: path.to_path_buf(), reason };
     let meta = std::fs::metadata(path).map_err(|source| CheckpointError::Io { file: path.to_path_buf(), source })?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     if meta.is_file() {
-        if name.ends_with(INDEX_SUFFIX) {
+        if is_index_name(name) {
             return Ok(Located::Index(path.to_path_buf()));
         }
         if name.ends_with(".safetensors") || name.ends_with(".gguf") {
@@ -146,5 +153,19 @@ pub(crate) fn locate(path: &Path) -> Result<Located, CheckpointError> {
             many.len()
         ))),
         (many, _) => Err(not(format!("{} *{INDEX_SUFFIX} files; pass the index to use", many.len()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_index_name;
+
+    #[test]
+    fn an_index_is_named_as_the_libraries_name_it_with_or_without_a_variant() {
+        assert!(is_index_name("model.safetensors.index.json"));
+        assert!(is_index_name("diffusion_pytorch_model.safetensors.index.fp16.json"));
+        assert!(!is_index_name("model.safetensors"));
+        assert!(!is_index_name("model.safetensors.index..json"));
+        assert!(!is_index_name("config.json"));
     }
 }
