@@ -20,7 +20,9 @@ floor ``pin s`` and their ratio ``en/pin``, and whether the output equals the re
 ``pin s`` (``pin_copy_s``, ``wf_*`` and ``group`` on a GPU, else ``-``) is measured in the variant's process just
 before enable: every weight copied once into freshly allocated pinned host memory (buffers of 256 MiB, each freed,
 and torch's pinned cache emptied, once full: not timed, so enable finds the host as the build left it and the peak
-rises by one buffer at most).
+rises by one buffer at most). For the ``wf_*`` variants a second table sets the host memory the plan predicted
+before anything was allocated (``pred GB``: the masters plus the file-served bytes, ``Handle.stats()["plan_host"]``)
+beside the RSS after enable and its peak (``RSS/pred``, ``peak/pred``).
 
 Checkpoint variants ``ck_<masters>_<dK|bP>`` (``masters``: ``mapped`` or ``pinned``, the ``host_masters`` key) load
 the transformer from a safetensors file of its full size, written once per call into ``--out`` from the same
@@ -707,6 +709,8 @@ def variant(args):
     res["rss_after_enable"] = rss() - base
     res["rss_anon_after_enable"] = rss("RssAnon")
     res["rss_file_after_enable"] = rss("RssFile")
+    if handle is not None and hasattr(handle, "stats"):
+        res["plan_host"] = handle.stats()["plan_host"]  # what the plan predicted, before anything was allocated
     out, before = step(torch, args, model, x, res, handle, t0, sync, cpu)
     free, total = (0, 0) if cpu else torch.cuda.mem_get_info()
     res["device_used"] = total - free
@@ -754,6 +758,13 @@ def table(results):
                   f"{100 * r['hook_share']:.3f}% of the step "
                   f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls; host waits for the copy "
                   f"actor {h['record_waits']}, sync fetches {h['sync_fetches']})")
+    predicted = [r for r in results if "plan_host" in r]
+    if predicted:
+        print(f"\n{'host':<14}{'pred GB':>9}{'RSS GB':>8}{'RSS/pred':>9}{'peak/pred':>10}")
+        for r in predicted:
+            p = r["plan_host"]["master_bytes"] + r["plan_host"]["mapped_bytes"]
+            print(f"{r['variant']:<14}{p / 1e9:>9.2f}{r['rss_after_enable'] / 1e9:>8.2f}"
+                  f"{r['rss_after_enable'] / max(p, 1):>9.3f}{r['peak_rss'] / max(p, 1):>10.3f}")
     cks = [r for r in results if "first_step_s" in r]
     if cks:
         print(f"\n{'checkpoint':<16}{'start→1st step s':>17}{'read once s':>12}{'anon GB':>9}{'file GB':>9}"
