@@ -4,7 +4,9 @@ device is the default), then ``pipe(...)``, bit-identical to a deep copy of the 
 layer mode (transformers and text encoders streamed) and module mode (every
 component swapped whole, the VAE's decode included), every weight given back bit-identical on the CPU after
 disable. In layer mode the VAE, not selected, is put on the GPU by enable (the fixed placement): the caller moves
-nothing. Flux, SD3, Wan 2.2 (two transformers), LTX-Video, Qwen-Image and HunyuanVideo."""
+nothing. Flux, SD3, Wan 2.2 (two transformers), LTX-Video, Qwen-Image and HunyuanVideo. A saved FluxPipeline
+through ``weightferry.from_pretrained`` (offloaded components bound from their files on the GPU) equals its
+resident twin too."""
 
 import copy
 import warnings
@@ -52,3 +54,20 @@ def test_a_whole_pipeline_on_cuda_equals_its_resident_twin(name, mode):
     for path, state in before.items():
         assert list(after[path]) == list(state), path
         assert all(torch.equal(after[path][k], v) for k, v in state.items()), path
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_saved_pipeline_from_its_folder_on_cuda_equals_its_resident_twin(tmp_path, mode):
+    # weightferry.from_pretrained: the offloaded components built on meta and bound from their files on the GPU,
+    # the others loaded as usual; the predicted host masters are the ones held.
+    saved = flux_pipeline()
+    want = run_pipeline(copy.deepcopy(saved).to(CUDA)).cpu()
+    saved.save_pretrained(tmp_path)
+    pipe, handle = wf.from_pretrained(type(saved), tmp_path, MODES[mode])
+    with handle:
+        got = run_pipeline(pipe).cpu()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        stats = handle.stats()
+        assert stats["plan_host"]["master_bytes"] == stats["master_host_bytes"]
+        assert stats["plan_host"]["mapped_bytes"] == stats["mapped_host_bytes"]
