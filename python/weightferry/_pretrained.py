@@ -168,7 +168,7 @@ def _pipeline(
     files, the rest loaded by their own ``from_pretrained``."""
     index = json.loads((path / "model_index.json").read_text())
     components: dict[str, Any] = {}
-    on_meta: dict[str, tuple[Path, str, list[Path]]] = {}
+    on_meta: dict[str, tuple[Path, str, dict[str, Any]]] = {}
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or None in entry:
             continue
@@ -176,19 +176,20 @@ def _pipeline(
         sub = path / name
         if (sub / "config.json").is_file() and any(sub.glob("*.safetensors")):
             checkpoint, files = _weights(sub, variant)
+            dtypes = _file_dtypes(files)
             model = _on_meta(klass, sub)
-            _follow_file_dtypes(model, _file_dtypes(files))
-            components[name], on_meta[name] = model, (sub, checkpoint, files)
+            _follow_file_dtypes(model, dtypes)
+            components[name], on_meta[name] = model, (sub, checkpoint, dtypes)
         else:
             components[name] = klass.from_pretrained(str(sub))
     accepted = inspect.signature(pipeline_class.__init__).parameters
     extra = {k: v for k, v in index.items() if k in accepted and k not in components and not isinstance(v, list)}
     pipe = pipeline_class(**components, **extra)
     selected = {c["path"] for c in plan(pipe, config)["components"] if c["selected"]}
-    for name, (sub, _, files) in list(on_meta.items()):
+    for name, (sub, _, dtypes) in list(on_meta.items()):
         if name not in selected:  # left resident by the config: loaded whole, as its own from_pretrained loads it
             klass = type(components[name])
-            dtype = Counter(_file_dtypes(files).values()).most_common(1)[0][0]
+            dtype = Counter(dtypes.values()).most_common(1)[0][0]
             loaded = klass.from_pretrained(str(sub), torch_dtype=dtype, variant=variant)
             pipe.register_modules(**{name: loaded.eval()})
             del on_meta[name]

@@ -198,6 +198,11 @@ fn open_checkpoints(sources: &[CheckpointSource]) -> Result<Vec<(Checkpoint, Str
     sources.iter().map(|s| Ok((Checkpoint::open(&s.path).map_err(checkpoint_err)?, s.component.clone()))).collect()
 }
 
+/// A plan the config cannot give `name` (the resolver's refusal or the host budget's), in one line.
+fn not_applicable(name: &str, e: impl std::fmt::Display) -> SessionError {
+    SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}")))
+}
+
 /// The plan of `desc` under `config` (its automatic budget resolved from `free` device bytes when given), resolved
 /// once, and its report.
 fn resolve(
@@ -209,8 +214,7 @@ fn resolve(
     if let Some(free) = free {
         config.resolve_auto_budget(free);
     }
-    let plan = resolve_offload_plan(desc, config)
-        .map_err(|e| SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
+    let plan = resolve_offload_plan(desc, config).map_err(|e| not_applicable(name, e))?;
     let report = PlanReport::from_plan(name, desc, config, &plan, host_of(desc, config, &plan, None));
     Ok((plan, report))
 }
@@ -289,7 +293,7 @@ impl Session {
         resolve_auto_host_budget(&mut config, &model, &mut report);
         if let Err(e) = check_host_budget(&report.host) {
             model.release();
-            return Err(SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))));
+            return Err(not_applicable(&name, e));
         }
         let mut backend = backend(&config, platform, collective, options.ordering_fault, options.enable_progress)?;
         if let Some(b) = backend.as_mut() {
@@ -353,8 +357,7 @@ impl Session {
         }
         let (plan, mut report) = resolve(name, model.desc(), config, None)?;
         resolve_auto_host_budget(config, model, &mut report);
-        check_host_budget(&report.host)
-            .map_err(|e| SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}"))))?;
+        check_host_budget(&report.host).map_err(|e| not_applicable(name, e))?;
         let platform = model.platform().clone();
         let backend = backend(config, platform, collective, options.ordering_fault, options.enable_progress)?;
         Ok((plan, report, backend))
@@ -473,7 +476,7 @@ impl Session {
         // Retuning keeps the host masters: the host side is the enabled one's, under the new budget.
         report.host = PlanHost { budget: config.host_budget, ..self.report.host.clone() };
         resolve_auto_host_budget(&mut config, &self.model, &mut report);
-        check_host_budget(&report.host).map_err(|e| SessionError::Plan(one_line(&e.0)))?;
+        check_host_budget(&report.host).map_err(|e| not_applicable(&self.name, e))?;
         let Some(backend) = self.backend.as_mut().filter(|b| b.is_enabled()) else {
             return Err(SessionError::Offload("retune needs an enabled offload; nothing is offloaded now".into()));
         };
