@@ -12,6 +12,7 @@ import diffusers  # installed by python/install-test-deps.sh: missing is an erro
 import pytest
 import torch
 import transformers
+import zoo
 
 import weightferry as wf
 
@@ -438,3 +439,32 @@ def test_a_whole_tiny_flux_pipeline_runs_offloaded_bit_identical_to_its_twin(com
     for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         a, b = getattr(pipe, name).state_dict(), getattr(twin, name).state_dict()
         assert all(torch.equal(a[k], b[k]) for k in b), name
+
+
+def test_a_part_of_a_block_called_outside_the_block_brings_the_block_in_eager_and_compiled():
+    # DiT's forward embeds the timestep and class with transformer_blocks[0].norm1.emb before any block runs: the
+    # call opens block 0 and closes it after, so it never meets the placeholders, eager or compiled.
+    import torch._dynamo as dynamo
+
+    (case,) = [c for c in zoo.DITS if c.name == "DiTTransformer2DModel"]
+    m, x = case.build(), case.inputs()
+    blocks = len(m.transformer_blocks)
+    want = case.run(m, x)
+    before = state(m)
+    with pytest.warns(wf.WeightferryWarning, match="taken for a DiT by its name"):
+        h = wf.enable({"transformer": m}, layer(1), device="sim")
+    with h:
+        assert torch.equal(case.run(m, x), want)
+        # One unit opened per block and one for the call from outside (each opening is a pre and a post hook).
+        assert h.stats()["hooks"]["calls"] == 2 * (blocks + 1)
+        dynamo.reset()
+        with torch.no_grad():
+            explained = dynamo.explain(m)(**x, **case.kwargs)
+        # A break where each block's hooks run, and one where the call from outside runs (eager, its block open).
+        assert explained.graph_break_count == blocks + 1, [str(r.reason) for r in explained.break_reasons]
+        compiled = torch.compile(m, backend="eager")
+        for _ in range(2):
+            assert torch.equal(case.output(compiled(**x, **case.kwargs)), want)
+        assert h._session.hazard_violations() == []
+    dynamo.reset()
+    assert state(m) == before

@@ -281,6 +281,53 @@ def test_lora_added_after_enable_runs_and_fuses_inside_editing_as_on_the_twin():
     same_weights(m, twin)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_fuse_and_unfuse_lora_without_editing_walk_the_true_weights_as_on_the_twin(cfg, when):
+    # diffusers' fuse_lora / unfuse_lora walk the module with Module.apply, which runs inside editing() while
+    # enabled: the merge meets the true weights (never a placeholder), and the change is written through.
+    m, x = model()
+    if when == "before":
+        with_adapters(m)
+    twin = copy.deepcopy(m)
+    with wf.enable({"transformer": m}, CONFIGS[cfg], device="sim"):
+        forward(m, x)
+        if when == "after":
+            for mod in (m, twin):
+                with_adapters(mod)
+        for mod in (m, twin):
+            mod.fuse_lora(adapter_names=["a", "b"])
+        assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+        for mod in (m, twin):
+            mod.unfuse_lora()
+        assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+    same_weights(m, twin)
+
+
+def test_a_walk_of_one_block_edits_its_true_weights_and_a_walk_inside_editing_runs_as_is():
+    m, x = model()
+    twin = copy.deepcopy(m)
+
+    def halve(mod):
+        if isinstance(mod, torch.nn.Linear):
+            with torch.no_grad():
+                mod.weight.mul_(0.5)
+
+    with wf.enable({"transformer": m}, layer(2), device="sim") as h:
+        for mod in (m, twin):
+            assert mod.single_transformer_blocks[1].apply(halve) is mod.single_transformer_blocks[1]
+        assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+        with h.editing(m.transformer_blocks[0]):
+            m.transformer_blocks[0].apply(halve)  # the editing block open: the walk runs as is, inside it
+        twin.transformer_blocks[0].apply(halve)
+        assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)
+    assert "apply" not in m.transformer_blocks[0].__dict__
+
+
 def vae():
     import diffusers
 

@@ -178,6 +178,14 @@ PIXART = _dit(
                    added_cond_kwargs={"aspect_ratio": None, "resolution": None}),
 )
 
+DIT = _dit(  # its forward runs transformer_blocks[0].norm1.emb before any block (a call from outside a block)
+    "DiTTransformer2DModel",
+    dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=2, sample_size=8,
+         patch_size=2, num_embeds_ada_norm=10, norm_num_groups=1),
+    lambda r: dict(hidden_states=r(1, 4, 8, 8), timestep=torch.tensor([3]), class_labels=torch.tensor([1])),
+    metadata=False,
+)
+
 SANA = _dit(
     "SanaTransformer2DModel",
     dict(patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=4, num_attention_heads=2,
@@ -498,7 +506,7 @@ STABLE_AUDIO3 = _dit(
 )
 
 DITS: list[Case] = [
-    FLUX, FLUX2, CHROMA, OVIS, LONGCAT_IMAGE, BRIA_FIBO, SD3, AURAFLOW, QWEN_IMAGE, PIXART, SANA, LUMINA2,
+    FLUX, FLUX2, CHROMA, OVIS, LONGCAT_IMAGE, BRIA_FIBO, SD3, AURAFLOW, QWEN_IMAGE, PIXART, DIT, SANA, LUMINA2,
     LUMINA_NEXT, HIDREAM, COGVIEW4, COGVIEW3PLUS, HUNYUAN_DIT, OMNIGEN, ZIMAGE, HUNYUAN_IMAGE,
     HUNYUAN_VIDEO, HUNYUAN_FRAMEPACK, HUNYUAN_VIDEO15, WAN, WAN_VACE, SKYREELS_V2, CHRONO_EDIT, LTX, LTX2, COGVIDEOX,
     CONSISID, MOCHI, ALLEGRO, LATTE, COSMOS, EASYANIMATE, SANA_VIDEO, KANDINSKY5,

@@ -130,6 +130,7 @@ def enable(
         undo.push(handle._hooks.remove)
         undo.push(handle._state_hooks.remove)
         undo.push(handle._guard.remove)
+        undo.push(handle._walks.remove)
         undo.push(handle._load_hooks.remove)
         undo.push(handle._remove_watch)
         handle._offload()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from ._hooks import _compiler_disabled
+from ._compiler import compiler_disabled
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,7 +92,7 @@ class ConversionGuard:
             return module
 
         # Run as is under torch.compile: traced, it would be a graph per module path (and a recompile limit).
-        return _compiler_disabled(_apply)
+        return compiler_disabled(_apply)
 
     def _cast(self, modules: list[nn.Module], fn: Callable[[torch.Tensor], torch.Tensor], path: str) -> None:
         """Converts every tensor of ``modules`` with ``fn`` in place (``.data``), after checking that none would

@@ -17,6 +17,7 @@ from ._hooks import Hooks, StreamCheck
 from ._loads import LoadHooks
 from ._registry import mark
 from ._state_dict import StateDictHooks
+from ._walks import WalkGuard
 from ._writes import Writer
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ class Handle:
         # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
         self._guard = ConversionGuard(modules, lambda: self._forwards > 0 or self._hooks.busy())
         self._forwards = 0  # component forwards under way (a cast of dtype on the device is taken inside one)
+        # While offloaded, Module.apply (diffusers' fuse_lora / unfuse_lora) walks the true weights in editing().
+        self._walks = WalkGuard(
+            modules, self.editing, lambda: self._sigs.editing is not None or self._forwards > 0 or self._hooks.busy()
+        )
         # Writes into the weights go through weightferry's copy: load_state_dict's, and edits inside editing().
         self._writer = Writer(session, storages, self._hooks.refreshed)
         self._load_hooks = LoadHooks(modules, storages, bound, self._writer, self._sigs)
@@ -72,6 +77,7 @@ class Handle:
         self._hooks.install()
         self._state_hooks.install()
         self._guard.install()
+        self._walks.install()
         self._load_hooks.install()
         self._install_watch()
         mark(self._storages.tensors(), True)
@@ -83,8 +89,8 @@ class Handle:
         is counted as under way (``ConversionGuard`` takes a cast of dtype on the device then)."""
         import torch
 
+        from ._compiler import compiler_disabled
         from ._grad import inference_only
-        from ._hooks import _compiler_disabled
 
         for comp, module in self._modules.items():
             if not comp or "." in comp:
@@ -105,11 +111,11 @@ class Handle:
                     return None
                 return inference_only(output, comp)
 
-            hook = _compiler_disabled(pre)
+            hook = compiler_disabled(pre)
             self._watch.append(module.register_forward_pre_hook(hook, prepend=True))
             # A backward is refused at the component's output, before any of its parameters gets a gradient; and
             # the casts a forward made (diffusers' layerwise casting, see `_guards`) end with it, even when it raised.
-            self._watch.append(module.register_forward_hook(_compiler_disabled(post), always_call=True))
+            self._watch.append(module.register_forward_hook(compiler_disabled(post), always_call=True))
 
     def _remove_watch(self) -> None:
         while self._watch:
@@ -181,6 +187,7 @@ class Handle:
         # Kept until every tensor is ordinary again: a state_dict between a failed disable and its retry is right.
         self._state_hooks.remove()
         self._guard.remove()
+        self._walks.remove()
         self._load_hooks.remove()
         self._disabled = True
         if changed:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
 from ._binders import Binder, CudaBinder, Rebinding
 from ._clock import HookClock
+from ._compiler import compiler_disabled, reset_compiled
 from ._grad import inference_only
+from ._outside import Unit, hook_outside_calls
 from ._storages import tensors_over
 
 if TYPE_CHECKING:
@@ -34,29 +36,6 @@ __all__ = ["Hooks", "StreamCheck"]
 
 StreamCheck: TypeAlias = "tuple[int, Callable[[], int]]"
 """On CUDA: (torch's raw stream at enable, a reader of the current one); the hooks refuse another stream."""
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _compiler_disabled(fn: _F) -> _F:
-    """``fn`` marked for torch.compile to run as is, never traced (``torch.compiler.disable``, torch >= 2.1)."""
-    import torch
-
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
-def _reset_compiled() -> None:
-    """Drops every compiled graph of torch.compile (``torch.compiler.reset()``): code compiled before the hooks were
-    installed ran the modules without them, and keeps running without them (reading the placeholders) unless it is
-    traced again; so does code compiled with them after they are removed. Every compiled model recompiles at its next
-    call."""
-    import torch
-
-    reset = getattr(getattr(torch, "compiler", None), "reset", None)
-    if reset is not None:
-        reset()
-
 
 def _entries(component: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules through which a whole component offloaded as one unit can run: the component itself (its
@@ -104,6 +83,7 @@ class Hooks:
         self._torch_hooks: list[RemovableHandle] = []
         self._entered: set[str] = set()
         self._depth: dict[str, int] = {}  # unit path -> its entry modules open now (nested calls of one unit)
+        self.outside: list[torch.nn.Module] = []  # submodules whose call outside their block opened it, innermost last
         # One forward at a time: the thread whose hooked modules are open now, how many, and the first one's path.
         self._lock = threading.Lock()
         self._thread: int | None = None
@@ -157,6 +137,10 @@ class Hooks:
             if not self._open:
                 self._thread, self._inside = me, path
             self._open += 1
+
+    def open_here(self, path: str) -> bool:
+        """Whether the unit ``path`` is open now, entered by this thread."""
+        return path in self._entered and self._thread == threading.get_ident()
 
     def busy(self) -> bool:
         """Whether a hooked module is open now (a forward is under way: its block's tensors are bound)."""
@@ -259,26 +243,31 @@ class Hooks:
             and not any(isinstance(v.owner.tensor if v.owner else v.tensor, torch.nn.Parameter) for v in views)
         )
         self.rebind_idle(set(self._storages.views))
+        blocks: dict[torch.nn.Module, Unit] = {}
         for path in self._session.hooked_modules():
             module = self._modules.get(path)
             if module is None:
                 raise _core.Error(f"internal error: the backend hooks module '{path}', which describe() did not name")
             # torch.compile must not trace into the hooks (they call into Rust and rebind tensors): each hook is one
             # graph break, and the compiled regions between them stay valid across rebinding.
-            pre, post = _compiler_disabled(self._pre(path)), _compiler_disabled(self._post(path))
+            pre, post = compiler_disabled(self._pre(path)), compiler_disabled(self._post(path))
             for entry in _entries(module) if "." not in path else [module]:
                 self._torch_hooks.append(entry.register_forward_pre_hook(pre))
                 self._torch_hooks.append(entry.register_forward_hook(post, always_call=True))
-        _reset_compiled()
+            if "." in path:
+                blocks[module] = (path, pre, post)
+        self._torch_hooks += hook_outside_calls(blocks, self)
+        reset_compiled()
 
     def remove(self) -> None:
         """Removes every torch hook and forgets the slots."""
         if self._torch_hooks:
-            _reset_compiled()
+            reset_compiled()
         while self._torch_hooks:
             self._torch_hooks.pop().remove()
         self._entered.clear()
         self._depth.clear()
+        self.outside.clear()
         self._idle_buffers.clear()
         with self._lock:
             self._thread, self._open = None, 0
