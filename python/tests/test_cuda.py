@@ -304,8 +304,7 @@ def test_loads_edits_and_lora_on_cuda_equal_a_resident_twin(cfg):
             mod.add_adapter(lora(seed=3), "late")
         assert m.transformer_blocks[1].attn.to_q.lora_A["late"].weight.device == CUDA, "a new adapter is on the GPU"
         assert torch.equal(_out(m, x), _out(twin, x))
-        with h.editing():
-            m.fuse_lora(adapter_names=["late"])
+        m.fuse_lora(adapter_names=["late"])  # no editing block: Module.apply walks the true weights in one
         assert m.transformer_blocks[1].attn.to_q.lora_A["late"].weight.device == CUDA, "back on the GPU"
         _fuse_on_cpu(twin, adapter_names=["late"])
         assert torch.equal(_out(m, x), _out(twin, x))
@@ -334,3 +333,21 @@ def test_module_mode_runs_vae_decode_and_encode_on_cuda():
     with wf.enable(pipe, config, device="cuda"):
         for got, want in zip(run(pipe), run(twin)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+def test_a_part_of_a_block_called_outside_it_brings_the_block_in_on_cuda():
+    import zoo
+
+    (case,) = [c for c in zoo.DITS if c.name == "DiTTransformer2DModel"]
+    m, x = case.build(), case.inputs()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    twin = case.build().to(CUDA)
+    xg = {k: v.to(CUDA) for k, v in x.items()}
+    want = case.run(twin, xg).cpu()
+    cfg = {"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+                                        "layer_options": {"dit": {"prefetch_depth": 1}}}}
+    with wf.enable({"transformer": m}, cfg, device="cuda"):
+        for _ in range(2):
+            assert torch.equal(case.run(m, xg).cpu(), want)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
