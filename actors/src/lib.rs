@@ -17,9 +17,11 @@ pub mod collective_actor;
 pub mod error;
 pub mod messages;
 pub mod platform;
+pub mod reader_actor;
 pub mod shard;
 pub mod sim;
 pub mod slot;
+pub mod staging;
 pub mod stream_actor;
 pub mod sync;
 
@@ -28,4 +30,5 @@ pub use block_stack::{
     Segment, StackSpec, StackStats, Submission, MAX_GATHERS_PER_BLOCK,
 };
 pub use error::SchedulerError;
+pub use reader_actor::ReaderHandle;
 pub use stream_actor::{StreamHandle, StreamOptions};

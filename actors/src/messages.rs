@@ -4,7 +4,7 @@
 //! the ready event to record after them. The stream actor publishes "recorded" on the ticket board of the stack
 //! that sent it, and its completion watcher reports "completed" through the stack's unbounded mailbox.
 
-use crate::platform::{DeviceBufferId, EventId, HostBufferId, PlatformError};
+use crate::platform::{BlockFile, DeviceBufferId, EventId, HostBufferId, PlatformError};
 use crate::slot::Ticket;
 use crate::sync::mailbox::Sender;
 use crate::sync::{lock, Arc, Condvar, Mutex};
@@ -50,10 +50,26 @@ pub struct LoadCmd {
     pub copies: Vec<CopyOp>,
     /// Event recorded after the copies.
     pub ready: EventId,
+    /// A second event recorded after the copies, for a load read from disk: the staging buffer's, whose completion
+    /// frees the buffer for the next read (see [`crate::staging`]). `None` for a load from host memory.
+    pub staged: Option<EventId>,
     /// Where "recorded" is published.
     pub board: Arc<TicketBoard>,
     /// Where "completed" is reported.
     pub notify: Option<Sender<Completion>>,
+}
+
+/// A read of a block's bytes from its checkpoint file into the staging buffer its load copies from.
+#[derive(Debug, Clone)]
+pub struct FileRead {
+    /// The file.
+    pub file: std::sync::Arc<dyn BlockFile>,
+    /// Offset in the file.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Offset in the staging buffer (the copies' `host_offset`s are offsets in that buffer too).
+    pub staging_offset: u64,
 }
 
 /// A message to a stream actor.

@@ -60,6 +60,17 @@ pub trait HostRegion: Send + Sync + fmt::Debug {
     fn as_ptr(&self) -> *const u8;
 }
 
+/// A checkpoint file the disk tier reads blocks from, on every pass, into its staging buffers.
+///
+/// Reads go around the page cache where the file system allows (the owner opens the file for direct I/O), so a model
+/// larger than host memory does not fill it; a file truncated or rewritten under the reader is an error of the read,
+/// never a fault or stale bytes.
+pub trait BlockFile: Send + Sync + fmt::Debug {
+    /// Copies `out.len()` bytes from `offset` into `out`; fails, saying why, when they are no longer there or no
+    /// longer the ones the file was opened with.
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
+}
+
 /// Errors a platform reports.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlatformError {
@@ -135,6 +146,16 @@ pub enum PlatformError {
         /// The buffer.
         id: u64,
         /// What the region said.
+        reason: String,
+    },
+    /// The disk tier could not read a block's bytes from its checkpoint file.
+    #[error("reading {bytes} bytes at offset {offset} of a checkpoint file failed: {reason}")]
+    FileReadFailed {
+        /// File offset of the read.
+        offset: u64,
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the file said.
         reason: String,
     },
     /// The platform cannot be used here (no device, no driver).

@@ -180,7 +180,11 @@ fn execute(platform: &PlatformRef, stream: StreamId, cmd: &LoadCmd) -> Result<()
             }
         }
     }
-    platform.record_event(cmd.ready, stream)
+    platform.record_event(cmd.ready, stream)?;
+    match cmd.staged {
+        Some(staged) => platform.record_event(staged, stream),
+        None => Ok(()),
+    }
 }
 
 fn actor_loop(platform: PlatformRef, stream: StreamId, rx: &Receiver<StreamCmd>, watch: Option<Sender<Watch>>) {

@@ -41,6 +41,7 @@ pub(super) fn issue(st: &BlockStack, g: &mut Inner, load: &Load<'_>) -> Result<(
         waits: load.waits.to_vec(),
         copies,
         ready: g.mem.ready_ev[load.slot],
+        staged: None,
         board: st.board.clone(),
         notify: Some(g.notify.clone()),
     })
@@ -79,6 +80,7 @@ pub(super) fn load_resident_head(st: &BlockStack) -> Result<(), SchedulerError> 
             waits: Vec::new(),
             copies: copies_for(spec, dst),
             ready,
+            staged: None,
             board: st.board.clone(),
             notify: None,
         })?;
