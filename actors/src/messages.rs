@@ -72,6 +72,16 @@ pub struct FileRead {
     pub staging_offset: u64,
 }
 
+impl PartialEq for FileRead {
+    /// The same range of the same file (the same object), into the same place.
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.file, &other.file)
+            && (self.offset, self.len, self.staging_offset) == (other.offset, other.len, other.staging_offset)
+    }
+}
+
+impl Eq for FileRead {}
+
 /// A message to a stream actor.
 #[derive(Debug)]
 pub enum StreamCmd {

@@ -30,6 +30,7 @@ pub const READER_MAILBOX: usize = 64;
 
 enum ReaderCmd {
     Load { cmd: LoadCmd, reads: Vec<FileRead> },
+    Fence { reply: Sender<Result<(), SchedulerError>> },
     Shutdown,
 }
 
@@ -134,6 +135,15 @@ impl ReaderHandle {
             .map_err(|_| SchedulerError::ActorGone { actor: format!("reader '{}'", self.name) })
     }
 
+    /// Returns once every load sent before it was handed on and has completed on the device (a fence of the
+    /// stream actor, sent by the reader after those loads).
+    pub fn fence(&self) -> Result<(), SchedulerError> {
+        let (rtx, rrx) = mailbox::unbounded();
+        let gone = || SchedulerError::ActorGone { actor: format!("reader '{}'", self.name) };
+        self.tx.send(ReaderCmd::Fence { reply: rtx }).map_err(|_| gone())?;
+        rrx.recv().map_err(|_| gone())?
+    }
+
     /// Stops the reader after it handed on every load it received, and joins it. Idempotent.
     pub fn shutdown(&self) {
         let _ = self.tx.send(ReaderCmd::Shutdown);
@@ -171,6 +181,10 @@ fn reader_loop(platform: &PlatformRef, stream: &StreamHandle, staging: &Staging,
     while let Ok(cmd) = rx.recv() {
         let (cmd, reads) = match cmd {
             ReaderCmd::Load { cmd, reads } => (cmd, reads),
+            ReaderCmd::Fence { reply } => {
+                let _ = reply.send(stream.fence());
+                continue;
+            }
             ReaderCmd::Shutdown => break,
         };
         if reads.is_empty() {

@@ -97,7 +97,9 @@ fn run_rank(
     }
     let spec = StackSpec {
         name: format!("gathered-r{rank}"),
-        blocks: (0..blocks).map(|_| BlockSpec { segments: Vec::new(), device_bytes: 2 * SECOND_AT }).collect(),
+        blocks: (0..blocks)
+            .map(|_| BlockSpec { segments: Vec::new(), reads: Vec::new(), device_bytes: 2 * SECOND_AT })
+            .collect(),
         resident_head: 0,
         prefetch_depth: depth,
         eager_prefetch: false,
@@ -298,7 +300,7 @@ fn invalid_gather_specs_are_errors() {
     let sec = GatherSection { host, host_offset: 0, shard_bytes: 64, output_offset: 0, tag: 1 };
     let spec = |eager| StackSpec {
         name: "g".into(),
-        blocks: vec![BlockSpec { segments: Vec::new(), device_bytes: 64 }; 2],
+        blocks: vec![BlockSpec { segments: Vec::new(), reads: Vec::new(), device_bytes: 64 }; 2],
         resident_head: 0,
         prefetch_depth: 1,
         eager_prefetch: eager,

@@ -42,6 +42,7 @@ fn rig(n: usize, config: SimConfig) -> Rig {
                 Segment { host: ha, host_offset: 0, len: a_len, device_offset: 0 },
                 Segment { host: hb, host_offset: 0, len: b_len, device_offset: b_off },
             ],
+            reads: Vec::new(),
             device_bytes: b_off + b_len,
         });
         let mut dev = vec![0u8; (b_off + b_len) as usize];
@@ -550,4 +551,96 @@ fn hook_mode_streams_without_the_stream_actor_and_observes_every_completion() {
     assert_eq!(st.completions, st.loads - 1, "{st:?}");
     stack.disable().unwrap();
     assert_eq!(r.sim.device_memory().in_use, 0);
+}
+
+/// A checkpoint file in memory (the disk tier's `BlockFile`).
+#[derive(Debug)]
+struct MemFile(Vec<u8>);
+
+impl weightferry_actors::platform::BlockFile for MemFile {
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        let o = offset as usize;
+        out.copy_from_slice(self.0.get(o..o + out.len()).ok_or("past the end of the file")?);
+        Ok(())
+    }
+}
+
+/// `r`'s blocks with every odd one moved to the disk tier: its segments' bytes written to a file, read into a
+/// staging buffer (segment after segment) and copied from there. Returns the blocks and the staging size.
+fn odd_blocks_on_disk(r: &Rig) -> (Vec<BlockSpec>, u64) {
+    use weightferry_actors::messages::FileRead;
+    let mut file = Vec::new();
+    let mut placed = Vec::new();
+    for (i, b) in r.blocks.iter().enumerate() {
+        let mut reads = Vec::new();
+        let mut at = 0u64;
+        for s in &b.segments {
+            let mut bytes = vec![0u8; s.len as usize];
+            r.sim.read_host(s.host, s.host_offset, &mut bytes).unwrap();
+            reads.push((file.len() as u64, s.len, at));
+            file.extend_from_slice(&bytes);
+            at += s.len;
+        }
+        placed.push((i % 2 == 1).then_some(reads));
+    }
+    let file = Arc::new(MemFile(file));
+    let mut staging = 0;
+    let blocks = r
+        .blocks
+        .iter()
+        .zip(placed)
+        .map(|(b, reads)| match reads {
+            None => b.clone(),
+            Some(reads) => {
+                let mut b = b.clone();
+                for (s, &(_, _, at)) in b.segments.iter_mut().zip(&reads) {
+                    s.host_offset = at;
+                }
+                staging = staging.max(reads.iter().map(|r| r.2 + r.1).max().unwrap_or(0));
+                b.reads = reads
+                    .into_iter()
+                    .map(|(offset, len, staging_offset)| FileRead { file: file.clone(), offset, len, staging_offset })
+                    .collect();
+                b
+            }
+        })
+        .collect();
+    (blocks, staging)
+}
+
+#[test]
+fn blocks_on_disk_arrive_through_the_reader_at_every_depth_and_head_without_hazards() {
+    use weightferry_actors::ReaderHandle;
+    for depth in 1..=3 {
+        for head in [0usize, 2] {
+            let mut r = rig(6, slow_copies());
+            let (blocks, staging) = odd_blocks_on_disk(&r);
+            r.blocks = blocks;
+            let reader =
+                ReaderHandle::spawn(r.sim.clone(), "disk", r.stream.clone(), 2, staging, HostMemoryKind::Pinned)
+                    .unwrap();
+            let spec = spec(&r, head, depth, OrderingFault::None);
+            let stack = BlockStack::with_reader(r.sim.clone(), spec, None, r.compute, r.stream.clone(), reader.clone())
+                .unwrap();
+            let bad = drive(&r, &stack, 3, &|_, _| false, Duration::ZERO);
+            assert_eq!(bad, 0, "depth {depth} head {head}: kernels saw wrong bytes");
+            assert!(r.sim.violations().is_empty(), "depth {depth} head {head}: {:?}", r.sim.violations());
+            assert_eq!(stack.stats().sync_fetches, 0, "depth {depth} head {head}");
+            stack.disable().unwrap();
+            reader.destroy().unwrap();
+            assert_eq!(r.sim.device_memory().in_use, 0, "disable must free everything");
+            r.stream.shutdown();
+        }
+    }
+}
+
+#[test]
+fn a_stack_with_blocks_on_disk_and_no_reader_is_refused() {
+    let mut r = rig(3, SimConfig::default());
+    let (blocks, _) = odd_blocks_on_disk(&r);
+    r.blocks = blocks;
+    let err =
+        BlockStack::new(r.sim.clone(), spec(&r, 0, 1, OrderingFault::None), r.compute, r.stream.clone()).unwrap_err();
+    assert_eq!(err.to_string(), "invalid stack 'dit': block 1 is read from disk, and the stack has no reader");
+    r.stream.shutdown();
 }

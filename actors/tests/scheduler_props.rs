@@ -153,7 +153,7 @@ fn rig(shapes: &[BlockShape], config: SimConfig) -> Rig {
         }
         let device_bytes = dev_cursor + shape.tail_pad;
         region.resize(device_bytes as usize, 0);
-        specs.push(BlockSpec { segments, device_bytes });
+        specs.push(BlockSpec { segments, reads: Vec::new(), device_bytes });
         contents.push(region);
     }
     Rig { sim, compute, stream, specs, contents }

@@ -25,6 +25,7 @@ pub(crate) fn stack(
             let h = p.alloc_host(bytes, HostMemoryKind::Pinned).expect("host");
             BlockSpec {
                 segments: vec![Segment { host: h, host_offset: 0, len: bytes, device_offset: 0 }],
+                reads: Vec::new(),
                 device_bytes: bytes,
             }
         })
@@ -164,6 +165,7 @@ pub(crate) fn null_stack(n: usize, depth: usize, submission: Submission) -> (Str
             let h = p.alloc_host(4096, HostMemoryKind::Pinned).expect("host");
             BlockSpec {
                 segments: vec![Segment { host: h, host_offset: 0, len: 4096, device_offset: 0 }],
+                reads: Vec::new(),
                 device_bytes: 4096,
             }
         })

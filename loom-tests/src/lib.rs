@@ -676,6 +676,7 @@ mod harness {
                 p.write_host(h, 0, &Self::bytes_of(i)).expect("fill host master");
                 blocks.push(BlockSpec {
                     segments: vec![Segment { host: h, host_offset: 0, len: BLOCK_BYTES, device_offset: 0 }],
+                    reads: Vec::new(),
                     device_bytes: BLOCK_BYTES,
                 });
             }

@@ -473,7 +473,11 @@ impl StreamingBackend {
             if let Some(group) = st.group.as_mut().filter(|_| sp.allgather) {
                 let gi = group.add_stack(model, &sp.units, kind, sp.chunk_bytes, si, &mut st.locations)?;
                 st.gathered.push(Some(gi));
-                let blocks = sp.units.iter().map(|u| BlockSpec { segments: Vec::new(), device_bytes: u.device_bytes });
+                let blocks = sp.units.iter().map(|u| BlockSpec {
+                    segments: Vec::new(),
+                    reads: Vec::new(),
+                    device_bytes: u.device_bytes,
+                });
                 st.block_specs.push(blocks.collect());
                 done += sp.units.iter().map(unit_bytes).sum::<u64>();
                 report(done);
@@ -752,7 +756,7 @@ impl StreamingBackend {
                     st.locations.insert(s, (si, first_ui + k, device_offset + off));
                 }
             }
-            specs.push(BlockSpec { segments, device_bytes: unit.device_bytes });
+            specs.push(BlockSpec { segments, reads: Vec::new(), device_bytes: unit.device_bytes });
         }
         Ok(specs)
     }

@@ -5,7 +5,7 @@
 //!
 //! The resident head loads this way in every mode (hook submission and gather stacks included), once, at creation.
 
-use super::{BlockSpec, BlockStack, Inner, Load};
+use super::{BlockSpec, BlockStack, Inner, Load, LoadPath};
 use crate::error::SchedulerError;
 use crate::messages::{CopyDirection, CopyOp, LoadCmd};
 use crate::platform::DeviceBufferId;
@@ -34,25 +34,38 @@ pub(super) fn issue(st: &BlockStack, g: &mut Inner, load: &Load<'_>) -> Result<(
     let copies = copies_for(spec, g.mem.slot_bufs[load.slot]);
     g.stats.loads += 1;
     g.stats.h2d_bytes += spec.copy_bytes();
-    st.stream.load(LoadCmd {
-        ticket: load.ticket,
-        target: load.slot,
-        block: load.block,
-        waits: load.waits.to_vec(),
-        copies,
-        ready: g.mem.ready_ev[load.slot],
-        staged: None,
-        board: st.board.clone(),
-        notify: Some(g.notify.clone()),
-    })
+    send(
+        st,
+        spec,
+        LoadCmd {
+            ticket: load.ticket,
+            target: load.slot,
+            block: load.block,
+            waits: load.waits.to_vec(),
+            copies,
+            ready: g.mem.ready_ev[load.slot],
+            staged: None,
+            board: st.board.clone(),
+            notify: Some(g.notify.clone()),
+        },
+    )
+}
+
+/// Sends a load of `spec` to the stream actor, or through the stack's reader (with the block's file reads) when the
+/// stack has one: then every load of the stack goes through it, in ticket order.
+fn send(st: &BlockStack, spec: &BlockSpec, cmd: LoadCmd) -> Result<(), SchedulerError> {
+    match &st.path {
+        LoadPath::Disk(reader) => reader.load(cmd, spec.reads.clone()),
+        _ => st.stream.load(cmd),
+    }
 }
 
 /// Waits (without the stack's lock) until load `ticket` of `block` is recorded on the stream board.
 pub(super) fn wait_recorded(st: &BlockStack, ticket: Ticket, block: usize) -> Result<(), SchedulerError> {
-    match st.wait_ticket(&st.board, ticket, &|| st.stream.is_alive()) {
+    match st.wait_ticket(&st.board, ticket, &|| st.done_alive()) {
         Some(Ok(())) => Ok(()),
         Some(Err(e)) => Err(SchedulerError::LoadFailed { stack: st.name.to_string(), block, source: e }),
-        None => Err(SchedulerError::ActorGone { actor: format!("stream '{}'", st.stream.name()) }),
+        None => Err(SchedulerError::ActorGone { actor: st.done_actor() }),
     }
 }
 
@@ -73,17 +86,21 @@ pub(super) fn load_resident_head(st: &BlockStack) -> Result<(), SchedulerError> 
         let ticket = g.ring.take_ticket();
         g.stats.loads += 1;
         g.stats.h2d_bytes += spec.copy_bytes();
-        st.stream.load(LoadCmd {
-            ticket,
-            target: usize::MAX,
-            block: i,
-            waits: Vec::new(),
-            copies: copies_for(spec, dst),
-            ready,
-            staged: None,
-            board: st.board.clone(),
-            notify: None,
-        })?;
+        send(
+            st,
+            spec,
+            LoadCmd {
+                ticket,
+                target: usize::MAX,
+                block: i,
+                waits: Vec::new(),
+                copies: copies_for(spec, dst),
+                ready,
+                staged: None,
+                board: st.board.clone(),
+                notify: None,
+            },
+        )?;
         tickets.push((ticket, i));
     }
     drop(g);
@@ -91,7 +108,11 @@ pub(super) fn load_resident_head(st: &BlockStack) -> Result<(), SchedulerError> 
         wait_recorded(st, ticket, block)?;
     }
     // The head must be complete before any compute reads it; this runs once, at creation.
-    st.stream.fence().map_err(|e| match e {
+    let fenced = match &st.path {
+        LoadPath::Disk(reader) => reader.fence(),
+        _ => st.stream.fence(),
+    };
+    fenced.map_err(|e| match e {
         SchedulerError::Platform(source) => {
             SchedulerError::LoadFailed { stack: st.name.to_string(), block: tickets.first().map_or(0, |t| t.1), source }
         }

@@ -42,7 +42,7 @@ impl Faults {
 pub(super) fn fence_on_record(st: &BlockStack) -> Result<(), SchedulerError> {
     match st.path {
         LoadPath::Hook => Ok(()),
-        LoadPath::Actor | LoadPath::Gather(_) => {
+        LoadPath::Actor | LoadPath::Gather(_) | LoadPath::Disk(_) => {
             let last = lock(&st.inner).ring.last_ticket();
             actor_path::wait_recorded(st, last, usize::MAX)
         }

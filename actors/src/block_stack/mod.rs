@@ -47,8 +47,9 @@ pub use gather_path::{GatherBlock, GatherPath, GatherSection, GatherSequence, MA
 pub use ordering_fault::OrderingFault;
 
 use crate::error::SchedulerError;
-use crate::messages::{Completion, TicketBoard};
+use crate::messages::{Completion, FileRead, TicketBoard};
 use crate::platform::{DeviceBufferId, EventId, HostBufferId, PlatformError, PlatformRef, StreamId};
+use crate::reader_actor::ReaderHandle;
 use crate::slot::{SlotState, Ticket};
 use crate::stream_actor::StreamHandle;
 use crate::sync::mailbox::{self, Receiver, Sender};
@@ -93,6 +94,10 @@ pub struct Segment {
 pub struct BlockSpec {
     /// Flat copies (one per dtype for well-packed masters).
     pub segments: Vec<Segment>,
+    /// For a block of the disk tier: the file ranges its reader reads into a staging buffer before the copies, whose
+    /// `host_offset`s are then offsets in that buffer (their `host` is replaced by it). Empty for a block in host
+    /// memory. A stack with any such block must be made [`BlockStack::with_reader`].
+    pub reads: Vec<FileRead>,
     /// Bytes of the device region the block occupies.
     pub device_bytes: u64,
 }
@@ -203,6 +208,8 @@ enum LoadPath {
     Hook,
     /// [`BlockStack::with_gather`]: `gather_path.rs`.
     Gather(gather_path::GatherLink),
+    /// [`BlockStack::with_reader`]: the actor path, every load through the disk tier's reader actor.
+    Disk(ReaderHandle),
 }
 
 /// The state only the stack's load path has, under the stack's lock (the variant of its [`LoadPath`]).
@@ -416,7 +423,28 @@ impl BlockStack {
         compute: StreamId,
         stream: StreamHandle,
     ) -> Result<BlockStack, SchedulerError> {
-        Self::build(platform, spec, resident, compute, stream, None)
+        Self::build(platform, spec, resident, compute, stream, None, None)
+    }
+
+    /// Like [`BlockStack::with_resident_set`], for a stack with blocks of the disk tier (their [`BlockSpec::reads`]):
+    /// every load, the resident head's included, goes through `reader`, which reads those blocks into its staging
+    /// buffers and hands each load on to `stream` (the reader's own stream actor) in ticket order. The caller owns
+    /// the reader and destroys it after the stack, before the stream.
+    pub fn with_reader(
+        platform: PlatformRef,
+        spec: StackSpec,
+        resident: Option<Vec<bool>>,
+        compute: StreamId,
+        stream: StreamHandle,
+        reader: ReaderHandle,
+    ) -> Result<BlockStack, SchedulerError> {
+        if spec.submission != Submission::Actor {
+            return Err(SchedulerError::InvalidSpec {
+                stack: spec.name.clone(),
+                reason: "a stack with a reader submits through actors (Submission::Actor)".into(),
+            });
+        }
+        Self::build(platform, spec, resident, compute, stream, None, Some(reader))
     }
 
     /// A stack whose streamed blocks are rebuilt by AllGather of per-rank shards (see `gather_path.rs`): each slot
@@ -432,7 +460,7 @@ impl BlockStack {
         stream: StreamHandle,
         gather: GatherPath,
     ) -> Result<BlockStack, SchedulerError> {
-        Self::build(platform, spec, resident, compute, stream, Some(gather))
+        Self::build(platform, spec, resident, compute, stream, Some(gather), None)
     }
 
     fn build(
@@ -442,8 +470,9 @@ impl BlockStack {
         compute: StreamId,
         stream: StreamHandle,
         gather: Option<GatherPath>,
+        reader: Option<ReaderHandle>,
     ) -> Result<BlockStack, SchedulerError> {
-        let resident = Self::check_spec(&spec, resident)?;
+        let resident = Self::check_spec(&spec, resident, reader.is_some())?;
         // Per block: bytes its slot must hold (the gathered sections may extend past the region by their padding).
         let mut region: Vec<u64> = spec.blocks.iter().map(|b| b.device_bytes).collect();
         let layout = match &gather {
@@ -483,7 +512,10 @@ impl BlockStack {
             None if spec.submission == Submission::Hook => {
                 (PathState::Hook(hook_path::InFlight::with_capacity(slots)), LoadPath::Hook)
             }
-            None => (PathState::Actor, LoadPath::Actor),
+            None => match reader {
+                Some(r) => (PathState::Actor, LoadPath::Disk(r)),
+                None => (PathState::Actor, LoadPath::Actor),
+            },
         };
         let (notify, mailbox) = mailbox::unbounded();
         let stack = BlockStack {
@@ -523,7 +555,7 @@ impl BlockStack {
 
     /// Checks a stack's spec before anything is allocated (a fault this build lacks, no blocks, a resident set of
     /// the wrong length or a head past the end, a segment outside its block's region); returns the resident set.
-    fn check_spec(spec: &StackSpec, resident: Option<Vec<bool>>) -> Result<Vec<bool>, SchedulerError> {
+    fn check_spec(spec: &StackSpec, resident: Option<Vec<bool>>, reader: bool) -> Result<Vec<bool>, SchedulerError> {
         #[cfg(not(weightferry_broken))]
         if spec.ordering_fault != OrderingFault::None {
             return Err(SchedulerError::FaultNotBuilt { stack: spec.name.clone(), fault: spec.ordering_fault });
@@ -544,6 +576,9 @@ impl BlockStack {
             None => (0..n).map(|i| i < spec.resident_head).collect(),
         };
         for (i, b) in spec.blocks.iter().enumerate() {
+            if !b.reads.is_empty() && !reader {
+                return Err(invalid(format!("block {i} is read from disk, and the stack has no reader")));
+            }
             for s in &b.segments {
                 if s.device_offset.checked_add(s.len).is_none_or(|end| end > b.device_bytes) {
                     return Err(invalid(format!(
@@ -584,7 +619,7 @@ impl BlockStack {
     fn done_board(&self) -> &TicketBoard {
         match &self.path {
             LoadPath::Gather(link) => &link.board,
-            LoadPath::Actor | LoadPath::Hook => &self.board,
+            LoadPath::Actor | LoadPath::Hook | LoadPath::Disk(_) => &self.board,
         }
     }
 
@@ -593,6 +628,7 @@ impl BlockStack {
         match &self.path {
             LoadPath::Gather(link) => link.is_alive(),
             LoadPath::Actor | LoadPath::Hook => self.stream.is_alive(),
+            LoadPath::Disk(r) => r.is_alive(),
         }
     }
 
@@ -601,6 +637,7 @@ impl BlockStack {
         match &self.path {
             LoadPath::Gather(link) => link.actor_name(&self.name),
             LoadPath::Actor | LoadPath::Hook => format!("stream '{}'", self.stream.name()),
+            LoadPath::Disk(r) => format!("reader '{}'", r.name()),
         }
     }
 
@@ -670,7 +707,7 @@ impl BlockStack {
         let waits: &[EventId] = fault_point!(self, SkipLastUseWait => &[], &last_use);
         let load = Load { slot: s, block, ticket, waits };
         let issued = match &self.path {
-            LoadPath::Actor => actor_path::issue(self, g, &load),
+            LoadPath::Actor | LoadPath::Disk(_) => actor_path::issue(self, g, &load),
             LoadPath::Hook => hook_path::issue(self, g, &load),
             LoadPath::Gather(link) => link.issue(self, g, &load),
         };
@@ -815,6 +852,7 @@ impl BlockStack {
         match &self.path {
             LoadPath::Hook => hook_path::fence(self),
             LoadPath::Actor | LoadPath::Gather(_) => self.stream.fence(),
+            LoadPath::Disk(r) => r.fence(),
         }
     }
 
@@ -841,6 +879,7 @@ impl BlockStack {
         let fenced = match &self.path {
             LoadPath::Hook => self.platform.stream_synchronize(self.stream.stream()).map_err(Into::into),
             LoadPath::Actor | LoadPath::Gather(_) => self.stream.fence(),
+            LoadPath::Disk(r) => r.fence(),
         };
         let mut g = lock(&self.inner);
         let mut sync_err = None;
