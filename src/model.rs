@@ -103,6 +103,8 @@ pub struct HostModel {
     homes: BTreeMap<StorageId, Home>,
     /// Mapped checkpoint files the model owns (freed by [`HostModel::release`]).
     files: Vec<HostBufferId>,
+    /// Each mapped file's path (the disk tier opens it again for reads around the page cache).
+    paths: BTreeMap<HostBufferId, std::path::PathBuf>,
     /// Where each file-backed storage lies in its file, whatever its current home: a backend's master gives it
     /// back by re-homing it there, without a copy.
     origins: BTreeMap<StorageId, (HostBufferId, u64)>,
@@ -247,16 +249,25 @@ impl HostModel {
         loaded: BTreeMap<StorageId, HostBufferId>,
     ) -> HostModel {
         let homes = loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })).collect();
-        HostModel { desc, platform, homes, files: Vec::new(), origins: BTreeMap::new(), caller: Vec::new() }
+        HostModel {
+            desc,
+            platform,
+            homes,
+            files: Vec::new(),
+            paths: BTreeMap::new(),
+            origins: BTreeMap::new(),
+            caller: Vec::new(),
+        }
     }
 
     /// A model whose every storage lies in a mapped file: `files` are mapped host buffers of `platform`
     /// ([`Platform::map_host`](weightferry_actors::platform::Platform::map_host)), owned by the model from now on;
-    /// `at` gives each storage of `desc` its file and offset. Loaders check the ranges first.
+    /// `at` gives each storage of `desc` its file and offset, `paths` each file's path. Loaders check the ranges
+    /// first.
     pub(crate) fn from_files(
         platform: PlatformRef,
         desc: Arc<PipelineDesc>,
-        files: Vec<HostBufferId>,
+        paths: BTreeMap<HostBufferId, std::path::PathBuf>,
         at: BTreeMap<StorageId, (HostBufferId, u64)>,
         loaded: BTreeMap<StorageId, HostBufferId>,
     ) -> HostModel {
@@ -264,7 +275,8 @@ impl HostModel {
             at.iter().map(|(&id, &(buf, offset))| (id, Home::File { buf, offset })).collect();
         let caller = loaded.keys().copied().collect();
         homes.extend(loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })));
-        HostModel { desc, platform, homes, files, origins: at, caller }
+        let files = paths.keys().copied().collect();
+        HostModel { desc, platform, homes, files, paths, origins: at, caller }
     }
 
     /// Storages of a model from a checkpoint that the file does not fill (non-persistent buffers): zero-filled
@@ -276,6 +288,11 @@ impl HostModel {
     /// Where a file-backed storage lies in its checkpoint file (`(mapped buffer, offset)`), whatever its home now.
     pub fn file_origin(&self, id: StorageId) -> Option<(HostBufferId, u64)> {
         self.origins.get(&id).copied()
+    }
+
+    /// The path of mapped checkpoint file `buf`.
+    pub fn file_path(&self, buf: HostBufferId) -> Option<&std::path::Path> {
+        self.paths.get(&buf).map(|p| p.as_path())
     }
 
     /// The mapped checkpoint files the model owns.

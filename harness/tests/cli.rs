@@ -231,8 +231,8 @@ fn plan_predicts_the_host_masters_and_run_refuses_a_host_budget_below_them() {
     );
     let need = format!(
         "host_budget: the host masters of the offloaded weights need {}, over the budget of 1.00 KiB (1024 B); \
-         raise host_budget, offload fewer components, or bind the weights from a checkpoint with host_masters = \
-         \"mapped\" (its file serves the blocks and takes no master)",
+         raise host_budget, offload fewer components, or bind the weights from a checkpoint (its file then serves \
+         the blocks beyond the budget, read from disk on every pass)",
         weightferry::plan::bytes::human_bytes(stacks)
     );
     let o = wf(&["plan", "--pipeline", "flux-tiny", "--config", cfg.to_str().unwrap()]);

@@ -108,7 +108,7 @@ def test_a_host_budget_below_the_masters_is_refused_before_anything_changes():
     message = (
         f"host_budget: the host masters of the offloaded weights need {human(need)}, over the budget of "
         f"{human(need - 1)}; raise host_budget, offload fewer components, or bind the weights from a checkpoint "
-        'with host_masters = "mapped" (its file serves the blocks and takes no master)'
+        "(its file then serves the blocks beyond the budget, read from disk on every pass)"
     )
     assert report["warnings"][-1] == f"enable will refuse this plan: {message}"
     with pytest.raises(wf.PlanError) as e:

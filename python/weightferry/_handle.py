@@ -203,9 +203,11 @@ class Handle:
         ``h2d_bytes``, ``prefetch_hits``, ``reuse_hits``, ``sync_fetches`` (blocks not prefetched in time: the
         forward waited for their copy), ``record_waits`` (hook calls that waited on the host for the copy actor to
         enqueue their block's load), ``device_bytes``, ...), ``fixed_device_bytes``, ``master_host_bytes``,
-        ``mapped_host_bytes`` (blocks served straight from a checkpoint file, no master), ``pinned``; and the totals
+        ``mapped_host_bytes`` (blocks served straight from a checkpoint file, no master), ``disk_bytes`` (blocks the
+        disk tier reads from their checkpoint file on every pass) and ``staging_host_bytes`` (its staging buffers),
+        ``pinned``; and the totals
         ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes`` (fixed placement and every
-        stack's slots), ``host_bytes`` (the masters), ``stalls`` (the stacks'
+        stack's slots), ``host_bytes`` (the masters and staging buffers), ``stalls`` (the stacks'
         ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
         4096 calls, ``max_us``, ``total_ms``), and ``plan_host``: the host memory the plan predicted before
         anything was allocated (``master_bytes``, ``mapped_bytes``, ``sharded_bytes``, ``pinned``, ``budget``: the
@@ -214,7 +216,7 @@ class Handle:
         stacks = report.get("stacks", [])
         report["bytes_streamed"] = sum(s.get("h2d_bytes", 0) for s in stacks)
         report["device_bytes"] = report.get("fixed_device_bytes", 0) + sum(s.get("device_bytes", 0) for s in stacks)
-        report["host_bytes"] = report.get("master_host_bytes", 0)
+        report["host_bytes"] = report.get("master_host_bytes", 0) + report.get("staging_host_bytes", 0)
         report["stalls"] = sum(s.get("sync_fetches", 0) for s in stacks)
         report["hooks"] = self._hooks.clock.summary()
         report["plan_host"] = json.loads(self._session.plan_json())["host"]

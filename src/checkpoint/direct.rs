@@ -14,6 +14,7 @@ use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use weightferry_actors::platform::BlockFile;
 
 /// Alignment of offsets, lengths and buffer addresses of direct reads: 4 KiB covers the logical block size of
 /// every common device (512 B or 4 KiB).
@@ -142,6 +143,47 @@ impl DirectFile {
         }
         let at = (offset - start) as usize;
         Ok(at..at + len as usize)
+    }
+}
+
+/// A [`DirectFile`] as the disk tier's reader reads it ([`BlockFile`]): each read through one aligned buffer the file
+/// keeps (grown to the largest read so far), copied into the caller's bytes.
+#[derive(Debug)]
+pub struct DiskSource {
+    file: DirectFile,
+    buf: std::sync::Mutex<Option<AlignedBuf>>,
+}
+
+impl DiskSource {
+    /// Opens `path` for the disk tier (see [`DirectFile::open`]).
+    pub fn open(path: impl AsRef<Path>) -> Result<DiskSource, CheckpointError> {
+        Ok(DiskSource { file: DirectFile::open(path)?, buf: std::sync::Mutex::new(None) })
+    }
+
+    /// Whether reads bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.file.is_direct()
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf").field("len", &self.len).finish()
+    }
+}
+
+impl BlockFile for DiskSource {
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        let len = out.len() as u64;
+        let span = DirectFile::span(offset, len) as usize;
+        let mut guard = self.buf.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if guard.as_ref().is_none_or(|b| b.len() < span) {
+            *guard = Some(AlignedBuf::new(span));
+        }
+        let buf = guard.as_mut().expect("allocated above");
+        let at = self.file.read(offset, len, buf).map_err(|e| e.to_string())?;
+        out.copy_from_slice(&buf.as_slice()[at]);
+        Ok(())
     }
 }
 

@@ -89,7 +89,8 @@ impl HostModel {
                 return Err(CheckpointError::Platform { file, source });
             }
         };
-        Ok(HostModel::from_files(platform, desc, mapped.into_values().collect(), at, loaded))
+        let paths = mapped.iter().map(|(&(i, fi), &buf)| (buf, parts[i].0.files()[fi].path().to_path_buf())).collect();
+        Ok(HostModel::from_files(platform, desc, paths, at, loaded))
     }
 }
 

@@ -17,7 +17,7 @@ mod reader;
 mod region;
 
 pub use describe::{derive_pipeline, BlockList, DeriveOptions, Derived};
-pub use direct::{AlignedBuf, DirectFile, DIRECT_ALIGN};
+pub use direct::{AlignedBuf, DirectFile, DiskSource, DIRECT_ALIGN};
 pub use error::CheckpointError;
 pub use header::FileTensor;
 pub use reader::SafetensorsFile;

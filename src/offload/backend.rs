@@ -9,6 +9,7 @@
 //!
 //! `backend/write_through.rs`: writes while enabled (new bytes become the host copy; device copies are refreshed).
 
+mod disk;
 mod staging;
 mod write_through;
 
@@ -80,6 +81,10 @@ pub struct BackendReport {
     pub master_host_bytes: u64,
     /// Bytes of streamed sections served straight from their checkpoint files (mapped, registered; no master).
     pub mapped_host_bytes: u64,
+    /// Bytes of the units the disk tier reads from their checkpoint files on every pass (no master, no mapping).
+    pub disk_bytes: u64,
+    /// Host bytes of the disk tier's staging buffers.
+    pub staging_host_bytes: u64,
     /// Whether masters are pinned.
     pub pinned: bool,
     /// Distributed layerwise offload: this rank's part of the group.
@@ -151,6 +156,12 @@ struct State {
     group_failure: Option<OffloadError>,
     /// Distributed: the final restore's AllGathers.
     restore_log: Vec<(u64, u64)>,
+    /// Per stack: the disk tier's reader, for a stack with units read from disk on every pass.
+    readers: Vec<Option<weightferry_actors::ReaderHandle>>,
+    /// Bytes of the units read from disk on every pass (no master).
+    disk_bytes: u64,
+    /// Host bytes of the readers' staging buffers.
+    staging_bytes: u64,
 }
 
 /// Most section bytes of one batch of units whose masters are built in parallel (one thread per unit) before their
@@ -448,6 +459,8 @@ impl StreamingBackend {
     ) -> Result<(), OffloadError> {
         let units = st.units.clone().unwrap_or_else(|| UnitPlan { hook_name: "", stacks: vec![], fixed: vec![] });
         let mut served = self.plan_mapped(model, &units)?;
+        let on_disk = disk::plan(model, self.config.host_budget, &units, &mut served);
+        let files = disk::open_files(model, &units, &on_disk)?;
         self.register_files(st, &mut served)?;
         let stream = StreamHandle::spawn(self.platform.clone(), "copy", StreamOptions::default())?;
         st.stream = Some(stream.clone());
@@ -486,15 +499,28 @@ impl StreamingBackend {
             st.gathered.push(None);
             let mut blocks = Vec::new();
             let sizes: Vec<u64> = sp.units.iter().map(unit_bytes).collect();
-            for r in master_batches(&sizes, MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
-                let staged = self.take_staged(st, model, &sp.units[r.clone()]);
-                let batch = (&sp.units[r.clone()], &served[si][r.clone()], &staged[..]);
-                blocks.extend(self.build_masters(st, model, batch, kind, si, r.start)?);
-                done += sizes[r].iter().sum::<u64>();
-                report(done);
+            let mut ui = 0;
+            while ui < sp.units.len() {
+                if on_disk.on_disk(si, ui) {
+                    blocks.push(disk::block(st, model, &units, &files, (si, ui))?);
+                    ui += 1;
+                    continue;
+                }
+                // The next run of units with masters, built in batches.
+                let end = (ui..sp.units.len()).find(|&k| on_disk.on_disk(si, k)).unwrap_or(sp.units.len());
+                for r in master_batches(&sizes[ui..end], MASTER_BATCH_BYTES, MASTER_BATCH_UNITS) {
+                    let r = r.start + ui..r.end + ui;
+                    let staged = self.take_staged(st, model, &sp.units[r.clone()]);
+                    let batch = (&sp.units[r.clone()], &served[si][r.clone()], &staged[..]);
+                    blocks.extend(self.build_masters(st, model, batch, kind, si, r.start)?);
+                    done += sizes[r].iter().sum::<u64>();
+                    report(done);
+                }
+                ui = end;
             }
             st.block_specs.push(blocks);
         }
+        disk::readers(&self.platform, st, &stream, kind)?;
         Self::build_stacks_with(&self.platform, self.ordering_fault, st, &units, hooks, compute, &stream)
     }
 
@@ -521,13 +547,18 @@ impl StreamingBackend {
                 ordering_fault,
                 submission: sp.submission,
             };
-            let stack = match gather {
-                Some((gi, group)) => {
+            let reader = st.readers.get(si).cloned().flatten();
+            let stack = match (gather, reader) {
+                (Some((gi, group)), _) => {
                     let none_resident = Some(vec![false; sp.units.len()]);
                     let path = group.path(gi);
                     BlockStack::with_gather(platform.clone(), spec, none_resident, compute, stream.clone(), path)?
                 }
-                None => BlockStack::with_resident_set(
+                (None, Some(reader)) => {
+                    let resident = sp.resident_mask.clone();
+                    BlockStack::with_reader(platform.clone(), spec, resident, compute, stream.clone(), reader)?
+                }
+                (None, None) => BlockStack::with_resident_set(
                     platform.clone(),
                     spec,
                     sp.resident_mask.clone(),
@@ -850,8 +881,9 @@ impl StreamingBackend {
             st.adopted = kept;
             st.masters = kept_masters;
         }
-        // The copy stream goes with its actor. Its work's outcome was reported by the stacks above (a failed enable
-        // may leave a failed copy on it that no stack saw); the stream is destroyed either way.
+        disk::destroy(st); // after the stacks that sent through the readers, before the stream they send to
+                           // The copy stream goes with its actor. Its work's outcome was reported by the stacks above (a failed enable
+                           // may leave a failed copy on it that no stack saw); the stream is destroyed either way.
         if let Some(s) = st.stream.take() {
             let _ = s.destroy();
         }
@@ -933,6 +965,7 @@ impl StreamingBackend {
             });
             r.master_host_bytes = st.master_bytes;
             r.mapped_host_bytes = st.mapped_bytes;
+            (r.disk_bytes, r.staging_host_bytes) = (st.disk_bytes, st.staging_bytes);
             if let Some(units) = &st.units {
                 for (sp, stack) in units.stacks.iter().zip(&st.stacks) {
                     let s: StackStats = stack.stats();

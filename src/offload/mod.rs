@@ -15,6 +15,7 @@
 //! everything it owns, and when a step fails it keeps what a retry needs; at most one strategy owns offload hooks.
 
 pub mod backend;
+pub mod disk_tier;
 pub mod distributed;
 mod group;
 pub mod layout;

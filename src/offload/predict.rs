@@ -8,6 +8,8 @@
 //! `mapped_host_bytes` after `enable` (every section of every non-AllGather unit gets one master of its length,
 //! unless its checkpoint file serves it). Without the host model (`plan`), no section counts as served.
 
+use super::disk_tier::plan_disk;
+use super::layout::UnitLayout;
 use super::mapped::{order_by_files, plan_sections};
 use super::units::build_unit_plan;
 use crate::config::{HostMasters, OffloadConfig};
@@ -27,13 +29,12 @@ pub fn host_of(
 ) -> PlanHost {
     let units = build_unit_plan(desc, config, plan);
     let mut host = PlanHost { budget: config.host_budget, pinned: config.pin_memory, ..PlanHost::default() };
+    let mut stacks = Vec::new();
+    let mut served_all = Vec::new();
     for stack in units.stacks {
-        if stack.allgather && config.group.size > 1 {
-            host.sharded_bytes += stack.units.iter().flat_map(|u| &u.sections).map(|s| s.len).sum::<u64>();
-            continue;
-        }
+        let gathered = stack.allgather && config.group.size > 1;
         let mut layouts = stack.units;
-        let served = match model.filter(|m| !m.mapped_files().is_empty()) {
+        let served = match model.filter(|m| !m.mapped_files().is_empty() && !gathered) {
             Some(m) => {
                 order_by_files(desc, m, &mut layouts);
                 // Under "mapped" an unservable section fails enable; counting it as a master is what "auto" does.
@@ -43,9 +44,20 @@ pub fn host_of(
             }
             None => Vec::new(),
         };
-        for (k, unit) in layouts.iter().enumerate() {
+        stacks.push((gathered, layouts));
+        served_all.push(served);
+    }
+    let views: Vec<(bool, &[UnitLayout])> = stacks.iter().map(|(g, l)| (*g, l.as_slice())).collect();
+    let disk = plan_disk(model, config.host_budget, &views, &served_all);
+    (host.disk_bytes, host.staging_bytes) = (disk.disk_bytes, disk.staging_bytes);
+    for (si, (gathered, layouts)) in stacks.iter().enumerate() {
+        if *gathered {
+            host.sharded_bytes += layouts.iter().flat_map(|u| &u.sections).map(|s| s.len).sum::<u64>();
+            continue;
+        }
+        for (k, unit) in layouts.iter().enumerate().filter(|(k, _)| !disk.on_disk(si, *k)) {
             for (j, sec) in unit.sections.iter().enumerate() {
-                match served.get(k).and_then(|u| u.get(j)).copied().flatten() {
+                match served_all[si].get(k).and_then(|u| u.get(j)).copied().flatten() {
                     Some(m) => host.mapped_bytes += m.len,
                     None => host.master_bytes += sec.len,
                 }
@@ -74,14 +86,17 @@ pub fn plan_report(name: &str, desc: &PipelineDesc, config: &OffloadConfig) -> R
     Ok(report)
 }
 
-/// `Err` when the masters exceed `host_budget`, naming both and what to change.
+/// `Err` when the masters (and the disk tier's staging buffers) exceed `host_budget`, naming both and what to
+/// change.
 pub fn check_host_budget(host: &PlanHost) -> Result<(), PlanError> {
+    let need = host.master_bytes + host.staging_bytes;
     match host.budget {
-        Some(budget) if host.master_bytes > budget => Err(PlanError(format!(
-            "host_budget: the host masters of the offloaded weights need {}, over the budget of {}; raise \
-             host_budget, offload fewer components, or bind the weights from a checkpoint with host_masters = \
-             \"mapped\" (its file serves the blocks and takes no master)",
-            human_bytes(host.master_bytes),
+        Some(budget) if need > budget => Err(PlanError(format!(
+            "host_budget: the host masters of the offloaded weights need {}{}, over the budget of {}; raise \
+             host_budget, offload fewer components, or bind the weights from a checkpoint (its file then serves \
+             the blocks beyond the budget, read from disk on every pass)",
+            human_bytes(need),
+            if host.staging_bytes > 0 { " with the disk tier's staging buffers" } else { "" },
             human_bytes(budget),
         ))),
         _ => Ok(()),
@@ -93,7 +108,7 @@ mod tests {
     use super::*;
 
     fn host(master_bytes: u64, budget: Option<u64>) -> PlanHost {
-        PlanHost { budget, master_bytes, mapped_bytes: 0, sharded_bytes: 0, pinned: true }
+        PlanHost { budget, master_bytes, pinned: true, ..PlanHost::default() }
     }
 
     #[test]
@@ -105,7 +120,7 @@ mod tests {
             e.0,
             "host_budget: the host masters of the offloaded weights need 4.00 KiB (4096 B), over the budget of \
              4.00 KiB (4095 B); raise host_budget, offload fewer components, or bind the weights from a checkpoint \
-             with host_masters = \"mapped\" (its file serves the blocks and takes no master)"
+             (its file then serves the blocks beyond the budget, read from disk on every pass)"
         );
     }
 }

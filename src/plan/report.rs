@@ -93,6 +93,11 @@ pub struct PlanHost {
     pub mapped_bytes: u64,
     /// Bytes of the blocks of AllGather stacks, not in `master_bytes`: each rank's masters hold its shard of them.
     pub sharded_bytes: u64,
+    /// Bytes of the blocks of the disk tier: read from their checkpoint file on every pass (no master, no
+    /// mapping), so that the masters fit `host_budget`. Known once the files are open (the session's report).
+    pub disk_bytes: u64,
+    /// Host bytes of the disk tier's staging buffers (pinned like the masters).
+    pub staging_bytes: u64,
     /// Whether the masters are pinned.
     pub pinned: bool,
 }

@@ -1,0 +1,106 @@
+"""The disk tier on ``device="sim"``: with weights bound from a checkpoint and a ``host_budget`` below their masters,
+the blocks beyond the budget are read from the file on every pass (through a reader actor and a ring of staging
+buffers) instead of holding a master. At several budgets the outputs equal the model's own, the bytes ``enable``
+holds are the ones the plan predicted (masters + staging within the budget), ``state_dict`` and ``disable`` give
+the true weights; a budget nothing fits is refused before anything changes, and a file truncated under a run is a
+typed error naming it."""
+
+import copy
+import os
+
+import diffusers
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_checkpoint import CONFIG, LAYER, forward, inputs
+from test_checkpoint import weights as file_weights
+from test_host_memory import with_key
+
+import weightferry as wf
+
+pytestmark = pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+
+
+def checkpoint(tmp_path, head_dim, single=12):
+    """A tiny Flux of one double and ``single`` single blocks in a safetensors file, the same module on ``meta``,
+    and the reference (heads of 128: every section lies in the file as packed; of 16: some do not)."""
+    config = dict(CONFIG, num_layers=1, num_single_layers=single, attention_head_dim=head_dim,
+                  axes_dims_rope=(16, 56, 56) if head_dim == 128 else (4, 6, 6))
+    torch.manual_seed(0)
+    ref = diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
+    path = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in file_weights(ref).items()}, str(path))
+    with torch.device("meta"):
+        m = diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
+    return ref, m, path
+
+
+def masters_of(m, path):
+    """The master bytes of the model bound from ``path`` with pinned masters and no budget."""
+    with wf.enable({"transformer": m}, with_key(LAYER, host_masters="pinned"), device="sim", checkpoint=path) as h:
+        return h.stats()["master_host_bytes"]
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7, 0.9])
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_blocks_beyond_the_host_budget_are_read_from_disk_bit_exact(tmp_path, fraction, head_dim):
+    ref, m, path = checkpoint(tmp_path, head_dim)
+    x = inputs()
+    want = forward(ref, x)
+    budget = int(masters_of(m, path) * fraction)
+    cfg = with_key(LAYER, host_masters="pinned", host_budget=budget)
+    with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path) as h:
+        for _ in range(3):
+            assert torch.equal(forward(m, x), want)
+        s = h.stats()
+        host = s["plan_host"]
+        assert s["disk_bytes"] > 0 and s["disk_bytes"] == host["disk_bytes"]
+        assert (s["master_host_bytes"], s["staging_host_bytes"]) == (host["master_bytes"], host["staging_bytes"])
+        assert 0 < s["master_host_bytes"] + s["staging_host_bytes"] <= budget
+        # Every pass reads the disk units again: their bytes are copied to the device each time.
+        assert sum(st["h2d_bytes"] for st in s["stacks"]) >= 3 * s["disk_bytes"]
+        got = m.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+        # A retune rebuilds the stacks over the same readers.
+        h.retune(prefetch_depth=1)
+        assert torch.equal(forward(m, x), want)
+        assert h.stats()["disk_bytes"] == host["disk_bytes"]
+        assert h._session.hazard_violations() == []
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert torch.equal(forward(m, x), want)
+
+
+def test_a_budget_the_staging_ring_cannot_fit_is_refused_before_anything_changes(tmp_path):
+    _, m, path = checkpoint(tmp_path, 128)
+    cfg = with_key(LAYER, host_masters="pinned", host_budget=4096)
+    with pytest.raises(wf.PlanError, match=r"with the disk tier's staging buffers, over the budget of 4\.00 KiB"):
+        wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path)
+    assert all(p.device.type == "meta" for p in m.parameters())
+
+
+def test_a_model_without_a_checkpoint_has_no_disk_tier_and_is_refused():
+    from test_diffusers import flux, layer
+
+    model = flux()[0]
+    twin = copy.deepcopy(model)
+    need = wf.plan({"transformer": model}, layer(1))["host"]["master_bytes"]
+    with pytest.raises(wf.PlanError, match="bind the weights from a checkpoint"):
+        wf.enable({"transformer": model}, with_key(layer(1), host_budget=need // 2), device="sim")
+    assert all(torch.equal(v, twin.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_a_file_truncated_under_a_run_is_a_typed_error_naming_it(tmp_path):
+    ref, m, path = checkpoint(tmp_path, 128)
+    x = inputs()
+    budget = masters_of(m, path) * 7 // 10
+    cfg = with_key(LAYER, host_masters="pinned", host_budget=budget)
+    h = wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path)
+    assert torch.equal(forward(m, x), forward(ref, x))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(wf.Error) as e:
+        forward(m, x)
+    assert str(path) in str(e.value) and "truncated" in str(e.value)
+    assert type(e.value).__module__.startswith("weightferry")
+    del h

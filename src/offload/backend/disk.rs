@@ -1,0 +1,131 @@
+//! The disk tier in the streaming backend: which units `enable` reads from their checkpoint file on every pass
+//! ([`disk_tier::plan_disk`], the same call the prediction makes), the readers of those files (`O_DIRECT` where the
+//! filesystem allows it, see [`DiskSource`]), each disk unit's block spec, and a reader actor per stack that has
+//! disk units (its staging ring sized for the stack's largest one). The readers live as long as the stacks' block
+//! specs (a `retune` rebuilds the stacks over the same readers) and are destroyed before the copy stream.
+
+use super::State;
+use crate::checkpoint::DiskSource;
+use crate::model::HostModel;
+use crate::offload::disk_tier::{disk_block, plan_disk, DiskPlan, STAGING_BUFFERS};
+use crate::offload::mapped::ServedSections;
+use crate::offload::units::UnitPlan;
+use crate::offload::OffloadError;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use weightferry_actors::platform::{BlockFile, HostBufferId, HostMemoryKind, PlatformRef};
+use weightferry_actors::{BlockSpec, ReaderHandle, StreamHandle};
+
+/// The disk plan of `units` under the config's `host_budget`; the disk units' sections are taken out of `served`
+/// (no mapping, no registration for them).
+pub(super) fn plan(
+    model: &HostModel,
+    budget: Option<u64>,
+    units: &UnitPlan,
+    served: &mut [ServedSections],
+) -> DiskPlan {
+    let views: Vec<(bool, &[crate::offload::layout::UnitLayout])> =
+        units.stacks.iter().map(|s| (s.allgather, s.units.as_slice())).collect();
+    let disk = plan_disk(Some(model), budget, &views, served);
+    for (si, stack) in served.iter_mut().enumerate() {
+        for (ui, sections) in stack.iter_mut().enumerate() {
+            if disk.on_disk(si, ui) {
+                sections.iter_mut().for_each(|m| *m = None);
+            }
+        }
+    }
+    disk
+}
+
+/// A reader for every checkpoint file a disk unit reads; warns once per file the filesystem will not read around
+/// the page cache.
+pub(super) fn open_files(
+    model: &HostModel,
+    units: &UnitPlan,
+    disk: &DiskPlan,
+) -> Result<BTreeMap<HostBufferId, Arc<dyn BlockFile>>, OffloadError> {
+    let mut files: BTreeMap<HostBufferId, Arc<dyn BlockFile>> = BTreeMap::new();
+    for (si, sp) in units.stacks.iter().enumerate() {
+        for (_, unit) in sp.units.iter().enumerate().filter(|(ui, _)| disk.on_disk(si, *ui)) {
+            for s in unit.storages() {
+                let Some((buf, _)) = model.file_origin(s) else { continue };
+                if files.contains_key(&buf) {
+                    continue;
+                }
+                let path = model.file_path(buf).ok_or_else(|| {
+                    OffloadError::Unsupported(format!("internal: the checkpoint file of `{}` has no path", unit.path))
+                })?;
+                let source = DiskSource::open(path).map_err(|e| OffloadError::Unsupported(e.to_string()))?;
+                if !source.is_direct() {
+                    tracing::warn!(
+                        "{}: the filesystem refuses O_DIRECT; the disk tier reads it through the page cache",
+                        path.display()
+                    );
+                }
+                files.insert(buf, Arc::new(source));
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// The block spec of unit `ui` of stack `si`, a disk unit.
+pub(super) fn block(
+    st: &mut State,
+    model: &HostModel,
+    units: &UnitPlan,
+    files: &BTreeMap<HostBufferId, Arc<dyn BlockFile>>,
+    (si, ui): (usize, usize),
+) -> Result<BlockSpec, OffloadError> {
+    let unit = &units.stacks[si].units[ui];
+    let spec = disk_block(model, unit, files).map_err(|e| OffloadError::Unsupported(format!("internal: {e}")))?;
+    for sec in &unit.sections {
+        for &(s, off) in &sec.storages {
+            st.locations.insert(s, (si, ui, sec.device_offset + off));
+        }
+        st.disk_bytes += sec.len;
+    }
+    Ok(spec)
+}
+
+/// A reader per stack with disk units (staging buffers of `kind` sized for its largest disk unit), forwarding to
+/// `stream`; `None` for the other stacks. On failure the readers made are destroyed.
+pub(super) fn readers(
+    platform: &PlatformRef,
+    st: &mut State,
+    stream: &StreamHandle,
+    kind: HostMemoryKind,
+) -> Result<(), OffloadError> {
+    for (si, blocks) in st.block_specs.iter().enumerate() {
+        let largest = blocks.iter().filter(|b| !b.reads.is_empty()).map(|b| b.device_bytes).max();
+        let reader = match largest {
+            Some(bytes) => {
+                let name = format!("disk-{si}");
+                let made = ReaderHandle::spawn(platform.clone(), &name, stream.clone(), STAGING_BUFFERS, bytes, kind);
+                match made {
+                    Ok(r) => {
+                        st.staging_bytes += r.staging_bytes()?;
+                        Some(r)
+                    }
+                    Err(e) => {
+                        destroy(st);
+                        return Err(e.into());
+                    }
+                }
+            }
+            None => None,
+        };
+        st.readers.push(reader);
+    }
+    Ok(())
+}
+
+/// Destroys every reader (after the stacks that sent through them), freeing the staging buffers, and forgets the
+/// disk units' bytes. Their errors are
+/// the stream's, reported by the stacks' own fences; a reader is destroyed either way.
+pub(super) fn destroy(st: &mut State) {
+    for r in std::mem::take(&mut st.readers).into_iter().flatten() {
+        let _ = r.destroy();
+    }
+    (st.staging_bytes, st.disk_bytes) = (0, 0);
+}
