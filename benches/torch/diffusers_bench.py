@@ -24,7 +24,11 @@ rises by one buffer at most). For the ``wf_*`` variants a second table sets the 
 before anything was allocated (``pred GB``: the masters plus the file-served bytes, ``Handle.stats()["plan_host"]``)
 beside the RSS after enable and its peak (``RSS/pred``, ``peak/pred``).
 
-Checkpoint variants ``ck_<masters>_<dK|bP>`` (``masters``: ``mapped`` or ``pinned``, the ``host_masters`` key) load
+Checkpoint variants ``ck_<masters>_<dK|bP>[_h<H>]`` (``masters``: ``mapped`` or ``pinned``, the ``host_masters`` key;
+``_h<H>``: a ``host_budget`` of H% of the weights, so the blocks beyond it are read from the file on every pass by
+the disk tier, reported in a last table against the bound max(resident step, H2D bytes / pinned rate, disk bytes /
+the file's ``O_DIRECT`` read rate measured in the same call); ``group_disk`` is diffusers' group offloading with
+``offload_to_disk_path``, its disk offload) load
 the transformer from a safetensors file of its full size, written once per call into ``--out`` from the same
 random weights (so their output is compared with the resident one too): the module is built with its parameters
 on ``meta`` and ``weightferry.enable(..., checkpoint=PATH)`` binds it, so the weights never pass through torch.
@@ -322,6 +326,30 @@ def read_once(path, chunk=64 << 20):
     return time.perf_counter() - t0
 
 
+def read_direct(path, chunk=64 << 20):
+    """Seconds to read the file once with ``O_DIRECT`` (around the page cache, as the disk tier reads), sequentially
+    into one page-aligned buffer; ``None`` where the filesystem refuses ``O_DIRECT``."""
+    import mmap
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    buf = mmap.mmap(-1, chunk)  # anonymous mappings are page-aligned
+    t0 = time.perf_counter()
+    try:
+        offset = 0
+        while True:
+            n = os.preadv(fd, [buf], offset)
+            offset += n
+            if n < chunk:
+                break
+    finally:
+        os.close(fd)
+        buf.close()
+    return time.perf_counter() - t0
+
+
 def drop_caches():
     """Writes the page cache back and drops it (needs root), so the next read of a file comes from disk."""
     os.sync()
@@ -605,7 +633,11 @@ def offload(torch, args, model, spec, weight_bytes, dev, cpu):
         import weightferry as wf
 
         dcfg = {"mode": "layer", "components": ["dit"]}
-        knob = v.split("_")[-1]
+        knobs = v.split("_")
+        if ck and knobs[-1].startswith("h"):  # ck_<masters>_<dK|bP>_h<P>: a host budget of P% of the weights
+            on_meta = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+            dcfg["host_budget"] = on_meta * int(knobs.pop()[1:]) // 100
+        knob = knobs[-1]
         if knob.startswith("d"):
             dcfg["layer_options"] = {"dit": {"prefetch_depth": int(knob[1:])}}
         elif knob.startswith("b"):
@@ -621,10 +653,13 @@ def offload(torch, args, model, spec, weight_bytes, dev, cpu):
     elif v.startswith("group"):
         from diffusers.hooks import apply_group_offloading
 
+        # group_disk: diffusers' disk offload (each group's weights saved under --out and read back per forward).
+        disk = {"offload_to_disk_path": os.path.join(args.out, "group_disk")} if v == "group_disk" else {}
         for part in parts(model, spec).values():
             apply_group_offloading(part, onload_device=dev, offload_device=torch.device("cpu"),
                                    offload_type="block_level", num_blocks_per_group=1, use_stream=not cpu,
-                                   record_stream=v == "group_record" and not cpu)  # cpu: no stream to record on
+                                   record_stream=v == "group_record" and not cpu,  # cpu: no stream to record on
+                                   **disk)
     else:
         raise SystemExit(f"unknown variant {v}")
     return None
@@ -667,7 +702,8 @@ def wf_results(res, handle, before, steps):
     streamed = sum(a["h2d_bytes"] for a in after["stacks"]) - sum(b["h2d_bytes"] for b in before["stacks"])
     res["streamed_per_step"] = streamed / steps
     res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
-    res["wf_stats"] = {k: after[k] for k in ("master_host_bytes", "mapped_host_bytes", "pinned") if k in after}
+    keys = ("master_host_bytes", "mapped_host_bytes", "disk_bytes", "staging_host_bytes", "pinned")
+    res["wf_stats"] = {k: after[k] for k in keys if k in after}
     hook_ms = after["hooks"]["total_ms"] - before["hooks"]["total_ms"]
     res["hooks"] = dict(after["hooks"], per_step_ms=hook_ms / steps,
                         record_waits=sum(a.get("record_waits", 0) for a in after["stacks"]),
@@ -762,7 +798,7 @@ def table(results):
     if predicted:
         print(f"\n{'host':<14}{'pred GB':>9}{'RSS GB':>8}{'RSS/pred':>9}{'peak/pred':>10}")
         for r in predicted:
-            p = r["plan_host"]["master_bytes"] + r["plan_host"]["mapped_bytes"]
+            p = sum(r["plan_host"].get(k, 0) for k in ("master_bytes", "mapped_bytes", "staging_bytes"))
             print(f"{r['variant']:<14}{p / 1e9:>9.2f}{r['rss_after_enable'] / 1e9:>8.2f}"
                   f"{r['rss_after_enable'] / max(p, 1):>9.3f}{r['peak_rss'] / max(p, 1):>10.3f}")
     cks = [r for r in results if "first_step_s" in r]
@@ -775,6 +811,20 @@ def table(results):
                   f"{r['rss_anon_after_enable'] / 1e9:>9.2f}{r['rss_file_after_enable'] / 1e9:>9.2f}"
                   f"{st.get('master_host_bytes', 0) / 1e9:>10.2f}{st.get('mapped_host_bytes', 0) / 1e9:>10.2f}"
                   f"{r['step_s']:>9.4f}")
+    disks = [r for r in cks if r["wf_stats"].get("disk_bytes")]
+    if disks:
+        # The disk tier's bound: the largest of the resident step, the host-to-device bytes over the pinned rate and
+        # the disk bytes over the O_DIRECT read rate of the file (both measured in this call).
+        print(f"\n{'disk tier':<16}{'budget GB':>10}{'disk GB':>9}{'read GB/s':>10}{'bound s':>9}{'step s':>9}"
+              f"{'ratio':>7}{'RSS GB':>8}{'pred GB':>8}")
+        for r in disks:
+            st, host = r["wf_stats"], r["plan_host"]
+            rate = r["file_bytes"] / r["read_direct_s"] if r.get("read_direct_s") else float("nan")
+            bound = max(resident or 0, r["streamed_per_step"] / r["h2d_Bps"], st["disk_bytes"] / rate)
+            pred = host["master_bytes"] + host["staging_bytes"]
+            print(f"{r['variant']:<16}{(host['budget'] or 0) / 1e9:>10.2f}{st['disk_bytes'] / 1e9:>9.2f}"
+                  f"{rate / 1e9:>10.2f}{bound:>9.4f}{r['step_s']:>9.4f}{r['step_s'] / bound:>7.3f}"
+                  f"{r['rss_after_enable'] / 1e9:>8.2f}{pred / 1e9:>8.2f}")
     loras = [r for r in results if "lora" in r]
     if loras:
         print(f"\n{'LoRA':<14}{'switch ms':>10}{'load s':>8}{'unload s':>9}{'fuse s':>8}{'unfuse s':>9}")
@@ -818,7 +868,7 @@ def main():
                          "component) take a model of one")
     os.makedirs(args.out, exist_ok=True)
     results = []
-    read_s = None
+    read_s = direct_s = size = None
     if any(v.startswith("ck_") for v in variants):
         import torch
 
@@ -830,8 +880,9 @@ def main():
         if args.cold:
             drop_caches()
         read_s = read_once(path)
-        print(f"checkpoint: {size / 1e9:.2f} GB written in {time.time() - t0:.0f} s; read once in {read_s:.2f} s",
-              flush=True)
+        direct_s = read_direct(path)
+        print(f"checkpoint: {size / 1e9:.2f} GB written in {time.time() - t0:.0f} s; read once in {read_s:.2f} s, "
+              f"with O_DIRECT in {direct_s if direct_s is None else round(direct_s, 2)} s", flush=True)
     for v in variants:
         if args.cold and v.startswith("ck_"):
             drop_caches()
@@ -848,6 +899,7 @@ def main():
         r = json.loads(lines[-1][7:])
         if v.startswith("ck_"):
             r["read_once_s"] = read_s
+            r["read_direct_s"], r["file_bytes"] = direct_s, size
         print(f"{v}: {time.time() - t0:.0f} s  " + json.dumps(r), flush=True)
         results.append(r)
     table(results)
