@@ -30,7 +30,8 @@ fi
 # run here, in their own target dir (the cfg change would otherwise rebuild the ordinary one), limited to the test
 # targets that hold them.
 RUSTFLAGS="--cfg weightferry_broken" \
-  cargo test -p weightferry-actors --target-dir target/broken --test scheduler --test scheduler_props --test gather_stack
+  cargo test -p weightferry-actors --target-dir target/broken --test scheduler --test scheduler_props --test gather_stack \
+    --test reader
 RUSTFLAGS="--cfg weightferry_broken" \
   cargo test -p weightferry-harness --target-dir target/broken --test cli --test run_bit_exact -- checks_can_fail failed_checks
 # Loom models run the production scheduler code under `--cfg weightferry_loom`, in their own target dir so the

@@ -71,6 +71,31 @@ impl ReaderHandle {
         bytes: u64,
         kind: HostMemoryKind,
     ) -> Result<ReaderHandle, SchedulerError> {
+        Self::spawn_with(platform, name, stream, (count, bytes, kind), false)
+    }
+
+    /// Test-only: [`spawn`](Self::spawn) with the deliberately broken ordering that refills a staging buffer without
+    /// waiting for the copies that read it (only in a build with `RUSTFLAGS="--cfg weightferry_broken"`), so the
+    /// models and the hazard detector can show they catch it.
+    #[cfg(weightferry_broken)]
+    pub fn spawn_without_staging_wait(
+        platform: PlatformRef,
+        name: &str,
+        stream: StreamHandle,
+        count: usize,
+        bytes: u64,
+        kind: HostMemoryKind,
+    ) -> Result<ReaderHandle, SchedulerError> {
+        Self::spawn_with(platform, name, stream, (count, bytes, kind), true)
+    }
+
+    fn spawn_with(
+        platform: PlatformRef,
+        name: &str,
+        stream: StreamHandle,
+        (count, bytes, kind): (usize, u64, HostMemoryKind),
+        skip_wait: bool,
+    ) -> Result<ReaderHandle, SchedulerError> {
         let mut staging = Staging { buffers: Vec::new(), events: Vec::new() };
         let allocated = (0..count.max(1)).try_for_each(|_| -> Result<(), PlatformError> {
             staging.buffers.push(platform.alloc_host(bytes.max(1), kind)?);
@@ -85,7 +110,7 @@ impl ReaderHandle {
         let alive = Arc::new(AtomicBool::new(true));
         let (a, p, s, st) = (alive.clone(), platform.clone(), stream.clone(), staging.clone());
         let spawned = thread::spawn_named(&format!("wf-reader-{name}"), move || {
-            reader_loop(&p, &s, &st, &rx);
+            reader_loop(&p, &s, &st, &rx, skip_wait);
             a.store(false, Ordering::Release);
             // Loads sent after Shutdown are never read: wake their waiters, which then see the reader stopped.
             while let Ok(Some(ReaderCmd::Load { cmd, .. })) = rx.try_recv() {
@@ -175,7 +200,13 @@ fn free_staging(platform: &PlatformRef, staging: &Staging) {
 /// The load each staging buffer served last: its board and ticket.
 type LastUse = Vec<Option<(Arc<TicketBoard>, Ticket)>>;
 
-fn reader_loop(platform: &PlatformRef, stream: &StreamHandle, staging: &Staging, rx: &Receiver<ReaderCmd>) {
+fn reader_loop(
+    platform: &PlatformRef,
+    stream: &StreamHandle,
+    staging: &Staging,
+    rx: &Receiver<ReaderCmd>,
+    skip_wait: bool,
+) {
     let mut ring = StagingRing::new(staging.buffers.len());
     let mut last: LastUse = vec![None; staging.buffers.len()];
     while let Ok(cmd) = rx.recv() {
@@ -193,7 +224,8 @@ fn reader_loop(platform: &PlatformRef, stream: &StreamHandle, staging: &Staging,
             }
             continue;
         }
-        match stage(platform, stream, staging, &mut ring, &mut last, cmd, &reads) {
+        let ring_and_last = (&mut ring, &mut last);
+        match stage(platform, stream, staging, ring_and_last, cmd, &reads, skip_wait) {
             Ok(()) => {}
             Err(Staged::Failed { cmd, error }) => fail(*cmd, error),
             Err(Staged::StreamGone) => break,
@@ -213,15 +245,19 @@ fn stage(
     platform: &PlatformRef,
     stream: &StreamHandle,
     staging: &Staging,
-    ring: &mut StagingRing,
-    last: &mut LastUse,
+    (ring, last): (&mut StagingRing, &mut LastUse),
     mut cmd: LoadCmd,
     reads: &[FileRead],
+    skip_wait: bool,
 ) -> Result<(), Staged> {
     let k = match ring.next() {
         NextBuffer::Free(k) => k,
         NextBuffer::AfterCopies(k, ticket) => {
-            if let Err(error) = wait_for_copies(platform, stream, staging.events[k], last[k].clone()) {
+            let waited = match skip_wait {
+                true => Ok(()), // the broken ordering (test builds only)
+                false => wait_for_copies(platform, stream, staging.events[k], last[k].clone()),
+            };
+            if let Err(error) = waited {
                 // The buffer stays Queued: the copies that read it may still run; no later read may use it.
                 return Err(Staged::Failed { cmd: Box::new(cmd), error });
             }

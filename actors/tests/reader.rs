@@ -1,7 +1,8 @@
 //! The disk tier's reader actor on the simulated platform: blocks read from a file through a ring of two staging
 //! buffers arrive in their device buffers byte for byte, loads from host memory pass through in order between them,
 //! the hazard detector sees no staging buffer refilled before the copies that read it (it orders by the events the
-//! reader waits on, not by timing), and a failed read is that load's error while the others arrive.
+//! reader waits on, not by timing), and a failed read is that load's error while the others arrive. With
+//! `--cfg weightferry_broken`, a reader that refills without waiting overwrites the bytes pending copies still read.
 
 #![cfg(not(weightferry_loom))]
 
@@ -137,4 +138,64 @@ fn a_failed_read_is_its_load_s_error_and_the_other_blocks_arrive() {
     assert_eq!(r.sim.violations(), Vec::new());
     r.reader.destroy().unwrap();
     r.stream.destroy().unwrap();
+}
+
+#[cfg(weightferry_broken)]
+#[test]
+fn a_reader_that_refills_without_waiting_overwrites_bytes_a_pending_copy_still_reads() {
+    let r = rig(4, None);
+    let platform: Arc<dyn Platform> = r.sim.clone();
+    let broken = ReaderHandle::spawn_without_staging_wait(
+        platform,
+        "broken",
+        r.stream.clone(),
+        1,
+        BLOCK,
+        HostMemoryKind::Pinned,
+    )
+    .unwrap();
+    // Hold the copy stream until every read is done: a reader that does not wait refills its one buffer under the
+    // pending copies. (The hazard detector takes a copy enqueued after a host write as ordered after it, so the
+    // bytes, not its report, show this one.)
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let held: weightferry_actors::sim::KernelFn = Box::new(move |_| release_wait(&gate));
+    r.sim.launch(r.stream.stream(), "gate", Vec::new(), held).unwrap();
+    let dst: Vec<DeviceBufferId> = (0..4).map(|_| r.sim.alloc_device(BLOCK).unwrap()).collect();
+    for (b, &d) in dst.iter().enumerate() {
+        let read = FileRead { file: r.file.clone(), offset: b as u64 * BLOCK, len: BLOCK, staging_offset: 0 };
+        let copies = vec![CopyOp {
+            direction: CopyDirection::HostToDevice,
+            host: HostBufferId(u64::MAX),
+            host_offset: 0,
+            device: d,
+            device_offset: 0,
+            len: BLOCK,
+        }];
+        let ready = r.sim.create_event().unwrap();
+        let cmd = LoadCmd {
+            ticket: b as u64 + 1,
+            target: b,
+            block: b,
+            waits: Vec::new(),
+            copies,
+            ready,
+            staged: None,
+            board: r.board.clone(),
+            notify: None,
+        };
+        broken.load(cmd, vec![read]).unwrap();
+    }
+    assert_eq!(r.board.wait(4, &|| true), Some(Ok(())));
+    release.send(()).unwrap();
+    r.stream.fence().unwrap();
+    let wrong = (0..4).filter(|&b| r.device(dst[b]) != block_bytes(b)).count();
+    assert_eq!(wrong, 3, "every block but the last got the last block's bytes");
+    broken.destroy().unwrap();
+    r.reader.destroy().unwrap();
+    r.stream.destroy().unwrap();
+}
+
+#[cfg(weightferry_broken)]
+fn release_wait(gate: &std::sync::mpsc::Receiver<()>) -> Result<(), String> {
+    gate.recv().map_err(|e| e.to_string())
 }

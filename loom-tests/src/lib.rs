@@ -28,14 +28,15 @@ mod harness {
     use std::fmt;
 
     use weightferry_actors::collective::Collective;
+    use weightferry_actors::messages::FileRead;
     use weightferry_actors::platform::{
-        DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError, PlatformRef,
-        PlatformResult, StreamId,
+        BlockFile, DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError,
+        PlatformRef, PlatformResult, StreamId,
     };
     use weightferry_actors::sync::{lock, thread, Arc, Condvar, Mutex, MutexGuard};
     use weightferry_actors::{
-        BlockLocation, BlockSpec, BlockStack, OrderingFault, Segment, StackSpec, StreamHandle, StreamOptions,
-        Submission,
+        BlockLocation, BlockSpec, BlockStack, OrderingFault, ReaderHandle, Segment, StackSpec, StreamHandle,
+        StreamOptions, Submission,
     };
 
     /// Failures the model platform injects.
@@ -472,6 +473,18 @@ mod harness {
         fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()> {
             let mut g = self.state();
             g.check_host(buf.0, offset, data.len() as u64)?;
+            // A host write into bytes an enqueued copy has not read yet (a staging buffer refilled early).
+            let end = offset + data.len() as u64;
+            for op in g.streams.iter().flat_map(|q| &q.queue) {
+                if let Effect::H2D { host, host_off, len, .. } = op.effect {
+                    if host == buf.0 && host_off < end && offset < host_off + len {
+                        panic!(
+                            "hazard host-overwrite-before-copy: write_host into host {} while '{}' (#{}) is pending",
+                            buf.0, op.what, op.seq
+                        );
+                    }
+                }
+            }
             let o = offset as usize;
             let hb = &mut g.host.get_mut(&buf.0).expect("checked").0;
             hb[o..o + data.len()].copy_from_slice(data);
@@ -727,6 +740,57 @@ mod harness {
             BlockStack::new(self.platform_ref(), spec, self.compute, self.stream.clone()).expect("enable the stack")
         }
 
+        /// A stack whose every block is read from a file (the disk tier) through a reader with `staging` staging
+        /// buffers; `broken`: the reader refills a buffer without waiting for the copies that read it (needs
+        /// `--cfg weightferry_broken`). Returns the stack and its reader (shut it down before [`Rig::finish`]).
+        pub fn disk_stack(&self, depth: usize, staging: usize, broken: bool) -> (BlockStack, ReaderHandle) {
+            let bytes: Vec<u8> = (0..self.blocks.len()).flat_map(Self::bytes_of).collect();
+            let file: std::sync::Arc<dyn BlockFile> = std::sync::Arc::new(MemFile(bytes));
+            let blocks = (0..self.blocks.len())
+                .map(|i| BlockSpec {
+                    segments: vec![Segment {
+                        host: HostBufferId(u64::MAX),
+                        host_offset: 0,
+                        len: BLOCK_BYTES,
+                        device_offset: 0,
+                    }],
+                    reads: vec![FileRead {
+                        file: file.clone(),
+                        offset: i as u64 * BLOCK_BYTES,
+                        len: BLOCK_BYTES,
+                        staging_offset: 0,
+                    }],
+                    device_bytes: BLOCK_BYTES,
+                })
+                .collect();
+            let kind = HostMemoryKind::Pinned;
+            let (p, s) = (self.platform_ref(), self.stream.clone());
+            let reader = if broken {
+                #[cfg(weightferry_broken)]
+                {
+                    ReaderHandle::spawn_without_staging_wait(p, "disk", s, staging, BLOCK_BYTES, kind)
+                }
+                #[cfg(not(weightferry_broken))]
+                {
+                    panic!("the broken reader needs --cfg weightferry_broken")
+                }
+            } else {
+                ReaderHandle::spawn(p, "disk", s, staging, BLOCK_BYTES, kind)
+            }
+            .expect("reader");
+            let spec = StackSpec { blocks, ..self.spec(0, depth, OrderingFault::None) };
+            let stack = BlockStack::with_reader(
+                self.platform_ref(),
+                spec,
+                None,
+                self.compute,
+                self.stream.clone(),
+                reader.clone(),
+            )
+            .expect("enable the disk stack");
+            (stack, reader)
+        }
+
         /// One engine step for `block`: `pre_forward`, a compute kernel reading the block's bytes, `post_forward`.
         pub fn run_block(&self, stack: &BlockStack, block: usize) {
             let loc = stack.pre_forward(block).expect("pre_forward");
@@ -740,6 +804,18 @@ mod harness {
             self.stream.shutdown();
             self.platform.drain();
             self.platform.shutdown();
+        }
+    }
+
+    /// A checkpoint file in memory, for the disk tier's models.
+    #[derive(Debug)]
+    struct MemFile(Vec<u8>);
+
+    impl BlockFile for MemFile {
+        fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+            let o = offset as usize;
+            out.copy_from_slice(self.0.get(o..o + out.len()).ok_or("past the end of the file")?);
+            Ok(())
         }
     }
 
@@ -1059,10 +1135,18 @@ mod harness {
     where
         F: Fn() + Sync + Send + 'static,
     {
+        let bound = loom::model::Builder::new().preemption_bound.unwrap_or(2);
+        model_bounded(bound, f)
+    }
+
+    /// [`model`] with a preemption bound of at most `bound` (the smaller of it and `LOOM_MAX_PREEMPTIONS`): for a
+    /// model with one more host thread (the disk tier's reader), whose executions at bound 2 take longer than CI has.
+    pub fn model_bounded<F>(bound: usize, f: F)
+    where
+        F: Fn() + Sync + Send + 'static,
+    {
         let mut b = loom::model::Builder::new();
-        if b.preemption_bound.is_none() {
-            b.preemption_bound = Some(2);
-        }
+        b.preemption_bound = Some(b.preemption_bound.map_or(bound, |set| set.min(bound)));
         let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counter = runs.clone();
         let start = std::time::Instant::now();
