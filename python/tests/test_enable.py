@@ -568,9 +568,14 @@ def test_retune_changes_resident_layers():
     with wf.enable(p, layer(1, resident_layers=1), device="sim") as h:
         assert dit_stack(h.retune(resident_layers=3))["resident"] == 3
         assert_outputs_equal(run(p), expected)
-        # Without resident layers the strategy itself would change (distributed_layer -> layer): refused.
-        with pytest.raises(wf.OffloadError):
+        # Without resident layers the strategy itself would change (distributed_layer -> layer): refused, saying so.
+        with pytest.raises(wf.OffloadError) as e:
             h.retune(resident_layers=0)
+        assert str(e.value) == (
+            "retune cannot switch from the distributed_layer strategy to layer (the new config's keys select it: "
+            "resident layers under layer_options select the distributed layerwise strategy); disable and enable "
+            "with the new config instead"
+        )
         assert_outputs_equal(run(p), expected)
 
 

@@ -620,6 +620,15 @@ impl StreamingBackend {
         for sp in units.stacks.iter_mut().filter(|sp| !sp.allgather) {
             order_by_files(model.desc(), model, &mut sp.units);
         }
+        if config.strategy != self.config.strategy {
+            return Err(OffloadError::Unsupported(format!(
+                "retune cannot switch from the {} strategy to {} (the new config's keys select it: resident layers \
+                 under layer_options select the distributed layerwise strategy); disable and enable with the new \
+                 config instead",
+                self.config.strategy.report_name(),
+                config.strategy.report_name()
+            )));
+        }
         let same = st.units.as_ref().is_some_and(|old| {
             old.hook_name == units.hook_name
                 && old.fixed == units.fixed
