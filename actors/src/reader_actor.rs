@@ -209,6 +209,7 @@ fn reader_loop(
 ) {
     let mut ring = StagingRing::new(staging.buffers.len());
     let mut last: LastUse = vec![None; staging.buffers.len()];
+    let mut scratch = Vec::new(); // the bytes of one read, kept across reads (no fresh zeroed pages per block)
     while let Ok(cmd) = rx.recv() {
         let (cmd, reads) = match cmd {
             ReaderCmd::Load { cmd, reads } => (cmd, reads),
@@ -225,7 +226,7 @@ fn reader_loop(
             continue;
         }
         let ring_and_last = (&mut ring, &mut last);
-        match stage(platform, stream, staging, ring_and_last, cmd, &reads, skip_wait) {
+        match stage(platform, stream, staging, ring_and_last, cmd, (&reads, &mut scratch), skip_wait) {
             Ok(()) => {}
             Err(Staged::Failed { cmd, error }) => fail(*cmd, error),
             Err(Staged::StreamGone) => break,
@@ -247,7 +248,7 @@ fn stage(
     staging: &Staging,
     (ring, last): (&mut StagingRing, &mut LastUse),
     mut cmd: LoadCmd,
-    reads: &[FileRead],
+    (reads, scratch): (&[FileRead], &mut Vec<u8>),
     skip_wait: bool,
 ) -> Result<(), Staged> {
     let k = match ring.next() {
@@ -267,7 +268,7 @@ fn stage(
         }
     };
     ring.begin_fill(k, cmd.ticket).expect("the ring named this buffer free and next");
-    if let Err(error) = fill(platform, staging.buffers[k], reads) {
+    if let Err(error) = fill(platform, staging.buffers[k], reads, scratch) {
         ring.abandoned(k, cmd.ticket).expect("filling under this ticket");
         return Err(Staged::Failed { cmd: Box::new(cmd), error });
     }
@@ -306,21 +307,29 @@ fn wait_for_copies(
     }
 }
 
-/// Reads every range into the staging buffer.
-fn fill(platform: &PlatformRef, buffer: HostBufferId, reads: &[FileRead]) -> Result<(), PlatformError> {
+/// Reads every range into the staging buffer, through `scratch` (grown to the largest read, then reused).
+fn fill(
+    platform: &PlatformRef,
+    buffer: HostBufferId,
+    reads: &[FileRead],
+    scratch: &mut Vec<u8>,
+) -> Result<(), PlatformError> {
     for r in reads {
         let len = usize::try_from(r.len).map_err(|_| PlatformError::FileReadFailed {
             offset: r.offset,
             bytes: r.len,
             reason: "larger than this host's address space".into(),
         })?;
-        let mut bytes = vec![0u8; len];
-        r.file.read_at(r.offset, &mut bytes).map_err(|reason| PlatformError::FileReadFailed {
+        if scratch.len() < len {
+            scratch.resize(len, 0);
+        }
+        let bytes = &mut scratch[..len];
+        r.file.read_at(r.offset, bytes).map_err(|reason| PlatformError::FileReadFailed {
             offset: r.offset,
             bytes: r.len,
             reason,
         })?;
-        platform.write_host(buffer, r.staging_offset, &bytes)?;
+        platform.write_host(buffer, r.staging_offset, bytes)?;
     }
     Ok(())
 }

@@ -351,3 +351,25 @@ def test_a_part_of_a_block_called_outside_it_brings_the_block_in_on_cuda():
         for _ in range(2):
             assert torch.equal(case.run(m, xg).cpu(), want)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+def test_blocks_beyond_the_host_budget_are_read_from_disk_on_cuda(tmp_path):
+    from test_checkpoint import LAYER, inputs
+    from test_disk_tier import checkpoint, masters_of
+    from test_host_memory import with_key
+
+    ref, m, path = checkpoint(tmp_path, 128)
+    x = inputs()
+    twin = ref.to(CUDA)
+    xg = {k: v.to(CUDA) for k, v in x.items()}
+    with torch.no_grad():
+        want = twin(**xg, return_dict=False)[0].cpu()
+    budget = masters_of(m, path) * 6 // 10
+    cfg = with_key(LAYER, host_masters="pinned", host_budget=budget)
+    with wf.enable({"transformer": m}, cfg, device="cuda", checkpoint=path) as h:
+        for _ in range(3):
+            with torch.no_grad():
+                assert torch.equal(m(**xg, return_dict=False)[0].cpu(), want)
+        s = h.stats()
+        assert s["disk_bytes"] > 0 and s["master_host_bytes"] + s["staging_host_bytes"] <= budget

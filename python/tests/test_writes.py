@@ -328,6 +328,25 @@ def test_a_walk_of_one_block_edits_its_true_weights_and_a_walk_inside_editing_ru
     assert "apply" not in m.transformer_blocks[0].__dict__
 
 
+def test_copying_or_pickling_an_offloaded_module_is_refused_before_anything_is_read_and_works_after_disable():
+    import io
+    import pickle
+
+    m, x = model()
+    want = forward(m, x)
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
+        for copy_it in (copy.deepcopy, pickle.dumps, lambda mod: torch.save(mod, io.BytesIO())):
+            with pytest.raises(wf.OffloadError) as e:
+                copy_it(m)
+            assert str(e.value).startswith("'transformer' is offloaded by weightferry: copying or pickling it")
+        with pytest.raises(wf.OffloadError, match=r"^'transformer\.transformer_blocks\.1' is offloaded"):
+            copy.deepcopy(m.transformer_blocks[1])
+        assert torch.equal(forward(m, x), want)
+    copied = copy.deepcopy(m)
+    assert torch.equal(forward(copied, x), want)
+    assert "__getstate__" not in m.__dict__
+
+
 def vae():
     import diffusers
 

@@ -131,6 +131,7 @@ def enable(
         undo.push(handle._state_hooks.remove)
         undo.push(handle._guard.remove)
         undo.push(handle._walks.remove)
+        undo.push(handle._copies.remove)
         undo.push(handle._load_hooks.remove)
         undo.push(handle._remove_watch)
         handle._offload()

@@ -15,6 +15,7 @@ from ._edits import Signatures, check, editing
 from ._guards import ConversionGuard
 from ._hooks import Hooks, StreamCheck
 from ._loads import LoadHooks
+from ._pickling import CopyGuard
 from ._registry import mark
 from ._state_dict import StateDictHooks
 from ._walks import WalkGuard
@@ -59,6 +60,8 @@ class Handle:
         self._guard = ConversionGuard(modules, lambda: self._forwards > 0 or self._hooks.busy())
         self._forwards = 0  # component forwards under way (a cast of dtype on the device is taken inside one)
         # While offloaded, Module.apply (diffusers' fuse_lora / unfuse_lora) walks the true weights in editing().
+        # While offloaded, copying or pickling a module (deepcopy, torch.save of the module) is refused.
+        self._copies = CopyGuard(modules)
         self._walks = WalkGuard(
             modules, self.editing, lambda: self._sigs.editing is not None or self._forwards > 0 or self._hooks.busy()
         )
@@ -78,6 +81,7 @@ class Handle:
         self._state_hooks.install()
         self._guard.install()
         self._walks.install()
+        self._copies.install()
         self._load_hooks.install()
         self._install_watch()
         mark(self._storages.tensors(), True)
@@ -188,6 +192,7 @@ class Handle:
         self._state_hooks.remove()
         self._guard.remove()
         self._walks.remove()
+        self._copies.remove()
         self._load_hooks.remove()
         self._disabled = True
         if changed:

@@ -621,10 +621,15 @@ impl StreamingBackend {
             order_by_files(model.desc(), model, &mut sp.units);
         }
         if config.strategy != self.config.strategy {
+            let layerwise = [Strategy::LayerWise, Strategy::DistributedLayerWise];
+            let why = if layerwise.contains(&config.strategy) && layerwise.contains(&self.config.strategy) {
+                " (the new config's keys select it: resident layers under layer_options select the distributed \
+                 layerwise strategy)"
+            } else {
+                ""
+            };
             return Err(OffloadError::Unsupported(format!(
-                "retune cannot switch from the {} strategy to {} (the new config's keys select it: resident layers \
-                 under layer_options select the distributed layerwise strategy); disable and enable with the new \
-                 config instead",
+                "retune cannot switch from the {} strategy to {}{why}; disable and enable with the new config instead",
                 self.config.strategy.report_name(),
                 config.strategy.report_name()
             )));
