@@ -159,6 +159,14 @@ def test_disable_after_an_edit_outside_editing_gives_back_the_true_weights_and_s
     assert "disable gave back the weights weightferry held, without the change" in str(e.value)
     assert not h.enabled
     assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
+    # An edit through .data of a fixed weight bumps no version counter: disable finds it by its bytes.
+    h = wf.enable({"transformer": m}, layer(2), device="sim")
+    forward(m, x)
+    param(m, FIXED).data += 0.5
+    with pytest.raises(wf.OffloadError) as e:
+        h.disable()
+    assert str(e.value).startswith(f"'transformer.{FIXED}' changed while offloaded, outside Handle.editing()")
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in expected.items())
     # …and a module state_dict while enabled refuses a pending edit the same way.
     with wf.enable({"transformer": m}, layer(2), device="sim"):
         with torch.no_grad():

@@ -18,6 +18,7 @@ from ._loads import LoadHooks
 from ._pickling import CopyGuard
 from ._registry import mark
 from ._state_dict import StateDictHooks
+from ._storages import tensors_over
 from ._walks import WalkGuard
 from ._writes import Writer
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
     from ._binders import Binder
     from ._describe import Bound, Modules
-    from ._storages import StorageMap
+    from ._storages import StorageMap, View
 
 __all__ = ["Handle"]
 
@@ -181,6 +182,9 @@ class Handle:
         if self._sigs.editing is not None:
             raise _core.OffloadError("disable() inside Handle.editing(): leave the editing block first")
         changed = self._sigs.changed(set(self._storages.views)) if self._offloaded else []
+        if self._offloaded:
+            seen = {sid for sid, _ in changed}
+            changed += [(sid, v) for sid, v in self._drifted() if sid not in seen]
         self._remove_watch()
         self._hooks.remove()
         self._session.disable()
@@ -202,6 +206,31 @@ class Handle:
                 "replaced): disable gave back the weights weightferry held, without the change; make weight edits "
                 "inside `with handle.editing():` (or disable, edit, and enable again)"
             )
+
+    def _drifted(self) -> list[tuple[int, View]]:
+        """Tensors of the fixed placement whose bytes differ from weightferry's copy: an edit through ``.data``
+        (``weight.data += delta`` bumps no version counter and keeps the pointer) made outside ``editing()``, which
+        the signatures cannot see. Read once, at ``disable``; a tensor that cannot be compared is skipped."""
+        import torch
+
+        out = []
+        streamed = self._storages.streamed()
+        for sid, views in self._storages.views.items():
+            if sid in streamed:
+                continue
+            true = tensors_over(self._session.read_storage(sid), views)
+            for view, t in zip(views, true):
+                try:
+                    now = view.tensor.detach()
+                    if now.shape != t.shape or now.dtype != t.dtype:
+                        continue
+                    a = now.cpu().contiguous().reshape(-1).view(torch.uint8)
+                    b = t.contiguous().reshape(-1).view(torch.uint8)
+                except (RuntimeError, TypeError):
+                    continue
+                if not torch.equal(a, b):
+                    out.append((sid, view))
+        return out
 
     def stats(self) -> dict[str, Any]:
         """The backend's report as a dict: ``strategy``, ``enabled``, ``stacks`` (per stack: ``loads``,
