@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core
 from ._compiler import compiler_disabled
+from ._overrides import Overrides
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,33 +49,19 @@ class ConversionGuard:
     forward is under way (when a dtype cast on the device is taken, see the module doc)."""
 
     def __init__(self, modules: Modules, in_forward: Callable[[], bool]) -> None:
-        self._modules = modules
         self._in_forward = in_forward
-        self._saved: dict[int, tuple[Any, bool]] = {}  # id(module) -> (its own instance _apply, whether it had one)
+        self._overrides = Overrides(modules, "_apply")
         # id(tensor) -> (the tensor, what it held before its first cast in this forward)
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def install(self) -> None:
         """Puts the guarding ``_apply`` on every module."""
-        for path, module in self._modules.items():
-            if id(module) in self._saved:
-                continue  # one module object reachable at two paths
-            had = "_apply" in module.__dict__
-            self._saved[id(module)] = (module.__dict__.get("_apply"), had)
-            module.__dict__["_apply"] = self._guard(module, path or type(module).__name__)
+        self._overrides.install(lambda path, module, _own: self._guard(module, path))
 
     def remove(self) -> None:
         """Restores every module's ``_apply`` (idempotent)."""
         self.forward_ended()
-        for module in self._modules.values():
-            saved = self._saved.pop(id(module), None)
-            if saved is None:
-                continue
-            own, had = saved
-            if had:
-                module.__dict__["_apply"] = own
-            else:
-                module.__dict__.pop("_apply", None)
+        self._overrides.remove()
 
     def forward_ended(self) -> None:
         """Gives every tensor still cast what it held before its first cast (a forward cast it and did not cast it

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from ._overrides import Overrides
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,29 +30,15 @@ class CopyGuard:
     """The instance ``__getstate__`` of every module of one enabled pipeline."""
 
     def __init__(self, modules: Modules) -> None:
-        self._modules = modules
-        self._saved: dict[int, tuple[Any, bool]] = {}  # id(module) -> (its own instance attribute, whether it had one)
+        self._overrides = Overrides(modules, "__getstate__")
 
     def install(self) -> None:
         """Puts the refusing ``__getstate__`` on every module."""
-        for path, module in self._modules.items():
-            if id(module) in self._saved:
-                continue  # one module object reachable at two paths
-            had = "__getstate__" in module.__dict__
-            self._saved[id(module)] = (module.__dict__.get("__getstate__"), had)
-            module.__dict__["__getstate__"] = _refusal(path or type(module).__name__)
+        self._overrides.install(lambda path, _module, _own: _refusal(path))
 
     def remove(self) -> None:
         """Restores every module's ``__getstate__`` (idempotent)."""
-        for module in self._modules.values():
-            saved = self._saved.pop(id(module), None)
-            if saved is None:
-                continue
-            own, had = saved
-            if had:
-                module.__dict__["__getstate__"] = own
-            else:
-                module.__dict__.pop("__getstate__", None)
+        self._overrides.remove()
 
 
 def _refusal(path: str) -> Callable[[], Any]:

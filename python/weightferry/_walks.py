@@ -12,6 +12,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from ._overrides import Overrides
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -33,32 +35,17 @@ class WalkGuard:
         editing: Callable[[nn.Module], AbstractContextManager[None]],
         as_is: Callable[[], bool],
     ) -> None:
-        self._modules = modules
         self._editing = editing
         self._as_is = as_is
-        self._saved: dict[int, tuple[Any, bool]] = {}  # id(module) -> (its own instance apply, whether it had one)
+        self._overrides = Overrides(modules, "apply")
 
     def install(self) -> None:
         """Puts the editing ``apply`` on every module."""
-        for module in self._modules.values():
-            if id(module) in self._saved:
-                continue  # one module object reachable at two paths
-            had = "apply" in module.__dict__
-            own = module.__dict__.get("apply")
-            self._saved[id(module)] = (own, had)
-            module.__dict__["apply"] = self._walk(module, own if had else None)
+        self._overrides.install(lambda _path, module, own: self._walk(module, own))
 
     def remove(self) -> None:
         """Restores every module's ``apply`` (idempotent)."""
-        for module in self._modules.values():
-            saved = self._saved.pop(id(module), None)
-            if saved is None:
-                continue
-            own, had = saved
-            if had:
-                module.__dict__["apply"] = own
-            else:
-                module.__dict__.pop("apply", None)
+        self._overrides.remove()
 
     def _walk(self, module: nn.Module, own: Callable[..., Any] | None) -> Callable[..., Any]:
         walk = own if own is not None else type(module).apply.__get__(module)
