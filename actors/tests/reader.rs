@@ -59,6 +59,20 @@ fn rig(blocks: usize, fail_at: Option<usize>) -> Rig {
 
 impl Rig {
     fn load(&self, ticket: u64, block: usize, host: HostBufferId, dst: DeviceBufferId, reads: Vec<FileRead>) {
+        self.load_through(&self.reader, ticket, block, host, dst, reads);
+    }
+
+    /// A load of `block` into `dst` from `host` (or, with `reads`, from the staging buffer they fill) through
+    /// `reader`.
+    fn load_through(
+        &self,
+        reader: &ReaderHandle,
+        ticket: u64,
+        block: usize,
+        host: HostBufferId,
+        dst: DeviceBufferId,
+        reads: Vec<FileRead>,
+    ) {
         let copies = vec![CopyOp {
             direction: CopyDirection::HostToDevice,
             host,
@@ -79,12 +93,16 @@ impl Rig {
             board: self.board.clone(),
             notify: None,
         };
-        self.reader.load(cmd, reads).unwrap();
+        reader.load(cmd, reads).unwrap();
     }
 
     fn load_from_disk(&self, ticket: u64, block: usize, dst: DeviceBufferId) {
+        self.load_from_disk_through(&self.reader, ticket, block, dst);
+    }
+
+    fn load_from_disk_through(&self, reader: &ReaderHandle, ticket: u64, block: usize, dst: DeviceBufferId) {
         let read = FileRead { file: self.file.clone(), offset: block as u64 * BLOCK, len: BLOCK, staging_offset: 0 };
-        self.load(ticket, block, HostBufferId(u64::MAX), dst, vec![read]);
+        self.load_through(reader, ticket, block, HostBufferId(u64::MAX), dst, vec![read]);
     }
 
     fn device(&self, buf: DeviceBufferId) -> Vec<u8> {
@@ -162,28 +180,7 @@ fn a_reader_that_refills_without_waiting_overwrites_bytes_a_pending_copy_still_r
     r.sim.launch(r.stream.stream(), "gate", Vec::new(), held).unwrap();
     let dst: Vec<DeviceBufferId> = (0..4).map(|_| r.sim.alloc_device(BLOCK).unwrap()).collect();
     for (b, &d) in dst.iter().enumerate() {
-        let read = FileRead { file: r.file.clone(), offset: b as u64 * BLOCK, len: BLOCK, staging_offset: 0 };
-        let copies = vec![CopyOp {
-            direction: CopyDirection::HostToDevice,
-            host: HostBufferId(u64::MAX),
-            host_offset: 0,
-            device: d,
-            device_offset: 0,
-            len: BLOCK,
-        }];
-        let ready = r.sim.create_event().unwrap();
-        let cmd = LoadCmd {
-            ticket: b as u64 + 1,
-            target: b,
-            block: b,
-            waits: Vec::new(),
-            copies,
-            ready,
-            staged: None,
-            board: r.board.clone(),
-            notify: None,
-        };
-        broken.load(cmd, vec![read]).unwrap();
+        r.load_from_disk_through(&broken, b as u64 + 1, b, d);
     }
     assert_eq!(r.board.wait(4, &|| true), Some(Ok(())));
     release.send(()).unwrap();

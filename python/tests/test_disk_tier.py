@@ -8,12 +8,10 @@ typed error naming it."""
 import copy
 import os
 
-import diffusers
 import pytest
 import torch
-from safetensors.torch import save_file
-from test_checkpoint import CONFIG, LAYER, forward, inputs
-from test_checkpoint import weights as file_weights
+from test_checkpoint import LAYER, forward, inputs
+from test_host_memory import checkpoint as host_checkpoint
 from test_host_memory import with_key
 
 import weightferry as wf
@@ -21,18 +19,10 @@ import weightferry as wf
 pytestmark = pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
 
 
-def checkpoint(tmp_path, head_dim, single=12):
-    """A tiny Flux of one double and ``single`` single blocks in a safetensors file, the same module on ``meta``,
-    and the reference (heads of 128: every section lies in the file as packed; of 16: some do not)."""
-    config = dict(CONFIG, num_layers=1, num_single_layers=single, attention_head_dim=head_dim,
-                  axes_dims_rope=(16, 56, 56) if head_dim == 128 else (4, 6, 6))
-    torch.manual_seed(0)
-    ref = diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
-    path = tmp_path / "transformer.safetensors"
-    save_file({k: v.contiguous() for k, v in file_weights(ref).items()}, str(path))
-    with torch.device("meta"):
-        m = diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
-    return ref, m, path
+def checkpoint(tmp_path, head_dim):
+    """``test_host_memory.checkpoint`` with one double and twelve single blocks (many small units: budgets down to
+    half the masters fit the staging buffers)."""
+    return host_checkpoint(tmp_path, head_dim, num_layers=1, num_single_layers=12)
 
 
 def masters_of(m, path):

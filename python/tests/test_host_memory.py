@@ -66,11 +66,12 @@ def test_the_plan_predicts_the_host_masters_enable_holds_to_the_byte(folder, cas
         assert s["plan_host"] == predicted
 
 
-def checkpoint(tmp_path, head_dim):
+def checkpoint(tmp_path, head_dim, **blocks):
     """A tiny Flux's weights in a safetensors file, the same module on ``meta``, and the reference. Heads of 128:
     every block tensor is a multiple of 256 bytes, so every section lies in the file as packed; heads of 16: the
-    64-byte biases break that, so only some sections do."""
-    config = dict(CONFIG, attention_head_dim=head_dim, axes_dims_rope=(16, 56, 56) if head_dim == 128 else (4, 6, 6))
+    64-byte biases break that, so only some sections do. ``blocks``: other block counts (``num_layers``, ...)."""
+    config = dict(CONFIG, attention_head_dim=head_dim, axes_dims_rope=(16, 56, 56) if head_dim == 128 else (4, 6, 6),
+                  **blocks)
     torch.manual_seed(0)
     ref = diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
     path = tmp_path / "transformer.safetensors"
