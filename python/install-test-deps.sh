@@ -11,4 +11,4 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv-py/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-py
 fi
-.venv-py/bin/python -m pip install --quiet --disable-pip-version-check -r python/requirements-test.txt
+.venv-py/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir -r python/requirements-test.txt
