@@ -68,8 +68,20 @@ pub struct FileRead {
     pub offset: u64,
     /// Bytes.
     pub len: u64,
-    /// Offset in the staging buffer (the copies' `host_offset`s are offsets in that buffer too).
+    /// Offset in the staging buffer of the range's first byte (the copies' `host_offset`s are offsets in that buffer
+    /// too); at least `offset % DIRECT_READ_ALIGN`, the start of its [`window`](FileRead::window).
     pub staging_offset: u64,
+}
+
+impl FileRead {
+    /// The window of the staging buffer this read fills: its start (`staging_offset` less the offset's distance past
+    /// a [`DIRECT_READ_ALIGN`](crate::platform::DIRECT_READ_ALIGN) boundary) and length
+    /// ([`read_window_len`](crate::platform::read_window_len)). A layout keeps the windows of one buffer apart and,
+    /// for direct reads, starts them at aligned offsets.
+    pub fn window(&self) -> (u64, u64) {
+        let start = self.staging_offset - self.offset % crate::platform::DIRECT_READ_ALIGN;
+        (start, crate::platform::read_window_len(self.offset, self.len))
+    }
 }
 
 impl PartialEq for FileRead {

@@ -69,6 +69,31 @@ pub trait BlockFile: Send + Sync + fmt::Debug {
     /// Copies `out.len()` bytes from `offset` into `out`; fails, saying why, when they are no longer there or no
     /// longer the ones the file was opened with.
     fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
+
+    /// Reads the `len` bytes at `offset` into `window`, which stands for the file from `offset` rounded down to
+    /// [`DIRECT_READ_ALIGN`]: the bytes land at `window[offset % DIRECT_READ_ALIGN..][..len]`, and the rest of the
+    /// window is left unspecified. `window` holds at least [`read_window_len`]`(offset, len)` bytes; where it also
+    /// starts at an aligned address, a file opened for direct I/O reads straight into it (no bounce buffer). By
+    /// default: [`read_at`](BlockFile::read_at) into the range.
+    fn read_window(&self, offset: u64, len: u64, window: &mut [u8]) -> Result<(), String> {
+        let at = (offset % DIRECT_READ_ALIGN) as usize;
+        let end = usize::try_from(len).ok().and_then(|l| at.checked_add(l)).filter(|&e| e <= window.len());
+        let Some(end) = end else {
+            return Err(format!("a read of {len} bytes at {offset} does not fit a window of {} bytes", window.len()));
+        };
+        self.read_at(offset, &mut window[at..end])
+    }
+}
+
+/// Alignment of the file offsets, lengths and buffer addresses of direct (`O_DIRECT`) reads: 4 KiB covers the logical
+/// block size of every common device (512 B or 4 KiB). The disk tier lays its staging buffers out in windows of it.
+pub const DIRECT_READ_ALIGN: u64 = 4096;
+
+/// Bytes of the window a read of `len` bytes at `offset` fills ([`BlockFile::read_window`]): the range rounded out
+/// to [`DIRECT_READ_ALIGN`] at both ends.
+pub fn read_window_len(offset: u64, len: u64) -> u64 {
+    let start = offset - offset % DIRECT_READ_ALIGN;
+    (offset + len).next_multiple_of(DIRECT_READ_ALIGN) - start
 }
 
 /// Errors a platform reports.
@@ -213,6 +238,27 @@ pub trait Platform: Send + Sync + fmt::Debug {
     fn free_host(&self, buf: HostBufferId) -> PlatformResult<()>;
     /// Fills part of a host buffer from the CPU.
     fn write_host(&self, buf: HostBufferId, offset: u64, data: &[u8]) -> PlatformResult<()>;
+    /// Fills `len` bytes of a host buffer at `offset` with `fill`, which is handed those bytes (their contents
+    /// unspecified) to write: the disk tier reads a file straight into its staging buffer this way. The caller must
+    /// hold the range exclusively, as for [`Platform::write_host`]. By default `fill` writes a temporary buffer,
+    /// copied in with [`Platform::write_host`]; a platform whose host buffers the CPU can address lends the bytes
+    /// themselves.
+    fn fill_host(
+        &self,
+        buf: HostBufferId,
+        offset: u64,
+        len: u64,
+        fill: &mut dyn FnMut(&mut [u8]) -> PlatformResult<()>,
+    ) -> PlatformResult<()> {
+        let n = usize::try_from(len).map_err(|_| PlatformError::HostAllocFailed {
+            requested: len,
+            kind: HostMemoryKind::Pageable,
+            reason: "larger than this host's address space".into(),
+        })?;
+        let mut bytes = vec![0u8; n];
+        fill(&mut bytes)?;
+        self.write_host(buf, offset, &bytes)
+    }
     /// Reads part of a host buffer into `out`.
     fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()>;
     /// Size and kind of a host buffer.

@@ -6,7 +6,8 @@
 //! stays a watermark. For a load with [`FileRead`]s the reader takes the next staging buffer of its
 //! [`StagingRing`]; if that buffer still serves an earlier load, it first waits until that load is published on its
 //! board (its events are recorded) and then for the staging event recorded after its copies (invariant: a staging
-//! buffer is refilled only after the copies that read it completed). It reads the file into the buffer, points the
+//! buffer is refilled only after the copies that read it completed). It reads the file straight into the buffer
+//! ([`Platform::fill_host`](crate::platform::Platform::fill_host), each range into its aligned window), points the
 //! load's copies at it, asks the stream actor to record the buffer's event after them, and forwards the load. A read
 //! that fails publishes the error on the load's board and reports it as the load's completion; the buffer is free
 //! again at once.
@@ -209,7 +210,6 @@ fn reader_loop(
 ) {
     let mut ring = StagingRing::new(staging.buffers.len());
     let mut last: LastUse = vec![None; staging.buffers.len()];
-    let mut scratch = Vec::new(); // the bytes of one read, kept across reads (no fresh zeroed pages per block)
     while let Ok(cmd) = rx.recv() {
         let (cmd, reads) = match cmd {
             ReaderCmd::Load { cmd, reads } => (cmd, reads),
@@ -226,7 +226,7 @@ fn reader_loop(
             continue;
         }
         let ring_and_last = (&mut ring, &mut last);
-        match stage(platform, stream, staging, ring_and_last, cmd, (&reads, &mut scratch), skip_wait) {
+        match stage(platform, stream, staging, ring_and_last, cmd, &reads, skip_wait) {
             Ok(()) => {}
             Err(Staged::Failed { cmd, error }) => fail(*cmd, error),
             Err(Staged::StreamGone) => break,
@@ -248,7 +248,7 @@ fn stage(
     staging: &Staging,
     (ring, last): (&mut StagingRing, &mut LastUse),
     mut cmd: LoadCmd,
-    (reads, scratch): (&[FileRead], &mut Vec<u8>),
+    reads: &[FileRead],
     skip_wait: bool,
 ) -> Result<(), Staged> {
     let k = match ring.next() {
@@ -268,7 +268,7 @@ fn stage(
         }
     };
     ring.begin_fill(k, cmd.ticket).expect("the ring named this buffer free and next");
-    if let Err(error) = fill(platform, staging.buffers[k], reads, scratch) {
+    if let Err(error) = fill(platform, staging.buffers[k], reads) {
         ring.abandoned(k, cmd.ticket).expect("filling under this ticket");
         return Err(Staged::Failed { cmd: Box::new(cmd), error });
     }
@@ -307,29 +307,12 @@ fn wait_for_copies(
     }
 }
 
-/// Reads every range into the staging buffer, through `scratch` (grown to the largest read, then reused).
-fn fill(
-    platform: &PlatformRef,
-    buffer: HostBufferId,
-    reads: &[FileRead],
-    scratch: &mut Vec<u8>,
-) -> Result<(), PlatformError> {
+/// Reads every range straight into its window of the staging buffer ([`FileRead::window`]).
+fn fill(platform: &PlatformRef, buffer: HostBufferId, reads: &[FileRead]) -> Result<(), PlatformError> {
     for r in reads {
-        let len = usize::try_from(r.len).map_err(|_| PlatformError::FileReadFailed {
-            offset: r.offset,
-            bytes: r.len,
-            reason: "larger than this host's address space".into(),
-        })?;
-        if scratch.len() < len {
-            scratch.resize(len, 0);
-        }
-        let bytes = &mut scratch[..len];
-        r.file.read_at(r.offset, bytes).map_err(|reason| PlatformError::FileReadFailed {
-            offset: r.offset,
-            bytes: r.len,
-            reason,
-        })?;
-        platform.write_host(buffer, r.staging_offset, bytes)?;
+        let (start, len) = r.window();
+        let failed = |reason| PlatformError::FileReadFailed { offset: r.offset, bytes: r.len, reason };
+        platform.fill_host(buffer, start, len, &mut |w| r.file.read_window(r.offset, r.len, w).map_err(failed))?;
     }
     Ok(())
 }

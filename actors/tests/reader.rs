@@ -8,7 +8,9 @@
 
 use std::sync::Arc;
 use weightferry_actors::messages::{CopyDirection, CopyOp, FileRead, LoadCmd, TicketBoard};
-use weightferry_actors::platform::{BlockFile, DeviceBufferId, HostBufferId, HostMemoryKind, Platform, PlatformError};
+use weightferry_actors::platform::{
+    BlockFile, DeviceBufferId, HostBufferId, HostMemoryKind, Platform, PlatformError, DIRECT_READ_ALIGN,
+};
 use weightferry_actors::sim::{SimConfig, SimPlatform};
 use weightferry_actors::{ReaderHandle, StreamHandle, StreamOptions};
 
@@ -51,7 +53,8 @@ fn rig(blocks: usize, fail_at: Option<usize>) -> Rig {
     let sim = Arc::new(SimPlatform::new(config).unwrap());
     let platform: Arc<dyn Platform> = sim.clone();
     let stream = StreamHandle::spawn(platform.clone(), "copy", StreamOptions::default()).unwrap();
-    let reader = ReaderHandle::spawn(platform, "disk", stream.clone(), 2, BLOCK, HostMemoryKind::Pinned).unwrap();
+    let reader =
+        ReaderHandle::spawn(platform, "disk", stream.clone(), 2, DIRECT_READ_ALIGN, HostMemoryKind::Pinned).unwrap();
     let bytes = (0..blocks).flat_map(block_bytes).collect();
     let file = Arc::new(MemFile { bytes, fail_at: fail_at.map(|b| b as u64 * BLOCK) });
     Rig { sim, stream, reader, board: Arc::new(TicketBoard::new()), file }
@@ -73,10 +76,12 @@ impl Rig {
         dst: DeviceBufferId,
         reads: Vec<FileRead>,
     ) {
+        // A disk load's copy reads the staging buffer where its read put the bytes.
+        let host_offset = reads.first().map_or(0, |r| r.staging_offset);
         let copies = vec![CopyOp {
             direction: CopyDirection::HostToDevice,
             host,
-            host_offset: 0,
+            host_offset,
             device: dst,
             device_offset: 0,
             len: BLOCK,
@@ -101,7 +106,9 @@ impl Rig {
     }
 
     fn load_from_disk_through(&self, reader: &ReaderHandle, ticket: u64, block: usize, dst: DeviceBufferId) {
-        let read = FileRead { file: self.file.clone(), offset: block as u64 * BLOCK, len: BLOCK, staging_offset: 0 };
+        // Each read fills the aligned window around its range: the bytes lie `offset % DIRECT_READ_ALIGN` into it.
+        let offset = block as u64 * BLOCK;
+        let read = FileRead { file: self.file.clone(), offset, len: BLOCK, staging_offset: offset % DIRECT_READ_ALIGN };
         self.load_through(reader, ticket, block, HostBufferId(u64::MAX), dst, vec![read]);
     }
 
@@ -128,7 +135,7 @@ fn blocks_read_through_two_staging_buffers_arrive_in_order_without_a_hazard() {
         assert_eq!(r.device(d), block_bytes(b), "block {b}");
     }
     assert_eq!(r.device(dst[6]), vec![0xAB; BLOCK as usize]);
-    assert_eq!(r.reader.staging_bytes().unwrap(), 2 * BLOCK);
+    assert_eq!(r.reader.staging_bytes().unwrap(), 2 * DIRECT_READ_ALIGN);
     assert_eq!(r.sim.violations(), Vec::new());
     r.reader.destroy().unwrap();
     r.stream.destroy().unwrap();
@@ -168,7 +175,7 @@ fn a_reader_that_refills_without_waiting_overwrites_bytes_a_pending_copy_still_r
         "broken",
         r.stream.clone(),
         1,
-        BLOCK,
+        DIRECT_READ_ALIGN,
         HostMemoryKind::Pinned,
     )
     .unwrap();

@@ -566,20 +566,22 @@ impl weightferry_actors::platform::BlockFile for MemFile {
 }
 
 /// `r`'s blocks with every odd one moved to the disk tier: its segments' bytes written to a file, read into a
-/// staging buffer (segment after segment) and copied from there. Returns the blocks and the staging size.
+/// staging buffer (each segment into its own aligned window) and copied from there. Returns the blocks and the staging size.
 fn odd_blocks_on_disk(r: &Rig) -> (Vec<BlockSpec>, u64) {
     use weightferry_actors::messages::FileRead;
+    use weightferry_actors::platform::{read_window_len, DIRECT_READ_ALIGN};
     let mut file = Vec::new();
     let mut placed = Vec::new();
     for (i, b) in r.blocks.iter().enumerate() {
         let mut reads = Vec::new();
-        let mut at = 0u64;
+        let mut window = 0u64; // each read fills its own aligned window of the staging buffer
         for s in &b.segments {
             let mut bytes = vec![0u8; s.len as usize];
             r.sim.read_host(s.host, s.host_offset, &mut bytes).unwrap();
-            reads.push((file.len() as u64, s.len, at));
+            let offset = file.len() as u64;
+            reads.push((offset, s.len, window + offset % DIRECT_READ_ALIGN));
             file.extend_from_slice(&bytes);
-            at += s.len;
+            window += read_window_len(offset, s.len);
         }
         placed.push((i % 2 == 1).then_some(reads));
     }
@@ -596,7 +598,9 @@ fn odd_blocks_on_disk(r: &Rig) -> (Vec<BlockSpec>, u64) {
                 for (s, &(_, _, at)) in b.segments.iter_mut().zip(&reads) {
                     s.host_offset = at;
                 }
-                staging = staging.max(reads.iter().map(|r| r.2 + r.1).max().unwrap_or(0));
+                staging = staging.max(
+                    reads.iter().map(|r| r.2 - r.0 % DIRECT_READ_ALIGN + read_window_len(r.0, r.1)).max().unwrap_or(0),
+                );
                 b.reads = reads
                     .into_iter()
                     .map(|(offset, len, staging_offset)| FileRead { file: file.clone(), offset, len, staging_offset })

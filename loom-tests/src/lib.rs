@@ -31,7 +31,7 @@ mod harness {
     use weightferry_actors::messages::FileRead;
     use weightferry_actors::platform::{
         BlockFile, DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, Platform, PlatformError,
-        PlatformRef, PlatformResult, StreamId,
+        PlatformRef, PlatformResult, StreamId, DIRECT_READ_ALIGN,
     };
     use weightferry_actors::sync::{lock, thread, Arc, Condvar, Mutex, MutexGuard};
     use weightferry_actors::{
@@ -748,9 +748,11 @@ mod harness {
             let file: std::sync::Arc<dyn BlockFile> = std::sync::Arc::new(MemFile(bytes));
             let blocks = (0..self.blocks.len())
                 .map(|i| BlockSpec {
+                    // The read fills the aligned window around its range; the bytes lie `offset % DIRECT_READ_ALIGN`
+                    // into it, where the copy reads them.
                     segments: vec![Segment {
                         host: HostBufferId(u64::MAX),
-                        host_offset: 0,
+                        host_offset: i as u64 * BLOCK_BYTES % DIRECT_READ_ALIGN,
                         len: BLOCK_BYTES,
                         device_offset: 0,
                     }],
@@ -758,7 +760,7 @@ mod harness {
                         file: file.clone(),
                         offset: i as u64 * BLOCK_BYTES,
                         len: BLOCK_BYTES,
-                        staging_offset: 0,
+                        staging_offset: i as u64 * BLOCK_BYTES % DIRECT_READ_ALIGN,
                     }],
                     device_bytes: BLOCK_BYTES,
                 })
@@ -768,14 +770,14 @@ mod harness {
             let reader = if broken {
                 #[cfg(weightferry_broken)]
                 {
-                    ReaderHandle::spawn_without_staging_wait(p, "disk", s, staging, BLOCK_BYTES, kind)
+                    ReaderHandle::spawn_without_staging_wait(p, "disk", s, staging, DIRECT_READ_ALIGN, kind)
                 }
                 #[cfg(not(weightferry_broken))]
                 {
                     panic!("the broken reader needs --cfg weightferry_broken")
                 }
             } else {
-                ReaderHandle::spawn(p, "disk", s, staging, BLOCK_BYTES, kind)
+                ReaderHandle::spawn(p, "disk", s, staging, DIRECT_READ_ALIGN, kind)
             }
             .expect("reader");
             let spec = StackSpec { blocks, ..self.spec(0, depth, OrderingFault::None) };

@@ -14,11 +14,11 @@ use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use weightferry_actors::platform::BlockFile;
+use weightferry_actors::platform::{BlockFile, DIRECT_READ_ALIGN};
 
-/// Alignment of offsets, lengths and buffer addresses of direct reads: 4 KiB covers the logical block size of
-/// every common device (512 B or 4 KiB).
-pub const DIRECT_ALIGN: u64 = 4096;
+/// Alignment of offsets, lengths and buffer addresses of direct reads (the scheduler's
+/// [`DIRECT_READ_ALIGN`]: 4 KiB covers the logical block size of every common device, 512 B or 4 KiB).
+pub const DIRECT_ALIGN: u64 = DIRECT_READ_ALIGN;
 
 /// A heap buffer aligned to [`DIRECT_ALIGN`], zero-filled when made (the disk tier's pinned ring stands in its
 /// place on a GPU).
@@ -111,17 +111,30 @@ impl DirectFile {
     /// [`span`](Self::span)`(offset, len)` bytes. A read that ends early (the file is shorter than the range: it
     /// was truncated since the checkpoint was checked) is [`CheckpointError::Changed`].
     pub fn read(&self, offset: u64, len: u64, buf: &mut AlignedBuf) -> Result<Range<usize>, CheckpointError> {
+        self.read_into(offset, len, buf.as_mut_slice())
+    }
+
+    /// [`read`](Self::read) into any window that holds [`span`](Self::span)`(offset, len)` bytes; for a direct
+    /// file the window must start at an address aligned to [`DIRECT_ALIGN`] (the disk tier's pinned staging
+    /// buffers do), else the read is refused before the kernel sees it.
+    pub fn read_into(&self, offset: u64, len: u64, window: &mut [u8]) -> Result<Range<usize>, CheckpointError> {
         let start = offset - offset % DIRECT_ALIGN;
         let span = Self::span(offset, len);
         let changed = |reason: String| CheckpointError::Changed { file: self.path.clone(), reason };
-        if span > buf.len() as u64 {
+        if span > window.len() as u64 {
             return Err(changed(format!(
                 "{}: a read of {len} bytes at {offset} needs a buffer of {span} bytes, given {}",
                 self.path.display(),
-                buf.len()
+                window.len()
             )));
         }
-        let dst = &mut buf.as_mut_slice()[..span as usize];
+        if self.direct && window.as_ptr() as usize % DIRECT_ALIGN as usize != 0 {
+            return Err(changed(format!(
+                "{}: a direct read needs a buffer aligned to {DIRECT_ALIGN} bytes (internal)",
+                self.path.display()
+            )));
+        }
+        let dst = &mut window[..span as usize];
         let mut done = 0usize;
         let wanted = (offset + len - start) as usize; // bytes up to the range's end; the tail may lie past EOF
         while done < wanted {
@@ -146,8 +159,9 @@ impl DirectFile {
     }
 }
 
-/// A [`DirectFile`] as the disk tier's reader reads it ([`BlockFile`]): each read through one aligned buffer the file
-/// keeps (grown to the largest read so far), copied into the caller's bytes.
+/// A [`DirectFile`] as the disk tier's reader reads it ([`BlockFile`]): a read into an aligned window (the staging
+/// buffers the reader fills) goes straight there; any other read goes through one aligned buffer the file keeps
+/// (made on first need, grown to the largest such read), copied into the caller's bytes.
 #[derive(Debug)]
 pub struct DiskSource {
     file: DirectFile,
@@ -185,6 +199,17 @@ impl BlockFile for DiskSource {
         out.copy_from_slice(&buf.as_slice()[at]);
         Ok(())
     }
+
+    fn read_window(&self, offset: u64, len: u64, window: &mut [u8]) -> Result<(), String> {
+        let aligned = window.as_ptr() as usize % DIRECT_ALIGN as usize == 0;
+        if !self.file.direct || aligned {
+            return self.file.read_into(offset, len, window).map(drop).map_err(|e| e.to_string());
+        }
+        let at = (offset % DIRECT_ALIGN) as usize;
+        let end = at.saturating_add(len as usize);
+        let range = window.get_mut(at..end).ok_or_else(|| format!("a read of {len} bytes does not fit its window"))?;
+        self.read_at(offset, range)
+    }
 }
 
 #[cfg(test)]
@@ -213,6 +238,30 @@ mod tests {
             let got = f.read(offset, len, &mut buf).unwrap();
             assert_eq!(&buf.as_slice()[got], &bytes[offset as usize..(offset + len) as usize], "{offset}+{len}");
         }
+    }
+
+    #[test]
+    fn a_window_read_lands_at_the_offset_s_distance_past_alignment_aligned_or_not() {
+        let (path, bytes) = file_of(&scratch("window"), "f.bin", 5 * 4096 + 77);
+        let f = DiskSource::open(&path).unwrap();
+        for (offset, len) in [(0u64, 10u64), (4097, 5000), (4095, 2), (3 * 4096 + 5, 2 * 4096 + 72)] {
+            let span = DirectFile::span(offset, len) as usize;
+            let mut aligned = AlignedBuf::new(span + 4096);
+            let at = (offset % 4096) as usize;
+            f.read_window(offset, len, &mut aligned.as_mut_slice()[..span]).unwrap();
+            assert_eq!(&aligned.as_slice()[at..at + len as usize], &bytes[offset as usize..(offset + len) as usize]);
+            // A window at an unaligned address goes through the bounce buffer: the same bytes, in the same place.
+            let window = &mut aligned.as_mut_slice()[8..8 + span];
+            window.fill(0);
+            f.read_window(offset, len, window).unwrap();
+            assert_eq!(&window[at..at + len as usize], &bytes[offset as usize..(offset + len) as usize]);
+        }
+        let mut small = AlignedBuf::new(4096);
+        let e = f.read_window(4000, 200, small.as_mut_slice()).unwrap_err();
+        assert_eq!(
+            e,
+            format!("{}: a read of 200 bytes at 4000 needs a buffer of 8192 bytes, given 4096", path.display())
+        );
     }
 
     #[test]

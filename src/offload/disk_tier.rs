@@ -5,8 +5,9 @@
 //! Only a model whose weights come from checkpoint files has a disk tier, and only a unit every storage of which
 //! lies in a file. Units are moved to the disk tier from the end of the last stack backwards until the masters of
 //! the others plus [`STAGING_BUFFERS`] staging buffers of the largest disk unit fit the budget (or none is left:
-//! then `check_host_budget` refuses the plan). A disk unit's staging buffer holds it laid out as its device region,
-//! so its copies are its sections' copies with host offsets equal to their device offsets.
+//! then `check_host_budget` refuses the plan). A disk unit's staging buffer holds its file ranges as read
+//! ([`staging_layout`]: aligned windows, so `O_DIRECT` reads land in it with no copy), and its copies go from there
+//! to its device region.
 //!
 //! Invariant: the prediction ([`super::predict::host_of`]) and the backend call `plan_disk` with the same units and
 //! served sections, so the bytes `plan` reports are the bytes `enable` holds.
@@ -17,7 +18,7 @@ use crate::model::{Home, HostModel};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use weightferry_actors::messages::FileRead;
-use weightferry_actors::platform::{BlockFile, HostBufferId};
+use weightferry_actors::platform::{read_window_len, BlockFile, HostBufferId, DIRECT_READ_ALIGN};
 use weightferry_actors::{BlockSpec, Segment};
 
 /// Staging buffers of a reader: one being filled while the copies of the other run.
@@ -91,7 +92,7 @@ pub(crate) fn plan_disk(
             }
             plan.disk[si][ui] = true;
             masters -= masters_of(si, ui, u);
-            largest = largest.max(u.device_bytes);
+            largest = largest.max(staging_layout(model, u).map_or(u.device_bytes, |l| l.bytes));
             plan.disk_bytes += u.sections.iter().map(|s| s.len).sum::<u64>();
             if fits(masters, largest) {
                 break 'all;
@@ -102,37 +103,87 @@ pub(crate) fn plan_disk(
     plan
 }
 
-/// The block spec of a disk unit: its storages' file ranges (neighbours merged) read into a staging buffer laid out
-/// as its device region, and one copy per section from there. `files` gives each mapped file's reader.
+/// Gaps up to this many bytes between two ranges of one disk unit in one file are read through: one large read
+/// instead of two smaller ones (a block's tensors usually lie together in a file, with other blocks' around them).
+pub const READ_THROUGH_GAP: u64 = 64 * 1024;
+
+/// How a disk unit lies in its staging buffer: its file ranges (storages that lie together in a file merged, gaps up
+/// to [`READ_THROUGH_GAP`] read through), each read into its own window aligned to [`DIRECT_READ_ALIGN`] so direct
+/// I/O reads straight into the buffer, and a copy per run of storages contiguous both there and on the device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagingLayout {
+    /// `(file, offset in the file, bytes, offset in the staging buffer)` of each read.
+    pub reads: Vec<(HostBufferId, u64, u64, u64)>,
+    /// The copies from the staging buffer (host offsets in it) to the unit's device region.
+    pub segments: Vec<Segment>,
+    /// Bytes of staging buffer the unit needs: the end of its last window.
+    pub bytes: u64,
+}
+
+/// The staging layout of `unit`, every storage of which lies in a checkpoint file.
+pub fn staging_layout(model: &HostModel, unit: &UnitLayout) -> Result<StagingLayout, String> {
+    // (file, offset in it, bytes, device offset), in file order.
+    let mut pieces = Vec::new();
+    for sec in &unit.sections {
+        for &(s, off) in &sec.storages {
+            let Some(Home::File { buf, offset }) = model.home(s) else {
+                return Err(format!("storage {} of `{}` is not in a checkpoint file", s.0, unit.path));
+            };
+            pieces.push((buf, offset, model.storage_bytes(s), sec.device_offset + off));
+        }
+    }
+    pieces.sort_unstable();
+    let mut ranges: Vec<(HostBufferId, u64, u64)> = Vec::new(); // (file, start, end)
+    for &(buf, offset, len, _) in &pieces {
+        match ranges.last_mut() {
+            Some(r) if r.0 == buf && offset <= r.2.saturating_add(READ_THROUGH_GAP) => r.2 = r.2.max(offset + len),
+            _ => ranges.push((buf, offset, offset + len)),
+        }
+    }
+    let mut window = 0u64;
+    let reads: Vec<(HostBufferId, u64, u64, u64)> = ranges
+        .iter()
+        .map(|&(buf, start, end)| {
+            let read = (buf, start, end - start, window + start % DIRECT_READ_ALIGN);
+            window += read_window_len(start, end - start);
+            read
+        })
+        .collect();
+    let mut segments: Vec<Segment> = pieces
+        .iter()
+        .map(|&(buf, offset, len, device_offset)| {
+            let r = reads.iter().find(|r| r.0 == buf && r.1 <= offset && offset + len <= r.1 + r.2);
+            let r = r.expect("every piece lies in the range made of it");
+            Segment { host: HostBufferId(u64::MAX), host_offset: r.3 + (offset - r.1), len, device_offset }
+        })
+        .collect();
+    segments.sort_unstable_by_key(|g| g.device_offset);
+    segments.dedup_by(|next, prev| {
+        let joins =
+            prev.host_offset + prev.len == next.host_offset && prev.device_offset + prev.len == next.device_offset;
+        if joins {
+            prev.len += next.len;
+        }
+        joins
+    });
+    Ok(StagingLayout { reads, segments, bytes: window })
+}
+
+/// The block spec of a disk unit: its [`staging_layout`], with `files` giving each mapped file's reader. The
+/// segments' host buffer is a placeholder: the reader puts in the staging buffer it fills.
 pub fn disk_block(
     model: &HostModel,
     unit: &UnitLayout,
     files: &BTreeMap<HostBufferId, Arc<dyn BlockFile>>,
 ) -> Result<BlockSpec, String> {
-    let mut reads: Vec<FileRead> = Vec::new();
-    let mut segments = Vec::new();
-    for sec in &unit.sections {
-        segments.push(Segment {
-            host: HostBufferId(u64::MAX), // the reader's staging buffer, put in by the reader
-            host_offset: sec.device_offset,
-            len: sec.len,
-            device_offset: sec.device_offset,
-        });
-        for &(s, off) in &sec.storages {
-            let Some(Home::File { buf, offset }) = model.home(s) else {
-                return Err(format!("storage {} of `{}` is not in a checkpoint file", s.0, unit.path));
-            };
+    let layout = staging_layout(model, unit)?;
+    let reads = layout
+        .reads
+        .iter()
+        .map(|&(buf, offset, len, staging_offset)| {
             let file = files.get(&buf).ok_or_else(|| format!("no reader for the file of `{}`", unit.path))?;
-            let (len, at) = (model.storage_bytes(s), sec.device_offset + off);
-            match reads.last_mut() {
-                Some(r)
-                    if Arc::ptr_eq(&r.file, file) && r.offset + r.len == offset && r.staging_offset + r.len == at =>
-                {
-                    r.len += len
-                }
-                _ => reads.push(FileRead { file: file.clone(), offset, len, staging_offset: at }),
-            }
-        }
-    }
-    Ok(BlockSpec { segments, reads, device_bytes: unit.device_bytes })
+            Ok(FileRead { file: file.clone(), offset, len, staging_offset })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(BlockSpec { segments: layout.segments, reads, device_bytes: unit.device_bytes })
 }

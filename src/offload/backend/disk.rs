@@ -88,7 +88,7 @@ pub(super) fn block(
     Ok(spec)
 }
 
-/// A reader per stack with disk units (staging buffers of `kind` sized for its largest disk unit), forwarding to
+/// A reader per stack with disk units (staging buffers of `kind` sized for its disk units' largest staging layout), forwarding to
 /// `stream`; `None` for the other stacks. On failure the readers made are destroyed.
 pub(super) fn readers(
     platform: &PlatformRef,
@@ -97,7 +97,8 @@ pub(super) fn readers(
     kind: HostMemoryKind,
 ) -> Result<(), OffloadError> {
     for (si, blocks) in st.block_specs.iter().enumerate() {
-        let largest = blocks.iter().filter(|b| !b.reads.is_empty()).map(|b| b.device_bytes).max();
+        let windows = blocks.iter().flat_map(|b| b.reads.iter().map(|r| r.window()));
+        let largest = windows.map(|(start, len)| start + len).max();
         let reader = match largest {
             Some(bytes) => {
                 let name = format!("disk-{si}");

@@ -537,6 +537,28 @@ impl Platform for CudaPlatform {
         Ok(())
     }
 
+    fn fill_host(
+        &self,
+        buf: HostBufferId,
+        offset: u64,
+        len: u64,
+        fill: &mut dyn FnMut(&mut [u8]) -> PlatformResult<()>,
+    ) -> PlatformResult<()> {
+        let host = self.host_entry(buf)?;
+        if host.kind() == HostMemoryKind::Mapped {
+            return Err(PlatformError::ReadOnly { id: buf.0, what: "a CPU write" });
+        }
+        check_range("host buffer fill", offset, len, host.len())?;
+        if len == 0 {
+            return fill(&mut []);
+        }
+        // SAFETY: `offset + len <= host.len()` was checked, so the range lies inside the live buffer (kept alive by
+        // the `Arc` for this call); the platform contract gives the caller that range exclusively (no copy reads or
+        // writes it meanwhile, no other CPU access), so this is the only reference to those bytes while `fill` runs.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(host.ptr().add(host_usize(offset)), host_usize(len)) };
+        fill(bytes)
+    }
+
     fn read_host(&self, buf: HostBufferId, offset: u64, out: &mut [u8]) -> PlatformResult<()> {
         let host = self.host_entry(buf)?;
         let len = out.len() as u64;
