@@ -1,5 +1,6 @@
 //! One checkpoint file lent to the platform as read-only host memory ([`HostRegion`]): mapped once, read by the CPU
-//! with ordinary file reads, its pages registered with the driver for the device's copies.
+//! with ordinary file reads (no readahead: only the tensors asked for enter the page cache), its pages registered
+//! with the driver for the device's copies.
 //!
 //! Policy for a file changed under a run (decided here, tested in `tests/checkpoint_mapped.rs`):
 //! - **Replaced** (written to a new file and renamed over the path, as checkpoint writers do): nothing changes; the
@@ -49,6 +50,7 @@ impl FileRegion {
         // `pread` on `file` ([`HostRegion::read_at`]); only the device reads the pages, after `cuMemHostRegister`
         // pinned them. The module doc says what happens when the file changes.
         let map = unsafe { memmap2::Mmap::map(&file)? };
+        no_readahead(&file, &map);
         Ok(FileRegion { path: path.to_path_buf(), file, map, stamp })
     }
 
@@ -82,6 +84,18 @@ impl FileRegion {
             self.path.display()
         ))
     }
+}
+
+/// Turns the kernel's readahead off for reads through `file` and faults of `map` (the header check, the driver's
+/// registration): weightferry reads whole tensors at known offsets, and readahead around them (8 MiB on some
+/// machines) would pull the neighbouring bytes (the disk tier's blocks, read around the page cache, or other
+/// components' tensors) into the page cache for nothing. Advice only: a kernel that ignores it changes nothing but
+/// the cache.
+fn no_readahead(file: &File, map: &memmap2::Mmap) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `posix_fadvise` reads no memory of ours; `file` is an open descriptor for the duration of the call.
+    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+    let _ = map.advise(memmap2::Advice::Random);
 }
 
 impl HostRegion for FileRegion {
