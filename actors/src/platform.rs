@@ -234,6 +234,12 @@ pub trait Platform: Send + Sync + fmt::Debug {
 
     /// Allocates a host buffer, zero-filled.
     fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId>;
+    /// Allocates a host buffer whose contents are unspecified until written: for a caller that writes every byte
+    /// it will read or copy (a master filled storage by storage, its gaps zeroed), sparing the pass that zeroes a
+    /// buffer the caller overwrites anyway. By default [`Platform::alloc_host`] (zero-filled).
+    fn alloc_host_uninit(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
+        self.alloc_host(bytes, kind)
+    }
     /// Frees a host buffer. The caller must have observed completion of all copies touching it.
     fn free_host(&self, buf: HostBufferId) -> PlatformResult<()>;
     /// Fills part of a host buffer from the CPU.

@@ -30,6 +30,10 @@ pub mod trace;
 
 pub use config::SimConfig;
 pub use fault::FaultPlan;
+
+/// The byte a simulated host buffer from [`Platform::alloc_host_uninit`](crate::platform::Platform::alloc_host_uninit)
+/// holds until written (its contents are unspecified; a pattern, not zeros, makes a read of unwritten bytes visible).
+pub const UNINIT_BYTE: u8 = 0xA5;
 pub use hazard::{Access, BufferRef, HazardKind, HazardViolation, OpInfo};
 pub use kernel::{KernelError, KernelFn, SimKernelCtx};
 pub use stats::{SimHostMemory, SimStats};

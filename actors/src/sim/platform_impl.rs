@@ -9,7 +9,7 @@ use super::lifecycle::shut_down_error;
 use super::memory::{check_range, BytesError};
 use super::stats::StatCounters;
 use super::stream::{CopyOp, Op};
-use super::{event::GenStatus, SimPlatform};
+use super::{event::GenStatus, SimPlatform, UNINIT_BYTE};
 use crate::platform::{
     DeviceBufferId, DeviceMemoryStats, EventId, HostBufferId, HostMemoryKind, HostRegion, Platform, PlatformError,
     PlatformResult, StreamId,
@@ -92,6 +92,23 @@ impl Platform for SimPlatform {
             });
         }
         shared.host.alloc(bytes, kind)
+    }
+
+    /// Its contents are unspecified: the sim fills it with [`UNINIT_BYTE`], so a caller that copies or reads bytes
+    /// it never wrote shows up in the tests as that pattern, not as the zeros [`Platform::alloc_host`] gives.
+    fn alloc_host_uninit(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
+        let buf = self.alloc_host(bytes, kind)?;
+        let chunk = vec![UNINIT_BYTE; bytes.min(1 << 20) as usize];
+        let mut at = 0;
+        while at < bytes {
+            let n = (bytes - at).min(chunk.len() as u64);
+            if let Err(e) = self.write_host(buf, at, &chunk[..n as usize]) {
+                let _ = self.free_host(buf);
+                return Err(e);
+            }
+            at += n;
+        }
+        Ok(buf)
     }
 
     fn free_host(&self, buf: HostBufferId) -> PlatformResult<()> {

@@ -12,6 +12,11 @@
 //! distributed run's gathered stacks), from a model without checkpoint files, whose storages no other section
 //! holds. A staged section `enable` does not take (a layout that changed) keeps working: its storages are read from
 //! the staged master like from any home, and [`Staging::release`] gives them their own buffers back and frees it.
+//!
+//! A master is allocated without zero-filling ([`Platform::alloc_host_uninit`]) and its padding zeroed at once, so
+//! each byte of it is written exactly once; `enable` takes only a master all of whose storages were written.
+//!
+//! [`Platform::alloc_host_uninit`]: weightferry_actors::platform::Platform::alloc_host_uninit
 
 use crate::config::OffloadConfig;
 use crate::model::{Home, HostModel, ModelError};
@@ -33,6 +38,26 @@ struct StagedSection {
     len: u64,
     /// The master, once a write allocated it.
     buf: Option<HostBufferId>,
+    /// `(offset, bytes)` of the master no storage covers (alignment padding): zeroed when it is allocated, the rest
+    /// being written storage by storage.
+    gaps: Vec<(u64, u64)>,
+}
+
+/// The ranges of a section of `len` bytes that none of `covered` (`(offset, bytes)`, in any order) covers.
+fn gaps_of(len: u64, mut covered: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    covered.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut at = 0;
+    for (offset, bytes) in covered {
+        if offset > at {
+            gaps.push((at, offset - at));
+        }
+        at = at.max(offset + bytes);
+    }
+    if len > at {
+        gaps.push((at, len - at));
+    }
+    gaps
 }
 
 /// The stageable sections of a plan and the masters written so far (see the module docs).
@@ -66,7 +91,9 @@ impl Staging {
                     continue; // a storage two sections hold is copied by enable, as without staging
                 }
                 let at = staging.sections.len();
-                staging.sections.push(StagedSection { unit: unit.path.clone(), index, len: sec.len, buf: None });
+                let covered = sec.storages.iter().map(|&(s, off)| (off, desc.storages[&s].byte_size())).collect();
+                let gaps = gaps_of(sec.len, covered);
+                staging.sections.push(StagedSection { unit: unit.path.clone(), index, len: sec.len, buf: None, gaps });
                 staging.slots.extend(sec.storages.iter().map(|&(s, off)| (s, (at, off))));
             }
         }
@@ -92,7 +119,15 @@ impl Staging {
         let buf = match sec.buf {
             Some(buf) => buf,
             None => {
-                let buf = platform.alloc_host(sec.len.max(1), self.kind)?;
+                // Every byte of the master is written: the storages one by one, the gaps here. No zeroing pass over
+                // the whole buffer first (on a GPU host, a pass over the model's size in pinned memory).
+                let buf = platform.alloc_host_uninit(sec.len.max(1), self.kind)?;
+                let zeroed =
+                    sec.gaps.iter().try_for_each(|&(at, n)| platform.write_host(buf, at, &vec![0; n as usize]));
+                if let Err(e) = zeroed {
+                    let _ = platform.free_host(buf);
+                    return Err(e.into());
+                }
                 sec.buf = Some(buf);
                 buf
             }

@@ -354,6 +354,38 @@ impl CudaPlatform {
         self.device.get(buf.0).ok_or(PlatformError::InvalidHandle { what: "device buffer", id: buf.0 })
     }
 
+    /// A host buffer of `bytes` and `kind` (a pinned one from the cache of freed pinned buffers where one of that
+    /// length waits), zero-filled when `zeroed`, else with whatever the allocation held.
+    fn alloc_host_with(&self, bytes: u64, kind: HostMemoryKind, zeroed: bool) -> PlatformResult<HostBufferId> {
+        if kind == HostMemoryKind::Pinned {
+            self.bind_to_thread()?;
+        }
+        let cached = if kind == HostMemoryKind::Pinned {
+            let mut cache = self.pinned_cache.lock().unwrap_or_else(|e| e.into_inner());
+            let hit = cache.by_len.get_mut(&bytes).and_then(Vec::pop);
+            if hit.is_some() {
+                cache.bytes -= bytes;
+            }
+            hit
+        } else {
+            None
+        };
+        let alloc = match cached {
+            Some(a) => {
+                if zeroed && a.len() > 0 {
+                    // SAFETY: the cached buffer is owned by this value alone (it left the handle table when it was
+                    // freed) and spans `a.len()` bytes.
+                    unsafe { std::ptr::write_bytes(a.ptr(), 0, a.len() as usize) };
+                }
+                a
+            }
+            None => HostAlloc::new(&self.ctx, bytes, kind, zeroed)?,
+        };
+        let id = self.host.next_handle();
+        self.host.insert(id, alloc);
+        Ok(HostBufferId(id))
+    }
+
     fn host_entry(&self, buf: HostBufferId) -> PlatformResult<Arc<HostAlloc>> {
         self.host.get(buf.0).ok_or(PlatformError::InvalidHandle { what: "host buffer", id: buf.0 })
     }
@@ -469,33 +501,11 @@ impl Platform for CudaPlatform {
     }
 
     fn alloc_host(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
-        if kind == HostMemoryKind::Pinned {
-            self.bind_to_thread()?;
-        }
-        let cached = if kind == HostMemoryKind::Pinned {
-            let mut cache = self.pinned_cache.lock().unwrap_or_else(|e| e.into_inner());
-            let hit = cache.by_len.get_mut(&bytes).and_then(Vec::pop);
-            if hit.is_some() {
-                cache.bytes -= bytes;
-            }
-            hit
-        } else {
-            None
-        };
-        let alloc = match cached {
-            Some(a) => {
-                if a.len() > 0 {
-                    // SAFETY: the cached buffer is owned by this value alone (it left the handle table when it was
-                    // freed) and spans `a.len()` bytes.
-                    unsafe { std::ptr::write_bytes(a.ptr(), 0, a.len() as usize) };
-                }
-                a
-            }
-            None => HostAlloc::new(&self.ctx, bytes, kind)?,
-        };
-        let id = self.host.next_handle();
-        self.host.insert(id, alloc);
-        Ok(HostBufferId(id))
+        self.alloc_host_with(bytes, kind, true)
+    }
+
+    fn alloc_host_uninit(&self, bytes: u64, kind: HostMemoryKind) -> PlatformResult<HostBufferId> {
+        self.alloc_host_with(bytes, kind, false)
     }
 
     fn free_host(&self, buf: HostBufferId) -> PlatformResult<()> {

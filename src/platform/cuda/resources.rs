@@ -201,8 +201,10 @@ unsafe impl Send for HostAlloc {}
 unsafe impl Sync for HostAlloc {}
 
 impl HostAlloc {
-    /// Allocates `len` zeroed bytes of the given kind. For pinned memory the caller made the context current.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, len: u64, kind: HostMemoryKind) -> PlatformResult<Self> {
+    /// Allocates `len` bytes of the given kind, zeroed when `zeroed` (else a pinned buffer keeps what the driver
+    /// gave; pageable memory is zeroed either way, at no extra pass). For pinned memory the caller made the context
+    /// current.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, len: u64, kind: HostMemoryKind, zeroed: bool) -> PlatformResult<Self> {
         let fail = |reason: String| PlatformError::HostAllocFailed { requested: len, kind, reason };
         let size = usize::try_from(len).map_err(|_| fail("size does not fit the address space".to_string()))?;
         if size == 0 {
@@ -217,8 +219,10 @@ impl HostAlloc {
                     return Err(fail("cuMemHostAlloc returned a null pointer".to_string()));
                 }
                 let ptr = raw.cast::<u8>();
-                // SAFETY: `ptr` points to `size` freshly allocated bytes that nothing else references yet.
-                unsafe { ptr::write_bytes(ptr, 0, size) };
+                if zeroed {
+                    // SAFETY: `ptr` points to `size` freshly allocated bytes that nothing else references yet.
+                    unsafe { ptr::write_bytes(ptr, 0, size) };
+                }
                 Ok(HostAlloc::with(ctx, ptr, size, kind, HostBacking::Pinned))
             }
             HostMemoryKind::Pageable if size >= MAPPED_PAGEABLE_BYTES => {

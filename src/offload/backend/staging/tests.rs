@@ -134,3 +134,33 @@ fn a_failure_at_any_host_or_device_allocation_leaves_every_storage_as_written() 
     }
     assert!(enable_failures > 0, "no injected fault hit enable");
 }
+
+#[test]
+fn a_staged_master_is_written_once_its_padding_zeroed_not_left_as_allocated() {
+    use std::collections::BTreeMap;
+    use weightferry_actors::platform::Platform;
+    use weightferry_actors::sim::UNINIT_BYTE;
+    let mut s = open(FaultPlan::none()).unwrap();
+    write_all(&mut s).unwrap();
+    // Each master's bytes as the storages homed in it say they must be: theirs where they lie, zeros elsewhere.
+    let mut want: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let sim = s.device().sim().unwrap();
+    for (id, len, unit) in s.storages() {
+        if unit.is_none() {
+            continue;
+        }
+        let Some(Home::Master { buf, offset }) = s.model().home(id) else { panic!("storage {} not staged", id.0) };
+        let bytes = want.entry(buf.0).or_insert_with(|| vec![0; sim.host_buffer_info(buf).unwrap().0 as usize]);
+        bytes[offset as usize..(offset + len) as usize].copy_from_slice(&bytes_of(id, len));
+    }
+    assert_eq!(want.len(), 6, "a master per section");
+    let mut padded = 0;
+    for (&buf, bytes) in &want {
+        let mut got = vec![UNINIT_BYTE; bytes.len()];
+        sim.read_host(weightferry_actors::platform::HostBufferId(buf), 0, &mut got).unwrap();
+        assert_eq!(&got, bytes, "master {buf}");
+        padded += bytes.len() as u64;
+    }
+    let stored: u64 = s.storages().iter().filter(|(_, _, u)| u.is_some()).map(|(_, len, _)| len).sum();
+    assert!(padded > stored, "the layout pads some section ({padded} bytes in masters, {stored} stored)");
+}
