@@ -19,6 +19,7 @@
 
 pub mod blas;
 mod driver;
+mod host_copy;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "nccl")]
@@ -543,7 +544,7 @@ impl Platform for CudaPlatform {
         // SAFETY: `offset + len <= host.len()` was checked, so the destination range lies inside the live buffer
         // (kept alive by the `Arc`); `data` is a distinct Rust slice, so the ranges cannot overlap. Concurrent
         // access to the same bytes is excluded by the platform contract.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host.ptr().add(host_usize(offset)), data.len()) };
+        unsafe { host_copy::copy_to(data, host.ptr().add(host_usize(offset))) };
         Ok(())
     }
 
@@ -582,9 +583,7 @@ impl Platform for CudaPlatform {
         }
         // SAFETY: `offset + len <= host.len()` was checked, so the source range lies inside the live buffer (kept
         // alive by the `Arc`); `out` is an exclusive Rust slice, so the ranges cannot overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(host.ptr().add(host_usize(offset)).cast_const(), out.as_mut_ptr(), out.len())
-        };
+        unsafe { host_copy::copy_from(host.ptr().add(host_usize(offset)).cast_const(), out) };
         Ok(())
     }
 
