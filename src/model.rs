@@ -263,18 +263,20 @@ impl HostModel {
     /// A model whose every storage lies in a mapped file: `files` are mapped host buffers of `platform`
     /// ([`Platform::map_host`](weightferry_actors::platform::Platform::map_host)), owned by the model from now on;
     /// `at` gives each storage of `desc` its file and offset, `paths` each file's path. Loaders check the ranges
-    /// first.
+    /// first. `loaded` are the caller's storages (zero-filled, for the caller to write); `converted` storages the
+    /// loader filled itself (a file tensor in another float dtype).
     pub(crate) fn from_files(
         platform: PlatformRef,
         desc: Arc<PipelineDesc>,
         paths: BTreeMap<HostBufferId, std::path::PathBuf>,
         at: BTreeMap<StorageId, (HostBufferId, u64)>,
         loaded: BTreeMap<StorageId, HostBufferId>,
+        converted: BTreeMap<StorageId, HostBufferId>,
     ) -> HostModel {
         let mut homes: BTreeMap<_, _> =
             at.iter().map(|(&id, &(buf, offset))| (id, Home::File { buf, offset })).collect();
         let caller = loaded.keys().copied().collect();
-        homes.extend(loaded.into_iter().map(|(id, buf)| (id, Home::Loaded { buf })));
+        homes.extend(loaded.into_iter().chain(converted).map(|(id, buf)| (id, Home::Loaded { buf })));
         let files = paths.keys().copied().collect();
         HostModel { desc, platform, homes, files, paths, origins: at, caller }
     }

@@ -59,6 +59,10 @@ pub struct LoadCmd {
     pub notify: Option<Sender<Completion>>,
 }
 
+/// The host buffer a block spec's segment names when it copies from the staging buffer its reads fill: the reader
+/// puts in the buffer it filled (a segment naming another buffer, a master, keeps it).
+pub const STAGING_HOST: HostBufferId = HostBufferId(u64::MAX);
+
 /// A read of a block's bytes from its checkpoint file into the staging buffer its load copies from.
 #[derive(Debug, Clone)]
 pub struct FileRead {

@@ -16,7 +16,7 @@
 //! never the other way, so no cycle of bounded channels exists.
 
 use crate::error::SchedulerError;
-use crate::messages::{Completion, FileRead, LoadCmd, TicketBoard};
+use crate::messages::{Completion, FileRead, LoadCmd, TicketBoard, STAGING_HOST};
 use crate::platform::{EventId, HostBufferId, HostMemoryKind, PlatformError, PlatformRef};
 use crate::slot::Ticket;
 use crate::staging::{NextBuffer, StagingRing};
@@ -272,7 +272,7 @@ fn stage(
         ring.abandoned(k, cmd.ticket).expect("filling under this ticket");
         return Err(Staged::Failed { cmd: Box::new(cmd), error });
     }
-    for c in &mut cmd.copies {
+    for c in cmd.copies.iter_mut().filter(|c| c.host == STAGING_HOST) {
         c.host = staging.buffers[k];
     }
     cmd.staged = Some(staging.events[k]);

@@ -120,7 +120,7 @@ def test_a_checkpoint_that_does_not_match_raises_and_leaves_the_module(tmp_path)
     with pytest.raises(wf.CheckpointError) as e:
         wf.enable({"transformer": m}, LAYER, device="sim", checkpoint=42)
     assert str(e.value) == (
-        "checkpoint must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got int"
+        "checkpoint must be a path (str or os.PathLike) to a .safetensors or .gguf file or a sharded folder, got int"
     )
 
 
@@ -142,8 +142,8 @@ def test_a_checkpoint_path_fills_one_component_and_a_mapping_names_each():
     with pytest.raises(wf.CheckpointError) as e:
         wf.enable({"transformer": m}, LAYER, device="sim", checkpoint={"transformer": 7})
     assert str(e.value) == (
-        "checkpoint['transformer'] must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, "
-        "got int"
+        "checkpoint['transformer'] must be a path (str or os.PathLike) to a .safetensors or .gguf file or a sharded "
+        "folder, got int"
     )
     assert all(p.is_meta for p in m.parameters())
 

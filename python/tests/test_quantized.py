@@ -575,7 +575,8 @@ def test_a_bitsandbytes_8bit_model_streams_bit_identical_and_one_run_before_enab
         assert torch.equal(twin(**x)[0], expected)
 
 
-def test_weightferry_inspect_reads_a_gguf_file_as_the_gguf_package_does_and_enable_does_not_bind_it_yet(folder, cli):
+def test_weightferry_inspect_reads_a_gguf_file_as_the_gguf_package_does_and_enable_refuses_another_quantization(
+        folder, cli):
     # The file diffusers' GGUF quantizer loads (tensors named as the diffusers model names them), read by the CLI's
     # checkpoint reader (header checked, tensors mapped as stored: quantized ones as their bytes) and by gguf's own.
     import gguf
@@ -603,15 +604,14 @@ def test_weightferry_inspect_reads_a_gguf_file_as_the_gguf_package_does_and_enab
     assert run.returncode == 0, run.stderr
     assert "outputs match: yes" in run.stdout and "weights match: yes" in run.stdout
 
-    # checkpoint= binds safetensors files only: a GGUF file is refused before anything changes.
+    # checkpoint= binds a GGUF file by name (test_gguf_checkpoint.py); one of another quantization than the model's
+    # (Q4_0 bytes for Q8_0 ones) is refused, naming the first tensor that differs, before anything changes.
     model, _ = gguf_model("flux", "Q8_0", folder)
     before = weights(model)
     with pytest.raises(wf.CheckpointError) as e:
         wf.enable({"transformer": model}, layer(2), device="sim", checkpoint=path)
     assert str(e.value) == (
-        f"checkpoint={path!r} is a GGUF file: `weightferry inspect` reads it, but checkpoint= binds safetensors files "
-        "only for now (a GGUF file's unquantized tensors are often in another dtype than the model's); load it with "
-        "diffusers' GGUF quantizer (from_single_file with a GGUFQuantizationConfig) and enable the model it returns: "
-        "its quantized bytes stream as stored"
+        f"{path}: tensor `time_text_embed.timestep_embedder.linear_1.weight`: the checkpoint has u8 [32, 144], the "
+        "description u8 [32, 272]"
     )
     assert weights(model) == before and all(len(m._forward_pre_hooks) == 0 for m in model.modules())

@@ -99,6 +99,8 @@ def enable(
             json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt, seams
         )
     _check_tensors(bound, [component for _, component in ckpt])
+    if ckpt:
+        _check_unfilled(bound, session)
     report = json.loads(session.plan_json())
     warn_report(report, stacklevel=2)
 
@@ -208,6 +210,22 @@ def _check_tensors(bound: Bound, from_files: list[str]) -> None:
             )
 
 
+def _check_unfilled(bound: Bound, session: _core.Session) -> None:
+    """Refuses (``PipelineError``) a ``meta`` tensor of a checkpoint's component that the file does not fill: the
+    file holds it in another form (a GGUF file's quantized tensor that the module holds dequantized, as diffusers
+    does for the layers a model keeps in float32), so only the module could give its values."""
+    unwritten = set(session.unwritten())
+    storage_of = dict(session.tensor_storages())
+    for path, (module, name) in bound.items():
+        if getattr(module, name).is_meta and storage_of.get(path) in unwritten:
+            raise _core.PipelineError(
+                f"tensor '{path}' is on the meta device, and the checkpoint holds it in another form (quantized "
+                "where the module holds floats, or another shape), so its values cannot come from the file; build "
+                "the module with its weights (diffusers' from_single_file with the quantization config) and enable "
+                "it with checkpoint= again"
+            )
+
+
 def _check_computed_buffers(bound: Bound) -> None:
     """A module bound from a checkpoint keeps its non-persistent buffers (rotary tables and the like: computed when
     it is built, in no checkpoint), so they must hold real values, not ``meta``."""
@@ -248,21 +266,14 @@ def _checkpoint_components(
 
 
 def _checkpoint_path(checkpoint: Any, what: str) -> str:
-    """``checkpoint`` as a path string, or the error naming ``what`` (a GGUF file is refused: see the message)."""
+    """``checkpoint`` as a path string, or the error naming ``what``."""
     try:
         path = os.fspath(checkpoint)
     except TypeError:
         raise _core.CheckpointError(
-            f"{what} must be a path (str or os.PathLike) to a .safetensors file or a sharded folder, got "
+            f"{what} must be a path (str or os.PathLike) to a .safetensors or .gguf file or a sharded folder, got "
             f"{type(checkpoint).__name__}"
         ) from None
-    if str(path).lower().endswith(".gguf"):
-        raise _core.CheckpointError(
-            f"{what}={str(path)!r} is a GGUF file: `weightferry inspect` reads it, but checkpoint= binds "
-            "safetensors files only for now (a GGUF file's unquantized tensors are often in another dtype than the "
-            "model's); load it with diffusers' GGUF quantizer (from_single_file with a GGUFQuantizationConfig) and "
-            "enable the model it returns: its quantized bytes stream as stored"
-        )
     return str(path)
 
 

@@ -112,7 +112,6 @@ def materialize_meta(bound: Bound, undo: UndoStack) -> dict[int, torch.Tensor]:
     ``requires_grad`` for a parameter; one new object per old one, so tied attributes stay tied): a meta tensor
     cannot take CPU data (``.data`` refuses the type change). Each replacement is undone by ``undo``. Returns
     ``{id(new tensor): the meta tensor it replaced}``."""
-    import torch
     import torch.nn as nn
 
     new_of: dict[int, torch.Tensor] = {}
@@ -123,14 +122,31 @@ def materialize_meta(bound: Bound, undo: UndoStack) -> dict[int, torch.Tensor]:
             continue
         new = new_of.get(id(old))
         if new is None:
-            empty = torch.empty(0, dtype=old.dtype)
-            new = nn.Parameter(empty, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else empty
+            new = _empty_like_kind(old)
             new_of[id(old)] = new
             replaced[id(new)] = old
         table: dict[str, Any] = module._parameters if attr in module._parameters else module._buffers
         undo.push(_put_back(table, attr, old))
         table[attr] = new
     return replaced
+
+
+def _empty_like_kind(old: torch.Tensor) -> torch.Tensor:
+    """An empty CPU tensor of ``old``'s dtype and kind: a ``Parameter`` (with its ``requires_grad``) for a parameter,
+    of ``old``'s own class with its attributes for a ``Parameter`` subclass that is not a wrapper (diffusers'
+    ``GGUFParameter`` and its ``quant_type``), so the module's own code sees the parameter it was built with."""
+    import torch
+    import torch.nn as nn
+
+    empty = torch.empty(0, dtype=old.dtype)
+    if not isinstance(old, nn.Parameter):
+        return empty
+    if type(old) is nn.Parameter or hasattr(old, "__tensor_flatten__"):
+        return nn.Parameter(empty, requires_grad=old.requires_grad)
+    # What Parameter.__new__ does for plain data, for old's class, whose own __new__ may ask for more arguments.
+    new = torch.Tensor._make_subclass(type(old), empty, old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    return new
 
 
 def _put_back(table: dict[str, Any], attr: str, old: torch.Tensor) -> Callable[[], None]:

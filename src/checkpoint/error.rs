@@ -48,11 +48,14 @@ pub enum CheckpointError {
         /// Bytes the file has.
         actual: u64,
     },
-    /// The header is not UTF-8 JSON of the safetensors format (or is larger than the format allows).
-    #[error("{}: corrupt header: {reason}; the file is not a valid safetensors file", file.display())]
+    /// The header is not one of its format (safetensors: UTF-8 JSON no larger than the format allows; GGUF: see
+    /// `gguf.rs`).
+    #[error("{}: corrupt header: {reason}; the file is not a valid {format} file", file.display())]
     CorruptHeader {
         /// The file.
         file: PathBuf,
+        /// The format it was read as: `"safetensors"` or `"GGUF"`.
+        format: &'static str,
         /// What is wrong.
         reason: String,
     },

@@ -8,7 +8,7 @@
 //! (F32, F16, BF16, I8, I32, I64) its own dtype and the dimensions reversed. Checks, in order (the first failure is
 //! the error): the magic, the version and the counts ([`CheckpointError::CorruptHeader`]); every key, value and
 //! tensor entry lies inside the file ([`CheckpointError::Truncated`] when the header is cut); no tensor name twice,
-//! at most four dimensions, rows of whole blocks, offsets on the file's alignment (`general.alignment`, 32 if
+//! at most eight dimensions (ggml's own limit is four; the `gguf` package writes more), rows of whole blocks, offsets on the file's alignment (`general.alignment`, 32 if
 //! absent) ([`CheckpointError::CorruptHeader`]); a known type that the description can hold
 //! ([`CheckpointError::UnsupportedDtype`]); every tensor inside the file ([`CheckpointError::Truncated`]); no two
 //! tensors overlap ([`CheckpointError::Overlap`]). Padding between tensors is the format's own and allowed.
@@ -26,6 +26,9 @@ use std::path::Path;
 pub(super) const MAGIC: &[u8; 4] = b"GGUF";
 /// Alignment of tensor data when `general.alignment` is absent.
 const DEFAULT_ALIGNMENT: u64 = 32;
+/// Most dimensions of a tensor: ggml itself stops at 4, but the `gguf` Python package writes more (a video model's
+/// 5-dimensional patch embedding) and diffusers reads them, so such files are read too.
+const MAX_DIMS: u32 = 8;
 /// Deepest nesting of arrays in a metadata value that is read (the format nests arrays of arrays).
 const MAX_ARRAY_DEPTH: u32 = 4;
 
@@ -140,7 +143,7 @@ enum Value {
 }
 
 fn corrupt(path: &Path, reason: String) -> CheckpointError {
-    CheckpointError::CorruptHeader { file: path.to_path_buf(), reason }
+    CheckpointError::CorruptHeader { file: path.to_path_buf(), format: "GGUF", reason }
 }
 
 /// Parses and checks the header of the GGUF file `bytes` (the whole file, mapped); see the module doc.
@@ -194,8 +197,8 @@ fn tensor_entry(c: &mut Cursor<'_>, alignment: u64) -> Result<FileTensor, Checkp
     let name = c.string()?;
     let bad = |what: String| corrupt(path, format!("tensor `{name}`: {what}"));
     let n = c.u32()?;
-    if !(1..=4).contains(&n) {
-        return Err(bad(format!("{n} dimensions; GGUF tensors have 1 to 4")));
+    if !(1..=MAX_DIMS).contains(&n) {
+        return Err(bad(format!("{n} dimensions; weightferry reads GGUF tensors of 1 to {MAX_DIMS}")));
     }
     let mut dims = Vec::with_capacity(n as usize);
     for _ in 0..n {
@@ -331,8 +334,8 @@ mod tests {
                 "m.gguf: corrupt header: tensor `w` is listed twice",
             ),
             (
-                file(&[("w", vec![1, 1, 1, 1, 32], 0, 0)], 32, 200),
-                "m.gguf: corrupt header: tensor `w`: 5 dimensions; GGUF tensors have 1 to 4",
+                file(&[("w", vec![1, 1, 1, 1, 1, 1, 1, 1, 32], 0, 0)], 32, 200),
+                "m.gguf: corrupt header: tensor `w`: 9 dimensions; weightferry reads GGUF tensors of 1 to 8",
             ),
             (
                 file(&[("w", vec![48, 2], 8, 0)], 32, 200),

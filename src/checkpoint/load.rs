@@ -4,13 +4,14 @@
 //! non-persistent buffers: no checkpoint holds them (the module computes them when it is built), so their storages
 //! get zero-filled host buffers of their own for the caller to fill from the module.
 
+use super::convert::{self, converts, is_float};
 use super::error::CheckpointError;
 use super::Checkpoint;
 use crate::model::{zeroed_buffers, HostModel};
-use crate::pipeline::{PipelineDesc, StorageId, TensorDesc, TensorKind};
+use crate::pipeline::{DType, PipelineDesc, StorageId, TensorDesc, TensorKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use weightferry_actors::platform::{HostBufferId, PlatformRef};
+use weightferry_actors::platform::{HostBufferId, HostMemoryKind, PlatformRef};
 
 impl HostModel {
     /// Loads `desc` from `checkpoint`: the description's tensor `<component>.K` is the checkpoint's tensor `K`.
@@ -50,13 +51,15 @@ impl HostModel {
     ) -> Result<HostModel, CheckpointError> {
         let mut plan = BTreeMap::new();
         let mut own = BTreeSet::new();
+        let mut convert = BTreeMap::new();
         for (i, &(checkpoint, component)) in parts.iter().enumerate() {
-            let (filled, caller) = match_storages(&desc, checkpoint, component)?;
-            plan.extend(filled.into_iter().map(|(id, key)| (id, (i, key))));
-            own.extend(caller);
+            let m = match_storages(&desc, checkpoint, component)?;
+            convert.extend(m.convert.iter().map(|&id| (id, (i, m.plan[&id].clone()))));
+            plan.extend(m.plan.into_iter().filter(|(id, _)| !m.convert.contains(id)).map(|(id, key)| (id, (i, key))));
+            own.extend(m.own);
         }
         // A storage a file tensor fills comes from the file.
-        own.retain(|id| !plan.contains_key(id));
+        own.retain(|id| !plan.contains_key(id) && !convert.contains_key(id));
         // Map every file that holds a tensor of the description: the storages' homes are their tensors' ranges.
         let mut mapped: BTreeMap<(usize, usize), HostBufferId> = BTreeMap::new();
         let release = |mapped: &BTreeMap<(usize, usize), HostBufferId>| {
@@ -89,9 +92,58 @@ impl HostModel {
                 return Err(CheckpointError::Platform { file, source });
             }
         };
+        let converted = match load_converted(&platform, &desc, parts, &convert) {
+            Ok(converted) => converted,
+            Err(e) => {
+                release(&mapped);
+                loaded.values().for_each(|&b| drop(platform.free_host(b)));
+                return Err(e);
+            }
+        };
         let paths = mapped.iter().map(|(&(i, fi), &buf)| (buf, parts[i].0.files()[fi].path().to_path_buf())).collect();
-        Ok(HostModel::from_files(platform, desc, paths, at, loaded))
+        Ok(HostModel::from_files(platform, desc, paths, at, loaded, converted))
     }
+}
+
+/// Host buffers of the storages whose file tensor is in another float dtype (`storage -> (part, key)`), read and
+/// converted to the description's dtype. On an error every buffer made is freed.
+fn load_converted(
+    platform: &PlatformRef,
+    desc: &PipelineDesc,
+    parts: &[(&Checkpoint, &str)],
+    convert: &BTreeMap<StorageId, (usize, String)>,
+) -> Result<BTreeMap<StorageId, HostBufferId>, CheckpointError> {
+    let mut made = BTreeMap::new();
+    let result = convert.iter().try_for_each(|(&id, (i, key))| {
+        let checkpoint = parts[*i].0;
+        let file = || checkpoint.path().to_path_buf();
+        let (_, ft) = checkpoint.tensor(key).expect("matched in this checkpoint");
+        let to = desc.storages[&id].dtype;
+        let bytes = checkpoint.read_tensor(key).expect("matched in this checkpoint")?;
+        let Some(bytes) = convert::convert(&bytes, ft.dtype, to) else { unreachable!("matched as convertible") };
+        let buf = platform
+            .alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable)
+            .map_err(|source| CheckpointError::Platform { file: file(), source })?;
+        made.insert(id, buf);
+        platform.write_host(buf, 0, &bytes).map_err(|source| CheckpointError::Platform { file: file(), source })
+    });
+    match result {
+        Ok(()) => Ok(made),
+        Err(e) => {
+            made.values().for_each(|&b| drop(platform.free_host(b)));
+            Err(e)
+        }
+    }
+}
+
+/// What [`match_storages`] found.
+struct Matched {
+    /// Which tensor fills each storage (`storage -> key`).
+    plan: BTreeMap<StorageId, String>,
+    /// The storages the caller fills.
+    own: BTreeSet<StorageId>,
+    /// The storages of `plan` whose tensor is in another float dtype in the file: converted when loaded.
+    convert: BTreeSet<StorageId>,
 }
 
 /// Which tensor of `checkpoint` fills each storage of `component` (`storage -> key`), and the storages the caller
@@ -99,12 +151,10 @@ impl HostModel {
 /// caller's). A storage several tensors view whole (tied weights, e.g. an encoder's input embedding and its shared
 /// table) is filled from the first of them the checkpoint holds: a file saved from a model with tied weights keeps
 /// one name of each tie. Every tensor of `component` that views a storage must be the whole of its contiguous
-/// storage, and every one the checkpoint holds must match it in dtype and shape.
-fn match_storages(
-    desc: &PipelineDesc,
-    checkpoint: &Checkpoint,
-    component: &str,
-) -> Result<(BTreeMap<StorageId, String>, BTreeSet<StorageId>), CheckpointError> {
+/// storage, and every one the checkpoint holds must match it in shape and dtype, or be in another float dtype
+/// (converted: [`convert`](super::convert)). A GGUF file's quantized tensor that the module holds as floats of another
+/// shape (diffusers dequantizes the ones a model keeps in f32) is the caller's, like a non-persistent buffer.
+fn match_storages(desc: &PipelineDesc, checkpoint: &Checkpoint, component: &str) -> Result<Matched, CheckpointError> {
     let file = || checkpoint.path().to_path_buf();
     let mismatch = |tensor: &str, reason: String| CheckpointError::DescriptionMismatch {
         file: file(),
@@ -114,6 +164,7 @@ fn match_storages(
     let prefix = format!("{component}.");
     let mut views: BTreeMap<StorageId, Vec<String>> = BTreeMap::new();
     let mut own = BTreeSet::new();
+    let mut convert = BTreeSet::new();
     for (path, t) in desc.root.tensors_recursive() {
         let Some(key) = path.strip_prefix(&prefix) else {
             own.insert(t.storage);
@@ -135,8 +186,14 @@ fn match_storages(
                 ),
             ));
         }
-        if let Some((_, ft)) = checkpoint.tensor(key) {
-            if ft.dtype != t.dtype || ft.shape != t.shape {
+        if let Some((f, ft)) = checkpoint.tensor(key) {
+            if ft.shape == t.shape && converts(ft.dtype, t.dtype) {
+                convert.insert(t.storage);
+            } else if f.is_gguf() && ft.dtype == DType::U8 && is_float(t.dtype) {
+                // A quantized tensor the module holds dequantized (diffusers keeps some in f32): the module's own.
+                own.insert(t.storage);
+                continue;
+            } else if ft.dtype != t.dtype || ft.shape != t.shape {
                 let (fd, dd) = (ft.dtype.name(), t.dtype.name());
                 let reason = format!("the checkpoint has {fd} {:?}, the description {dd} {:?}", ft.shape, t.shape);
                 return Err(mismatch(key, reason));
@@ -167,5 +224,5 @@ fn match_storages(
             reason: "no tensor of the description views this storage".into(),
         });
     }
-    Ok((plan, own))
+    Ok(Matched { plan, own, convert })
 }

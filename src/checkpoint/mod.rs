@@ -6,6 +6,7 @@
 //! Every failure is a [`CheckpointError`] naming the file and the tensor; nothing panics on bad input and nothing
 //! is read outside a mapping.
 
+pub mod convert;
 mod describe;
 mod direct;
 mod error;

@@ -46,6 +46,7 @@ pub struct SafetensorsFile {
     path: PathBuf,
     region: Arc<FileRegion>,
     header: Header,
+    gguf: bool,
 }
 
 impl SafetensorsFile {
@@ -64,17 +65,18 @@ impl SafetensorsFile {
         }
         let region = FileRegion::new(path, file).map_err(io)?;
         let bytes = region.mapped();
-        let header = if bytes.starts_with(super::gguf::MAGIC) {
-            super::gguf::parse_header(path, bytes)?
-        } else {
-            parse_header(path, bytes)?
-        };
-        Ok(SafetensorsFile { path: path.to_path_buf(), region: Arc::new(region), header })
+        let gguf = bytes.starts_with(super::gguf::MAGIC);
+        let header = if gguf { super::gguf::parse_header(path, bytes)? } else { parse_header(path, bytes)? };
+        Ok(SafetensorsFile { path: path.to_path_buf(), region: Arc::new(region), header, gguf })
     }
 
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+    /// Whether it is a GGUF file (its quantized tensors are `U8` block bytes).
+    pub fn is_gguf(&self) -> bool {
+        self.gguf
     }
     /// The file's length in bytes (at open).
     pub fn len(&self) -> u64 {
@@ -172,6 +174,7 @@ fn header_text<'b>(path: &Path, bytes: &'b [u8]) -> Result<(&'b str, u64), Check
     };
     if n > MAX_HEADER_BYTES {
         return Err(CheckpointError::CorruptHeader {
+            format: "safetensors",
             file: file(),
             reason: format!("header length {n} exceeds the format's limit of {MAX_HEADER_BYTES} bytes"),
         });
@@ -180,14 +183,18 @@ fn header_text<'b>(path: &Path, bytes: &'b [u8]) -> Result<(&'b str, u64), Check
     let Some(text) = bytes.get(8..data_start as usize) else {
         return Err(CheckpointError::Truncated { file: file(), tensor: None, expected: data_start, actual: len });
     };
-    let text = std::str::from_utf8(text)
-        .map_err(|e| CheckpointError::CorruptHeader { file: file(), reason: format!("not UTF-8: {e}") })?;
+    let text = std::str::from_utf8(text).map_err(|e| CheckpointError::CorruptHeader {
+        file: file(),
+        format: "safetensors",
+        reason: format!("not UTF-8: {e}"),
+    })?;
     Ok((text, data_start))
 }
 
 /// The header's `__metadata__` and its tensor entries, sorted by their data offsets (then names).
 fn header_entries(path: &Path, text: &str) -> Result<(BTreeMap<String, String>, RawEntries), CheckpointError> {
-    let corrupt = |reason: String| CheckpointError::CorruptHeader { file: path.to_path_buf(), reason };
+    let corrupt =
+        |reason: String| CheckpointError::CorruptHeader { file: path.to_path_buf(), format: "safetensors", reason };
     let Entries(entries) = serde_json::from_str(text).map_err(|e| corrupt(format!("invalid JSON: {e}")))?;
     let mut metadata = BTreeMap::new();
     let mut raw = Vec::with_capacity(entries.len());

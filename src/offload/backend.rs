@@ -13,6 +13,7 @@ mod disk;
 mod staging;
 mod write_through;
 
+use super::disk_tier::master_part;
 use super::group::{Communicator, GatherNames, Group};
 use super::layout::{write_section, UnitLayout, MASTER_BOUNCE_BYTES};
 use super::mapped::{order_by_files, plan_sections, MappedSection, ServedSections};
@@ -502,7 +503,15 @@ impl StreamingBackend {
             let mut ui = 0;
             while ui < sp.units.len() {
                 if on_disk.on_disk(si, ui) {
-                    blocks.push(disk::block(st, model, &units, &files, (si, ui))?);
+                    let mut spec = disk::block(st, model, &units, &files, (si, ui))?;
+                    // Its sections not in a file (converted from another dtype) are copied from masters.
+                    if let Some(rest) = master_part(model, &sp.units[ui]) {
+                        let (rest, none) = (std::slice::from_ref(&rest), vec![vec![None; rest.sections.len()]]);
+                        let staged = vec![vec![None; rest[0].sections.len()]];
+                        let built = self.build_masters(st, model, (rest, &none, &staged), kind, si, ui)?;
+                        spec.segments.extend(built.into_iter().flat_map(|b| b.segments));
+                    }
+                    blocks.push(spec);
                     ui += 1;
                     continue;
                 }

@@ -2,8 +2,9 @@
 //! host master, so that the host masters and the staging ring fit `host_budget`; and the block spec of such a unit
 //! (its file ranges, read into a staging buffer, and its copies from there).
 //!
-//! Only a model whose weights come from checkpoint files has a disk tier, and only a unit every storage of which
-//! lies in a file. Units are moved to the disk tier from the end of the last stack backwards until the masters of
+//! Only a model whose weights come from checkpoint files has a disk tier, and only the sections of a unit every
+//! storage of which lies in a file as the module holds it; a unit's other sections (a GGUF file's F32 tensors
+//! converted to the module's bf16) keep host masters and are copied from them beside the staged ones. Units are moved to the disk tier from the end of the last stack backwards until the masters of
 //! the others plus [`STAGING_BUFFERS`] staging buffers of the largest disk unit fit the budget (or none is left:
 //! then `check_host_budget` refuses the plan). A disk unit's staging buffer holds its file ranges as read
 //! ([`staging_layout`]: aligned windows, so `O_DIRECT` reads land in it with no copy), and its copies go from there
@@ -17,7 +18,7 @@ use super::mapped::ServedSections;
 use crate::model::{Home, HostModel};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use weightferry_actors::messages::FileRead;
+use weightferry_actors::messages::{FileRead, STAGING_HOST};
 use weightferry_actors::platform::{read_window_len, BlockFile, HostBufferId, DIRECT_READ_ALIGN};
 use weightferry_actors::{BlockSpec, Segment};
 
@@ -42,17 +43,30 @@ impl DiskPlan {
     }
 }
 
-/// Whether every storage of `unit` lies in a checkpoint file.
-fn in_files(model: &HostModel, unit: &UnitLayout) -> bool {
-    unit.storages().all(|s| matches!(model.home(s), Some(Home::File { .. })))
+/// Per section of `unit`: whether every storage of it lies in a checkpoint file as the module holds it (the disk
+/// tier reads those; a section converted from another dtype keeps a host master).
+pub(crate) fn file_sections(model: &HostModel, unit: &UnitLayout) -> Vec<bool> {
+    let in_file = |s| matches!(model.home(s), Some(Home::File { .. }));
+    unit.sections.iter().map(|sec| sec.storages.iter().all(|&(s, _)| in_file(s))).collect()
 }
 
-/// Bytes of `unit`'s sections that need a master (not served from their file).
-fn master_bytes(unit: &UnitLayout, served: Option<&Vec<Option<super::mapped::MappedSection>>>) -> u64 {
+/// The part of a disk unit that keeps host masters: its sections not in a file (same device offsets), or `None`.
+pub(crate) fn master_part(model: &HostModel, unit: &UnitLayout) -> Option<UnitLayout> {
+    let in_file = file_sections(model, unit);
+    let sections: Vec<_> = unit.sections.iter().zip(&in_file).filter(|(_, f)| !**f).map(|(s, _)| s.clone()).collect();
+    (!sections.is_empty()).then(|| UnitLayout { path: unit.path.clone(), sections, device_bytes: unit.device_bytes })
+}
+
+/// Bytes of `unit`'s sections that need a master (not served from their file), of those `which` selects.
+fn master_bytes(
+    unit: &UnitLayout,
+    served: Option<&Vec<Option<super::mapped::MappedSection>>>,
+    which: &dyn Fn(usize) -> bool,
+) -> u64 {
     unit.sections
         .iter()
         .enumerate()
-        .filter(|(j, _)| served.and_then(|s| s.get(*j)).copied().flatten().is_none())
+        .filter(|(j, _)| which(*j) && served.and_then(|s| s.get(*j)).copied().flatten().is_none())
         .map(|(_, s)| s.len)
         .sum()
 }
@@ -70,7 +84,8 @@ pub(crate) fn plan_disk(
     if model.mapped_files().is_empty() {
         return plan;
     }
-    let masters_of = |si: usize, ui: usize, u: &UnitLayout| master_bytes(u, served.get(si).and_then(|s| s.get(ui)));
+    let served_of = |si: usize, ui: usize| served.get(si).and_then(|s| s.get(ui));
+    let masters_of = |si: usize, ui: usize, u: &UnitLayout| master_bytes(u, served_of(si, ui), &|_| true);
     let mut masters: u64 = 0;
     for (si, (gathered, units)) in stacks.iter().enumerate() {
         if !gathered {
@@ -87,13 +102,15 @@ pub(crate) fn plan_disk(
             continue;
         }
         for (ui, u) in units.iter().enumerate().rev() {
-            if !in_files(model, u) {
+            let in_file = file_sections(model, u);
+            if !in_file.contains(&true) {
                 continue;
             }
             plan.disk[si][ui] = true;
-            masters -= masters_of(si, ui, u);
+            // Its sections in a file need no master any more; the others (never served: not in a file) keep theirs.
+            masters -= master_bytes(u, served_of(si, ui), &|j| in_file[j]);
             largest = largest.max(staging_layout(model, u).map_or(u.device_bytes, |l| l.bytes));
-            plan.disk_bytes += u.sections.iter().map(|s| s.len).sum::<u64>();
+            plan.disk_bytes += u.sections.iter().zip(&in_file).filter(|(_, f)| **f).map(|(s, _)| s.len).sum::<u64>();
             if fits(masters, largest) {
                 break 'all;
             }
@@ -120,11 +137,12 @@ pub struct StagingLayout {
     pub bytes: u64,
 }
 
-/// The staging layout of `unit`, every storage of which lies in a checkpoint file.
+/// The staging layout of `unit`'s sections that lie in checkpoint files (those whose every storage does).
 pub fn staging_layout(model: &HostModel, unit: &UnitLayout) -> Result<StagingLayout, String> {
     // (file, offset in it, bytes, device offset), in file order.
     let mut pieces = Vec::new();
-    for sec in &unit.sections {
+    let in_file = file_sections(model, unit);
+    for sec in unit.sections.iter().zip(&in_file).filter(|(_, f)| **f).map(|(s, _)| s) {
         for &(s, off) in &sec.storages {
             let Some(Home::File { buf, offset }) = model.home(s) else {
                 return Err(format!("storage {} of `{}` is not in a checkpoint file", s.0, unit.path));
@@ -154,7 +172,7 @@ pub fn staging_layout(model: &HostModel, unit: &UnitLayout) -> Result<StagingLay
         .map(|&(buf, offset, len, device_offset)| {
             let r = reads.iter().find(|r| r.0 == buf && r.1 <= offset && offset + len <= r.1 + r.2);
             let r = r.expect("every piece lies in the range made of it");
-            Segment { host: HostBufferId(u64::MAX), host_offset: r.3 + (offset - r.1), len, device_offset }
+            Segment { host: STAGING_HOST, host_offset: r.3 + (offset - r.1), len, device_offset }
         })
         .collect();
     segments.sort_unstable_by_key(|g| g.device_offset);

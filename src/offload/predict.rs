@@ -8,7 +8,7 @@
 //! `mapped_host_bytes` after `enable` (every section of every non-AllGather unit gets one master of its length,
 //! unless its checkpoint file serves it). Without the host model (`plan`), no section counts as served.
 
-use super::disk_tier::plan_disk;
+use super::disk_tier::{file_sections, plan_disk};
 use super::layout::UnitLayout;
 use super::mapped::{order_by_files, plan_sections};
 use super::units::build_unit_plan;
@@ -55,7 +55,14 @@ pub fn host_of(
             host.sharded_bytes += layouts.iter().flat_map(|u| &u.sections).map(|s| s.len).sum::<u64>();
             continue;
         }
-        for (k, unit) in layouts.iter().enumerate().filter(|(k, _)| !disk.on_disk(si, *k)) {
+        for (k, unit) in layouts.iter().enumerate() {
+            if disk.on_disk(si, k) {
+                // A disk unit's sections not in a file keep their masters.
+                let in_file = model.map(|m| file_sections(m, unit)).unwrap_or_default();
+                let kept = unit.sections.iter().zip(&in_file).filter(|(_, f)| !**f);
+                host.master_bytes += kept.map(|(s, _)| s.len).sum::<u64>();
+                continue;
+            }
             for (j, sec) in unit.sections.iter().enumerate() {
                 match served_all[si].get(k).and_then(|u| u.get(j)).copied().flatten() {
                     Some(m) => host.mapped_bytes += m.len,

@@ -7,7 +7,7 @@
 use super::State;
 use crate::checkpoint::DiskSource;
 use crate::model::HostModel;
-use crate::offload::disk_tier::{disk_block, plan_disk, DiskPlan, STAGING_BUFFERS};
+use crate::offload::disk_tier::{disk_block, file_sections, plan_disk, DiskPlan, STAGING_BUFFERS};
 use crate::offload::mapped::ServedSections;
 use crate::offload::units::UnitPlan;
 use crate::offload::OffloadError;
@@ -69,7 +69,8 @@ pub(super) fn open_files(
     Ok(files)
 }
 
-/// The block spec of unit `ui` of stack `si`, a disk unit.
+/// The block spec of unit `ui` of stack `si`, a disk unit: the copies of its sections in a file (the caller adds
+/// those of the sections that keep masters, [`disk_tier::master_part`](crate::offload::disk_tier::master_part)).
 pub(super) fn block(
     st: &mut State,
     model: &HostModel,
@@ -79,11 +80,11 @@ pub(super) fn block(
 ) -> Result<BlockSpec, OffloadError> {
     let unit = &units.stacks[si].units[ui];
     let spec = disk_block(model, unit, files).map_err(|e| OffloadError::Unsupported(format!("internal: {e}")))?;
-    for sec in &unit.sections {
-        for &(s, off) in &sec.storages {
+    for (sec, in_file) in unit.sections.iter().zip(file_sections(model, unit)) {
+        for &(s, off) in sec.storages.iter().filter(|_| in_file) {
             st.locations.insert(s, (si, ui, sec.device_offset + off));
         }
-        st.disk_bytes += sec.len;
+        st.disk_bytes += if in_file { sec.len } else { 0 };
     }
     Ok(spec)
 }
