@@ -596,7 +596,7 @@ fn odd_blocks_on_disk(r: &Rig) -> (Vec<BlockSpec>, u64) {
             Some(reads) => {
                 let mut b = b.clone();
                 for (s, &(_, _, at)) in b.segments.iter_mut().zip(&reads) {
-                    s.host_offset = at;
+                    (s.host, s.host_offset) = (weightferry_actors::messages::STAGING_HOST, at);
                 }
                 staging = staging.max(
                     reads.iter().map(|r| r.2 - r.0 % DIRECT_READ_ALIGN + read_window_len(r.0, r.1)).max().unwrap_or(0),
