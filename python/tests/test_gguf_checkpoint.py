@@ -95,3 +95,20 @@ def test_a_meta_tensor_the_gguf_file_holds_only_quantized_is_refused_by_name_bef
         "tensor 'transformer.condition_embedder.time_embedder.linear_1.weight' is on the meta device, and the "
         "checkpoint holds it in another form")
     assert {n: (type(p), p.device.type) for n, p in model.named_parameters()} == before
+
+
+def test_a_loaded_model_with_dequantized_layers_streams_from_its_gguf_file_under_a_host_budget(folder):
+    # Wan: its time embedder dequantized by diffusers (the module's own bytes), the rest from the file, the blocks
+    # beyond the budget read from it on every pass.
+    model, x, want, path = loaded(folder, "wan", "Q8_0")
+    before = weights(model)
+    with wf.enable({"transformer": model}, LAYER, device="sim", checkpoint=path) as h:
+        masters = h.stats()["master_host_bytes"]
+    cfg = with_key(LAYER, host_budget=masters * 4 // 5)
+    with wf.enable({"transformer": model}, cfg, device="sim", checkpoint=path) as h:
+        for _ in range(2):
+            assert torch.equal(forward(model, x), want)
+        s = h.stats()
+        assert s["disk_bytes"] > 0 and s["master_host_bytes"] + s["staging_host_bytes"] <= masters * 4 // 5
+        assert h._session.hazard_violations() == []
+    assert weights(model) == before
