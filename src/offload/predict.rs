@@ -28,7 +28,9 @@ pub fn host_of(
     model: Option<&HostModel>,
 ) -> PlanHost {
     let units = build_unit_plan(desc, config, plan);
-    let mut host = PlanHost { budget: config.host_budget, pinned: config.pin_memory, ..PlanHost::default() };
+    let from_files = model.is_some_and(|m| !m.mapped_files().is_empty());
+    let mut host =
+        PlanHost { budget: config.host_budget, pinned: config.pin_memory, from_files, ..PlanHost::default() };
     let mut stacks = Vec::new();
     let mut served_all = Vec::new();
     for stack in units.stacks {
@@ -100,11 +102,17 @@ pub fn check_host_budget(host: &PlanHost) -> Result<(), PlanError> {
     match host.budget {
         Some(budget) if need > budget => Err(PlanError(format!(
             "host_budget: the host masters of the offloaded weights need {}{}, over the budget of {}; raise \
-             host_budget, offload fewer components, or bind the weights from a checkpoint (its file then serves \
-             the blocks beyond the budget, read from disk on every pass)",
+             host_budget{}",
             human_bytes(need),
             if host.staging_bytes > 0 { " with the disk tier's staging buffers" } else { "" },
             human_bytes(budget),
+            if host.from_files {
+                " or offload fewer components (the disk tier reads only the parts of blocks whose tensors the \
+                 checkpoint holds as the module does, and needs two staging buffers of the largest block)"
+            } else {
+                ", offload fewer components, or bind the weights from a checkpoint (its file then serves the blocks \
+                 beyond the budget, read from disk on every pass)"
+            },
         ))),
         _ => Ok(()),
     }

@@ -100,6 +100,9 @@ pub struct PlanHost {
     pub staging_bytes: u64,
     /// Whether the masters are pinned.
     pub pinned: bool,
+    /// Whether the weights are bound from checkpoint files (the disk tier's source); in errors only, not reported.
+    #[serde(skip)]
+    pub from_files: bool,
 }
 
 /// What `weightferry plan` resolved.
