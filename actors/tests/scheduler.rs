@@ -566,7 +566,8 @@ impl weightferry_actors::platform::BlockFile for MemFile {
 }
 
 /// `r`'s blocks with every odd one moved to the disk tier: its segments' bytes written to a file, read into a
-/// staging buffer (each segment into its own aligned window) and copied from there. Returns the blocks and the staging size.
+/// staging buffer (each segment into its own aligned window) and copied from there. Returns the blocks and the
+/// staging size.
 fn odd_blocks_on_disk(r: &Rig) -> (Vec<BlockSpec>, u64) {
     use weightferry_actors::messages::FileRead;
     use weightferry_actors::platform::{read_window_len, DIRECT_READ_ALIGN};

@@ -8,8 +8,8 @@
 //! (F32, F16, BF16, I8, I32, I64) its own dtype and the dimensions reversed. Checks, in order (the first failure is
 //! the error): the magic, the version and the counts ([`CheckpointError::CorruptHeader`]); every key, value and
 //! tensor entry lies inside the file ([`CheckpointError::Truncated`] when the header is cut); no tensor name twice,
-//! at most eight dimensions (ggml's own limit is four; the `gguf` package writes more), rows of whole blocks, offsets on the file's alignment (`general.alignment`, 32 if
-//! absent) ([`CheckpointError::CorruptHeader`]); a known type that the description can hold
+//! at most eight dimensions (ggml's own limit is four; the `gguf` package writes more), rows of whole blocks,
+//! offsets on the file's alignment (`general.alignment`, 32 if absent) ([`CheckpointError::CorruptHeader`]); a known type that the description can hold
 //! ([`CheckpointError::UnsupportedDtype`]); every tensor inside the file ([`CheckpointError::Truncated`]); no two
 //! tensors overlap ([`CheckpointError::Overlap`]). Padding between tensors is the format's own and allowed.
 //!

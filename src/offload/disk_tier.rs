@@ -4,9 +4,10 @@
 //!
 //! Only a model whose weights come from checkpoint files has a disk tier, and only the sections of a unit every
 //! storage of which lies in a file as the module holds it; a unit's other sections (a GGUF file's F32 tensors
-//! converted to the module's bf16) keep host masters and are copied from them beside the staged ones. Units are moved to the disk tier from the end of the last stack backwards until the masters of
-//! the others plus [`STAGING_BUFFERS`] staging buffers of the largest disk unit fit the budget (or none is left:
-//! then `check_host_budget` refuses the plan). A disk unit's staging buffer holds its file ranges as read
+//! converted to the module's bf16) keep host masters and are copied from them beside the staged ones. Units are
+//! moved to the disk tier from the end of the last stack backwards until the masters of the others plus
+//! [`STAGING_BUFFERS`] staging buffers of the largest disk unit fit the budget (or none is left: then
+//! `check_host_budget` refuses the plan). A disk unit's staging buffer holds its file ranges as read
 //! ([`staging_layout`]: aligned windows, so `O_DIRECT` reads land in it with no copy), and its copies go from there
 //! to its device region.
 //!
