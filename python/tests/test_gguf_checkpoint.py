@@ -48,6 +48,19 @@ def on_meta(model):
     return model
 
 
+def stream_under_budget(model, x, want, path, budget):
+    """Enables ``model`` from ``path`` under ``budget`` of host memory: two passes equal to ``want``, blocks read
+    from the file, the held bytes within the budget and as predicted, no hazard."""
+    with wf.enable({"transformer": model}, with_key(LAYER, host_budget=budget), device="sim", checkpoint=path) as h:
+        for _ in range(2):
+            assert torch.equal(forward(model, x), want)
+        s = h.stats()
+        assert s["disk_bytes"] > 0 and s["master_host_bytes"] + s["staging_host_bytes"] <= budget
+        host = s["plan_host"]
+        assert (s["master_host_bytes"], s["disk_bytes"]) == (host["master_bytes"], host["disk_bytes"])
+        assert h._session.hazard_violations() == []
+
+
 def forward(model, x):
     with torch.no_grad():
         return model(**x, return_dict=False)[0]
@@ -73,15 +86,7 @@ def test_a_model_built_on_meta_is_filled_from_the_gguf_file_and_its_disk_tier_re
         assert torch.equal(forward(model, x), want)
     # Under a host budget of 4/5 of the masters, the blocks beyond it are read from the GGUF file on every pass (their
     # quantized tensors; the F32 ones converted to bf16 keep masters).
-    cfg = with_key(LAYER, host_budget=masters * 4 // 5)
-    with wf.enable({"transformer": model}, cfg, device="sim", checkpoint=path) as h:
-        for _ in range(2):
-            assert torch.equal(forward(model, x), want)
-        s = h.stats()
-        assert s["disk_bytes"] > 0 and s["master_host_bytes"] + s["staging_host_bytes"] <= masters * 4 // 5
-        host = s["plan_host"]
-        assert (s["master_host_bytes"], s["disk_bytes"]) == (host["master_bytes"], host["disk_bytes"])
-        assert h._session.hazard_violations() == []
+    stream_under_budget(model, x, want, path, masters * 4 // 5)
 
 
 def test_a_meta_tensor_the_gguf_file_holds_only_quantized_is_refused_by_name_before_anything_changes(folder):
@@ -104,11 +109,5 @@ def test_a_loaded_model_with_dequantized_layers_streams_from_its_gguf_file_under
     before = weights(model)
     with wf.enable({"transformer": model}, LAYER, device="sim", checkpoint=path) as h:
         masters = h.stats()["master_host_bytes"]
-    cfg = with_key(LAYER, host_budget=masters * 4 // 5)
-    with wf.enable({"transformer": model}, cfg, device="sim", checkpoint=path) as h:
-        for _ in range(2):
-            assert torch.equal(forward(model, x), want)
-        s = h.stats()
-        assert s["disk_bytes"] > 0 and s["master_host_bytes"] + s["staging_host_bytes"] <= masters * 4 // 5
-        assert h._session.hazard_violations() == []
+    stream_under_budget(model, x, want, path, masters * 4 // 5)
     assert weights(model) == before
