@@ -4,8 +4,10 @@
 //! what the CLI prints after `error: `. [`guarded`] turns a panic into [`CoreError::Internal`]. [`Session`] is one
 //! offloaded pipeline driven by the Python package's torch hooks.
 
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use weightferry::checkpoint::{Checkpoint, RowRange, View};
 use weightferry::config::OffloadConfig;
 use weightferry::offload::BackendReport;
 use weightferry::pipeline::{PipelineDesc, StorageId};
@@ -160,6 +162,30 @@ pub struct TorchCuda {
     pub default_cuda: usize,
 }
 
+/// A component's views as the binding takes them: `name -> Some(row ranges) | None` (see
+/// [`SessionOptions::checkpoint_views`]).
+pub type ComponentViews = BTreeMap<String, Option<Vec<(String, u64, u64)>>>;
+/// Every component's views.
+pub type ViewMap = BTreeMap<String, ComponentViews>;
+
+/// The checkpoint views of one component, in the library's type.
+fn views_of(views: Option<&ComponentViews>) -> BTreeMap<String, View> {
+    let row = |(source, start, end): &(String, u64, u64)| RowRange { source: source.clone(), start: *start, end: *end };
+    let view = |v: &Option<Vec<(String, u64, u64)>>| match v {
+        Some(rows) => View::Rows(rows.iter().map(row).collect()),
+        None => View::Module,
+    };
+    views.into_iter().flatten().map(|(name, v)| (name.clone(), view(v))).collect()
+}
+
+/// The tensors of a checkpoint (a `.safetensors` or `.gguf` file, an index or a folder of shards) as its reader
+/// sees them, checked: `(name, dtype, shape)` in name order (a GGUF file's quantized tensor is `uint8` of shape
+/// `[..., row bytes]`, as diffusers' GGUF loader holds it).
+pub fn checkpoint_tensors(path: &str) -> Result<Vec<(String, String, Vec<u64>)>, CoreError> {
+    let checkpoint = Checkpoint::open(path).map_err(|e| CoreError::Checkpoint(e.to_string()))?;
+    Ok(checkpoint.tensors().map(|(_, t)| (t.name.clone(), t.dtype.name().to_string(), t.shape.clone())).collect())
+}
+
 /// How a session is opened, beside its pipeline and config (the binding's `SessionOptions`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionOptions {
@@ -173,6 +199,10 @@ pub struct SessionOptions {
     /// component it fills (the description's tensor `<component>.K` is the file's tensor `K`); every other storage
     /// is the caller's to write.
     pub checkpoints: Vec<(String, String)>,
+    /// Per component, its tensors the checkpoint names otherwise: `name -> Some([(source, start, end), ...])` (rows
+    /// of the file's tensors, concatenated) or `None` (the module holds it in a form the file does not give); see
+    /// [`weightferry::checkpoint::View`].
+    pub checkpoint_views: ViewMap,
     /// A distributed session: the port rank 0 listens on for weightferry's rendezvous instead of `MASTER_PORT`
     /// (which torch.distributed's own store holds once a process group exists; the package agrees on this port
     /// through that store).
@@ -190,6 +220,7 @@ impl Default for SessionOptions {
             name: None,
             device: "sim".into(),
             checkpoints: Vec::new(),
+            checkpoint_views: ViewMap::new(),
             rendezvous_port: None,
             torch: TorchCuda::default(),
             sim_faults: None,
@@ -255,7 +286,11 @@ impl Session {
         let checkpoints = options
             .checkpoints
             .iter()
-            .map(|(path, component)| CheckpointSource { path: path.into(), component: component.clone() })
+            .map(|(path, component)| CheckpointSource {
+                path: path.into(),
+                component: component.clone(),
+                views: views_of(options.checkpoint_views.get(component)),
+            })
             .collect();
         let faults = options.sim_faults.as_deref().map(parse_sim_faults).transpose()?.unwrap_or_default();
         let desc = load_pipeline(pipeline_json, name)?;

@@ -76,6 +76,15 @@ fn check_pipeline(pipeline_json: &str, name: Option<&str>) -> PyResult<()> {
     guarded("check_pipeline", || api::load_pipeline(pipeline_json, name).map(|_| ())).map_err(raise)
 }
 
+/// The tensors of the checkpoint at `path` (a `.safetensors` or `.gguf` file, an index or a folder of shards), as
+/// weightferry's reader checks them: a list of `(name, dtype, shape)` in name order, `dtype` in safetensors' names (a
+/// GGUF file's quantized tensor is `U8` of shape `[..., row bytes]`). Reads the headers only. Raises
+/// `CheckpointError`.
+#[pyfunction]
+fn checkpoint_tensors(py: Python<'_>, path: &str) -> PyResult<Vec<(String, String, Vec<u64>)>> {
+    py.detach(|| guarded("checkpoint_tensors", || api::checkpoint_tensors(path))).map_err(raise)
+}
+
 /// Panics inside the guard: exists so the tests can prove a panic reaches Python as `weightferry.Error`.
 /// Gives the C heap's free pages back to the system (glibc's `malloc_trim`; a no-op returning `False` elsewhere):
 /// called after releasing torch's host copies of the weights, which the allocator would otherwise keep.
@@ -107,7 +116,9 @@ impl PyTorchCuda {
 
 /// How a `Session` is opened: `config_format` (`"json"`, `"toml"` or `"file"`, as for `plan`), `name` (how errors
 /// name the pipeline, default `"<python>"`), `device` (`"sim"`, `"cuda"` or `"cuda:N"`), `checkpoints` (a list
-/// of `(path, component)`: a safetensors file or sharded folder and the component it fills), `rendezvous_port` (a
+/// of `(path, component)`: a safetensors file or sharded folder and the component it fills), `checkpoint_views`
+/// (per component, `{name: [(source, start, end), ...] | None}`: its tensors the file names otherwise, as rows of
+/// the file's tensors or held by the module), `rendezvous_port` (a
 /// distributed session's rendezvous port, when torch.distributed holds `MASTER_PORT`), `torch` (a `TorchCuda`,
 /// for a CUDA device) and `sim_faults` (tests: a JSON fault plan for the simulated device).
 #[pyclass(frozen, module = "weightferry._core", name = "SessionOptions")]
@@ -126,6 +137,7 @@ impl PySessionOptions {
                 "name" => o.name = value.extract()?,
                 "device" => o.device = value.extract()?,
                 "checkpoints" => o.checkpoints = value.extract()?,
+                "checkpoint_views" => o.checkpoint_views = value.extract()?,
                 "rendezvous_port" => o.rendezvous_port = value.extract()?,
                 "torch" => {
                     let torch: Option<PyRef<'_, PyTorchCuda>> = value.extract()?;
@@ -342,6 +354,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(check_pipeline, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(trim_host_heap, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     Ok(())

@@ -43,6 +43,11 @@ def check_config(
 def check_pipeline(pipeline_json: str, name: str | None = None) -> None:
     """Validates a pipeline description. Raises ``PipelineError`` naming the pipeline ``name``."""
 
+def checkpoint_tensors(path: str) -> list[tuple[str, str, list[int]]]:
+    """The tensors of a checkpoint (``.safetensors`` or ``.gguf`` file, index or folder of shards) as weightferry's
+    reader checks them: ``(name, dtype, shape)`` in name order, dtypes in safetensors' names (a GGUF file's quantized
+    tensor is ``U8`` of shape ``[..., row bytes]``). Reads headers only. Raises ``CheckpointError``."""
+
 def trim_host_heap() -> bool:
     """Gives the C heap's free pages back to the system (glibc's ``malloc_trim``); ``False`` where it cannot."""
 
@@ -63,9 +68,11 @@ class TorchCuda:
 class SessionOptions:
     """How a :class:`Session` opens: ``config_format`` as for :func:`plan`; ``name`` the report's pipeline (default
     ``"<python>"``); ``device`` ``"sim"``, ``"cuda"`` or ``"cuda:N"``; ``checkpoints``: ``(path, component)``
-    pairs, a safetensors file or sharded folder and the component it fills; ``rendezvous_port`` for a distributed
-    session when torch.distributed holds ``MASTER_PORT``; ``torch`` on CUDA; ``sim_faults`` (tests) a JSON fault
-    plan for the simulated device."""
+    pairs, a safetensors file or sharded folder and the component it fills; ``checkpoint_views``: per component,
+    ``{name: [(source, start, end), ...] | None}``, its tensors the file names otherwise (rows of the file's tensors,
+    concatenated, or ``None``: the module holds it in a form the file does not give); ``rendezvous_port`` for a
+    distributed session when torch.distributed holds ``MASTER_PORT``; ``torch`` on CUDA; ``sim_faults`` (tests) a
+    JSON fault plan for the simulated device."""
 
     def __new__(
         cls,
@@ -74,6 +81,7 @@ class SessionOptions:
         name: str | None = None,
         device: str = "sim",
         checkpoints: list[tuple[str, str]] = ...,
+        checkpoint_views: dict[str, dict[str, list[tuple[str, int, int]] | None]] = ...,
         rendezvous_port: int | None = None,
         torch: TorchCuda | None = None,
         sim_faults: str | None = None,

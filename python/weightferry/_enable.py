@@ -26,6 +26,7 @@ from ._discover import Declared
 from ._distributed import rendezvous_port
 from ._handle import Handle
 from ._registry import is_offloaded
+from ._single_file import Views, checkpoint_views
 from ._storages import StorageMap, materialize_meta, set_data
 from ._undo import UndoStack
 from ._vocab import in_python_words
@@ -92,11 +93,13 @@ def enable(
             "disable() on its handle first"
         )
     ckpt = _checkpoint_components(desc, checkpoint) if checkpoint is not None else []
+    views: dict[str, Views] = {}
     if ckpt:
         _check_computed_buffers(bound)
+        views = _views(ckpt, bound, modules)
     with in_python_words():
         session, binder, stream = _open_session(
-            json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt, seams
+            json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt, seams, views
         )
     _check_tensors(bound, [component for _, component in ckpt])
     if ckpt:
@@ -226,6 +229,20 @@ def _check_unfilled(bound: Bound, session: _core.Session) -> None:
             )
 
 
+def _views(ckpt: list[tuple[str, str]], bound: Bound, modules: Mapping[str, Any]) -> dict[str, Views]:
+    """Per component a checkpoint fills, the tensors its file names otherwise (an original model's single file,
+    worked out through the host library's own conversion: :mod:`._single_file`)."""
+    views: dict[str, Views] = {}
+    for path, component in ckpt:
+        prefix = f"{component}."
+        keys = [p[len(prefix):] for p, (m, attr) in bound.items()
+                if p.startswith(prefix) and attr not in getattr(m, "_non_persistent_buffers_set", ())]
+        found = checkpoint_views(modules.get(component), path, keys)
+        if found:
+            views[component] = found
+    return views
+
+
 def _check_computed_buffers(bound: Bound) -> None:
     """A module bound from a checkpoint keeps its non-persistent buffers (rotary tables and the like: computed when
     it is built, in no checkpoint), so they must hold real values, not ``meta``."""
@@ -323,9 +340,11 @@ def _open_session(
     device: str | torch.device,
     checkpoints: list[tuple[str, str]],
     seams: Seams,
+    views: Mapping[str, Views] | None = None,
 ) -> tuple[_core.Session, Binder, StreamCheck | None]:
     """The native session on ``device`` and its binder; on CUDA also (torch's raw stream, a reader of the current
-    one). ``checkpoints`` are ``(path, component)`` pairs."""
+    one). ``checkpoints`` are ``(path, component)`` pairs, ``views`` per component its tensors the file names
+    otherwise."""
     if not isinstance(device, str):
         device = str(device)  # a torch.device
     index = _cuda_index(device)
@@ -333,7 +352,7 @@ def _open_session(
     new = seams.session if seams.session is not None else _core.Session
     if index is None:
         faults = json.dumps(seams.sim_faults) if seams.sim_faults is not None else None
-        session = _new_session(new, desc_json, text, fmt, name, device, checkpoints, port, None, faults)
+        session = _new_session(new, desc_json, text, fmt, name, device, checkpoints, port, None, faults, views)
         return session, SimBinder(session, seams.bind), None
     import torch
 
@@ -344,7 +363,7 @@ def _open_session(
     torch.cuda.empty_cache()  # device_budget = "auto" plans from the free memory, with torch's cache given back
     free, _total = torch.cuda.mem_get_info(index)
     cuda = _TorchCuda(stream=stream, probe_ptr=probe.data_ptr(), free_bytes=free, default_cuda=index)
-    session = _new_session(new, desc_json, text, fmt, name, device, checkpoints, port, cuda, None)
+    session = _new_session(new, desc_json, text, fmt, name, device, checkpoints, port, cuda, None, views)
     del probe
     return session, CudaBinder(session, dev, seams.bind), (stream, current)
 
@@ -360,6 +379,7 @@ def _new_session(
     rendezvous_port: int | None,
     torch: _TorchCuda | None,
     sim_faults: str | None,
+    views: Mapping[str, Views] | None = None,
 ) -> _core.Session:
     """The native session (``new`` is ``_core.Session`` or a test's stand-in): the one place it is constructed."""
     native_torch = None
@@ -367,6 +387,6 @@ def _new_session(
         native_torch = _core.TorchCuda(stream=torch.stream, probe_ptr=torch.probe_ptr, free_bytes=torch.free_bytes,
                                        default_cuda=torch.default_cuda)
     options = _core.SessionOptions(config_format=config_format, name=name, device=device,
-                                   checkpoints=checkpoints, rendezvous_port=rendezvous_port, torch=native_torch,
-                                   sim_faults=sim_faults)
+                                   checkpoints=checkpoints, checkpoint_views=dict(views or {}),
+                                   rendezvous_port=rendezvous_port, torch=native_torch, sim_faults=sim_faults)
     return new(pipeline_json, config, options)

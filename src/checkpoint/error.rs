@@ -228,6 +228,20 @@ pub enum CheckpointError {
         /// The component prefixes found.
         prefixes: Vec<String>,
     },
+    /// A view (a model tensor the file names otherwise: [`View`](super::View)) that the file cannot give.
+    #[error(
+        "{}: tensor `{tensor}` (a view of the file's tensors, from the model's single-file conversion): {reason}; \
+         the file does not match the model's conversion (check that it is this model's file)",
+        file.display()
+    )]
+    BadView {
+        /// The checkpoint.
+        file: PathBuf,
+        /// The model tensor the view names.
+        tensor: String,
+        /// What the file lacks.
+        reason: String,
+    },
     /// A tensor of the description and its checkpoint tensor disagree in dtype or shape, or the description's
     /// view is not the whole contiguous storage a checkpoint tensor fills.
     #[error("{}: tensor `{tensor}`: {reason}", file.display())]

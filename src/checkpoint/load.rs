@@ -105,8 +105,9 @@ impl HostModel {
     }
 }
 
-/// Host buffers of the storages whose file tensor is in another float dtype (`storage -> (part, key)`), read and
-/// converted to the description's dtype. On an error every buffer made is freed.
+/// Host buffers of the storages built when the checkpoint is loaded (`storage -> (part, key)`): a file tensor in
+/// another float dtype, read and converted to the description's; a view of several row ranges, read and concatenated
+/// (and converted if need be). On an error every buffer made is freed.
 fn load_converted(
     platform: &PlatformRef,
     desc: &PipelineDesc,
@@ -120,7 +121,11 @@ fn load_converted(
         let (_, ft) = checkpoint.tensor(key).expect("matched in this checkpoint");
         let to = desc.storages[&id].dtype;
         let bytes = checkpoint.read_tensor(key).expect("matched in this checkpoint")?;
-        let Some(bytes) = convert::convert(&bytes, ft.dtype, to) else { unreachable!("matched as convertible") };
+        let bytes = if ft.dtype == to {
+            bytes // assembled from several ranges, already in the module's dtype
+        } else {
+            convert::convert(&bytes, ft.dtype, to).expect("matched as convertible")
+        };
         let buf = platform
             .alloc_host(bytes.len().max(1) as u64, HostMemoryKind::Pageable)
             .map_err(|source| CheckpointError::Platform { file: file(), source })?;
@@ -142,7 +147,8 @@ struct Matched {
     plan: BTreeMap<StorageId, String>,
     /// The storages the caller fills.
     own: BTreeSet<StorageId>,
-    /// The storages of `plan` whose tensor is in another float dtype in the file: converted when loaded.
+    /// The storages of `plan` whose tensor is in another float dtype in the file (converted when loaded) or a view
+    /// of several row ranges (assembled when loaded).
     convert: BTreeSet<StorageId>,
 }
 
@@ -152,7 +158,8 @@ struct Matched {
 /// table) is filled from the first of them the checkpoint holds: a file saved from a model with tied weights keeps
 /// one name of each tie. Every tensor of `component` that views a storage must be the whole of its contiguous
 /// storage, and every one the checkpoint holds must match it in shape and dtype, or be in another float dtype
-/// (converted: [`convert`](super::convert)). A GGUF file's quantized tensor that the module holds as floats of another
+/// (converted: [`convert`](super::convert)); a view of several row ranges is assembled, and one a view says the module
+/// holds is the caller's ([`View`](super::View)). A GGUF file's quantized tensor that the module holds as floats of another
 /// shape (diffusers dequantizes the ones a model keeps in f32) is the caller's, like a non-persistent buffer.
 fn match_storages(desc: &PipelineDesc, checkpoint: &Checkpoint, component: &str) -> Result<Matched, CheckpointError> {
     let file = || checkpoint.path().to_path_buf();
@@ -186,8 +193,13 @@ fn match_storages(desc: &PipelineDesc, checkpoint: &Checkpoint, component: &str)
                 ),
             ));
         }
+        if checkpoint.is_module_held(key) {
+            // A view says the file holds it in a form only the module gives.
+            own.insert(t.storage);
+            continue;
+        }
         if let Some((f, ft)) = checkpoint.tensor(key) {
-            if ft.shape == t.shape && converts(ft.dtype, t.dtype) {
+            if ft.shape == t.shape && (converts(ft.dtype, t.dtype) || checkpoint.is_assembled(key)) {
                 convert.insert(t.storage);
             } else if f.is_gguf() && ft.dtype == DType::U8 && is_float(t.dtype) {
                 // A quantized tensor the module holds dequantized (diffusers keeps some in f32): the module's own.

@@ -56,7 +56,7 @@ pub use device::{CudaDevice, Device, DeviceSpec};
 pub use error::{one_line, SessionError};
 pub use load::{load_config, load_pipeline, ConfigSource};
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, View};
 use crate::config::OffloadConfig;
 use crate::dist::rank::{rank_collective, RankOptions};
 use crate::hooks::{HookRegistry, Residency};
@@ -85,6 +85,9 @@ pub struct CheckpointSource {
     pub path: PathBuf,
     /// The component of the pipeline the checkpoint fills (e.g. `transformer`).
     pub component: String,
+    /// The component's tensors the file names otherwise (an original model's single file), by the component's
+    /// names ([`Checkpoint::with_views`]); empty when the file uses the model's names.
+    pub views: BTreeMap<String, View>,
 }
 
 /// Where a distributed session's collective comes from.
@@ -195,7 +198,13 @@ fn open_checkpoints(sources: &[CheckpointSource]) -> Result<Vec<(Checkpoint, Str
             )));
         }
     }
-    sources.iter().map(|s| Ok((Checkpoint::open(&s.path).map_err(checkpoint_err)?, s.component.clone()))).collect()
+    sources
+        .iter()
+        .map(|s| {
+            let checkpoint = Checkpoint::open(&s.path).and_then(|c| c.with_views(s.views.clone()));
+            Ok((checkpoint.map_err(checkpoint_err)?, s.component.clone()))
+        })
+        .collect()
 }
 
 /// A plan the config cannot give `name` (the resolver's refusal or the host budget's), in one line.

@@ -77,7 +77,11 @@ fn each_failure_has_its_kind() {
     assert!(m.starts_with("the config cannot be applied to p: "), "{m}");
     let desc = load_pipeline_json(PIPELINE).unwrap();
     let config = load_config(ConfigSource::Json(LAYER)).unwrap();
-    let missing = CheckpointSource { path: "/nonexistent/weightferry.safetensors".into(), component: "t".into() };
+    let missing = CheckpointSource {
+        path: "/nonexistent/weightferry.safetensors".into(),
+        component: "t".into(),
+        views: Default::default(),
+    };
     let options = SessionOptions { checkpoints: vec![missing], ..SessionOptions::default() };
     let Err(SessionError::Checkpoint(_)) = Session::new(desc, config, sim(), options) else {
         panic!("a missing checkpoint was opened")
