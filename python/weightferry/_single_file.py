@@ -12,7 +12,6 @@ computed rather than selected cannot pass for rows."""
 
 from __future__ import annotations
 
-import bisect
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import _core
@@ -82,18 +81,24 @@ class _RowTable:
             self.starts.append(total)
             total += n
         self.total = total
+        self._owner: Any = None  # per row, the index of its tensor (made on first use)
+        self._starts: Any = None  # ``starts`` as a tensor
 
-    def number(self, row: int, spaced: bool) -> int:
-        """The number row ``row`` carries in a numbering: itself, or (spaced) ``3 * (total - 1 - row) + 1``."""
-        return 3 * (self.total - 1 - row) + 1 if spaced else row
+    def numbers(self, rows: Any, spaced: bool) -> Any:
+        """The numbers rows ``rows`` (an int64 tensor) carry in a numbering: themselves, or (spaced)
+        ``3 * (total - 1 - row) + 1``."""
+        return 3 * (self.total - 1 - rows) + 1 if spaced else rows
 
-    def row(self, number: int, spaced: bool) -> int | None:
-        """The row a number names in a numbering, or ``None`` for a number no row carries."""
+    def rows_of(self, numbers: Any, spaced: bool) -> Any:
+        """The rows numbers name in a numbering (an int64 tensor), ``-1`` for a number no row carries."""
+        import torch
+
         if spaced:
-            if (number - 1) % 3:
-                return None
-            number = self.total - 1 - (number - 1) // 3
-        return number if 0 <= number < self.total else None
+            rows = self.total - 1 - torch.div(numbers - 1, 3, rounding_mode="floor")
+            rows = torch.where((numbers - 1) % 3 == 0, rows, -1)
+        else:
+            rows = numbers
+        return torch.where((rows >= 0) & (rows < self.total), rows, -1)
 
     def stand_ins(self, spaced: bool) -> dict[str, Any]:
         """A tensor per file tensor, of its shape, whose entries are its rows' numbers (views of one number per
@@ -102,7 +107,7 @@ class _RowTable:
 
         out: dict[str, Any] = {}
         for (name, _, shape), start, n in zip(self.tensors, self.starts, self.rows):
-            numbers = torch.tensor([self.number(start + r, spaced) for r in range(n)], dtype=torch.int64)
+            numbers = self.numbers(torch.arange(start, start + n, dtype=torch.int64), spaced)
             if not shape:
                 out[name] = numbers[0]
             else:
@@ -112,29 +117,36 @@ class _RowTable:
     def view(self, first: Any, second: Any) -> list[tuple[str, int, int]] | None:
         """The rows a converted tensor is made of, as runs of file tensors, if both numberings agree that each of
         its rows is a whole row of a file tensor of the same shape past dim 0; else ``None`` (the module's own)."""
+        import torch
+
         a, b = _numbers(first), _numbers(second)
-        if a is None or b is None or len(a) != len(b):
+        if a is None or b is None or a.shape != b.shape:
             return None
-        rows = [self.row(n, False) for n in a]
-        if any(r is None or r != self.row(m, True) for r, m in zip(rows, b)):
+        rows = self.rows_of(a, False)
+        if bool((rows < 0).any()) or not torch.equal(rows, self.rows_of(b, True)):
             return None
-        runs: list[tuple[str, int, int]] = []
-        for r in rows:
-            assert r is not None
-            i = bisect.bisect_right(self.starts, r) - 1
-            name, _, shape = self.tensors[i]
-            if list(first.shape[1:]) != list(shape[1:]) or not shape:
+        if self._owner is None:
+            counts = torch.tensor(self.rows, dtype=torch.int64)
+            self._owner = torch.repeat_interleave(torch.arange(len(self.rows)), counts)
+            self._starts = torch.tensor(self.starts, dtype=torch.int64)
+        which = self._owner[rows]
+        for i in torch.unique(which).tolist():
+            shape = self.tensors[i][2]
+            if not shape or list(first.shape[1:]) != list(shape[1:]):
                 return None
-            local = r - self.starts[i]
-            if runs and runs[-1][0] == name and runs[-1][2] == local:
-                runs[-1] = (name, runs[-1][1], local + 1)
-            else:
-                runs.append((name, local, local + 1))
-        return runs
+        local = rows - self._starts[which]
+        # A run breaks where the source changes or the next row is not the one after.
+        breaks = torch.ones(len(rows), dtype=torch.bool)
+        breaks[1:] = (which[1:] != which[:-1]) | (local[1:] != local[:-1] + 1)
+        starts = [*torch.nonzero(breaks).flatten().tolist(), len(rows)]
+        return [
+            (self.tensors[int(which[s])][0], int(local[s]), int(local[e - 1]) + 1) for s, e in zip(starts, starts[1:])
+        ]
 
 
-def _numbers(t: Any) -> list[int] | None:
-    """The number each dim-0 entry of ``t`` carries, if all its entries past dim 0 carry that number."""
+def _numbers(t: Any) -> Any:
+    """The number each dim-0 entry of ``t`` carries (an int64 tensor), if all its entries past dim 0 carry that
+    number; else ``None``."""
     import torch
 
     if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == 0:
@@ -145,11 +157,8 @@ def _numbers(t: Any) -> list[int] | None:
     if column.is_floating_point():
         if not bool((column == column.round()).all()):
             return None
-        column = column.to(torch.int64)
-    elif column.dtype != torch.int64:
-        return None
-    numbers: list[int] = column.tolist()
-    return numbers
+        return column.to(torch.int64)
+    return column if column.dtype == torch.int64 else None
 
 
 def _rows_only(t: torch.Tensor) -> bool:
