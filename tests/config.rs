@@ -602,7 +602,7 @@ fn unknown_layer_option_lists_valid_keys() {
         "diffusion_offload_config.layer_options.dit.prefetch",
         "diffusion_offload_config.layer_options.dit.prefetch: unknown layer option (did you mean \
          `prefetch_depth`?); valid keys are: weight_transfer, resident_layers, prefetch_depth, allgather_chunk_size, \
-         copy_submission",
+         copy_submission, static_slots",
     );
 }
 
@@ -1206,6 +1206,25 @@ fn from_path_errors_name_the_file() {
         )
     );
     std::fs::remove_file(&link).unwrap();
+}
+
+#[test]
+fn static_slots_is_read_per_component_and_must_be_a_boolean() {
+    let with = |dit: &str| {
+        compact(&format!(
+            r#""mode": "layer", "components": ["dit", "text_encoder"], "layer_options": {{"dit": {{{dit}}}}}"#
+        ))
+    };
+    assert!(!ok(&with("")).static_slots(Component::Dit), "off by default");
+    let c = ok(&with(r#""static_slots": true, "prefetch_depth": 2"#));
+    assert!(c.static_slots(Component::Dit));
+    assert!(!c.static_slots(Component::TextEncoder), "per component");
+    let key = "diffusion_offload_config.layer_options.dit.static_slots";
+    assert_err(
+        &with(r#""static_slots": "yes""#),
+        key,
+        &format!("{key}: expected true or false, found the string \"yes\"; remove the key to use the default"),
+    );
 }
 
 #[test]

@@ -63,6 +63,7 @@ fn spec_in(r: &Rig, submission: Submission, head: usize, depth: usize, fault: Or
         blocks: r.blocks.clone(),
         resident_head: head,
         prefetch_depth: depth,
+        static_slots: false,
         eager_prefetch: true,
         ordering_fault: fault,
         submission,

@@ -715,6 +715,7 @@ mod harness {
                 blocks: self.blocks.clone(),
                 resident_head,
                 prefetch_depth,
+                static_slots: false,
                 eager_prefetch: true,
                 ordering_fault: fault,
                 submission: Submission::Actor,

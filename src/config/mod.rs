@@ -201,6 +201,16 @@ pub struct LayerOptions {
     pub allgather_chunk_bytes: Option<Bytes>,
     /// Who enqueues the copies of streamed blocks (rank-local transfer only; default the copy-stream actor).
     pub copy_submission: CopySubmission,
+    /// A static schedule (`static_slots`): every streamed block lands in the same device slot on every pass, the
+    /// slot count the smallest one of at least depth + 1 that divides the streamed blocks (so a block's tensors can
+    /// be bound once: the ground for captured graphs). Default off.
+    #[serde(skip_serializing_if = "is_false")]
+    pub static_slots: bool,
+}
+
+/// Serde's test for a flag left at its default (`false`): not written.
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// A byte count parsed from a number or a string such as `"24GiB"`.
@@ -294,6 +304,7 @@ impl OffloadConfig {
             prefetch_depth: None,
             allgather_chunk_bytes: None,
             copy_submission: CopySubmission::Actor,
+            static_slots: false,
         };
         OffloadConfig {
             strategy: Strategy::None,
@@ -330,6 +341,7 @@ impl OffloadConfig {
                 prefetch_depth: Some(depth),
                 allgather_chunk_bytes: chunk_bytes,
                 copy_submission: CopySubmission::Actor,
+                static_slots: false,
             },
         );
         c.parallel.data_parallel_size = world;
@@ -356,6 +368,10 @@ impl OffloadConfig {
     /// User-set prefetch depth for a component.
     pub fn prefetch_depth(&self, c: Component) -> Option<u32> {
         self.layer_options.get(&c).and_then(|o| o.prefetch_depth)
+    }
+    /// Whether a component's stacks run a static schedule (`layer_options.<component>.static_slots`).
+    pub fn static_slots(&self, c: Component) -> bool {
+        self.layer_options.get(&c).is_some_and(|o| o.static_slots)
     }
     /// Who enqueues the copies of a component's streamed blocks.
     pub fn copy_submission(&self, c: Component) -> CopySubmission {

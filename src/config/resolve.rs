@@ -44,8 +44,14 @@ pub(crate) const COMPACT_KEYS: &[&str] = &[
 ];
 
 /// Every accepted key of `diffusion_offload_config.layer_options.<component>`.
-pub(crate) const LAYER_KEYS: &[&str] =
-    &["weight_transfer", "resident_layers", "prefetch_depth", "allgather_chunk_size", "copy_submission"];
+pub(crate) const LAYER_KEYS: &[&str] = &[
+    "weight_transfer",
+    "resident_layers",
+    "prefetch_depth",
+    "allgather_chunk_size",
+    "copy_submission",
+    "static_slots",
+];
 
 /// The compact config's object key, used in paths.
 const COMPACT: &str = "diffusion_offload_config";
@@ -205,6 +211,7 @@ struct RawLayer {
     prefetch_depth: Option<u32>,
     allgather_chunk_bytes: Option<u64>,
     copy_submission: Option<CopySubmission>,
+    static_slots: Option<bool>,
 }
 
 /// The compact object, type-checked and validated on its own.
@@ -547,7 +554,15 @@ fn read_layer(layer: &Table<'_>) -> Result<RawLayer, ConfigError> {
             ),
         ));
     }
-    Ok(RawLayer { weight_transfer, resident_layers, prefetch_depth, allgather_chunk_bytes, copy_submission })
+    let static_slots = layer.opt_bool("static_slots")?;
+    Ok(RawLayer {
+        weight_transfer,
+        resident_layers,
+        prefetch_depth,
+        allgather_chunk_bytes,
+        copy_submission,
+        static_slots,
+    })
 }
 
 /// Rejects legacy settings that contradict (or duplicate with other values) the compact config.
@@ -588,6 +603,7 @@ fn default_layer_options() -> BTreeMap<Component, LayerOptions> {
         prefetch_depth: None,
         allgather_chunk_bytes: None,
         copy_submission: CopySubmission::Actor,
+        static_slots: false,
     };
     Component::ALL.iter().map(|&c| (c, opts)).collect()
 }
@@ -613,6 +629,7 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy, migrated: &Migrated) -> R
         opts.prefetch_depth = compact.layers.get(c).and_then(|l| l.prefetch_depth);
         opts.allgather_chunk_bytes = compact.layers.get(c).and_then(|l| l.allgather_chunk_bytes);
         opts.copy_submission = compact.layers.get(c).and_then(|l| l.copy_submission).unwrap_or_default();
+        opts.static_slots = compact.layers.get(c).and_then(|l| l.static_slots).unwrap_or(false);
     }
     Ok(OffloadConfig {
         strategy,

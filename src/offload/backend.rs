@@ -550,6 +550,7 @@ impl StreamingBackend {
                 blocks: blocks.clone(),
                 resident_head: if gather.is_some() { 0 } else { sp.resident_head },
                 prefetch_depth: sp.depth,
+                static_slots: sp.static_slots,
                 // Gathered blocks are never prefetched at enable: every rank's first AllGather happens inside the
                 // same hook sequence.
                 eager_prefetch: sp.eager && gather.is_none(),

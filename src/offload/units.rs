@@ -29,6 +29,8 @@ pub struct StackPlan {
     pub resident_mask: Option<Vec<bool>>,
     /// Prefetch depth; 0 = staged (one slot, no prefetch).
     pub depth: usize,
+    /// A static schedule (every streamed unit in the same slot on every pass).
+    pub static_slots: bool,
     /// Prefetch at enable.
     pub eager: bool,
     /// Who enqueues the stack's streamed loads (`copy_submission` of its component; staged stacks use the actor).
@@ -82,6 +84,7 @@ impl RawStack {
             resident_head: head,
             resident_mask: None,
             depth: 0,
+            static_slots: false,
             eager: false,
             submission: Submission::Actor,
             allgather: false,
@@ -153,6 +156,7 @@ pub fn build_unit_plan(p: &PipelineDesc, cfg: &OffloadConfig, plan: &ResolvedPla
                             resident_head: s.resident_head,
                             resident_mask: s.resident_mask.clone(),
                             depth: s.prefetch_depth as usize,
+                            static_slots: s.static_slots,
                             eager,
                             submission: submission_of(cfg, c.kind),
                             allgather,

@@ -36,6 +36,9 @@ pub struct PlanStack {
     pub slots: usize,
     /// Bytes of the ring slots.
     pub slot_bytes: u64,
+    /// A static schedule: every streamed block in the same slot on every pass (`static_slots`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub static_slots: bool,
 }
 
 /// One component of a resolved plan.
@@ -142,6 +145,7 @@ fn plan_stack(s: &StackPlan) -> PlanStack {
         prefetch_depth: s.prefetch_depth,
         slots: s.slot_count(),
         slot_bytes: s.slot_bytes(),
+        static_slots: s.static_slots,
     }
 }
 
@@ -175,11 +179,12 @@ fn action(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent, keep_d
                 .iter()
                 .map(|s| {
                     format!(
-                        "{} of {} blocks stream (depth {}, {} slots), {} resident",
+                        "{} of {} blocks stream (depth {}, {} slots{}), {} resident",
                         s.streaming().len(),
                         s.blocks.len(),
                         s.prefetch_depth,
                         s.slot_count(),
+                        if s.static_slots { ", static" } else { "" },
                         s.resident().len()
                     )
                 })
@@ -252,7 +257,7 @@ fn write_component(f: &mut fmt::Formatter<'_>, c: &PlanComponent, indent: &str) 
     for s in &c.stacks {
         writeln!(
             f,
-            "{indent}  stack {}: {} blocks ({}), {} resident ({}), {} streaming; depth {}, {} slots of {} = {}",
+            "{indent}  stack {}: {} blocks ({}), {} resident ({}), {} streaming; depth {}, {}{} slots of {} = {}",
             s.name,
             s.blocks,
             human_bytes(s.bytes),
@@ -261,6 +266,7 @@ fn write_component(f: &mut fmt::Formatter<'_>, c: &PlanComponent, indent: &str) 
             s.streaming,
             s.prefetch_depth,
             s.slots,
+            if s.static_slots { " static" } else { "" },
             human_bytes(s.max_streaming_block_bytes),
             human_bytes(s.slot_bytes)
         )?;

@@ -71,7 +71,9 @@ impl Ctx<'_> {
     fn depth_for(&self, c: Component) -> u32 {
         self.cfg.prefetch_depth(c).unwrap_or(DEFAULT_PREFETCH_DEPTH)
     }
-    fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, depth: u32) -> StackPlan {
+    /// The plan of one stack of component `c`'s blocks, with `c`'s prefetch depth and schedule.
+    fn stack(&self, owner: &str, attrs: Vec<String>, blocks: Vec<String>, c: Component) -> StackPlan {
+        let depth = self.depth_for(c);
         let block_bytes = blocks.iter().map(|b| self.p.subtree_device_bytes(b)).collect();
         StackPlan {
             name: format!("{owner}[{}]", attrs.join("+")),
@@ -81,6 +83,7 @@ impl Ctx<'_> {
             resident_head: 0,
             resident_mask: None,
             prefetch_depth: depth,
+            static_slots: self.cfg.static_slots(c),
         }
     }
 }

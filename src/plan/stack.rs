@@ -27,6 +27,10 @@ pub struct StackPlan {
     pub resident_mask: Option<Vec<bool>>,
     /// How many blocks ahead the ring prefetches.
     pub prefetch_depth: u32,
+    /// A static schedule: every streamed block in the same slot on every pass (`static_slots`; the slot count then
+    /// divides the streamed blocks).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub static_slots: bool,
 }
 
 impl StackPlan {
@@ -61,14 +65,12 @@ impl StackPlan {
             .filter(|(i, _)| self.is_resident(*i))
             .fold(0u64, |a, (_, &b)| a.saturating_add(b))
     }
-    /// Device slots the ring needs: depth + 1 (capped by the streaming length), or 0 when nothing streams.
+    /// Device slots the ring needs: depth + 1 (capped by the streaming length), or 0 when nothing streams; under a
+    /// static schedule the smallest count of at least that which divides the streamed blocks (the scheduler's own
+    /// count: [`weightferry_actors::block_stack::slot_count`]).
     pub fn slot_count(&self) -> usize {
         let streaming = (0..self.blocks.len()).filter(|&i| !self.is_resident(i)).count();
-        if streaming == 0 {
-            0
-        } else {
-            (self.prefetch_depth as usize + 1).min(streaming)
-        }
+        weightferry_actors::block_stack::slot_count(streaming, self.prefetch_depth as usize, self.static_slots)
     }
     /// Device bytes of the ring's slots.
     pub fn slot_bytes(&self) -> u64 {

@@ -42,6 +42,7 @@ mod gather_path;
 mod hook_path;
 mod ordering_fault;
 mod ring;
+pub use ring::slot_count;
 
 pub use gather_path::{GatherBlock, GatherPath, GatherSection, GatherSequence, MAX_GATHERS_PER_BLOCK};
 pub use ordering_fault::OrderingFault;
@@ -154,6 +155,10 @@ pub struct StackSpec {
     /// Blocks prefetched ahead. 0 means staged: one slot, a unit is loaded only when asked for (whole-component
     /// swapping and on-demand staging).
     pub prefetch_depth: usize,
+    /// A static schedule: every streamed block lands in the same slot on every pass (block `k` of the streamed
+    /// blocks in slot `k mod slots`, with [`slot_count`]'s slots dividing the streamed count), so its tensors can
+    /// be bound once.
+    pub static_slots: bool,
     /// Prefetch the first streamed blocks at creation (rank-local strategies); the distributed strategy defers the
     /// first prefetch to the first forward.
     pub eager_prefetch: bool,
@@ -479,7 +484,7 @@ impl BlockStack {
             Some(gp) => Some(gather_path::check(&spec, gp, &resident, &mut region)?),
             None => None,
         };
-        let slots = Ring::slot_count(&resident, spec.prefetch_depth);
+        let slots = Ring::slot_count(&resident, spec.prefetch_depth, spec.static_slots);
         let slot_size = region.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| *b).max().unwrap_or(0);
         let resident_count = resident.iter().filter(|r| **r).count();
 
@@ -529,7 +534,7 @@ impl BlockStack {
             #[cfg(weightferry_broken)]
             faults: faults::Faults::new(spec.ordering_fault),
             inner: Mutex::new(Inner {
-                ring: Ring::new(resident, spec.prefetch_depth),
+                ring: Ring::new(resident, spec.prefetch_depth, spec.static_slots),
                 mem,
                 path: state,
                 mailbox,
@@ -694,12 +699,12 @@ impl BlockStack {
     /// Issues a load of `block` into a victim slot, keeping the slots of `keep`, through the stack's load path.
     /// Returns the slot. On failure the slot is `Free` again. Fault point `SkipLastUseWait`.
     fn issue_load(&self, g: &mut Inner, block: usize, keep: &[usize], prefetch: bool) -> Result<usize, SchedulerError> {
-        if g.ring.victim(keep).is_none() {
+        if g.ring.victim(block, keep).is_none() {
             self.promote_recorded(g);
         }
         let s = g
             .ring
-            .victim(keep)
+            .victim(block, keep)
             .ok_or_else(|| SchedulerError::NoFreeSlot { stack: self.name.to_string(), slots: g.ring.table.len() })?;
         let ticket = g.ring.begin(s, block, prefetch)?;
         // Invariant 2: every path makes the device wait for the slot's last use before it overwrites the slot.

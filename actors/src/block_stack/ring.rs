@@ -16,11 +16,29 @@ pub(super) enum Found {
     Fetched,
 }
 
+/// Slots a stack of `streaming` streamed blocks needs at prefetch depth `depth`: `depth + 1` (the block in use and
+/// `depth` prefetched), at most one per streamed block, none when nothing streams. With `static_slots`, the smallest
+/// count of at least `depth + 1` that divides `streaming`, so that block `k` of the streamed blocks can take slot
+/// `k mod slots` on every pass: the wrap into the next pass keeps the mapping (with 10 blocks, depth 2 takes 5
+/// slots, depth 1 takes 2). The planner counts slots with this function too.
+pub fn slot_count(streaming: usize, depth: usize, static_slots: bool) -> usize {
+    if streaming == 0 {
+        return 0;
+    }
+    let least = (depth + 1).min(streaming);
+    if !static_slots {
+        return least;
+    }
+    (least..=streaming).find(|s| streaming % s == 0).unwrap_or(streaming)
+}
+
 /// The residency of one stack's blocks and the slot table of its streamed ones.
 #[derive(Debug)]
 pub(super) struct Ring {
     /// Per block: kept resident (never streamed).
     resident: Vec<bool>,
+    /// A static schedule: per block, the one slot it always takes (`None` for resident blocks); empty otherwise.
+    static_slot: Vec<Option<usize>>,
     /// Streamed blocks prefetched ahead (0: staged, one slot, loads only on demand).
     depth: usize,
     /// The slots of the streamed blocks.
@@ -32,21 +50,31 @@ pub(super) struct Ring {
 }
 
 impl Ring {
-    /// Slots a ring needs: `depth + 1` (the block in use and `depth` prefetched), at most one per streamed block,
-    /// none when every block is resident.
-    pub(super) fn slot_count(resident: &[bool], depth: usize) -> usize {
-        let streaming = resident.iter().filter(|r| !**r).count();
-        if streaming == 0 {
-            0
-        } else {
-            (depth + 1).min(streaming)
-        }
+    /// Slots a ring over these blocks needs ([`slot_count`] of its streamed blocks).
+    pub(super) fn slot_count(resident: &[bool], depth: usize, static_slots: bool) -> usize {
+        slot_count(resident.iter().filter(|r| !**r).count(), depth, static_slots)
     }
 
-    /// A ring over `resident.len()` blocks with [`Ring::slot_count`] free slots; tickets start at 1.
-    pub(super) fn new(resident: Vec<bool>, depth: usize) -> Ring {
-        let slots = Self::slot_count(&resident, depth);
-        Ring { resident, depth, table: SlotTable::new(slots), prefetched: vec![false; slots], next_ticket: 1 }
+    /// A ring over `resident.len()` blocks with [`Ring::slot_count`] free slots; tickets start at 1. With
+    /// `static_slots` block `k` of the streamed blocks always takes slot `k mod slots`.
+    pub(super) fn new(resident: Vec<bool>, depth: usize, static_slots: bool) -> Ring {
+        let slots = Self::slot_count(&resident, depth, static_slots);
+        let static_slot = if static_slots && slots > 0 {
+            let mut k = 0;
+            resident
+                .iter()
+                .map(|r| {
+                    (!r).then(|| {
+                        k += 1;
+                        (k - 1) % slots
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let prefetched = vec![false; slots];
+        Ring { resident, static_slot, depth, table: SlotTable::new(slots), prefetched, next_ticket: 1 }
     }
 
     /// Whether block `i` is kept resident.
@@ -106,8 +134,18 @@ impl Ring {
         (window, keep)
     }
 
-    /// The slot a load would go into, keeping the slots of `keep` (see [`SlotTable::choose_victim`]).
-    pub(super) fn victim(&self, keep: &[usize]) -> Option<usize> {
+    /// The slot a load of `block` would go into, keeping the slots of `keep`: under a static schedule the block's
+    /// own slot when no block of `keep` holds it and it is neither in use nor loading (always, when the engine runs
+    /// the blocks in order); otherwise the table's choice ([`SlotTable::choose_victim`]), so a block called out of
+    /// order still loads (into another slot: that pass is not static).
+    pub(super) fn victim(&self, block: usize, keep: &[usize]) -> Option<usize> {
+        if let Some(&Some(s)) = self.static_slot.get(block) {
+            let state = self.table.state(s);
+            let reusable = matches!(state, SlotState::Free | SlotState::Ready { .. } | SlotState::Releasing { .. });
+            if reusable && state.block().is_none_or(|b| !keep.contains(&b)) {
+                return Some(s);
+            }
+        }
         self.table.choose_victim(keep)
     }
 
@@ -184,15 +222,83 @@ mod tests {
     use super::*;
 
     fn ring(resident: &[bool], depth: usize) -> Ring {
-        Ring::new(resident.to_vec(), depth)
+        Ring::new(resident.to_vec(), depth, false)
     }
 
     #[test]
     fn slot_count_is_depth_plus_one_bounded_by_the_streamed_blocks() {
-        assert_eq!(Ring::slot_count(&[false; 5], 2), 3);
-        assert_eq!(Ring::slot_count(&[false; 2], 4), 2);
-        assert_eq!(Ring::slot_count(&[true, false, false], 0), 1);
-        assert_eq!(Ring::slot_count(&[true, true], 3), 0);
+        assert_eq!(Ring::slot_count(&[false; 5], 2, false), 3);
+        assert_eq!(Ring::slot_count(&[false; 2], 4, false), 2);
+        assert_eq!(Ring::slot_count(&[true, false, false], 0, false), 1);
+        assert_eq!(Ring::slot_count(&[true, true], 3, false), 0);
+    }
+
+    #[test]
+    fn a_static_slot_count_divides_the_streamed_blocks() {
+        assert_eq!(slot_count(10, 1, true), 2);
+        assert_eq!(slot_count(10, 2, true), 5);
+        assert_eq!(slot_count(10, 2, false), 3);
+        assert_eq!(slot_count(6, 2, true), 3);
+        assert_eq!(slot_count(7, 1, true), 7, "a prime count: one slot per block");
+        assert_eq!(slot_count(4, 6, true), 4);
+        assert_eq!(slot_count(3, 0, true), 1, "staged");
+        assert_eq!(slot_count(0, 2, true), 0);
+        assert_eq!(Ring::slot_count(&[true, false, false, false, false], 1, true), 2);
+    }
+
+    /// Runs `passes` passes of `r`'s blocks in order as the stack does (a load into the victim slot for every block
+    /// of the window, then the block's use): the slot each block was loaded into, per load.
+    fn run_passes(r: &mut Ring, passes: usize) -> Vec<(usize, usize)> {
+        let mut loads = Vec::new();
+        let streamed: Vec<usize> = (0..r.resident.len()).filter(|&b| !r.is_resident(b)).collect();
+        for _ in 0..passes {
+            for &b in &streamed {
+                let (window, keep) = r.window(Some(b));
+                for j in std::iter::once(b).chain(window) {
+                    if r.table.slot_of(j).is_none() {
+                        let s = r.victim(j, &keep).expect("a slot for every load of an in-order pass");
+                        let ticket = r.begin(s, j, j != b).unwrap();
+                        r.table.mark_ready(s, ticket).unwrap();
+                        loads.push((j, s));
+                    }
+                }
+                let (s, _) = r.claim(b).unwrap().unwrap();
+                r.table.acquire(s, b).unwrap();
+                r.table.release(s, b).unwrap();
+            }
+        }
+        loads
+    }
+
+    #[test]
+    fn under_a_static_schedule_every_block_takes_its_own_slot_on_every_pass() {
+        // A resident head and 6 streamed blocks at depth 1 (2 slots) and 2 (3 slots): block k of the streamed ones
+        // always in slot k mod slots, the prefetch wrapping into the next pass included.
+        for (depth, slots) in [(1, 2), (2, 3)] {
+            let mut r = Ring::new(vec![true, false, false, false, false, false, false], depth, true);
+            assert_eq!(r.table.len(), slots);
+            let loads = run_passes(&mut r, 3);
+            assert!(loads.len() >= 18, "{loads:?}");
+            assert!(loads.iter().all(|&(b, s)| s == (b - 1) % slots), "depth {depth}: {loads:?}");
+        }
+        // The same ring without the static schedule: 6 blocks in 3 slots still cycle, but 4 in 3 do not.
+        let mut r = Ring::new(vec![false; 4], 2, false);
+        let loads = run_passes(&mut r, 3);
+        assert!(loads.iter().any(|&(b, s)| s != b % 3), "{loads:?}");
+        let mut r = Ring::new(vec![false; 4], 2, true);
+        assert_eq!(r.table.len(), 4);
+        assert!(run_passes(&mut r, 3).iter().all(|&(b, s)| s == b));
+    }
+
+    #[test]
+    fn a_block_whose_static_slot_is_busy_loads_elsewhere() {
+        let mut r = Ring::new(vec![false; 4], 1, true);
+        // Block 0 in use in slot 0: block 2 (also slot 0's) called out of order takes the free slot 1.
+        let t = r.begin(0, 0, false).unwrap();
+        r.table.mark_ready(0, t).unwrap();
+        r.table.acquire(0, 0).unwrap();
+        assert_eq!(r.victim(2, &[0]), Some(1));
+        assert_eq!(r.victim(1, &[0]), Some(1));
     }
 
     #[test]
@@ -221,7 +327,7 @@ mod tests {
     fn loads_take_increasing_tickets_and_claims_report_how_a_slot_was_filled() {
         let mut r = ring(&[true, false, false], 1);
         assert_eq!(r.take_ticket(), 1, "the resident head's load");
-        let s = r.victim(&[1]).unwrap();
+        let s = r.victim(2, &[1]).unwrap();
         assert_eq!(r.begin(s, 1, true), Ok(2));
         assert_eq!(r.last_ticket(), 2);
         assert_eq!(r.claim(1), Ok(Some((s, Found::Prefetched))));
@@ -241,12 +347,12 @@ mod tests {
         let mut r = ring(&[false, false, false], 1);
         let a = r.begin(0, 0, true).unwrap();
         let b = r.begin(1, 1, true).unwrap();
-        assert_eq!(r.victim(&[2]), None, "both slots are loading");
+        assert_eq!(r.victim(2, &[2]), None, "both slots are loading");
         assert_eq!(r.oldest_loading(&[2]), Some(a));
         assert_eq!(r.oldest_loading(&[0]), Some(b));
         r.promote(|t| t == a);
         assert_eq!(r.table.state(0), SlotState::Ready { block: 0, ticket: a });
-        assert_eq!(r.victim(&[2]), Some(0));
+        assert_eq!(r.victim(2, &[2]), Some(0));
         r.table.mark_ready(1, b).unwrap();
         r.table.acquire(1, 1).unwrap();
         r.free_all();

@@ -109,7 +109,7 @@ fn dit_stack(
         )?;
         return Ok(None);
     }
-    let stack = cx.stack(&d.path, attrs.clone(), blocks, cx.depth_for(Component::Dit));
+    let stack = cx.stack(&d.path, attrs.clone(), blocks, Component::Dit);
     Ok(Some((attrs, stack)))
 }
 
@@ -242,7 +242,7 @@ fn resolve_dit_children(
         match streamable {
             Some((a, m)) => {
                 let blocks = m.children.iter().map(|(n, _)| join(&join(&path, a), n)).collect();
-                let st = cx.stack(&path, vec![a.clone()], blocks, cx.depth_for(Component::Dit));
+                let st = cx.stack(&path, vec![a.clone()], blocks, Component::Dit);
                 c.stacks.push(st);
             }
             None => {

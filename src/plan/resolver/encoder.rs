@@ -72,7 +72,7 @@ fn resolve_encoder(cx: &mut Ctx<'_>, e: &mut ResolvedComponent, te_selected: boo
         match enc.get(&a) {
             Some(m) if m.is_block_list() && m.children.len() > 1 => {
                 let blocks: Vec<String> = m.children.iter().map(|(n, _)| join(&join(&e.path, &a), n)).collect();
-                let st = cx.stack(&e.path, vec![a.clone()], blocks, cx.depth_for(Component::TextEncoder));
+                let st = cx.stack(&e.path, vec![a.clone()], blocks, Component::TextEncoder);
                 e.stacks.push(st);
             }
             Some(_) => cx.strict(
