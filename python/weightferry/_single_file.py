@@ -12,6 +12,7 @@ computed rather than selected cannot pass for rows."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import _core
@@ -166,8 +167,9 @@ def _rows_only(t: torch.Tensor) -> bool:
     return t.dim() >= 1 and all(s == 0 for s, n in zip(t.stride()[1:], t.shape[1:]) if n > 1)
 
 
+@functools.cache
 def _row_cat_mode() -> type:
-    """The torch function mode class (made on first use: torch is imported lazily)."""
+    """The torch function mode class (made once, on first use: torch is imported lazily)."""
     import torch
     from torch.overrides import TorchFunctionMode
 

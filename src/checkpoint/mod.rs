@@ -125,10 +125,9 @@ impl Checkpoint {
     /// A tensor's bytes, read from its file ([`SafetensorsFile::read`]; a view's pieces in order); `None` for a name
     /// not in the checkpoint.
     pub fn read_tensor(&self, name: &str) -> Option<Result<Vec<u8>, CheckpointError>> {
-        let (_, t) = self.tensor(name)?;
+        let (f, t) = self.tensor(name)?;
         let mut out = vec![0u8; usize::try_from(t.len).ok()?];
         let Some(ViewTensor::Pieces { pieces, .. }) = self.derived.get(name) else {
-            let (f, t) = self.tensor(name)?;
             return Some(f.read(t, &mut out).map(|()| out));
         };
         let mut at = 0;
