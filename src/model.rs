@@ -108,6 +108,9 @@ pub struct HostModel {
     /// Where each file-backed storage lies in its file, whatever its current home: a backend's master gives it
     /// back by re-homing it there, without a copy.
     origins: BTreeMap<StorageId, (HostBufferId, u64)>,
+    /// File-backed storages written since (their bytes are no longer the file's): given back as copies, never by
+    /// re-homing them in the file.
+    diverged: std::collections::BTreeSet<StorageId>,
     /// Storages of a model from a checkpoint that the file does not fill (see [`HostModel::caller_storages`]).
     caller: Vec<StorageId>,
 }
@@ -256,6 +259,7 @@ impl HostModel {
             files: Vec::new(),
             paths: BTreeMap::new(),
             origins: BTreeMap::new(),
+            diverged: Default::default(),
             caller: Vec::new(),
         }
     }
@@ -278,7 +282,7 @@ impl HostModel {
         let caller = loaded.keys().copied().collect();
         homes.extend(loaded.into_iter().chain(converted).map(|(id, buf)| (id, Home::Loaded { buf })));
         let files = paths.keys().copied().collect();
-        HostModel { desc, platform, homes, files, paths, origins: at, caller }
+        HostModel { desc, platform, homes, files, paths, origins: at, diverged: Default::default(), caller }
     }
 
     /// Storages of a model from a checkpoint that the file does not fill (non-persistent buffers): zero-filled
@@ -335,23 +339,41 @@ impl HostModel {
 
     /// Overwrites a storage's bytes in its current home, a loaded buffer or an offload backend's master: how a
     /// backend applies a write while it holds the storage (it first waits for every copy reading the master, and
-    /// refreshes the device copies after). `bytes` must be exactly the storage's size ([`ModelError::WrongLength`]);
-    /// a storage served from its checkpoint file or released to shards is [`ModelError::WrongHome`]. Nothing
-    /// changes on an error.
-    pub(crate) fn write_through(&mut self, id: StorageId, bytes: &[u8]) -> Result<(), ModelError> {
+    /// refreshes the device copies after). A storage from a checkpoint file no longer equals its file after a write:
+    /// it is marked diverged (its origin stays: blocks keep their file order), so [`restore_loaded`](Self::restore_loaded) gives it a copy of the written master,
+    /// not the file; one homed in the file itself (the fixed placement of a model from a checkpoint) moves to a
+    /// loaded buffer of its own holding the new bytes, when `detach` allows (the caller says it reads the storage
+    /// through its home, not straight from the file's address). `bytes` must be exactly the storage's size
+    /// ([`ModelError::WrongLength`]); a storage served from its file without `detach`, or released to shards, is
+    /// [`ModelError::WrongHome`]. Nothing changes on an error.
+    pub(crate) fn write_through(&mut self, id: StorageId, bytes: &[u8], detach: bool) -> Result<(), ModelError> {
         let home = self.homes.get(&id).copied().ok_or(PlatformError::InvalidHandle { what: "storage", id: id.0 })?;
-        let (buf, offset) = match home {
-            Home::Loaded { buf } => (buf, 0),
-            Home::Master { buf, offset } => (buf, offset),
-            Home::File { .. } | Home::Sharded => {
-                return Err(ModelError::WrongHome { storage: id.0, expected: "loaded or master", found: home.name() })
-            }
-        };
         let expected = self.storage_bytes(id);
         if bytes.len() as u64 != expected {
             return Err(ModelError::WrongLength { storage: id.0, expected, got: bytes.len() as u64 });
         }
-        Ok(self.platform.write_host(buf, offset, bytes)?)
+        let (buf, offset) = match home {
+            Home::Loaded { buf } => (buf, 0),
+            Home::Master { buf, offset } => (buf, offset),
+            Home::File { .. } if detach => {
+                let buf = self.platform.alloc_host(expected.max(1), HostMemoryKind::Pageable)?;
+                if let Err(e) = self.platform.write_host(buf, 0, bytes) {
+                    let _ = self.platform.free_host(buf);
+                    return Err(e.into());
+                }
+                self.homes.insert(id, Home::Loaded { buf });
+                self.diverged.insert(id);
+                return Ok(());
+            }
+            Home::File { .. } | Home::Sharded => {
+                return Err(ModelError::WrongHome { storage: id.0, expected: "loaded or master", found: home.name() })
+            }
+        };
+        self.platform.write_host(buf, offset, bytes)?;
+        if self.origins.contains_key(&id) {
+            self.diverged.insert(id);
+        }
+        Ok(())
     }
 
     /// The pipeline description.
@@ -495,10 +517,11 @@ impl HostModel {
 
     /// Gives a storage back its own loaded host buffer, copying its bytes out of the master (a real copy, so the
     /// model no longer aliases the backend's masters); a file-backed storage goes back to its file instead, with no
-    /// copy. No-op unless it is homed in a master.
+    /// copy, unless it was written since ([`write_through`](Self::write_through)). No-op unless it is homed in a
+    /// master.
     pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), ModelError> {
         let Some(Home::Master { .. }) = self.homes.get(&id).copied() else { return Ok(()) };
-        if let Some(&(buf, offset)) = self.origins.get(&id) {
+        if let Some(&(buf, offset)) = self.origins.get(&id).filter(|_| !self.diverged.contains(&id)) {
             self.homes.insert(id, Home::File { buf, offset });
             return Ok(());
         }

@@ -392,6 +392,30 @@ impl Session {
         Ok(self.inner.write_weights(&writes)?)
     }
 
+    /// The storages of `items` (`(storage, address, len)`, each read in place) whose bytes differ from the
+    /// session's (see [`session::Session::storages_differing`]), in the order of `items`.
+    ///
+    /// # Safety
+    /// For each item with `len > 0`, `address..address + len` must be readable host memory that stays alive and is
+    /// not written during the call.
+    pub unsafe fn differing_from(&self, items: &[(u64, u64, u64)]) -> Result<Vec<u64>, CoreError> {
+        let mut given = Vec::with_capacity(items.len());
+        for &(storage, address, len) in items {
+            let n = usize::try_from(len).map_err(|_| CoreError::Offload(format!("storage {storage}: {len} bytes")))?;
+            if address == 0 && n > 0 {
+                return Err(CoreError::Offload(format!("storage {storage}: null address for {len} bytes")));
+            }
+            let bytes: &[u8] = if n == 0 {
+                &[]
+            } else {
+                // SAFETY: the caller guarantees `len` readable bytes at `address` that live, unchanged, for this call.
+                unsafe { std::slice::from_raw_parts(address as usize as *const u8, n) }
+            };
+            given.push((StorageId(storage), bytes));
+        }
+        Ok(self.inner.storages_differing(&given)?.into_iter().map(|s| s.0).collect())
+    }
+
     /// Offloads (see [`session::Session::enable`]); returns whether anything is offloaded.
     pub fn enable(&mut self) -> Result<bool, CoreError> {
         Ok(self.inner.enable()?)

@@ -241,6 +241,16 @@ impl PySession {
         self.run(py, "Session._write_weights_at", |s| unsafe { s.write_weights_from(&items) })
     }
 
+    /// The storages of `[(storage, address, len)]` whose bytes, read in place, differ from the session's (its
+    /// checkpoint file's, before enable), in the order given. Private to the package: each `address` must be the
+    /// `data_ptr()` of a live CPU tensor storage of at least `len` bytes, which the caller keeps referenced and does
+    /// not write during the call.
+    fn _differing_at(&self, py: Python<'_>, items: Vec<(u64, u64, u64)>) -> PyResult<Vec<u64>> {
+        // SAFETY: the package's contract above: `_enable.py` passes the `data_ptr()` and exact `nbytes()` of CPU
+        // tensor storages it holds references to for the call, and no code of the package writes them meanwhile.
+        self.run(py, "Session._differing_at", |s| unsafe { s.differing_from(&items) })
+    }
+
     /// Offloads (transactional); returns whether anything is offloaded.
     fn enable(&self, py: Python<'_>) -> PyResult<bool> {
         self.run(py, "Session.enable", api::Session::enable)

@@ -207,42 +207,65 @@ def test_blocks_are_served_from_the_checkpoint_file_itself(tmp_path, host_master
         assert s["host_bytes"] == served[0]
         for _ in range(2):
             assert torch.equal(forward(m, x), expected)
-        # Weights served from the file are read-only; pinned masters take a write.
-        key = "transformer_blocks.1.attn.to_q.weight"
+        # Streamed weights served from the file are read-only; pinned masters take a write, and so does every
+        # weight of the fixed placement (it leaves the file for a buffer of its own). disable gives back the written
+        # bytes, never the file's.
+        key, fixed = "transformer_blocks.1.attn.to_q.weight", "x_embedder.weight"
         new = {key: state[key] + 1}
         h.retune(prefetch_depth=1)  # the stacks of a checkpoint's blocks (in file order) are rebuilt alike
         assert torch.equal(forward(m, x), expected)
         if host_masters == "pinned":
             m.load_state_dict(new, strict=False)
             assert torch.equal(m.state_dict()[key], new[key])
-            m.load_state_dict({key: state[key]}, strict=False)
+            assert torch.equal(h.state_dict("transformer")[key], new[key])
         else:
             with pytest.raises(wf.OffloadError) as e:
                 m.load_state_dict(new, strict=False)
-            assert str(e.value).startswith(f"'transformer.{key}' is served read-only from its checkpoint file")
-            assert 'enable with host_masters = "pinned" to write weights while enabled' in str(e.value)
-        assert torch.equal(forward(m, x), expected)
+            assert str(e.value) == (
+                f"'transformer.{key}' is streamed read-only from its checkpoint file (host_masters = \"auto\" or "
+                '"mapped" served its block from the file, or host_budget left the block to the disk tier); to write '
+                'weights while enabled, enable with host_masters = "pinned" and a host_budget that holds every '
+                "block, or disable first")
+            assert torch.equal(forward(m, x), expected)
+            new = {}
+        new[fixed] = state[fixed] * 2
+        m.load_state_dict({fixed: new[fixed]}, strict=False)
+        assert torch.equal(m.state_dict()[fixed], new[fixed])
+        ref.load_state_dict(new, strict=False)
+        assert torch.equal(forward(m, x), forward(ref, x))
     for k, v in state.items():
-        assert torch.equal(m.state_dict()[k], v), k
+        assert torch.equal(m.state_dict()[k], new.get(k, v)), k
 
 
-def test_mapped_masters_refuse_a_layout_the_file_cannot_serve(tmp_path):
-    # Heads of 16: 64-byte biases break the 256-byte alignment of the packed sections.
-    state = weights(reference())
+def test_a_model_in_memory_keeps_a_write_after_disable(tmp_path):
+    # The model holds its weights and names its own file: enable serves its blocks from pinned masters filled from
+    # the file; a write into one is what disable gives back, in this session and after enabling again.
+    ref = reference()
+    state = weights(ref)
     path = tmp_path / "transformer.safetensors"
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    m = on_meta()
+    m = copy.deepcopy(ref)
     cfg = json.loads(json.dumps(LAYER))
-    cfg["diffusion_offload_config"]["host_masters"] = "mapped"
-    with pytest.raises(wf.OffloadError, match=r'^host_masters = "mapped": the bf16 tensors of '
-                       r'`transformer\.transformer_blocks\.0` cannot be served from the checkpoint file: storage \d+ '
-                       r'is not where the packed section needs it'):
+    cfg["diffusion_offload_config"]["host_masters"] = "pinned"
+    key, fixed = "single_transformer_blocks.2.proj_out.weight", "proj_out.weight"
+    new = {key: state[key] * 2, fixed: state[fixed] - 1}
+    with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path):
+        m.load_state_dict(new, strict=False)
+    for k, v in state.items():
+        assert torch.equal(m.state_dict()[k], new.get(k, v)), k
+    # The module now differs from the file: serving the file's bytes would drop the edit, so enable refuses.
+    with pytest.raises(wf.CheckpointError) as e:
         wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path)
-    assert all(p.device.type == "meta" for p in m.parameters())
-    # auto pins what the file cannot serve, and runs.
-    cfg["diffusion_offload_config"]["host_masters"] = "auto"
-    with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path) as h:
-        assert h.stats()["master_host_bytes"] > 0
+    assert str(e.value) == (
+        f"tensor 'transformer.{key}' (and 1 more) holds values other than checkpoint {path}: checkpoint= serves the "
+        "file's bytes, so the module's (an edit, a fused LoRA) would be lost; enable without checkpoint= (the "
+        "module's own tensors become the host masters), or save the module (save_pretrained) and name that file")
+    for k, v in state.items():
+        assert torch.equal(m.state_dict()[k], new.get(k, v)), k
+    with wf.enable({"transformer": m}, cfg, device="sim"):
+        pass
+    for k, v in state.items():
+        assert torch.equal(m.state_dict()[k], new.get(k, v)), k
 
 
 RSS_PROBE = """

@@ -112,6 +112,10 @@ class Session:
         """Fills a storage's host bytes from ``len`` bytes at host address ``address`` (the ``data_ptr()`` of a live
         CPU tensor storage the caller holds), read in place."""
 
+    def _differing_at(self, items: list[tuple[int, int, int]]) -> list[int]:
+        """The storages of ``[(storage id, host address, len)]`` (each the ``data_ptr()`` of a live CPU tensor storage
+        the caller holds) whose bytes differ from the session's (before enable: the checkpoint file's), in the order
+        given; read in place, nothing written."""
     def _write_weights_at(self, items: list[tuple[int, int, int]]) -> None:
         """Writes new bytes for storages from ``[(storage id, host address, len)]`` (each the ``data_ptr()`` of a live
         CPU tensor storage the caller holds), read in place: while enabled through to weightferry's host copy and

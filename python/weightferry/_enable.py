@@ -111,6 +111,8 @@ def enable(
     try:
         # With a checkpoint, meta tensors become empty CPU tensors first; their bytes come from the file.
         storages = StorageMap(session, bound, materialize_meta(bound, undo) if ckpt else {}, composites)
+        if ckpt:
+            _check_held_match(session, storages, ckpt)
         handle = Handle(session, storages, modules, bound, binder, stream, json.loads(text) if fmt == "json" else None)
         if ckpt:
             # The session has every other storage from the file: those tensors keep their (empty) data until enable
@@ -241,6 +243,34 @@ def _views(ckpt: list[tuple[str, str]], bound: Bound, modules: Mapping[str, Any]
         if found:
             views[component] = found
     return views
+
+
+def _check_held_match(session: _core.Session, storages: StorageMap, ckpt: list[tuple[str, str]]) -> None:
+    """Refuses (``CheckpointError``) a module that holds weights other than its checkpoint's: ``checkpoint=`` serves
+    the file's bytes, so a tensor the module changed since it was loaded (an edit, a fused LoRA) would be dropped
+    without a word. Compares every storage the file fills whose tensor holds real bytes (a ``meta`` one has none),
+    in place, before anything moves."""
+    unwritten = set(session.unwritten())
+    items, keep = [], []
+    for sid, views in storages.views.items():
+        t = views[0].tensor
+        if sid in unwritten or t.device.type != "cpu" or storages.nbytes[sid] == 0:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:  # a meta tensor's empty stand-in
+            continue
+        keep.append(storage)
+        items.append((sid, storage.data_ptr(), storage.nbytes()))
+    differing = session._differing_at(items)
+    if differing:
+        path = storages.views[differing[0]][0].path
+        file = next((p for p, c in ckpt if path.startswith(f"{c}.")), ckpt[0][0])
+        more = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
+        raise _core.CheckpointError(
+            f"tensor '{path}'{more} holds values other than checkpoint {file}: checkpoint= serves the file's "
+            "bytes, so the module's (an edit, a fused LoRA) would be lost; enable without checkpoint= (the module's "
+            "own tensors become the host masters), or save the module (save_pretrained) and name that file"
+        )
 
 
 def _check_computed_buffers(bound: Bound) -> None:

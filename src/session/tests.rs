@@ -192,3 +192,67 @@ fn pinned_modules_stay_in_the_fixed_placement_and_round_trip() {
          by its dotted path"
     );
 }
+
+/// A safetensors file holding `tensors` (`(name, bf16 bytes)`, each 1-D), written by hand (header length, JSON
+/// header, data).
+fn write_safetensors(path: &std::path::Path, tensors: &[(&str, Vec<u8>)]) {
+    let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+    for (name, bytes) in tensors {
+        let entry = serde_json::json!({"dtype": "BF16", "shape": [bytes.len() / 2],
+            "data_offsets": [data.len(), data.len() + bytes.len()]});
+        header.insert(name.to_string(), entry);
+        data.extend_from_slice(bytes);
+    }
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header);
+    file.extend(data);
+    std::fs::write(path, file).unwrap();
+}
+
+#[test]
+fn a_write_to_weights_from_a_checkpoint_is_what_disable_gives_back() {
+    let dir = std::env::temp_dir().join(format!("wf-session-write-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("transformer.safetensors");
+    let file = [
+        ("proj", vec![1; 128]),
+        ("blocks.0.w", vec![2; 256]),
+        ("blocks.1.w", vec![3; 256]),
+        ("blocks.2.w", vec![4; 256]),
+    ];
+    write_safetensors(&path, &file.iter().map(|(n, b)| (*n, b.clone())).collect::<Vec<_>>());
+    for masters in ["pinned", "auto"] {
+        let config = format!(
+            r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"], "host_masters": "{masters}",
+            "layer_options": {{"dit": {{"prefetch_depth": 1}}}}}}}}"#
+        );
+        let desc = load_pipeline_json(WITH_FIXED).unwrap();
+        let ckpt = CheckpointSource { path: path.clone(), component: "transformer".into(), views: Default::default() };
+        let options = SessionOptions { name: "p".into(), checkpoints: vec![ckpt], ..Default::default() };
+        let cfg = load_config(ConfigSource::Json(&config)).unwrap();
+        let mut s = Session::new(desc, cfg, sim(), options).unwrap_or_else(|e| panic!("{e}"));
+        let ids: BTreeMap<String, StorageId> = s.tensor_storages().into_iter().collect();
+        let (proj, w0, w1) = (ids["transformer.proj"], ids["transformer.blocks.0.w"], ids["transformer.blocks.1.w"]);
+        // Before enable the session holds the file's bytes; the caller's bytes are compared with them.
+        let same: &[u8] = &[2; 256];
+        assert_eq!(s.storages_differing(&[(w0, same), (w1, same), (proj, &[1; 127])]).unwrap(), vec![w1, proj]);
+        assert_eq!(s.enable(), Ok(true));
+        // The fixed placement leaves the file for a buffer of its own; a pinned master takes the write.
+        s.write_weights(&[(proj, &[9; 128])]).unwrap();
+        let streamed = s.write_weights(&[(w0, &[7; 256])]);
+        s.disable().unwrap();
+        assert_eq!(s.read_storage(proj).unwrap(), vec![9; 128], "{masters}");
+        if masters == "pinned" {
+            streamed.unwrap();
+            assert_eq!(s.read_storage(w0).unwrap(), vec![7; 256]);
+        } else {
+            let Err(SessionError::Offload(m)) = streamed else { panic!("a write into the file was accepted") };
+            assert!(m.starts_with(&format!("storage {} is streamed read-only from its checkpoint file", w0.0)), "{m}");
+            assert_eq!(s.read_storage(w0).unwrap(), vec![2; 256]);
+        }
+        assert_eq!(s.read_storage(w1).unwrap(), vec![3; 256]);
+        assert_eq!(s.storages_differing(&[(w1, &[3; 256])]).unwrap(), Vec::<StorageId>::new());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

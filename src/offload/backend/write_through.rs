@@ -38,18 +38,18 @@ impl StreamingBackend {
                     .into(),
             ));
         }
+        let is_fixed = |s: StorageId| st.fixed.as_ref().is_some_and(|f| f.contains(s));
         for &(s, bytes) in writes {
-            check_write(model, s, bytes.len() as u64)?;
+            check_write(model, s, bytes.len() as u64, is_fixed(s))?;
         }
         for stack in &st.stacks {
             stack.fence()?;
         }
         self.platform.stream_synchronize(compute)?;
-        let fixed: Vec<StorageId> =
-            writes.iter().map(|w| w.0).filter(|s| st.fixed.as_ref().is_some_and(|f| f.contains(*s))).collect();
+        let fixed: Vec<StorageId> = writes.iter().map(|w| w.0).filter(|&s| is_fixed(s)).collect();
         let streamed = writes.iter().any(|w| st.locations.contains_key(&w.0));
         for &(s, bytes) in writes {
-            model.write_through(s, bytes)?;
+            model.write_through(s, bytes, is_fixed(s))?;
         }
         if let (Some(placement), Some(stream)) = (st.fixed.as_ref(), st.placement_stream) {
             if !fixed.is_empty() {
@@ -65,14 +65,18 @@ impl StreamingBackend {
     }
 }
 
-/// Whether `bytes` new bytes can be written to storage `s` now (see [`StreamingBackend::write_weights`]).
-fn check_write(model: &HostModel, s: StorageId, bytes: u64) -> Result<(), OffloadError> {
+/// Whether `bytes` new bytes can be written to storage `s` now (see [`StreamingBackend::write_weights`]); `fixed`:
+/// the fixed placement holds it (copied to the device through its home, so one served from its checkpoint file can
+/// move to a buffer of its own; a streamed one's copies read the file's address).
+fn check_write(model: &HostModel, s: StorageId, bytes: u64, fixed: bool) -> Result<(), OffloadError> {
     let expected = model.storage_bytes(s);
     match model.home(s) {
         None => Err(OffloadError::Unsupported(format!("storage {} is not part of this pipeline", s.0))),
-        Some(Home::File { .. }) => Err(OffloadError::Unsupported(format!(
-            "storage {} is served read-only from its checkpoint file (host_masters = \"auto\" or \"mapped\"); \
-             enable with host_masters = \"pinned\" to write weights while enabled, or disable first",
+        Some(Home::File { .. }) if !fixed => Err(OffloadError::Unsupported(format!(
+            "storage {} is streamed read-only from its checkpoint file (host_masters = \"auto\" or \"mapped\" \
+             served its block from the file, or host_budget left the block to the disk tier); to write weights while \
+             enabled, enable with host_masters = \"pinned\" and a host_budget that holds every block, or disable \
+             first",
             s.0
         ))),
         Some(Home::Sharded) => Err(OffloadError::Unsupported(format!(
