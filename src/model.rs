@@ -517,7 +517,7 @@ impl HostModel {
 
     /// Gives a storage back its own loaded host buffer, copying its bytes out of the master (a real copy, so the
     /// model no longer aliases the backend's masters); a file-backed storage goes back to its file instead, with no
-    /// copy, unless it was written since ([`write_through`](Self::write_through)). No-op unless it is homed in a
+    /// copy, unless a backend wrote it since (a write while enabled). No-op unless it is homed in a
     /// master.
     pub fn restore_loaded(&mut self, id: StorageId) -> Result<(), ModelError> {
         let Some(Home::Master { .. }) = self.homes.get(&id).copied() else { return Ok(()) };

@@ -375,20 +375,8 @@ impl Session {
     /// For each item with `len > 0`, `address..address + len` must be readable host memory that stays alive and is
     /// not written during the call.
     pub unsafe fn write_weights_from(&mut self, items: &[(u64, u64, u64)]) -> Result<(), CoreError> {
-        let mut writes = Vec::with_capacity(items.len());
-        for &(storage, address, len) in items {
-            let n = usize::try_from(len).map_err(|_| CoreError::Offload(format!("storage {storage}: {len} bytes")))?;
-            if address == 0 && n > 0 {
-                return Err(CoreError::Offload(format!("storage {storage}: null address for {len} bytes")));
-            }
-            let bytes: &[u8] = if n == 0 {
-                &[]
-            } else {
-                // SAFETY: the caller guarantees `len` readable bytes at `address` that live, unchanged, for this call.
-                unsafe { std::slice::from_raw_parts(address as usize as *const u8, n) }
-            };
-            writes.push((StorageId(storage), bytes));
-        }
+        // SAFETY: this function's contract is `in_place`'s.
+        let writes = unsafe { in_place(items)? };
         Ok(self.inner.write_weights(&writes)?)
     }
 
@@ -399,20 +387,8 @@ impl Session {
     /// For each item with `len > 0`, `address..address + len` must be readable host memory that stays alive and is
     /// not written during the call.
     pub unsafe fn differing_from(&self, items: &[(u64, u64, u64)]) -> Result<Vec<u64>, CoreError> {
-        let mut given = Vec::with_capacity(items.len());
-        for &(storage, address, len) in items {
-            let n = usize::try_from(len).map_err(|_| CoreError::Offload(format!("storage {storage}: {len} bytes")))?;
-            if address == 0 && n > 0 {
-                return Err(CoreError::Offload(format!("storage {storage}: null address for {len} bytes")));
-            }
-            let bytes: &[u8] = if n == 0 {
-                &[]
-            } else {
-                // SAFETY: the caller guarantees `len` readable bytes at `address` that live, unchanged, for this call.
-                unsafe { std::slice::from_raw_parts(address as usize as *const u8, n) }
-            };
-            given.push((StorageId(storage), bytes));
-        }
+        // SAFETY: this function's contract is `in_place`'s.
+        let given = unsafe { in_place(items)? };
         Ok(self.inner.storages_differing(&given)?.into_iter().map(|s| s.0).collect())
     }
 
@@ -506,6 +482,29 @@ impl Session {
         let report: BackendReport = self.inner.report();
         serde_json::to_string(&report).map_err(|e| CoreError::Internal(format!("cannot encode the report: {e}")))
     }
+}
+
+/// `(storage, address, len)` items as `(storage, the bytes there)`, read in place.
+///
+/// # Safety
+/// For each item with `len > 0`, `address..address + len` must be readable host memory that stays alive and is not
+/// written while the result lives.
+unsafe fn in_place<'a>(items: &[(u64, u64, u64)]) -> Result<Vec<(StorageId, &'a [u8])>, CoreError> {
+    let mut out = Vec::with_capacity(items.len());
+    for &(storage, address, len) in items {
+        let n = usize::try_from(len).map_err(|_| CoreError::Offload(format!("storage {storage}: {len} bytes")))?;
+        if address == 0 && n > 0 {
+            return Err(CoreError::Offload(format!("storage {storage}: null address for {len} bytes")));
+        }
+        let bytes: &[u8] = if n == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller guarantees `len` readable bytes at `address` that live, unchanged, while used.
+            unsafe { std::slice::from_raw_parts(address as usize as *const u8, n) }
+        };
+        out.push((StorageId(storage), bytes));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
