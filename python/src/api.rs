@@ -411,6 +411,12 @@ impl Session {
         self.inner.is_enabled()
     }
 
+    /// The unit paths of each stack with a static schedule, in execution order (see
+    /// [`session::Session::static_stacks`]).
+    pub fn static_stacks(&self) -> Vec<Vec<String>> {
+        self.inner.static_stacks()
+    }
+
     /// The modules that have offload hooks (dotted paths), sorted.
     pub fn hooked_modules(&self) -> Vec<String> {
         self.inner.hooked_modules()

@@ -268,6 +268,12 @@ impl PySession {
         self.run(py, "Session.is_enabled", |s| Ok(s.is_enabled()))
     }
 
+    /// The unit module paths of each stack with a static schedule (`static_slots`), in execution order; empty while
+    /// not enabled.
+    fn static_stacks(&self, py: Python<'_>) -> PyResult<Vec<Vec<String>>> {
+        self.run(py, "Session.static_stacks", |s| Ok(s.static_stacks()))
+    }
+
     /// The modules with offload hooks (dotted paths), sorted.
     fn hooked_modules(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         self.run(py, "Session.hooked_modules", |s| Ok(s.hooked_modules()))

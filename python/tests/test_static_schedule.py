@@ -26,41 +26,51 @@ def config(static):
 
 
 def places(monkeypatch, model, x, cfg, passes=4):
-    """Per streamed storage, the (buffer, offset) places the hooks bound it to over ``passes`` forwards; the plan's
-    stack row; whether every output equalled the resident model's."""
-    bound = collections.defaultdict(set)
-    original = _hooks.Hooks._bind_from_device
+    """Per streamed block, the (buffer, offset) places it landed at over ``passes`` forwards; the plan's stack row;
+    whether every output equalled the resident model's; how many distinct data pointers each streamed parameter
+    had during its block's forwards."""
+    landed = collections.defaultdict(set)
+    pointers = collections.defaultdict(set)
+    original = _hooks.Hooks._place
 
-    def spy(self, sid, buffer, offset):
-        bound[sid].add((buffer, offset))
-        return original(self, sid, buffer, offset)
+    def spy(self, path, offsets, buffer, base, traced):
+        landed[path].add((buffer, base))
+        return original(self, path, offsets, buffer, base, traced)
 
-    monkeypatch.setattr(_hooks.Hooks, "_bind_from_device", spy)
+    def watch(module, args, output):
+        for name, p in module.named_parameters():
+            pointers[(id(module), name)].add(p.data_ptr())
+
+    monkeypatch.setattr(_hooks.Hooks, "_place", spy)
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    hooks = [b.register_forward_hook(watch) for b in blocks]
     resident = copy.deepcopy(model)
     with torch.no_grad():
         want = resident(**x, return_dict=False)[0]
     with wf.enable({"transformer": model}, cfg, device="sim") as h:
-        streamed = h._storages.streamed()
         (stack,) = [s for c in json.loads(h._session.plan_json())["components"] for s in c.get("stacks", [])]
         same = True
         for _ in range(passes):
             with torch.no_grad():
                 same &= torch.equal(model(**x, return_dict=False)[0], want)
         assert h._session.hazard_violations() == []
-    return {sid: p for sid, p in bound.items() if sid in streamed}, stack, same
+    for hook in hooks:
+        hook.remove()
+    return {path: p for path, p in landed.items() if path in h._storages.streamed_by}, stack, same, pointers
 
 
 def test_a_static_schedule_binds_every_streamed_tensor_to_one_slot_on_every_pass(monkeypatch):
     model, x, _ = flux()
     model = type(model)(**{**model.config, "num_layers": 4, "num_single_layers": 6})
-    moved, stack, same = places(monkeypatch, model, x, config(static=False))
+    moved, stack, same, _ = places(monkeypatch, model, x, config(static=False))
     assert same and (stack["slots"], stack["streaming"]) == (3, 10) and "static_slots" not in stack
     assert sum(len(p) > 1 for p in moved.values()) > len(moved) // 2, "3 slots for 10 blocks: blocks move"
 
-    fixed, stack, same = places(monkeypatch, model, x, config(static=True))
+    fixed, stack, same, pointers = places(monkeypatch, model, x, config(static=True))
     assert same and (stack["slots"], stack["streaming"], stack["static_slots"]) == (5, 10, True)
-    assert len(fixed) == len(moved) and all(len(p) == 1 for p in fixed.values())
+    assert len(fixed) == len(moved) == 10 and all(len(p) == 1 for p in fixed.values())
     assert len({next(iter(p))[0] for p in fixed.values()}) == 5, "the five slot buffers, each block in its own"
+    assert all(len(p) == 1 and 0 not in p for p in pointers.values()), "bound once, at the block's place"
 
 
 def test_the_plan_says_the_schedule_is_static_and_counts_its_slots():

@@ -130,6 +130,10 @@ class Session:
     def is_enabled(self) -> bool:
         """Whether the backend is enabled."""
 
+    def static_stacks(self) -> list[list[str]]:
+        """The unit module paths of each stack with a static schedule (``static_slots``), in execution order; empty
+        while not enabled."""
+
     def hooked_modules(self) -> list[str]:
         """The modules with offload hooks (dotted paths), sorted."""
 

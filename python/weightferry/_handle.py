@@ -295,6 +295,7 @@ class Handle:
             raise
         self._hooks.forget_slots()  # the slots are new: every streamed block is bound again at its next forward
         self._binder.clear()
+        self._hooks.restatic()  # a static block is bound at its new place now
         self._config = config if isinstance(config, dict) else None
         result: dict[str, Any] = json.loads(plan)
         return result

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
-from ._binders import Binder, CudaBinder, Rebinding
+from ._binders import Binder, CudaBinder, Rebinding, SimBinder
 from ._clock import HookClock
 from ._compiler import compiler_disabled, reset_compiled
 from ._grad import inference_only
 from ._outside import Unit, hook_outside_calls
+from ._static import StaticPlaces
 from ._storages import tensors_over
+from ._traced import TraceState, ops, output_tensors, register, unregister
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +95,13 @@ class Hooks:
         self._idle_buffers: dict[int, list[torch.Tensor]] = {}
         # storages holding no parameter (nor a part or an attached part of one), found once at install
         self._buffer_only: frozenset[int] = frozenset()
+        # A static schedule's blocks bound once (see _static), and how the compiler traces their hooks (_traced).
+        self.static: StaticPlaces | None = None
+        self._displaced: set[str] = set()  # static blocks bound per forward since they last landed elsewhere
+        self._trace = TraceState()
+        self._key = 0  # this handle's number for the custom operators (0: none registered)
+        self._order: torch.Tensor | None = None  # the tensor both operators mutate, which keeps them in order
+        self._units: list[str] = []  # the operators' unit numbers -> unit paths
 
     def _idle(self, sid: int) -> None:
         """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
@@ -161,37 +170,64 @@ class Hooks:
                 return
             start = time.perf_counter_ns()
             try:
-                if self.broken is not None:
-                    raise _core.OffloadError(self.broken)
-                if self._sigs.editing is not None:
-                    raise _core.OffloadError(
-                        f"'{path}' runs inside Handle.editing(), where the weights are ordinary CPU tensors being "
-                        "edited: leave the editing block, then run the pipeline"
-                    )
-                if self._stream is not None:
-                    self._check_stream(self._stream)
-                self._enter(path)
-                try:
-                    offsets = self._offsets.get(path)
-                    residency = self._session.pre_forward(path, offsets is None)
-                except BaseException:
-                    self._leave()
-                    raise
-                self._entered.add(path)
-                self._depth[path] = 1
-                if residency is not None:
-                    buffer, base, listed = residency
-                    if offsets is None:
-                        offsets = self._offsets[path] = listed
-                    if isinstance(self._binder, CudaBinder):
-                        self._move(path, offsets, buffer, base)
-                    else:
-                        for sid, off in offsets:
-                            self._bind_from_device(sid, buffer, base + off)
+                self._open_unit(path, traced=False)
             finally:
                 clock.record(time.perf_counter_ns() - start)
 
         return hook
+
+    def _open_unit(self, path: str, traced: bool) -> None:
+        """Opens unit ``path`` for its forward: the checks, the session's ``pre_forward``, the binding of its tensors
+        (``traced``: from the compiled code, where a static block must land at its place)."""
+        if self.broken is not None:
+            raise _core.OffloadError(self.broken)
+        if self._sigs.editing is not None:
+            raise _core.OffloadError(
+                f"'{path}' runs inside Handle.editing(), where the weights are ordinary CPU tensors being "
+                "edited: leave the editing block, then run the pipeline"
+            )
+        if self._stream is not None:
+            self._check_stream(self._stream)
+        self._enter(path)
+        residency = None
+        try:
+            offsets = self._offsets.get(path)
+            residency = self._session.pre_forward(path, offsets is None)
+            if residency is not None:
+                buffer, base, listed = residency
+                if offsets is None:
+                    offsets = self._offsets[path] = listed
+                self._place(path, offsets, buffer, base, traced)
+        except BaseException:
+            if residency is not None:
+                self._session.post_forward(path)
+            self._leave()
+            raise
+        self._entered.add(path)
+        self._depth[path] = 1
+
+    def _place(self, path: str, offsets: list[tuple[int, int]], buffer: int, base: int, traced: bool) -> None:
+        """Binds the tensors of unit ``path``, landed at ``base`` of device buffer ``buffer``, for its forward."""
+        static = self.static
+        if static is not None and path in static.places:
+            if static.at_place(path, buffer, base):
+                if path in self._displaced:
+                    static.rebind(path)
+                    self._displaced.discard(path)
+                static.landed(path)
+                return
+            if traced:
+                raise _core.OffloadError(
+                    f"block '{path}' landed in another device slot than its static one (a block called out of "
+                    "order while its slot was in use), which compiled code cannot follow; call the blocks in "
+                    "order, or compile without static_slots (one graph break per block)"
+                )
+            self._displaced.add(path)  # bound for this forward where it landed; at its place again next time
+        if isinstance(self._binder, CudaBinder):
+            self._move(path, offsets, buffer, base)
+        else:
+            for sid, off in offsets:
+                self._bind_from_device(sid, buffer, base + off)
 
     def _move(self, path: str, offsets: list[tuple[int, int]], buffer: int, base: int) -> None:
         """Binds the block's tensors to its slot (CUDA), from views made once per slot."""
@@ -217,18 +253,87 @@ class Hooks:
                 return None
             start = time.perf_counter_ns()
             try:
-                self._entered.discard(path)
-                self._leave()
-                # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's
-                # data pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
-                for sid in self._storages.streamed_by.get(path, ()):
-                    self._idle(sid)
-                self._session.post_forward(path)
+                self._close_unit(path)
             finally:
                 clock.record(time.perf_counter_ns() - start)
             return inference_only(output, path) if grad_enabled() else None
 
         return hook
+
+    def _close_unit(self, path: str) -> None:
+        """Closes unit ``path`` after its forward: its streamed tensors as they are between forwards (a static
+        block's stay at its place), and the session's ``post_forward``."""
+        self._entered.discard(path)
+        self._leave()
+        # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's data
+        # pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
+        if self.static is None or path not in self.static.places or path in self._displaced:
+            for sid in self._storages.streamed_by.get(path, ()):
+                self._idle(sid)
+        self._session.post_forward(path)
+
+    def traced_enter(self, unit: int, places: list[torch.Tensor]) -> None:
+        """``weightferry::enter`` run by compiled code: opens static block ``unit`` (see :mod:`._traced`); fills
+        each of ``places`` from the block's place when the compiled code handed a copy of it."""
+        path = self._units[unit]
+        start = time.perf_counter_ns()
+        try:
+            self._open_unit(path, traced=True)
+            assert self.static is not None
+            for given, own in zip(places, self.static.tensors[path]):
+                if given.data_ptr() != own.data_ptr():
+                    given.copy_(own)
+        finally:
+            self.clock.record(time.perf_counter_ns() - start)
+
+    def traced_leave(self, unit: int) -> None:
+        """``weightferry::leave`` run by compiled code: closes static block ``unit``."""
+        path = self._units[unit]
+        if path not in self._entered or self._thread != threading.get_ident():
+            return
+        start = time.perf_counter_ns()
+        try:
+            self._close_unit(path)
+        finally:
+            self.clock.record(time.perf_counter_ns() - start)
+
+    def _traced(
+        self,
+        path: str,
+        pre: Callable[[torch.nn.Module, Any], None],
+        post: Callable[[torch.nn.Module, Any, Any], Any],
+    ) -> tuple[Callable[[torch.nn.Module, Any], None], Callable[[torch.nn.Module, Any, Any], Any]]:
+        """The hooks of static block ``path``: under torch.compile's tracing they call the custom operators (no graph
+        break), else the eager hooks ``pre`` / ``post``."""
+        import torch
+
+        compiling = torch.compiler.is_compiling
+        enter, leave = ops()
+        unit, order, trace = len(self._units), self._order, self._trace
+        self._units.append(path)
+        static = self.static
+        assert static is not None and order is not None
+        key = self._key
+
+        def traced_pre(module: torch.nn.Module, args: Any) -> None:
+            if compiling():
+                trace.open += 1
+                enter(order, static.tensors[path], key, unit)
+                return
+            pre(module, args)
+
+        def traced_post(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if compiling():
+                leave(order, static.tensors[path], output_tensors(output), key, unit)
+                trace.open -= 1
+                return None
+            return post(module, args, output)
+
+        return traced_pre, traced_post
+
+    def traced_open(self) -> bool:
+        """Whether torch.compile is tracing inside a static block now (its submodules' hooks have nothing to open)."""
+        return self._trace.open > 0
 
     def install(self) -> None:
         """Binds the fixed placement once, releases the streamed tensors' host copies, installs the torch hooks."""
@@ -243,14 +348,18 @@ class Hooks:
             and not any(isinstance(v.owner.tensor if v.owner else v.tensor, torch.nn.Parameter) for v in views)
         )
         self.rebind_idle(set(self._storages.views))
+        self._install_static()
         blocks: dict[torch.nn.Module, Unit] = {}
         for path in self._session.hooked_modules():
             module = self._modules.get(path)
             if module is None:
                 raise _core.Error(f"internal error: the backend hooks module '{path}', which describe() did not name")
             # torch.compile must not trace into the hooks (they call into Rust and rebind tensors): each hook is one
-            # graph break, and the compiled regions between them stay valid across rebinding.
+            # graph break, and the compiled regions between them stay valid across rebinding. A block bound once
+            # (a static schedule) is traced instead, as the custom operators of _traced.
             pre, post = compiler_disabled(self._pre(path)), compiler_disabled(self._post(path))
+            if self.static is not None and path in self.static.places:
+                pre, post = self._traced(path, pre, post)
             for entry in _entries(module) if "." not in path else [module]:
                 self._torch_hooks.append(entry.register_forward_pre_hook(pre))
                 self._torch_hooks.append(entry.register_forward_hook(post, always_call=True))
@@ -258,6 +367,48 @@ class Hooks:
                 blocks[module] = (path, pre, post)
         self._torch_hooks += hook_outside_calls(blocks, self)
         reset_compiled()
+
+    def _install_static(self) -> None:
+        """Binds the blocks of the static stacks once (see :mod:`._static`): those whose every storage holds plain
+        tensors of parameters; registers the handle for the custom operators."""
+        import torch
+
+        stacks = self._session.static_stacks()
+        if not stacks or isinstance(self._binder, CudaBinder):
+            # On CUDA a static block stays bound per forward for now: the compiled code AOT autograd makes may hand
+            # the operators copies of the places and copy them back when the graph ends, which on CUDA would write
+            # into slots the next pass's prefetch is filling. Binding there waits for a GPU run of that case.
+            return
+        attached = self._storages.attached_storages()
+
+        def plain(sid: int) -> bool:
+            views = self._storages.views[sid]
+            return (
+                sid not in self._buffer_only
+                and sid not in attached
+                and all(v.owner is None and type(v.tensor) in (torch.Tensor, torch.nn.Parameter) for v in views)
+            )
+
+        eligible = {
+            path
+            for stack in stacks
+            for path in stack
+            if all(plain(sid) for sid in self._storages.streamed_by.get(path, ()))
+        }
+        assert isinstance(self._binder, SimBinder)
+        self.static = StaticPlaces(self._session, self._storages, self._binder, self._sigs, eligible)
+        self.static.prime()
+        self._key = register(self)
+        self._order = torch.zeros(1, device=self._binder.device)
+
+    def restatic(self) -> None:
+        """Binds the static blocks at their places again, after the stacks were rebuilt (a retune, a write), and
+        drops torch.compile's graphs: they were traced over the old places (AOT autograd's handling of tensors that
+        share a storage is fixed when it traces, and nothing it guards on tells the new places apart)."""
+        if self.static is not None:
+            self._displaced.clear()
+            self.static.prime()
+            reset_compiled()
 
     def remove(self) -> None:
         """Removes every torch hook and forgets the slots."""
@@ -272,6 +423,12 @@ class Hooks:
         with self._lock:
             self._thread, self._open = None, 0
         self.forget_slots()
+        if self._key:
+            unregister(self._key)
+            self._key = 0
+        self.static = None
+        self._units.clear()
+        self._trace.open = 0
 
     def refreshed(self, sids: set[int]) -> None:
         """After a write through the session: its block stacks may be new (every streamed block is bound again at
@@ -287,6 +444,8 @@ class Hooks:
         for sid in sorted(sids - streamed):
             self._bind_from_device(sid, *self._session.locate(sid))
             self._sigs.record(self._storages.views[sid])
+        if sids & streamed:
+            self.restatic()
 
     def rebind_idle(self, sids: set[int]) -> None:
         """Binds the tensors of ``sids`` as they are between forwards: the fixed placement to its device bytes, a
@@ -301,6 +460,8 @@ class Hooks:
             else:
                 self._bind_from_device(sid, *self._session.locate(sid))
             self._sigs.record(views)
+        if sids & streamed:
+            self.restatic()
 
     def forget_slots(self) -> None:
         """Drops what the hooks know of the slots (new slots after a retune, none after disable)."""

@@ -40,6 +40,8 @@ class _Open(Protocol):
 
     def open_here(self, path: str) -> bool: ...
 
+    def traced_open(self) -> bool: ...
+
 
 def hook_outside_calls(blocks: dict[torch.nn.Module, Unit], hooks: _Open) -> list[RemovableHandle]:
     """Hooks every submodule of ``blocks`` (containers aside, which are never called) for calls from outside their
@@ -75,7 +77,7 @@ def hook_outside_calls(blocks: dict[torch.nn.Module, Unit], hooks: _Open) -> lis
 
     def inner_pre(module: torch.nn.Module, args: Any) -> None:
         if compiling():
-            if not hooks.busy():
+            if not hooks.busy() and not hooks.traced_open():
                 open_block(module, args)
         elif not hooks.open_here(unit_of[module][0]):
             open_block(module, args)

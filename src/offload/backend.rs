@@ -363,6 +363,14 @@ impl StreamingBackend {
         self.plan.as_ref()
     }
 
+    /// The unit module paths of each rank-local stack with a static schedule (`static_slots`), in execution order;
+    /// empty while not enabled.
+    pub fn static_stacks(&self) -> Vec<Vec<String>> {
+        let Some(units) = self.state.as_ref().and_then(|st| st.units.as_ref()) else { return Vec::new() };
+        let stacks = units.stacks.iter().filter(|sp| sp.static_slots && !sp.allgather);
+        stacks.map(|sp| sp.units.iter().map(|u| u.path.clone()).collect()).collect()
+    }
+
     /// Discovers, places, builds masters and stacks, installs hooks. Transactional.
     pub fn enable(
         &mut self,

@@ -501,6 +501,12 @@ impl Session {
         self.backend.as_ref().is_some_and(StreamingBackend::is_enabled)
     }
 
+    /// The unit module paths of each stack with a static schedule (`static_slots`), in execution order: every one
+    /// lands in the same device place on every pass. Empty while not enabled.
+    pub fn static_stacks(&self) -> Vec<Vec<String>> {
+        self.backend.as_ref().map(StreamingBackend::static_stacks).unwrap_or_default()
+    }
+
     /// The modules that have offload hooks (dotted paths), sorted.
     pub fn hooked_modules(&self) -> Vec<String> {
         let mut v: Vec<String> = self.hooks.hook_names().into_iter().map(|(m, _, _)| m).collect();

@@ -1,0 +1,151 @@
+"""Streamed tensors bound once: the device places of a static schedule (``layer_options.<c>.static_slots``).
+
+With a static schedule every block of a stack lands in the same device place (its slot, or its resident region) on
+every pass, so its tensors can view that place for good instead of being bound at each forward and emptied after
+it: the ground for ``torch.compile(fullgraph=True)`` (the compiler sees the same tensors, of their true shapes, on
+every call; :mod:`._traced`) and for captured graphs (the same addresses every time).
+
+- :meth:`StaticPlaces.prime` learns each block's place by running its hooks once in execution order (one pass of
+  copies, at enable and after anything that rebuilds the stacks: a retune, a write), then binds the block's tensors
+  there. On the simulated device, whose memory torch cannot view, the tensors view CPU mirrors of the buffers, and
+  :meth:`StaticPlaces.landed` copies the block's bytes into them when the block lands. (On CUDA the tensors would
+  view the device buffers in place; that binding waits for a GPU run, see ``Hooks._install_static``.)
+- Each buffer has one mirror per dtype: AOT autograd, which traces the compiled forward, refuses a mutation of
+  tensors whose storage other tensors of another dtype share, and a block's sections (one per dtype) never overlap.
+  The flat tensors over each block's sections (:attr:`StaticPlaces.tensors`) are what the custom operators declare
+  they mutate; they are tensors of their own, so the bound tensors' version counters, which tell edits apart, do not
+  move.
+- Between forwards such a tensor views its place: it has its true shape, but the place may hold another block's
+  bytes by then (the slot is shared); ``state_dict()`` reads the true weights. Only blocks whose every tensor is a
+  plain tensor holding a parameter (no tensor subclass, no buffer read outside a forward) are bound once; the others
+  keep the per-forward binding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from . import _core
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._binders import SimBinder
+    from ._edits import Signatures
+    from ._storages import StorageMap
+
+__all__ = ["Place", "StaticPlaces"]
+
+
+class Place(NamedTuple):
+    """Where a block always lands: device buffer and byte offset."""
+
+    buffer: int
+    base: int
+
+
+class StaticPlaces:
+    """The places of the blocks of a handle's static stacks, and the tensors over them (see the module doc)."""
+
+    def __init__(
+        self, session: _core.Session, storages: StorageMap, binder: SimBinder, sigs: Signatures, eligible: set[str]
+    ) -> None:
+        """``eligible``: the unit paths whose tensors may be bound once (see the module doc)."""
+        self._session = session
+        self._storages = storages
+        self._binder = binder
+        self._sigs = sigs
+        self._eligible = eligible
+        self.places: dict[str, Place] = {}  # unit path -> its place
+        self.offsets: dict[str, list[tuple[int, int]]] = {}  # unit path -> [(storage, offset in its block)]
+        self.tensors: dict[str, list[torch.Tensor]] = {}  # unit path -> a flat tensor over each of its sections
+        self._mirrors: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype) -> its mirror (flat uint8)
+
+    def prime(self) -> None:
+        """Learns every static block's place (one pass of its hooks, in execution order) and binds its tensors
+        there; records their signatures. Run while no forward is under way."""
+        self.places.clear()
+        self.offsets.clear()
+        self.tensors.clear()
+        self._mirrors.clear()
+        for stack in self._session.static_stacks():
+            for path in stack:
+                residency = self._session.pre_forward(path, True)
+                self._session.post_forward(path)
+                if residency is None or path not in self._eligible:
+                    continue
+                buffer, base, offsets = residency
+                self.places[path] = Place(buffer, base)
+                self.offsets[path] = offsets
+        self._make_mirrors()
+        # The mirrors are filled as each block lands (its forward); not here, where the places may still be
+        # loading the next pass's first blocks.
+        for path in self.places:
+            self._bind(path)
+
+    def _make_mirrors(self) -> None:
+        """One zeroed CPU mirror per buffer and dtype, as long as the buffer's bytes the blocks use."""
+        import torch
+
+        ends: dict[tuple[int, torch.dtype], int] = {}
+        for path, place in self.places.items():
+            for sid, off in self.offsets[path]:
+                for view in self._storages.views[sid]:
+                    key = (place.buffer, view.dtype)
+                    ends[key] = max(ends.get(key, 0), place.base + off + self._storages.nbytes[sid])
+        self._mirrors = {key: torch.zeros(n, dtype=torch.uint8) for key, n in ends.items()}
+
+    def _storage(self, buffer: int, dtype: torch.dtype) -> torch.UntypedStorage:
+        """The torch storage the tensors of ``dtype`` in ``buffer`` view: its mirror's."""
+        return self._mirrors[(buffer, dtype)].untyped_storage()
+
+    def _bind(self, path: str) -> None:
+        """Binds the tensors of ``path`` to its place for good, and makes the flat tensors over its sections."""
+        import torch
+
+        place = self.places[path]
+        spans: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> the bytes its tensors span in the buffer
+        for sid, off in self.offsets[path]:
+            start, end = place.base + off, place.base + off + self._storages.nbytes[sid]
+            for view in self._storages.views[sid]:
+                item = view.dtype.itemsize
+                if start % item:
+                    raise _core.OffloadError(
+                        f"internal error: tensor '{view.path}' would start at byte {start} of its place, not a "
+                        f"multiple of its {item}-byte elements"
+                    )
+                t = torch.empty(0, dtype=view.dtype)
+                t.set_(self._storage(place.buffer, view.dtype), start // item + view.offset, view.shape, view.strides)
+                self._binder.set_data(view, t)
+                lo, hi = spans.get(view.dtype, (start, end))
+                spans[view.dtype] = (min(lo, start), max(hi, end))
+            self._sigs.record(self._storages.views[sid])
+        flats = []
+        for dtype, (lo, hi) in spans.items():
+            item = dtype.itemsize
+            flat = torch.empty(0, dtype=dtype)
+            flats.append(flat.set_(self._storage(place.buffer, dtype), lo // item, ((hi - lo) // item,), (1,)))
+        self.tensors[path] = flats
+
+    def rebind(self, path: str) -> None:
+        """Binds block ``path``'s tensors at its place again (after a forward that found it elsewhere)."""
+        self._bind(path)
+
+    def at_place(self, path: str, buffer: int, base: int) -> bool:
+        """Whether block ``path`` landed at its place this time (a block called out of order while its slot was in
+        use lands elsewhere)."""
+        return self.places[path] == (buffer, base)
+
+    def landed(self, path: str) -> None:
+        """After block ``path`` landed at its place: copies its bytes into the mirrors its tensors view."""
+        import torch
+
+        place = self.places[path]
+        for sid, off in self.offsets[path]:
+            n = self._storages.nbytes[sid]
+            if not n:
+                continue
+            start = place.base + off
+            data = torch.frombuffer(self._session.read_device(place.buffer, start, n), dtype=torch.uint8)
+            for dtype in {view.dtype for view in self._storages.views[sid]}:
+                self._mirrors[(place.buffer, dtype)][start : start + n].copy_(data)

@@ -1,0 +1,135 @@
+"""Hooks the compiler traces: the work around a statically bound block's forward (:mod:`._static`) as two custom
+operators, ``weightferry::enter`` and ``weightferry::leave`` (``torch.library``), so ``torch.compile(fullgraph=True)``
+traces a streamed transformer with no graph break at its blocks, and the compiled code still opens and closes each
+block exactly where the eager hooks would.
+
+While torch.compile traces (``torch.compiler.is_compiling()``) a static block's hooks call the operators; when the
+compiled code runs, the operators run the eager hooks' work (the same checks, the session's ``pre_forward`` /
+``post_forward``). Their order is declared, not hoped for:
+
+- both mutate ``order`` (one small tensor per handle), so they keep program order among themselves;
+- both mutate the block's ``places`` (a flat tensor over each of its sections, one per dtype: :mod:`._static`): no
+  read of the block's tensors moves before ``enter`` or after ``leave``;
+- ``leave`` takes the block's output tensors, so it runs after they are computed.
+
+Under AOT autograd's functionalization ``enter`` may be handed copies of ``places`` rather than the places
+themselves; it then fills each copy from its place, so what the graph reads next is the block's bytes either way. The
+operators find their hooks through a registry of live handles (:func:`register`), by number.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TraceState", "ops", "output_tensors", "register", "unregister"]
+
+
+class _Runs(Protocol):
+    """What the operators call: the hooks of one handle."""
+
+    def traced_enter(self, unit: int, places: list[torch.Tensor]) -> None: ...
+
+    def traced_leave(self, unit: int) -> None: ...
+
+
+class TraceState:
+    """What the traced hooks of one handle know while torch.compile traces: how many static blocks the trace has
+    opened (the hooks of their submodules then know they run inside a block)."""
+
+    def __init__(self) -> None:
+        self.open = 0
+
+
+_registry: dict[int, weakref.ref[_Runs]] = {}
+_numbers = itertools.count(1)
+_ops: tuple[Any, Any] | None = None
+_hook_guards_before = True
+
+
+def register(hooks: _Runs) -> int:
+    """Registers ``hooks`` for the operators; returns the number they name it by. While any hooks are registered,
+    torch.compile guards on modules' hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``; the setting
+    before is restored when the last ones are unregistered): by default it does not, and code compiled for a copy of
+    the model without the hooks would run for the offloaded one, reading its bound tensors without opening a block
+    (a silently wrong output where the tensors are bound once)."""
+    global _hook_guards_before
+    import torch._dynamo
+
+    if not _registry:
+        _hook_guards_before = torch._dynamo.config.skip_nnmodule_hook_guards
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+    key = next(_numbers)
+    _registry[key] = weakref.ref(hooks)
+    return key
+
+
+def unregister(key: int) -> None:
+    """Forgets the hooks registered as ``key`` (their handle was disabled)."""
+    import torch._dynamo
+
+    if _registry.pop(key, None) is not None and not _registry:
+        torch._dynamo.config.skip_nnmodule_hook_guards = _hook_guards_before
+
+
+def _hooks_of(key: int) -> _Runs:
+    from . import _core
+
+    ref = _registry.get(key)
+    hooks = ref() if ref is not None else None
+    if hooks is None:
+        raise _core.OffloadError(
+            "this compiled code was traced while weightferry offloaded the module, which is disabled now; call "
+            "torch.compiler.reset() (or compile again) after disable"
+        )
+    return hooks
+
+
+def ops() -> tuple[Any, Any]:
+    """``(enter, leave)``: the operators, defined once per process."""
+    global _ops
+    if _ops is not None:
+        return _ops
+    import torch
+
+    # Schemas spelled out: this module's annotations are strings (``from __future__ import annotations``).
+    enter_schema = "(Tensor(a!) order, Tensor(b!)[] places, int key, int unit) -> ()"
+    leave_schema = "(Tensor(a!) order, Tensor(b!)[] places, Tensor[] outputs, int key, int unit) -> ()"
+
+    @torch.library.custom_op("weightferry::enter", mutates_args=("order", "places"), schema=enter_schema)
+    def enter(order: torch.Tensor, places: list[torch.Tensor], key: int, unit: int) -> None:
+        _hooks_of(key).traced_enter(unit, places)
+
+    @enter.register_fake
+    def _(order: torch.Tensor, places: list[torch.Tensor], key: int, unit: int) -> None:
+        return None
+
+    @torch.library.custom_op("weightferry::leave", mutates_args=("order", "places"), schema=leave_schema)
+    def leave(
+        order: torch.Tensor, places: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int
+    ) -> None:
+        _hooks_of(key).traced_leave(unit)
+
+    @leave.register_fake
+    def _(
+        order: torch.Tensor, places: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int
+    ) -> None:
+        return None
+
+    _ops = (torch.ops.weightferry.enter, torch.ops.weightferry.leave)
+    return _ops
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a block's output (a tensor, or a tuple or list holding some), for ``leave`` to wait on."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [o for o in output if isinstance(o, torch.Tensor)]
+    return []
