@@ -226,15 +226,15 @@ fn budget_planner_fills_the_room_and_never_predicts_worse_than_a_resident_head()
         let s = &plan.dits[0].stacks[0];
         let flags = s.resident_flags();
         assert_eq!(flags.iter().filter(|r| **r).count(), s.resident_head, "room {room}");
-        let used = resident_set_cost(&s.block_bytes, &flags, s.prefetch_depth);
+        let used = resident_set_cost(&s.block_bytes, &flags, s.prefetch_depth, false);
         assert_eq!(plan.budget.device_weight_bytes, FIXED + used, "room {room}");
         assert!(plan.budget.device_weight_bytes <= FIXED + room, "room {room}");
         assert!(plan.budget.planner_chose);
         // Under the planner's own timing model, its layout is at least as fast as keeping a leading head.
         let (head, k) = fit_stack(&s.block_bytes, None, room).expect("a head split fits");
         let head_flags: Vec<bool> = (0..5).map(|i| i < head).collect();
-        let chosen = simulate_pass(&s.block_bytes, &flags, s.prefetch_depth, ASSUMED_COMPUTE_RATIO);
-        let packed = simulate_pass(&s.block_bytes, &head_flags, k, ASSUMED_COMPUTE_RATIO);
+        let chosen = simulate_pass(&s.block_bytes, &flags, s.prefetch_depth, false, ASSUMED_COMPUTE_RATIO);
+        let packed = simulate_pass(&s.block_bytes, &head_flags, k, false, ASSUMED_COMPUTE_RATIO);
         assert!(chosen <= packed + 1e-6, "room {room}: chosen {chosen} vs head {packed}");
         assert!(plan.budget.notes[0].contains("layout "), "{:?}", plan.budget.notes);
     }
@@ -258,20 +258,48 @@ fn budget_planner_fills_the_room_and_never_predicts_worse_than_a_resident_head()
 
 #[test]
 fn the_planner_spreads_resident_blocks_between_streamed_ones() {
-    use weightferry::plan::budget::plan_spread;
+    use weightferry::plan::budget::{plan_spread, Ring};
+    let user = |k| Ring { depth: Some(k), static_slots: false };
     // Ten equal blocks, room for five resident plus two slots: a compute-heavy model (ratio 2) wants every streamed
     // block between resident ones, not a resident head followed by a streamed tail.
     let blocks = vec![10u64; 10];
-    let c = plan_spread(&blocks, Some(1), 70, 2.0).expect("fits");
+    let c = plan_spread(&blocks, user(1), 70, 2.0).expect("fits");
     assert_eq!(c.depth, 1);
     assert_eq!(c.resident.iter().filter(|r| **r).count(), 5);
     for w in c.resident.windows(2) {
         assert!(w[0] || w[1], "two streamed blocks in a row: {:?}", c.resident);
     }
     // With a tiny budget nothing can be resident.
-    let c = plan_spread(&blocks, None, 20, 0.5).expect("two slots fit");
+    let c = plan_spread(&blocks, Ring::default(), 20, 0.5).expect("two slots fit");
     assert_eq!((c.resident, c.depth), (vec![false; 10], 1));
-    assert!(plan_spread(&blocks, None, 19, 0.5).is_none());
+    assert!(plan_spread(&blocks, Ring::default(), 19, 0.5).is_none());
+}
+
+#[test]
+fn a_static_ring_is_costed_with_its_divisor_slot_count() {
+    use weightferry::plan::budget::{plan_spread, resident_set_cost, simulate_pass, Ring};
+    let blocks = vec![10u64; 10];
+    let none = vec![false; 10];
+    // Depth 2 over ten streamed blocks: 3 slots, or 5 when static (the smallest divisor of 10 from 3).
+    assert_eq!(resident_set_cost(&blocks, &none, 2, false), 30);
+    assert_eq!(resident_set_cost(&blocks, &none, 2, true), 50);
+    // Nine streamed (one resident): 3 slots either way, plus the resident block.
+    let mut one = none.clone();
+    one[0] = true;
+    assert_eq!(resident_set_cost(&blocks, &one, 2, true), 40);
+    // The static ring's extra slots do not prefetch further than the depth: a copy-bound stack (ratio 0.5) steps
+    // no faster with them.
+    let plain = simulate_pass(&blocks, &none, 2, false, 0.5);
+    let stat = simulate_pass(&blocks, &none, 2, true, 0.5);
+    assert!((plain - 100.0).abs() < 1e-9 && (stat - 100.0).abs() < 1e-9, "{plain} {stat}");
+    // A budget of 40 holds a static depth-2 ring only over a streamed count whose divisor fits: the planner keeps
+    // one block resident (9 streamed, 3 slots), never the 5 slots of 10 streamed.
+    let ring = Ring { depth: Some(2), static_slots: true };
+    let c = plan_spread(&blocks, ring, 40, 0.5).expect("a resident block and 3 slots fit");
+    let streamed = c.resident.iter().filter(|r| !**r).count();
+    assert_eq!((c.depth, c.bytes), (2, 40));
+    assert!(streamed % 3 == 0 && streamed > 0, "{:?}", c.resident);
+    assert!(plan_spread(&blocks, ring, 29, 0.5).is_none(), "no static depth-2 ring fits in 29");
 }
 
 /// Two DiTs of four 4 U blocks each, no other components.
@@ -388,4 +416,30 @@ fn fit_stack_edge_cases() {
     // Sizes near the top of u64 must not overflow.
     assert_eq!(fit_stack(&[u64::MAX / 2, u64::MAX / 2], None, u64::MAX), Some((2, 2)));
     assert_eq!(fit_stack(&[u64::MAX / 2, u64::MAX / 2, 1], Some(2), u64::MAX - 10), None);
+}
+
+#[test]
+fn a_static_ring_under_a_device_budget_fits_its_divisor_slots() {
+    // Ten blocks of 4 U, depth 2: a static ring over all ten takes 5 slots (20 U); over nine (one resident), 3.
+    let p = pipeline("StaticBudgetPipeline", &[4; 10]);
+    let config = |budget: u64| {
+        cfg(&format!(
+            r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"], "device_budget": {budget},
+                "layer_options": {{"dit": {{"prefetch_depth": 2, "static_slots": true}}}}}}}}"#
+        ))
+    };
+    for room in [16 * U, 20 * U, 24 * U, 40 * U] {
+        let plan = ok(&p, &config(FIXED + room));
+        let s = &plan.dits[0].stacks[0];
+        assert!(s.static_slots && s.prefetch_depth == 2, "room {room}");
+        let streamed = s.resident_flags().iter().filter(|r| !**r).count();
+        assert_eq!(s.slot_count(), weightferry_actors::block_stack::slot_count(streamed, 2, true), "room {room}");
+        assert!(streamed == 0 || streamed % s.slot_count() == 0, "room {room}: the schedule repeats");
+        assert!(plan.budget.device_weight_bytes <= FIXED + room, "room {room}");
+        assert_eq!(plan.budget.device_weight_bytes, FIXED + s.resident_bytes() + s.slot_bytes(), "room {room}");
+    }
+    // The smallest static ring at depth 2: 3 slots over 9 (or 6, or 3) streamed blocks, with the rest resident;
+    // 12 U + the resident blocks. Below every such layout the budget is refused by name.
+    let e = err(&p, &config(FIXED + 12 * U - 1));
+    assert!(e.starts_with("diffusion_offload_config.device_budget: "), "{e}");
 }

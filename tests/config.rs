@@ -1225,21 +1225,13 @@ fn static_slots_is_read_per_component_and_must_be_a_boolean() {
         key,
         &format!("{key}: expected true or false, found the string \"yes\"; remove the key to use the default"),
     );
-    // The budget planner sizes rings as depth + 1 slots: a static ring with a device budget is refused.
+    // With a device budget the planner sizes a static ring by its own slot count (tests/budget.rs).
     for budget in [r#""24GiB""#, r#""auto""#] {
         let text = compact(&format!(
             r#""mode": "layer", "components": ["dit"], "device_budget": {budget},
                "layer_options": {{"dit": {{"static_slots": true}}}}"#
         ));
-        assert_err(
-            &text,
-            key,
-            &format!(
-                "{key}: static_slots does not combine with device_budget yet (the budget planner sizes rings as \
-                 prefetch_depth + 1 slots, a static ring as a divisor of its streamed blocks); remove device_budget \
-                 and choose prefetch_depth and resident_layers yourself, or remove static_slots"
-            ),
-        );
+        assert!(ok(&text).static_slots(Component::Dit), "{budget}");
     }
 }
 

@@ -1,11 +1,11 @@
 """``torch.compile(fullgraph=True)`` of a streamed transformer on ``device="sim"``: with a static schedule
-(``static_slots``) every streamed block's tensors are bound once at its slot and its hooks trace as the custom
-operators ``weightferry::enter`` / ``weightferry::leave``, so the whole transformer compiles into one graph with no
-graph break at its blocks, and the compiled forward (``backend="eager"`` and ``"aot_eager"``, AOT autograd's
-functionalization included) streams every block and gives exactly the resident compiled model's output, pass after
-pass; also with two dtypes in every block, after a weight write and after a retune. The simulated device's hazard
-detector finds no violation in the compiled schedule and names its broken variant. Without ``static_slots`` the
-graph breaks at the blocks, and ``fullgraph=True`` refuses."""
+(``static_slots``) every streamed block's tensors are bound at its slot for each forward of the transformer and its
+hooks trace as the custom operators ``weightferry::enter`` / ``weightferry::leave``, so the whole transformer
+compiles into one graph with no graph break at its blocks, and the compiled forward (``backend="eager"`` and
+``"aot_eager"``, AOT autograd's functionalization included) streams every block and gives exactly the resident
+compiled model's output, pass after pass; also with two dtypes in every block, after a weight write and after a
+retune. The simulated device's hazard detector finds no violation in the compiled schedule and names its broken
+variant. Without ``static_slots`` the graph breaks at the blocks, and ``fullgraph=True`` refuses."""
 
 import copy
 
@@ -66,9 +66,9 @@ def test_fullgraph_compile_streams_every_block_with_no_graph_break(backend, dtyp
             assert torch.equal(run(compiled, x), want)
             assert loads(h) - start >= 10 - 2, "every streamed block but the prefetched ones loaded in the pass"
         assert h._session.hazard_violations() == []
-        # Between forwards a statically bound tensor keeps its true shape (it views its slot).
-        weight = model.transformer_blocks[3].attn.to_q.weight
-        assert weight.shape == before["transformer_blocks.3.attn.to_q.weight"].shape
+        # Between forwards a statically bound tensor is an empty placeholder again, never a view of a slot that may
+        # hold another block's bytes (its component's forward binds it at its place).
+        assert model.transformer_blocks[3].attn.to_q.weight.shape == (0,)
         assert torch.equal(h.state_dict("transformer")["transformer_blocks.3.attn.to_q.weight"],
                            before["transformer_blocks.3.attn.to_q.weight"])
     after = model.state_dict()
@@ -151,3 +151,23 @@ def test_the_hazard_detector_sees_a_compiled_forward_that_reads_a_slot_early(mon
         run(compiled, x)
         violations = h._session.hazard_violations()
         assert violations and all("ReadBeforeReady" in v for v in violations), violations
+
+
+def test_a_static_ring_under_a_device_budget_compiles_with_no_graph_break():
+    # The budget planner sizes the static ring by its own slot count (a divisor of the streamed blocks it leaves):
+    # the plan fits the budget, and the compiled forward is exact.
+    model, x = model_and_inputs("float32")
+    budget = 700_000  # under the 827,392 bytes of the 5-slot ring with every block streamed
+    cfg = config()
+    cfg["diffusion_offload_config"]["device_budget"] = budget
+    report = wf.plan({"transformer": model}, cfg)
+    (stack,) = [s for c in report["components"] for s in c.get("stacks", [])]
+    assert report["device_weight_bytes"] <= budget and stack["static_slots"]
+    assert stack["streaming"] % stack["slots"] == 0 and 0 < stack["resident"] < 10, stack
+    torch._dynamo.reset()
+    want = run(torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True), x)
+    with wf.enable({"transformer": model}, cfg, device="sim") as h:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for _ in range(2):
+            assert torch.equal(run(compiled, x), want)
+        assert h._session.hazard_violations() == []

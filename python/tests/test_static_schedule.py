@@ -70,7 +70,7 @@ def test_a_static_schedule_binds_every_streamed_tensor_to_one_slot_on_every_pass
     assert same and (stack["slots"], stack["streaming"], stack["static_slots"]) == (5, 10, True)
     assert len(fixed) == len(moved) == 10 and all(len(p) == 1 for p in fixed.values())
     assert len({next(iter(p))[0] for p in fixed.values()}) == 5, "the five slot buffers, each block in its own"
-    assert all(len(p) == 1 and 0 not in p for p in pointers.values()), "bound once, at the block's place"
+    assert all(len(p) == 1 and 0 not in p for p in pointers.values()), "bound at the block's place every time"
 
 
 def test_the_plan_says_the_schedule_is_static_and_counts_its_slots():

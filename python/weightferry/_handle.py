@@ -91,7 +91,8 @@ class Handle:
         """A forward pre-hook on every component (a top-level module with managed weights), first of its hooks:
         tensors of the component changed outside weightferry are refused before its forward binds anything; and a
         forward hook that makes a backward from its output raise (``_grad``). Between the two the component's forward
-        is counted as under way (``ConversionGuard`` takes a cast of dtype on the device then)."""
+        is counted as under way (``ConversionGuard`` takes a cast of dtype on the device then), and a static
+        schedule's tensors view their places (``_static``): compiled code sees them so on every call."""
         import torch
 
         from ._compiler import compiler_disabled
@@ -107,11 +108,14 @@ class Handle:
             def pre(module: Any, args: Any, sids: set[int] = sids) -> None:
                 self._check(sids)
                 self._forwards += 1
+                if self._forwards == 1:
+                    self._hooks.bind_static()
 
             def post(module: Any, args: Any, output: Any, comp: str = comp) -> Any:
                 self._forwards = max(0, self._forwards - 1)
                 if not self._forwards:
                     self._guard.forward_ended()
+                    self._hooks.idle_static()
                 if output is None or not torch.is_grad_enabled():  # None: the forward raised
                     return None
                 return inference_only(output, comp)

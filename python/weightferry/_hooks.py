@@ -95,9 +95,8 @@ class Hooks:
         self._idle_buffers: dict[int, list[torch.Tensor]] = {}
         # storages holding no parameter (nor a part or an attached part of one), found once at install
         self._buffer_only: frozenset[int] = frozenset()
-        # A static schedule's blocks bound once (see _static), and how the compiler traces their hooks (_traced).
+        # A static schedule's blocks at fixed places (see _static), and how the compiler traces their hooks (_traced).
         self.static: StaticPlaces | None = None
-        self._displaced: set[str] = set()  # static blocks bound per forward since they last landed elsewhere
         self._trace = TraceState()
         self._key = 0  # this handle's number for the custom operators (0: none registered)
         self._order: torch.Tensor | None = None  # the tensor both operators mutate, which keeps them in order
@@ -211,9 +210,14 @@ class Hooks:
         static = self.static
         if static is not None and path in static.places:
             if static.at_place(path, buffer, base):
-                if path in self._displaced:
-                    static.rebind(path)
-                    self._displaced.discard(path)
+                if traced and path not in static.bound:
+                    raise _core.OffloadError(
+                        f"compiled code reached block '{path}' outside a forward of its component, whose hooks "
+                        "bind a static schedule's tensors: call the component itself (model(...)), not its "
+                        "forward(), or compile without static_slots"
+                    )
+                if path not in static.bound:
+                    static.bind(path)  # a block called without its component's forward (bound for this forward)
                 static.landed(path)
                 return
             if traced:
@@ -222,7 +226,7 @@ class Hooks:
                     "order while its slot was in use), which compiled code cannot follow; call the blocks in "
                     "order, or compile without static_slots (one graph break per block)"
                 )
-            self._displaced.add(path)  # bound for this forward where it landed; at its place again next time
+            static.unbind(path)  # its place holds another block: bound where it landed, for this forward
         if isinstance(self._binder, CudaBinder):
             self._move(path, offsets, buffer, base)
         else:
@@ -262,15 +266,28 @@ class Hooks:
 
     def _close_unit(self, path: str) -> None:
         """Closes unit ``path`` after its forward: its streamed tensors as they are between forwards (a static
-        block's stay at its place), and the session's ``post_forward``."""
+        block's stay at its place until its component's forward ends), and the session's ``post_forward``."""
         self._entered.discard(path)
         self._leave()
         # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's data
         # pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
-        if self.static is None or path not in self.static.places or path in self._displaced:
+        static = self.static
+        if static is None or path not in static.bound or not static.all_bound:
+            if static is not None:
+                static.bound.discard(path)
             for sid in self._storages.streamed_by.get(path, ()):
                 self._idle(sid)
         self._session.post_forward(path)
+
+    def bind_static(self) -> None:
+        """At the start of a component's forward: every static block's tensors at its place (see :mod:`._static`)."""
+        if self.static is not None:
+            self.static.bind_all()
+
+    def idle_static(self) -> None:
+        """At the end of a component's forward: every static block's tensors empty placeholders again."""
+        if self.static is not None:
+            self.static.unbind_all()
 
     def traced_enter(self, unit: int, places: list[torch.Tensor]) -> None:
         """``weightferry::enter`` run by compiled code: opens static block ``unit`` (see :mod:`._traced`); fills
@@ -355,8 +372,8 @@ class Hooks:
             if module is None:
                 raise _core.Error(f"internal error: the backend hooks module '{path}', which describe() did not name")
             # torch.compile must not trace into the hooks (they call into Rust and rebind tensors): each hook is one
-            # graph break, and the compiled regions between them stay valid across rebinding. A block bound once
-            # (a static schedule) is traced instead, as the custom operators of _traced.
+            # graph break, and the compiled regions between them stay valid across rebinding. A block at a fixed
+            # place (a static schedule) is traced instead, as the custom operators of _traced.
             pre, post = compiler_disabled(self._pre(path)), compiler_disabled(self._post(path))
             if self.static is not None and path in self.static.places:
                 pre, post = self._traced(path, pre, post)
@@ -406,7 +423,6 @@ class Hooks:
         drops torch.compile's graphs: they were traced over the old places (AOT autograd's handling of tensors that
         share a storage is fixed when it traces, and nothing it guards on tells the new places apart)."""
         if self.static is not None:
-            self._displaced.clear()
             self.static.prime()
             reset_compiled()
 

@@ -1,24 +1,25 @@
-"""Streamed tensors bound once: the device places of a static schedule (``layer_options.<c>.static_slots``).
+"""Streamed tensors bound at fixed places: the device places of a static schedule
+(``layer_options.<c>.static_slots``).
 
 With a static schedule every block of a stack lands in the same device place (its slot, or its resident region) on
-every pass, so its tensors can view that place for good instead of being bound at each forward and emptied after
-it: the ground for ``torch.compile(fullgraph=True)`` (the compiler sees the same tensors, of their true shapes, on
-every call; :mod:`._traced`) and for captured graphs (the same addresses every time).
+every pass, so its tensors can view that place for a whole forward of their component instead of being bound at
+each block's forward and emptied after it: the ground for ``torch.compile(fullgraph=True)`` (the compiler sees the
+same tensors, of their true shapes, at the same places on every call; :mod:`._traced`) and for captured graphs.
 
 - :meth:`StaticPlaces.prime` learns each block's place by running its hooks once in execution order (one pass of
-  copies, at enable and after anything that rebuilds the stacks: a retune, a write), then binds the block's tensors
-  there. On the simulated device, whose memory torch cannot view, the tensors view CPU mirrors of the buffers, and
-  :meth:`StaticPlaces.landed` copies the block's bytes into them when the block lands. (On CUDA the tensors would
-  view the device buffers in place; that binding waits for a GPU run, see ``Hooks._install_static``.)
-- Each buffer has one mirror per dtype: AOT autograd, which traces the compiled forward, refuses a mutation of
-  tensors whose storage other tensors of another dtype share, and a block's sections (one per dtype) never overlap.
-  The flat tensors over each block's sections (:attr:`StaticPlaces.tensors`) are what the custom operators declare
-  they mutate; they are tensors of their own, so the bound tensors' version counters, which tell edits apart, do not
-  move.
-- Between forwards such a tensor views its place: it has its true shape, but the place may hold another block's
-  bytes by then (the slot is shared); ``state_dict()`` reads the true weights. Only blocks whose every tensor is a
-  plain tensor holding a parameter (no tensor subclass, no buffer read outside a forward) are bound once; the others
-  keep the per-forward binding.
+  copies, at enable and after anything that rebuilds the stacks: a retune, a write) and prepares the tensors that
+  view it. The component's forward hooks bind every block there when its forward starts (:meth:`bind_all`) and
+  empty them when it ends (:meth:`unbind_all`): between forwards a streamed tensor is an empty placeholder, as
+  without a static schedule, never a view of a slot that may hold another block's bytes by then.
+- On the simulated device, whose memory torch cannot view, the tensors view CPU mirrors of the buffers, and
+  :meth:`StaticPlaces.landed` copies a block's bytes into them when it lands. (On CUDA the tensors would view the
+  device buffers in place; that binding waits for a GPU run, see ``Hooks._install_static``.) Each buffer has one
+  mirror per dtype: AOT autograd, which traces the compiled forward, refuses a mutation of tensors whose storage
+  other tensors of another dtype share, and a block's sections (one per dtype) never overlap. The flat tensors over
+  each block's sections (:attr:`StaticPlaces.tensors`) are what the custom operators declare they mutate; they are
+  tensors of their own, so the bound tensors' version counters, which tell edits apart, do not move.
+- Only blocks whose every tensor is a plain tensor holding a parameter (no tensor subclass, no buffer read outside
+  a forward) are bound this way; the others keep the per-forward binding.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from ._binders import SimBinder
     from ._edits import Signatures
-    from ._storages import StorageMap
+    from ._storages import StorageMap, View
 
 __all__ = ["Place", "StaticPlaces"]
 
@@ -50,7 +51,7 @@ class StaticPlaces:
     def __init__(
         self, session: _core.Session, storages: StorageMap, binder: SimBinder, sigs: Signatures, eligible: set[str]
     ) -> None:
-        """``eligible``: the unit paths whose tensors may be bound once (see the module doc)."""
+        """``eligible``: the unit paths whose tensors may be bound at their places (see the module doc)."""
         self._session = session
         self._storages = storages
         self._binder = binder
@@ -59,14 +60,20 @@ class StaticPlaces:
         self.places: dict[str, Place] = {}  # unit path -> its place
         self.offsets: dict[str, list[tuple[int, int]]] = {}  # unit path -> [(storage, offset in its block)]
         self.tensors: dict[str, list[torch.Tensor]] = {}  # unit path -> a flat tensor over each of its sections
+        self._pairs: dict[str, list[tuple[View, torch.Tensor]]] = {}  # unit path -> (view, its tensor at the place)
+        self.bound: set[str] = set()  # the blocks whose tensors view their place now
+        self.all_bound = False  # whether a component's forward bound them all (bind_all)
         self._mirrors: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype) -> its mirror (flat uint8)
 
     def prime(self) -> None:
-        """Learns every static block's place (one pass of its hooks, in execution order) and binds its tensors
-        there; records their signatures. Run while no forward is under way."""
+        """Learns every static block's place (one pass of its hooks, in execution order) and prepares the binding
+        of its tensors there (bound by :meth:`bind_all` for each forward of their component). Leaves every tensor
+        an empty placeholder, its signature recorded. Run while no forward is under way."""
+        self.unbind_all()
         self.places.clear()
         self.offsets.clear()
         self.tensors.clear()
+        self._pairs.clear()
         self._mirrors.clear()
         for stack in self._session.static_stacks():
             for path in stack:
@@ -81,7 +88,10 @@ class StaticPlaces:
         # The mirrors are filled as each block lands (its forward); not here, where the places may still be
         # loading the next pass's first blocks.
         for path in self.places:
-            self._bind(path)
+            self._prepare(path)
+            for sid, _ in self.offsets[path]:
+                self._binder.unbind(self._storages.views[sid])
+                self._sigs.record(self._storages.views[sid])
 
     def _make_mirrors(self) -> None:
         """One zeroed CPU mirror per buffer and dtype, as long as the buffer's bytes the blocks use."""
@@ -99,12 +109,13 @@ class StaticPlaces:
         """The torch storage the tensors of ``dtype`` in ``buffer`` view: its mirror's."""
         return self._mirrors[(buffer, dtype)].untyped_storage()
 
-    def _bind(self, path: str) -> None:
-        """Binds the tensors of ``path`` to its place for good, and makes the flat tensors over its sections."""
+    def _prepare(self, path: str) -> None:
+        """Makes the tensors that bind block ``path``'s tensors at its place, and the flat tensors over its sections."""
         import torch
 
         place = self.places[path]
         spans: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> the bytes its tensors span in the buffer
+        pairs = []
         for sid, off in self.offsets[path]:
             start, end = place.base + off, place.base + off + self._storages.nbytes[sid]
             for view in self._storages.views[sid]:
@@ -116,10 +127,10 @@ class StaticPlaces:
                     )
                 t = torch.empty(0, dtype=view.dtype)
                 t.set_(self._storage(place.buffer, view.dtype), start // item + view.offset, view.shape, view.strides)
-                self._binder.set_data(view, t)
+                pairs.append((view, t))
                 lo, hi = spans.get(view.dtype, (start, end))
                 spans[view.dtype] = (min(lo, start), max(hi, end))
-            self._sigs.record(self._storages.views[sid])
+        self._pairs[path] = pairs
         flats = []
         for dtype, (lo, hi) in spans.items():
             item = dtype.itemsize
@@ -127,9 +138,33 @@ class StaticPlaces:
             flats.append(flat.set_(self._storage(place.buffer, dtype), lo // item, ((hi - lo) // item,), (1,)))
         self.tensors[path] = flats
 
-    def rebind(self, path: str) -> None:
-        """Binds block ``path``'s tensors at its place again (after a forward that found it elsewhere)."""
-        self._bind(path)
+    def bind(self, path: str) -> None:
+        """Binds block ``path``'s tensors at its place (``.data`` assignments: no version counter moves)."""
+        for view, t in self._pairs[path]:
+            self._binder.set_data(view, t)
+        self.bound.add(path)
+
+    def unbind(self, path: str) -> None:
+        """Gives block ``path``'s tensors their empty placeholders again."""
+        if path in self.bound:
+            for sid, _ in self.offsets[path]:
+                self._binder.unbind(self._storages.views[sid])
+            self.bound.discard(path)
+
+    def bind_all(self) -> None:
+        """Binds every static block's tensors at its place: at the start of a component's forward, so the whole
+        forward (compiled code included) sees them with their true shapes at the same places every time."""
+        for path in self.places:
+            if path not in self.bound:
+                self.bind(path)
+        self.all_bound = True
+
+    def unbind_all(self) -> None:
+        """Empties every static block's tensors: at the end of a component's forward (between forwards a streamed
+        tensor is an empty placeholder, never a view of a slot that may hold another block's bytes)."""
+        for path in list(self.bound):
+            self.unbind(path)
+        self.all_bound = False
 
     def at_place(self, path: str, buffer: int, base: int) -> bool:
         """Whether block ``path`` landed at its place this time (a block called out of order while its slot was in

@@ -56,7 +56,7 @@ def register(hooks: _Runs) -> int:
     torch.compile guards on modules' hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``; the setting
     before is restored when the last ones are unregistered): by default it does not, and code compiled for a copy of
     the model without the hooks would run for the offloaded one, reading its bound tensors without opening a block
-    (a silently wrong output where the tensors are bound once)."""
+    (a silently wrong output where the tensors view their places)."""
     global _hook_guards_before
     import torch._dynamo
 

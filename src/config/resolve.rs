@@ -631,18 +631,6 @@ fn resolve_compact(compact: &Compact, legacy: &Legacy, migrated: &Migrated) -> R
         opts.copy_submission = compact.layers.get(c).and_then(|l| l.copy_submission).unwrap_or_default();
         opts.static_slots = compact.layers.get(c).and_then(|l| l.static_slots).unwrap_or(false);
     }
-    if compact.device_budget.is_some() || compact.device_budget_auto {
-        // The budget planner sizes rings as depth + 1 slots; a static ring may need more (a divisor of its
-        // streamed blocks), so the two would disagree.
-        if let Some((c, _)) = compact.layers.iter().find(|(_, l)| l.static_slots == Some(true)) {
-            return Err(ConfigError::invalid(
-                format!("{COMPACT}.layer_options.{}.static_slots", c.name()),
-                "static_slots does not combine with device_budget yet (the budget planner sizes rings as \
-                 prefetch_depth + 1 slots, a static ring as a divisor of its streamed blocks); remove device_budget \
-                 and choose prefetch_depth and resident_layers yourself, or remove static_slots",
-            ));
-        }
-    }
     Ok(OffloadConfig {
         strategy,
         components: Some(compact.components.clone()),

@@ -14,6 +14,7 @@ use super::stack::{StackPlan, DEFAULT_PREFETCH_DEPTH};
 use crate::config::{Component, OffloadConfig, Strategy};
 use crate::pipeline::{PipelineDesc, StorageId};
 use std::collections::BTreeSet;
+use weightferry_actors::block_stack::slot_count;
 
 /// Distinct storages under a module path.
 pub fn storages_under(p: &PipelineDesc, path: &str) -> BTreeSet<StorageId> {
@@ -287,7 +288,7 @@ fn plan_dit_stacks(
         .dits
         .iter()
         .filter(|d| d.selected)
-        .flat_map(|d| d.stacks.iter().map(|s| min_stack_bytes(&s.block_bytes, user_depth)))
+        .flat_map(|d| d.stacks.iter().map(|s| min_stack_bytes(&s.block_bytes, user_depth, s.static_slots)))
         .collect();
     let mut reserved: u64 = mins.iter().fold(0, |a, &m| a.saturating_add(m));
     let mut dit_heads = 0u64;
@@ -301,27 +302,27 @@ fn plan_dit_stacks(
                 index += 1;
                 reserved = reserved.saturating_sub(own_min);
                 let avail = remaining.unwrap_or(u64::MAX);
-                let choice =
-                    plan_spread(&s.block_bytes, user_depth, avail.saturating_sub(reserved), ASSUMED_COMPUTE_RATIO)
-                        .ok_or_else(|| {
-                            let need = mins.iter().fold(fixed, |a, &m| a.saturating_add(m));
-                            let others = if mins.len() > 1 {
-                                let rest = need.saturating_sub(fixed).saturating_sub(own_min);
-                                format!(" and {rest} bytes for the other DiT stacks")
-                            } else {
-                                String::new()
-                            };
-                            format!(
-                                "diffusion_offload_config.device_budget: {} bytes cannot hold the {fixed} bytes of \
+                let ring = Ring { depth: user_depth, static_slots: s.static_slots };
+                let choice = plan_spread(&s.block_bytes, ring, avail.saturating_sub(reserved), ASSUMED_COMPUTE_RATIO)
+                    .ok_or_else(|| {
+                    let need = mins.iter().fold(fixed, |a, &m| a.saturating_add(m));
+                    let others = if mins.len() > 1 {
+                        let rest = need.saturating_sub(fixed).saturating_sub(own_min);
+                        format!(" and {rest} bytes for the other DiT stacks")
+                    } else {
+                        String::new()
+                    };
+                    format!(
+                        "diffusion_offload_config.device_budget: {} bytes cannot hold the {fixed} bytes of \
                                  weights that stay on the device plus the smallest ring of {own_min} bytes for \
                                  '{}' (prefetch depth {}){others}; raise device_budget to at least {need} bytes \
                                  ({})",
-                                cfg.device_budget.unwrap_or(0),
-                                s.name,
-                                user_depth.unwrap_or(1),
-                                short_bytes(need)
-                            )
-                        })?;
+                        cfg.device_budget.unwrap_or(0),
+                        s.name,
+                        user_depth.unwrap_or(1),
+                        short_bytes(need)
+                    )
+                })?;
                 apply_choice(s, choice, notes);
                 remaining = Some(avail.saturating_sub(s.resident_bytes().saturating_add(s.slot_bytes())));
             }
@@ -350,9 +351,10 @@ fn apply_choice(s: &mut StackPlan, choice: SpreadChoice, notes: &mut Vec<String>
 }
 
 /// Device bytes of a stack with `r` leading blocks resident at prefetch depth `k`, for every `r` in `0..=n`: the
-/// head plus `min(k + 1, streaming)` slots of the largest streamed block (saturating). Linear in the blocks (a prefix
-/// sum and a suffix maximum), so stacks of the format's largest block lists plan at once.
-fn stack_costs(blocks: &[u64], k: u32) -> Vec<u64> {
+/// head plus the ring's slots ([`slot_count`]: `min(k + 1, streaming)`, or for a static ring the smallest divisor of
+/// the streaming count from there) of the largest streamed block (saturating). Linear in the blocks (a prefix sum
+/// and a suffix maximum), so stacks of the format's largest block lists plan at once.
+fn stack_costs(blocks: &[u64], k: u32, static_slots: bool) -> Vec<u64> {
     let n = blocks.len();
     let mut tail_max = vec![0u64; n + 1];
     for i in (0..n).rev() {
@@ -361,7 +363,7 @@ fn stack_costs(blocks: &[u64], k: u32) -> Vec<u64> {
     let mut head = 0u64;
     let mut out = Vec::with_capacity(n + 1);
     for r in 0..=n {
-        let slots = if r == n { 0 } else { (k as usize).saturating_add(1).min(n - r) as u64 };
+        let slots = slot_count(n - r, k as usize, static_slots) as u64;
         out.push(head.saturating_add(slots.saturating_mul(tail_max[r])));
         if r < n {
             head = head.saturating_add(blocks[r]);
@@ -372,8 +374,18 @@ fn stack_costs(blocks: &[u64], k: u32) -> Vec<u64> {
 
 /// Smallest footprint of a stack at the smallest depth the planner may use (the user's, else 1), over every
 /// resident split (a resident big block can shrink the slots below the nothing-resident cost).
-fn min_stack_bytes(blocks: &[u64], user_depth: Option<u32>) -> u64 {
-    stack_costs(blocks, user_depth.unwrap_or(1)).into_iter().min().unwrap_or(0)
+fn min_stack_bytes(blocks: &[u64], user_depth: Option<u32>, static_slots: bool) -> u64 {
+    stack_costs(blocks, user_depth.unwrap_or(1), static_slots).into_iter().min().unwrap_or(0)
+}
+
+/// The ring a stack is planned for: the prefetch depth the user chose (else the planner chooses) and whether its
+/// schedule is static (`static_slots`: the slot count a divisor of the streamed blocks, [`slot_count`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ring {
+    /// The user's prefetch depth, if any.
+    pub depth: Option<u32>,
+    /// A static schedule.
+    pub static_slots: bool,
 }
 
 /// Compute time per byte of a block relative to copy time per byte, assumed by the planner's timing model when it
@@ -395,21 +407,24 @@ pub struct SpreadChoice {
     pub bytes: u64,
 }
 
-/// Device bytes of a resident set at depth `k`: the resident blocks plus `min(k+1, streamed)` slots of the largest
-/// streamed block.
-pub fn resident_set_cost(blocks: &[u64], resident: &[bool], k: u32) -> u64 {
+/// Device bytes of a resident set at depth `k`: the resident blocks plus the ring's slots ([`slot_count`]:
+/// `min(k+1, streamed)`, more for a static ring) of the largest streamed block.
+pub fn resident_set_cost(blocks: &[u64], resident: &[bool], k: u32, static_slots: bool) -> u64 {
     let head: u64 = blocks.iter().zip(resident).filter(|(_, r)| **r).map(|(b, _)| *b).sum();
     let streamed: Vec<u64> = blocks.iter().zip(resident).filter(|(_, r)| !**r).map(|(b, _)| *b).collect();
-    let slots = (k as usize + 1).min(streamed.len()) as u64;
+    let slots = slot_count(streamed.len(), k as usize, static_slots) as u64;
     head.saturating_add(slots.saturating_mul(streamed.iter().copied().max().unwrap_or(0)))
 }
 
 /// Predicted time of a steady-state pass: copies run one at a time on the copy stream, a streamed block's copy
 /// needs a free slot (freed when the compute of the block that held it finished), compute runs in order and waits
-/// for its block's copy. Copy time of a block is its bytes; compute time is `ratio ·` its bytes.
-pub fn simulate_pass(blocks: &[u64], resident: &[bool], k: u32, ratio: f64) -> f64 {
+/// for its block's copy. Copy time of a block is its bytes; compute time is `ratio ·` its bytes. A static ring
+/// (`static_slots`) may have more slots than `k + 1`; its copies are still issued only `k` streamed blocks ahead
+/// (when the block `k` earlier starts its compute).
+pub fn simulate_pass(blocks: &[u64], resident: &[bool], k: u32, static_slots: bool, ratio: f64) -> f64 {
     let streamed: Vec<usize> = (0..blocks.len()).filter(|&i| !resident[i]).collect();
-    let slots = (k as usize + 1).min(streamed.len());
+    let slots = slot_count(streamed.len(), k as usize, static_slots);
+    let mut started: Vec<f64> = Vec::new(); // compute-start times of streamed blocks in stream order
     let passes = 3;
     let mut copy_free = 0.0f64;
     let mut compute_end = 0.0f64;
@@ -422,12 +437,18 @@ pub fn simulate_pass(blocks: &[u64], resident: &[bool], k: u32, ratio: f64) -> f
             if !resident[i] {
                 let order = finished.len();
                 let slot_free = if order >= slots { finished[order - slots] } else { 0.0 };
-                let start = copy_free.max(slot_free);
+                let issued = match static_slots && order >= k as usize {
+                    true => started[order - k as usize],
+                    false => 0.0,
+                };
+                let start = copy_free.max(slot_free).max(issued);
                 copy_free = start + b as f64;
                 ready = copy_free;
             }
-            compute_end = compute_end.max(ready) + ratio * b as f64;
+            let begin = compute_end.max(ready);
+            compute_end = begin + ratio * b as f64;
             if !resident[i] {
+                started.push(begin);
                 finished.push(compute_end);
             }
         }
@@ -464,10 +485,12 @@ fn spread(blocks: &[u64], eligible: &[bool], must: &[bool], room: u64) -> Vec<bo
 /// Chooses which blocks of a stack stay resident and how deep it prefetches within `avail` bytes, by predicting the
 /// pass time of candidate layouts with [`simulate_pass`]: for every depth (the user's, or 1–4) and every slot size
 /// (a block size: larger blocks must then be resident), resident blocks either spread evenly along the stack or
-/// packed at its head. Ties go to fewer streamed bytes, then to the shallower depth. `None` when nothing fits.
-pub fn plan_spread(blocks: &[u64], user_depth: Option<u32>, avail: u64, ratio: f64) -> Option<SpreadChoice> {
+/// packed at its head. Ties go to fewer streamed bytes, then to the shallower depth. `None` when nothing fits. A
+/// static ring's slot count depends on how many blocks stream: each candidate is costed with its own.
+pub fn plan_spread(blocks: &[u64], ring: Ring, avail: u64, ratio: f64) -> Option<SpreadChoice> {
     let n = blocks.len();
-    let depths: Vec<u32> = match user_depth {
+    let static_slots = ring.static_slots;
+    let depths: Vec<u32> = match ring.depth {
         Some(k) => vec![k],
         None => vec![1, 2, 3, 4],
     };
@@ -476,11 +499,11 @@ pub fn plan_spread(blocks: &[u64], user_depth: Option<u32>, avail: u64, ratio: f
     sizes.dedup();
     let mut best: Option<SpreadChoice> = None;
     let mut consider = |resident: Vec<bool>, k: u32| {
-        let bytes = resident_set_cost(blocks, &resident, k);
+        let bytes = resident_set_cost(blocks, &resident, k, static_slots);
         if bytes > avail {
             return;
         }
-        let predicted = simulate_pass(blocks, &resident, k, ratio);
+        let predicted = simulate_pass(blocks, &resident, k, static_slots, ratio);
         let streamed: u64 = blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| *b).sum();
         let better = match &best {
             None => true,
@@ -501,25 +524,45 @@ pub fn plan_spread(blocks: &[u64], user_depth: Option<u32>, avail: u64, ratio: f
             let must: Vec<bool> = blocks.iter().map(|&b| b > m).collect();
             let eligible: Vec<bool> = blocks.iter().map(|&b| b <= m).collect();
             let streamable = eligible.iter().filter(|e| **e).count();
-            let slots = (k as usize + 1).min(streamable) as u64;
             let fixed: u64 = blocks.iter().zip(&must).filter(|(_, r)| **r).map(|(b, _)| *b).sum();
-            let Some(room) = avail.checked_sub(fixed.saturating_add(slots.saturating_mul(m))) else { continue };
-            consider(spread(blocks, &eligible, &must, room), k);
-            // Head packing among the eligible blocks.
-            let mut head = must.clone();
-            let mut used = 0u64;
-            for (i, &b) in blocks.iter().enumerate() {
-                if eligible[i] && used + b <= room {
-                    head[i] = true;
-                    used += b;
-                } else if eligible[i] {
-                    break;
-                }
+            for slots in candidate_slots(streamable, k, static_slots) {
+                let Some(room) = avail.checked_sub(fixed.saturating_add((slots as u64).saturating_mul(m))) else {
+                    continue;
+                };
+                consider(spread(blocks, &eligible, &must, room), k);
+                consider(head_packed(blocks, &eligible, &must, room), k);
             }
-            consider(head, k);
         }
     }
     best
+}
+
+/// The slot counts a ring over at most `streamable` streamed blocks may take at depth `k`: `min(k + 1, streamable)`;
+/// for a static ring every count [`slot_count`] gives for 1..=`streamable` streamed blocks (keeping more blocks
+/// resident can leave a streamed count with a smaller divisor).
+fn candidate_slots(streamable: usize, k: u32, static_slots: bool) -> Vec<usize> {
+    if !static_slots {
+        return vec![slot_count(streamable, k as usize, false)];
+    }
+    let mut counts: Vec<usize> = (1..=streamable).map(|t| slot_count(t, k as usize, true)).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+/// Head packing: `must` plus the leading `eligible` blocks that fit in `room` bytes.
+fn head_packed(blocks: &[u64], eligible: &[bool], must: &[bool], room: u64) -> Vec<bool> {
+    let mut head = must.to_vec();
+    let mut used = 0u64;
+    for (i, &b) in blocks.iter().enumerate() {
+        if eligible[i] && used + b <= room {
+            head[i] = true;
+            used += b;
+        } else if eligible[i] {
+            break;
+        }
+    }
+    head
 }
 
 /// Chooses (resident head, depth) for one stack within `avail` bytes: the user's depth (or 2, falling back to 1),
@@ -530,7 +573,7 @@ pub fn fit_stack(blocks: &[u64], user_depth: Option<u32>, avail: u64) -> Option<
         None => vec![DEFAULT_PREFETCH_DEPTH, 1],
     };
     // The cost is not monotone in r (the tail's largest block can shrink), so scan every split.
-    depths.into_iter().find_map(|k| stack_costs(blocks, k).iter().rposition(|&c| c <= avail).map(|r| (r, k)))
+    depths.into_iter().find_map(|k| stack_costs(blocks, k, false).iter().rposition(|&c| c <= avail).map(|r| (r, k)))
 }
 
 #[cfg(test)]
@@ -563,7 +606,7 @@ mod tests {
                 .collect();
             for k in [1u32, 2, 4] {
                 let want: Vec<u64> = (0..=n).map(|r| naive(&blocks, r, k)).collect();
-                assert_eq!(stack_costs(&blocks, k), want, "n={n} k={k}");
+                assert_eq!(stack_costs(&blocks, k, false), want, "n={n} k={k}");
             }
         }
     }
