@@ -4,8 +4,9 @@ hooks trace as the custom operators ``weightferry::enter`` / ``weightferry::leav
 compiles into one graph with no graph break at its blocks, and the compiled forward (``backend="eager"`` and
 ``"aot_eager"``, AOT autograd's functionalization included) streams every block and gives exactly the resident
 compiled model's output, pass after pass (a tiny Flux, also with two dtypes in every block, and a tiny Wan); also
-under a device budget, after a weight write and after a retune. The simulated device's hazard detector finds no violation in the compiled schedule and names its broken
-variant. Without ``static_slots`` the graph breaks at the blocks, and ``fullgraph=True`` refuses."""
+under a device budget, after a weight write, after a retune and after a compiled forward that raised inside a block.
+The simulated device's hazard detector finds no violation in the compiled schedule and names its broken variant.
+Without ``static_slots`` the graph breaks at the blocks, and ``fullgraph=True`` refuses."""
 
 import copy
 
@@ -143,11 +144,11 @@ def test_the_hazard_detector_sees_a_compiled_forward_that_reads_a_slot_early(mon
     model, x = model_and_inputs("float32")
     original = _static.StaticPlaces.landed
 
-    def early(self, path):
-        original(self, path)
+    def early(self, path, buffer, base):
+        original(self, path, buffer, base)
         paths = list(self.places)
         following = paths[(paths.index(path) + 1) % len(paths)]
-        original(self, following)
+        original(self, following, *self.places[following])
 
     with wf.enable({"transformer": model}, config(), device="sim") as h:
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -176,4 +177,37 @@ def test_a_static_ring_under_a_device_budget_compiles_with_no_graph_break():
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         for _ in range(2):
             assert torch.equal(run(compiled, x), want)
+        assert h._session.hazard_violations() == []
+
+
+def test_a_compiled_forward_that_raises_inside_a_block_leaves_the_next_one_exact(monkeypatch):
+    # The compiled code raises after block 2 opened and before it closed (here: in the operator that closes it):
+    # the transformer's own forward hook closes it, every tensor is a placeholder again, and the next forwards,
+    # compiled or eager, are exact.
+    from weightferry import _hooks
+
+    model, x = model_and_inputs("float32")
+    torch._dynamo.reset()
+    want = run(torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True), x)
+    original = _hooks.Hooks.traced_leave
+    fail = [False]
+
+    def leave(self, unit):
+        if fail[0] and unit == 2:
+            raise RuntimeError("injected")
+        return original(self, unit)
+
+    monkeypatch.setattr(_hooks.Hooks, "traced_leave", leave)
+    with wf.enable({"transformer": model}, config(), device="sim") as h:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        assert torch.equal(run(compiled, x), want)
+        fail[0] = True
+        with pytest.raises(RuntimeError, match="injected"):
+            run(compiled, x)
+        fail[0] = False
+        assert not h._hooks.busy()
+        assert all(p.shape == (0,) for n, p in model.named_parameters() if "blocks." in n)
+        for _ in range(2):
+            assert torch.equal(run(compiled, x), want)
+        assert torch.equal(run(model, x), want)
         assert h._session.hazard_violations() == []

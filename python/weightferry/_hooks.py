@@ -209,24 +209,18 @@ class Hooks:
         """Binds the tensors of unit ``path``, landed at ``base`` of device buffer ``buffer``, for its forward."""
         static = self.static
         if static is not None and path in static.places:
-            if static.at_place(path, buffer, base):
-                if traced and path not in static.bound:
-                    raise _core.OffloadError(
-                        f"compiled code reached block '{path}' outside a forward of its component, whose hooks "
-                        "bind a static schedule's tensors: call the component itself (model(...)), not its "
-                        "forward(), or compile without static_slots"
-                    )
-                if path not in static.bound:
-                    static.bind(path)  # a block called without its component's forward (bound for this forward)
-                static.landed(path)
-                return
-            if traced:
+            if traced and path not in static.bound:
                 raise _core.OffloadError(
-                    f"block '{path}' landed in another device slot than its static one (a block called out of "
-                    "order while its slot was in use), which compiled code cannot follow; call the blocks in "
-                    "order, or compile without static_slots (one graph break per block)"
+                    f"compiled code reached block '{path}' outside a forward of its component, whose hooks bind a "
+                    "static schedule's tensors: call the component itself (model(...)), not its forward(), or "
+                    "compile without static_slots"
                 )
-            static.unbind(path)  # its place holds another block: bound where it landed, for this forward
+            if path not in static.bound:
+                static.bind(path)  # a block called without its component's forward (bound for this forward)
+            # The mirrors at its place take its bytes from wherever it landed (a block called out of order while
+            # its slot was busy lands in another one; the tensors still view the place).
+            static.landed(path, buffer, base)
+            return
         if isinstance(self._binder, CudaBinder):
             self._move(path, offsets, buffer, base)
         else:
@@ -285,9 +279,15 @@ class Hooks:
             self.static.bind_all()
 
     def idle_static(self) -> None:
-        """At the end of a component's forward: every static block's tensors empty placeholders again."""
-        if self.static is not None:
-            self.static.unbind_all()
+        """At the end of a component's forward (also one that raised): a static block that compiled code opened and
+        never closed (it raised between ``enter`` and ``leave``) is closed, and every static block's tensors are
+        empty placeholders again."""
+        if self.static is None:
+            return
+        if self._thread == threading.get_ident():
+            for path in [p for p in self._entered if p in self.static.places]:
+                self._close_unit(path)
+        self.static.unbind_all()
 
     def traced_enter(self, unit: int, places: list[torch.Tensor]) -> None:
         """``weightferry::enter`` run by compiled code: opens static block ``unit`` (see :mod:`._traced`); fills

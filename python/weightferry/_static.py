@@ -12,7 +12,8 @@ same tensors, of their true shapes, at the same places on every call; :mod:`._tr
   empty them when it ends (:meth:`unbind_all`): between forwards a streamed tensor is an empty placeholder, as
   without a static schedule, never a view of a slot that may hold another block's bytes by then.
 - On the simulated device, whose memory torch cannot view, the tensors view CPU mirrors of the buffers, and
-  :meth:`StaticPlaces.landed` copies a block's bytes into them when it lands. (On CUDA the tensors would view the
+  :meth:`StaticPlaces.landed` copies a block's bytes into them when it lands (from wherever it landed: a block
+  called out of order while its slot was busy lands in another slot). (On CUDA the tensors would view the
   device buffers in place; that binding waits for a GPU run, see ``Hooks._install_static``.) Each buffer has one
   mirror per dtype: AOT autograd, which traces the compiled forward, refuses a mutation of tensors whose storage
   other tensors of another dtype share, and a block's sections (one per dtype) never overlap. The flat tensors over
@@ -166,13 +167,10 @@ class StaticPlaces:
             self.unbind(path)
         self.all_bound = False
 
-    def at_place(self, path: str, buffer: int, base: int) -> bool:
-        """Whether block ``path`` landed at its place this time (a block called out of order while its slot was in
-        use lands elsewhere)."""
-        return self.places[path] == (buffer, base)
-
-    def landed(self, path: str) -> None:
-        """After block ``path`` landed at its place: copies its bytes into the mirrors its tensors view."""
+    def landed(self, path: str, buffer: int, base: int) -> None:
+        """After block ``path`` landed at ``base`` of device buffer ``buffer`` (its place, or another slot when it
+        was called out of order while its own was busy): copies its bytes into the mirrors at its place, which its
+        tensors view."""
         import torch
 
         place = self.places[path]
@@ -180,7 +178,7 @@ class StaticPlaces:
             n = self._storages.nbytes[sid]
             if not n:
                 continue
+            data = torch.frombuffer(self._session.read_device(buffer, base + off, n), dtype=torch.uint8)
             start = place.base + off
-            data = torch.frombuffer(self._session.read_device(place.buffer, start, n), dtype=torch.uint8)
             for dtype in {view.dtype for view in self._storages.views[sid]}:
                 self._mirrors[(place.buffer, dtype)][start : start + n].copy_(data)
