@@ -722,6 +722,13 @@ mod harness {
             }
         }
 
+        /// Creates the production block-stack actor on this rig with a static schedule (`static_slots`: block `k` of
+        /// the streamed ones always in slot `k mod slots`).
+        pub fn static_stack(&self, prefetch_depth: usize, fault: OrderingFault) -> BlockStack {
+            let spec = StackSpec { static_slots: true, ..self.spec(0, prefetch_depth, fault) };
+            BlockStack::new(self.platform_ref(), spec, self.compute, self.stream.clone()).expect("enable the stack")
+        }
+
         /// Creates the production block-stack actor on this rig.
         pub fn stack(&self, resident_head: usize, prefetch_depth: usize, fault: OrderingFault) -> BlockStack {
             self.stack_in(Submission::Actor, resident_head, prefetch_depth, fault)
