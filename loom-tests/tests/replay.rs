@@ -47,7 +47,7 @@ fn broken_wrap_without_last_use_wait_is_caught() {
 
 #[test]
 #[cfg(weightferry_broken)]
-#[should_panic(expected = "hazard")]
+#[should_panic(expected = "hazard read-before-ready")]
 fn broken_wrap_reading_before_the_copy_is_caught() {
     wrap(OrderingFault::SkipReadyWait);
 }
