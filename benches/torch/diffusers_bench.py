@@ -5,8 +5,10 @@ by diffusers' group offloading, on one GPU, each variant in its own process (so 
     python3 benches/torch/diffusers_bench.py [--model flux-dev] [--variants resident,wf_d1,...] [--steps 5]
 
 Variants: ``resident`` (the model on the GPU: the compute term of the bound, and the reference output);
-``wf_dK`` (weightferry, every block streamed at prefetch depth K); ``wf_bP`` (weightferry under a device budget of
-P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps every block resident through the
+``wf_dK`` (weightferry, every block streamed at prefetch depth K); ``wf_sdK`` (the same with a static schedule,
+``static_slots``); any variant with ``_c`` appended (``resident_c``, ``wf_sd2_c``): compiled by inductor,
+``torch.compile(fullgraph=True)``, compared with ``resident_c`` and bounded by its step; ``wf_bP`` (weightferry
+under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps every block resident through the
 hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
 ``record_stream``). The default runs resident, wf_d1, wf_d2, wf_d4, wf_b25, wf_b50, wf_b75, group, group_record.
@@ -187,6 +189,16 @@ MODELS = {
                   joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 12, 12), in_channels=8),
         inputs=flux_inputs, tokens=(4096, 512), tiny_tokens=(16, 7),
     ),
+    # The same at 512x512 (1024 image tokens): issue 29's launch-bound size.
+    "flux-dev-512": dict(
+        cls="FluxTransformer2DModel",
+        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                    axes_dims_rope=(16, 56, 56)),
+        tiny=dict(num_layers=2, num_single_layers=24, attention_head_dim=32, num_attention_heads=2,
+                  joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 12, 12), in_channels=8),
+        inputs=flux_inputs, tokens=(1024, 512), tiny_tokens=(16, 7),
+    ),
     # Qwen-Image's transformer: 60 blocks, 1024x1024 (64x64 latent patches = 4096 image tokens), 512 text tokens.
     "qwen-image": dict(
         cls="QwenImageTransformer2DModel",
@@ -198,6 +210,8 @@ MODELS = {
     ),
     # Wan 2.1 T2V 14B's transformer: 40 blocks, 480p x 81 frames (21 x 60 x 104 latents, 32 760 tokens), 512 text.
     "wan-14b": WAN_14B,
+    # Wan 2.1 T2V 1.3B's transformer: 30 blocks, 480p x 81 frames (a small, launch-bound model; issue 29).
+    "wan-1.3b": dict(WAN_14B, config=dict(WAN_14B["config"], num_attention_heads=12, ffn_dim=8960, num_layers=30)),
     # Wan 2.2 A14B's pair: two transformers of Wan 14B's config (high and low noise), each run once per step (see
     # `pair`), the second's weights from the pattern rotated (see `build`); 480p x 81 frames.
     "wan22-pair": dict(WAN_14B, pair=True),
@@ -623,10 +637,21 @@ def pin_copy(torch, model, chunk=256 << 20):
     return timed
 
 
+def variant_base(v):
+    """A variant's name without its ``_c`` suffix (compiled: see :func:`compiled`)."""
+    return v[:-2] if v.endswith("_c") else v
+
+
+def compiled(torch, args, model):
+    """``<variant>_c``: the model compiled by inductor (``torch.compile(fullgraph=True)``, default mode) after it was
+    placed; its first warm-up step compiles (``first_warmup_s``)."""
+    return torch.compile(model, fullgraph=True) if args.variant.endswith("_c") else model
+
+
 def offload(torch, args, model, spec, weight_bytes, dev, cpu):
     """Puts the model where the variant wants it: on the device (``resident``), enabled by weightferry (returns the
     handle) or under diffusers' group offloading."""
-    v, ck = args.variant, args.variant.startswith("ck_")
+    v, ck = variant_base(args.variant), args.variant.startswith("ck_")
     if v == "resident":
         model.to(dev)
     elif v.startswith("wf_") or ck:
@@ -640,7 +665,9 @@ def offload(torch, args, model, spec, weight_bytes, dev, cpu):
             on_meta = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
             dcfg["host_budget"] = on_meta * int(knobs.pop()[1:]) // 100
         knob = knobs[-1]
-        if knob.startswith("d"):
+        if knob.startswith("sd"):  # a static schedule (static_slots) at depth K: what torch.compile traces whole
+            dcfg["layer_options"] = {"dit": {"prefetch_depth": int(knob[2:]), "static_slots": True}}
+        elif knob.startswith("d"):
             dcfg["layer_options"] = {"dit": {"prefetch_depth": int(knob[1:])}}
         elif knob.startswith("b"):
             dcfg["device_budget"] = weight_bytes * int(knob[1:]) // 100
@@ -677,8 +704,12 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
             out = model(**x, return_dict=False)[0]
             sync()
             res["first_step_s"] = time.perf_counter() - t0
-        for _ in range(args.warmup):
+        for i in range(args.warmup):
+            w0 = time.perf_counter()
             out = model(**x, return_dict=False)[0]
+            if not i:
+                sync()
+                res["first_warmup_s"] = time.perf_counter() - w0
         sync()
         if handle:
             before = handle.stats()
@@ -718,7 +749,7 @@ def variant(args):
 
     res = {"variant": args.variant, "model": args.model, "quant": args.quant}
     base = rss()
-    v, ck = args.variant, args.variant.startswith("ck_")
+    v, ck = variant_base(args.variant), args.variant.startswith("ck_")
     model, spec = (build_on_meta if ck else build)(torch, args.model, args.tiny)
     cpu = args.tiny and not torch.cuda.is_available()  # the script's own check on a machine without a GPU
     dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
@@ -748,6 +779,7 @@ def variant(args):
     sync()
     res["enable_s"] = time.perf_counter() - t0
     res["rss_after_enable"] = rss() - base
+    model = compiled(torch, args, model)
     res["rss_anon_after_enable"] = rss("RssAnon")
     res["rss_file_after_enable"] = rss("RssFile")
     if handle is not None and hasattr(handle, "stats"):
@@ -756,7 +788,8 @@ def variant(args):
     free, total = (0, 0) if cpu else torch.cuda.mem_get_info()
     res["device_used"] = total - free
     res["peak_rss"] = rss("VmHWM") - base
-    out_path = os.path.join(args.out, "resident.pt")
+    # A compiled variant is compared with the resident model compiled alike (inductor's kernels are not eager's).
+    out_path = os.path.join(args.out, "resident_c.pt" if args.variant.endswith("_c") else "resident.pt")
     if v == "resident":
         torch.save(out.cpu(), out_path)
         res["bit_exact"] = True
@@ -778,12 +811,15 @@ def variant(args):
 def table(results):
     res = {r["variant"]: r for r in results}
     resident = res.get("resident", {}).get("step_s")
+    resident_c = res.get("resident_c", {}).get("step_s")
     print(f"\n{'variant':<14}{'step s':>9}{'bound s':>9}{'ratio':>8}{'GB/step':>9}{'H2D GB/s':>10}"
           f"{'RSS GB':>8}{'RSS×':>7}{'peakRSS':>9}{'peak×':>7}{'dev GB':>8}{'enable s':>9}{'pin s':>8}"
           f"{'en/pin':>8}  bit-exact")
     for r in results:
         h2d = r["h2d_Bps"]
-        bound = max(resident or 0, r["streamed_per_step"] / h2d)
+        # A compiled variant's compute term is the resident model compiled alike.
+        compute = resident_c if r["variant"].endswith("_c") and resident_c else resident
+        bound = max(compute or 0, r["streamed_per_step"] / h2d)
         ratio = r["step_s"] / bound if bound else float("nan")
         wb = r["weight_bytes"]
         pin = r.get("pin_copy_s")
@@ -799,6 +835,9 @@ def table(results):
                   f"{100 * r['hook_share']:.3f}% of the step "
                   f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls; host waits for the copy "
                   f"actor {h['record_waits']}, sync fetches {h['sync_fetches']})")
+    for r in results:
+        if r["variant"].endswith("_c"):
+            print(f"{r['variant']}: first warm-up step (compiling) {r['first_warmup_s']:.1f} s")
     predicted = [r for r in results if "plan_host" in r]
     if predicted:
         print(f"\n{'host':<14}{'pred GB':>9}{'RSS GB':>8}{'RSS/pred':>9}{'peak/pred':>10}{'added/pred':>11}"

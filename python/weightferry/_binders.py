@@ -92,7 +92,8 @@ class CudaBinder:
 
         self._no_grad = torch.no_grad
 
-    def _storage(self, buffer: int) -> torch.UntypedStorage:
+    def storage(self, buffer: int) -> torch.UntypedStorage:
+        """The torch storage viewing device buffer ``buffer`` (made once, until :meth:`clear`)."""
         import torch
 
         st = self._storages.get(buffer)
@@ -105,6 +106,20 @@ class CudaBinder:
             self._storages[buffer] = st
         return st
 
+    def storage_at(self, buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
+        """A torch storage of its own over ``nbytes`` at byte ``start`` of device buffer ``buffer`` (the buffer's
+        memory; a separate storage object, which torch does not see aliasing any other)."""
+        import torch
+
+        ptr, n = self._session.device_ptr(buffer)
+        if start + nbytes > n:
+            raise _core.OffloadError(
+                f"internal error: bytes {start}..{start + nbytes} are outside device buffer {buffer} ({n} bytes)"
+            )
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8, device=self._device).untyped_storage()
+        return torch.as_tensor(_CudaArray(ptr + start, nbytes), device=self._device).untyped_storage()
+
     def rebinding(self, items: list[tuple[list[View], int, int]]) -> Rebinding:
         """What binding tensors to device bytes takes, built once and applied by :meth:`apply` as often as the bytes
         are there: ``items`` are ``(views, buffer, offset)`` (a storage's tensors and where its bytes are); the result
@@ -114,7 +129,7 @@ class CudaBinder:
 
         pairs = []
         for views, buffer, offset in items:
-            st = self._storage(buffer)
+            st = self.storage(buffer)
             for view in views:
                 item = view.dtype.itemsize
                 if offset % item:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
-from ._binders import Binder, CudaBinder, Rebinding, SimBinder
+from ._binders import Binder, CudaBinder, Rebinding
 from ._clock import HookClock
 from ._compiler import compiler_disabled, reset_compiled
 from ._grad import inference_only
@@ -128,7 +128,9 @@ class Hooks:
             raise _core.OffloadError(
                 f"this forward runs on CUDA stream {now:#x}, but weightferry was enabled on stream {enabled_on:#x} "
                 "(torch's current stream at enable): run the pipeline on that stream, or disable and enable again "
-                "under the stream you use"
+                "under the stream you use. (torch.compile(mode=\"reduce-overhead\") and torch.cuda.graphs run the "
+                "forward on a stream of their own to capture a CUDA graph, which weightferry's streamed blocks do "
+                "not support yet: compile with the default mode or \"max-autotune-no-cudagraphs\")"
             )
 
     def _enter(self, path: str) -> None:
@@ -217,10 +219,20 @@ class Hooks:
                 )
             if path not in static.bound:
                 static.bind(path)  # a block called without its component's forward (bound for this forward)
-            # The mirrors at its place take its bytes from wherever it landed (a block called out of order while
-            # its slot was busy lands in another one; the tensors still view the place).
-            static.landed(path, buffer, base)
-            return
+            if static.mirrored:
+                # The mirrors at its place take its bytes from wherever it landed (a block called out of order while
+                # its slot was busy lands in another one; the tensors still view the place).
+                static.landed(path, buffer, base)
+                return
+            if static.places[path] == (buffer, base):
+                return
+            if traced:
+                raise _core.OffloadError(
+                    f"internal error: static block '{path}' landed at byte {base} of device buffer {buffer}, not at "
+                    f"its place {tuple(static.places[path])}, in compiled code that reads it there"
+                )
+            # Called out of order while its slot was busy (eager): bound where it landed for this forward only.
+            static.bound.discard(path)
         if isinstance(self._binder, CudaBinder):
             self._move(path, offsets, buffer, base)
         else:
@@ -288,18 +300,29 @@ class Hooks:
             for path in [p for p in self._entered if p in self.static.places]:
                 self._close_unit(path)
         self.static.unbind_all()
+        # The compiled forward's operators moved the version counters of the weights they declare mutated.
+        self.static.record()
 
-    def traced_enter(self, unit: int, places: list[torch.Tensor]) -> None:
-        """``weightferry::enter`` run by compiled code: opens static block ``unit`` (see :mod:`._traced`); fills
-        each of ``places`` from the block's place when the compiled code handed a copy of it."""
+    def traced_enter(self, unit: int, weights: list[torch.Tensor]) -> None:
+        """``weightferry::enter`` run by compiled code: opens static block ``unit`` (see :mod:`._traced`). Handed
+        copies of its weights (AOT autograd without inductor), it fills them on the sim and refuses them on CUDA."""
         path = self._units[unit]
         start = time.perf_counter_ns()
         try:
             self._open_unit(path, traced=True)
             assert self.static is not None
-            for given, own in zip(places, self.static.tensors[path]):
-                if given.data_ptr() != own.data_ptr():
-                    given.copy_(own)
+            for given, own in zip(weights, self.static.tensors[path]):
+                if given.data_ptr() == own.data_ptr() or not own.numel():
+                    continue
+                if not self.static.mirrored:
+                    self._close_unit(path)
+                    raise _core.OffloadError(
+                        f"this compiled forward hands block '{path}' copies of its weights, which it would write "
+                        "back into the device slots when it ends, over the next blocks' copies: compile with "
+                        "inductor (torch.compile's default backend), not a backend without it such as "
+                        "\"aot_eager\", or without static_slots"
+                    )
+                given.copy_(own)
         finally:
             self.clock.record(time.perf_counter_ns() - start)
 
@@ -341,7 +364,7 @@ class Hooks:
 
         def traced_post(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if compiling():
-                leave(order, static.tensors[path], output_tensors(output), key, unit)
+                leave(order, output_tensors(output), key, unit)
                 trace.open -= 1
                 return None
             return post(module, args, output)
@@ -391,10 +414,7 @@ class Hooks:
         import torch
 
         stacks = self._session.static_stacks()
-        if not stacks or isinstance(self._binder, CudaBinder):
-            # On CUDA a static block stays bound per forward for now: the compiled code AOT autograd makes may hand
-            # the operators copies of the places and copy them back when the graph ends, which on CUDA would write
-            # into slots the next pass's prefetch is filling. Binding there waits for a GPU run of that case.
+        if not stacks:
             return
         attached = self._storages.attached_storages()
 
@@ -412,7 +432,6 @@ class Hooks:
             for path in stack
             if all(plain(sid) for sid in self._storages.streamed_by.get(path, ()))
         }
-        assert isinstance(self._binder, SimBinder)
         self.static = StaticPlaces(self._session, self._storages, self._binder, self._sigs, eligible)
         self.static.prime()
         self._key = register(self)

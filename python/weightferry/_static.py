@@ -11,14 +11,14 @@ same tensors, of their true shapes, at the same places on every call; :mod:`._tr
   view it. The component's forward hooks bind every block there when its forward starts (:meth:`bind_all`) and
   empty them when it ends (:meth:`unbind_all`): between forwards a streamed tensor is an empty placeholder, as
   without a static schedule, never a view of a slot that may hold another block's bytes by then.
-- On the simulated device, whose memory torch cannot view, the tensors view CPU mirrors of the buffers, and
-  :meth:`StaticPlaces.landed` copies a block's bytes into them when it lands (from wherever it landed: a block
-  called out of order while its slot was busy lands in another slot). (On CUDA the tensors would view the
-  device buffers in place; that binding waits for a GPU run, see ``Hooks._install_static``.) Each buffer has one
-  mirror per dtype: AOT autograd, which traces the compiled forward, refuses a mutation of tensors whose storage
-  other tensors of another dtype share, and a block's sections (one per dtype) never overlap. The flat tensors over
-  each block's sections (:attr:`StaticPlaces.tensors`) are what the custom operators declare they mutate; they are
-  tensors of their own, so the bound tensors' version counters, which tell edits apart, do not move.
+- On CUDA the tensors view the device buffers in place (the binder's storage of each buffer): the copy stream fills
+  a slot, compiled code reads it where it is. A block called out of order while its slot was busy lands in another
+  slot: eager hooks bind it there for that forward (compiled code, which calls blocks in order, never meets that).
+- On the simulated device, whose memory torch cannot view, the tensors view CPU mirrors of the buffers
+  (:attr:`StaticPlaces.mirrored`), and :meth:`StaticPlaces.landed` copies a block's bytes into them when it lands
+  (from wherever it landed).
+- Each weightferry storage of a static block is bound over a torch storage of its own (the same bytes), so compiled
+  code sees no two blocks' weights aliased: see :mod:`._traced`.
 - Only blocks whose every tensor is a plain tensor holding a parameter (no tensor subclass, no buffer read outside
   a forward) are bound this way; the others keep the per-forward binding.
 """
@@ -32,7 +32,7 @@ from . import _core
 if TYPE_CHECKING:
     import torch
 
-    from ._binders import SimBinder
+    from ._binders import Binder
     from ._edits import Signatures
     from ._storages import StorageMap, View
 
@@ -50,9 +50,12 @@ class StaticPlaces:
     """The places of the blocks of a handle's static stacks, and the tensors over them (see the module doc)."""
 
     def __init__(
-        self, session: _core.Session, storages: StorageMap, binder: SimBinder, sigs: Signatures, eligible: set[str]
+        self, session: _core.Session, storages: StorageMap, binder: Binder, sigs: Signatures, eligible: set[str]
     ) -> None:
         """``eligible``: the unit paths whose tensors may be bound at their places (see the module doc)."""
+        from ._binders import SimBinder
+
+        self.mirrored = isinstance(binder, SimBinder)  # the sim: the tensors view CPU mirrors of the buffers
         self._session = session
         self._storages = storages
         self._binder = binder
@@ -60,11 +63,11 @@ class StaticPlaces:
         self._eligible = eligible
         self.places: dict[str, Place] = {}  # unit path -> its place
         self.offsets: dict[str, list[tuple[int, int]]] = {}  # unit path -> [(storage, offset in its block)]
-        self.tensors: dict[str, list[torch.Tensor]] = {}  # unit path -> a flat tensor over each of its sections
         self._pairs: dict[str, list[tuple[View, torch.Tensor]]] = {}  # unit path -> (view, its tensor at the place)
         self.bound: set[str] = set()  # the blocks whose tensors view their place now
         self.all_bound = False  # whether a component's forward bound them all (bind_all)
-        self._mirrors: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype) -> its mirror (flat uint8)
+        self.tensors: dict[str, list[torch.Tensor]] = {}  # unit path -> the tensor of each of its storages
+        self._mirrors: dict[int, torch.Tensor] = {}  # buffer -> its mirror (flat uint8; the sim)
 
     def prime(self) -> None:
         """Learns every static block's place (one pass of its hooks, in execution order) and prepares the binding
@@ -73,8 +76,8 @@ class StaticPlaces:
         self.unbind_all()
         self.places.clear()
         self.offsets.clear()
-        self.tensors.clear()
         self._pairs.clear()
+        self.tensors.clear()
         self._mirrors.clear()
         for stack in self._session.static_stacks():
             for path in stack:
@@ -85,7 +88,8 @@ class StaticPlaces:
                 buffer, base, offsets = residency
                 self.places[path] = Place(buffer, base)
                 self.offsets[path] = offsets
-        self._make_mirrors()
+        if self.mirrored:
+            self._make_mirrors()
         # The mirrors are filled as each block lands (its forward); not here, where the places may still be
         # loading the next pass's first blocks.
         for path in self.places:
@@ -95,30 +99,44 @@ class StaticPlaces:
                 self._sigs.record(self._storages.views[sid])
 
     def _make_mirrors(self) -> None:
-        """One zeroed CPU mirror per buffer and dtype, as long as the buffer's bytes the blocks use."""
+        """One zeroed CPU mirror per buffer, as long as the buffer's bytes the blocks use."""
         import torch
 
-        ends: dict[tuple[int, torch.dtype], int] = {}
+        ends: dict[int, int] = {}
         for path, place in self.places.items():
             for sid, off in self.offsets[path]:
-                for view in self._storages.views[sid]:
-                    key = (place.buffer, view.dtype)
-                    ends[key] = max(ends.get(key, 0), place.base + off + self._storages.nbytes[sid])
-        self._mirrors = {key: torch.zeros(n, dtype=torch.uint8) for key, n in ends.items()}
+                ends[place.buffer] = max(ends.get(place.buffer, 0), place.base + off + self._storages.nbytes[sid])
+        self._mirrors = {buffer: torch.zeros(n, dtype=torch.uint8) for buffer, n in ends.items()}
 
-    def _storage(self, buffer: int, dtype: torch.dtype) -> torch.UntypedStorage:
-        """The torch storage the tensors of ``dtype`` in ``buffer`` view: its mirror's."""
-        return self._mirrors[(buffer, dtype)].untyped_storage()
+    def _storage(self, buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
+        """A torch storage of its own over ``nbytes`` at byte ``start`` of device buffer ``buffer``: of its mirror on
+        the sim, of the device buffer on CUDA (see :mod:`._traced` for why one per weightferry storage)."""
+        import ctypes
+
+        import torch
+
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8, device=self._binder.device).untyped_storage()
+        if self.mirrored:
+            mirror = self._mirrors[buffer]
+            raw = (ctypes.c_uint8 * nbytes).from_address(mirror.data_ptr() + start)
+            return torch.frombuffer(raw, dtype=torch.uint8, count=nbytes).untyped_storage()
+        from ._binders import CudaBinder
+
+        assert isinstance(self._binder, CudaBinder)
+        return self._binder.storage_at(buffer, start, nbytes)
 
     def _prepare(self, path: str) -> None:
-        """Makes the tensors that bind block ``path``'s tensors at its place, and the flat tensors over its sections."""
+        """Makes the tensors that bind block ``path``'s tensors at its place, each storage over a torch storage of its
+        own, and lists the tensor of each storage that ``weightferry::enter`` declares mutated."""
         import torch
 
         place = self.places[path]
-        spans: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> the bytes its tensors span in the buffer
         pairs = []
+        device = self._binder.device
         for sid, off in self.offsets[path]:
-            start, end = place.base + off, place.base + off + self._storages.nbytes[sid]
+            start, nbytes = place.base + off, self._storages.nbytes[sid]
+            storage = self._storage(place.buffer, start, nbytes)
             for view in self._storages.views[sid]:
                 item = view.dtype.itemsize
                 if start % item:
@@ -126,18 +144,18 @@ class StaticPlaces:
                         f"internal error: tensor '{view.path}' would start at byte {start} of its place, not a "
                         f"multiple of its {item}-byte elements"
                     )
-                t = torch.empty(0, dtype=view.dtype)
-                t.set_(self._storage(place.buffer, view.dtype), start // item + view.offset, view.shape, view.strides)
+                t = torch.empty(0, dtype=view.dtype, device=device)
+                t.set_(storage, view.offset, view.shape, view.strides)
                 pairs.append((view, t))
-                lo, hi = spans.get(view.dtype, (start, end))
-                spans[view.dtype] = (min(lo, start), max(hi, end))
         self._pairs[path] = pairs
-        flats = []
-        for dtype, (lo, hi) in spans.items():
-            item = dtype.itemsize
-            flat = torch.empty(0, dtype=dtype)
-            flats.append(flat.set_(self._storage(place.buffer, dtype), lo // item, ((hi - lo) // item,), (1,)))
-        self.tensors[path] = flats
+        self.tensors[path] = [self._storages.views[sid][0].tensor for sid, _ in self.offsets[path]]
+
+    def record(self) -> None:
+        """Records the signatures of every static block's tensors (after a compiled forward moved their version
+        counters: ``weightferry::enter`` declares them mutated)."""
+        for path in self.places:
+            for sid, _ in self.offsets[path]:
+                self._sigs.record(self._storages.views[sid])
 
     def bind(self, path: str) -> None:
         """Binds block ``path``'s tensors at its place (``.data`` assignments: no version counter moves)."""
@@ -168,17 +186,15 @@ class StaticPlaces:
         self.all_bound = False
 
     def landed(self, path: str, buffer: int, base: int) -> None:
-        """After block ``path`` landed at ``base`` of device buffer ``buffer`` (its place, or another slot when it
-        was called out of order while its own was busy): copies its bytes into the mirrors at its place, which its
-        tensors view."""
+        """On the sim, after block ``path`` landed at ``base`` of device buffer ``buffer`` (its place, or another slot
+        when it was called out of order while its own was busy): copies its bytes into the mirror at its place,
+        which its tensors view."""
         import torch
 
         place = self.places[path]
+        mirror = self._mirrors[place.buffer]
         for sid, off in self.offsets[path]:
             n = self._storages.nbytes[sid]
-            if not n:
-                continue
-            data = torch.frombuffer(self._session.read_device(buffer, base + off, n), dtype=torch.uint8)
-            start = place.base + off
-            for dtype in {view.dtype for view in self._storages.views[sid]}:
-                self._mirrors[(place.buffer, dtype)][start : start + n].copy_(data)
+            if n:
+                data = torch.frombuffer(self._session.read_device(buffer, base + off, n), dtype=torch.uint8)
+                mirror[place.base + off : place.base + off + n].copy_(data)

@@ -8,13 +8,19 @@ compiled code runs, the operators run the eager hooks' work (the same checks, th
 ``post_forward``). Their order is declared, not hoped for:
 
 - both mutate ``order`` (one small tensor per handle), so they keep program order among themselves;
-- both mutate the block's ``places`` (a flat tensor over each of its sections, one per dtype: :mod:`._static`): no
-  read of the block's tensors moves before ``enter`` or after ``leave``;
-- ``leave`` takes the block's output tensors, so it runs after they are computed.
+- ``enter`` mutates the block's weights (one tensor of each of its storages: :mod:`._static`): no read of them moves
+  before it. (A mutation declared, not made: inductor hands the operator the weights themselves and copies nothing;
+  AOT autograd without inductor (``backend="aot_eager"``) hands it copies, which it fills from the weights on the
+  simulated device and refuses on CUDA, where the copies written back when the graph ends would land in slots the
+  next copies are filling.)
+- ``leave`` takes the block's output tensors, so it runs after every operation they are computed from.
 
-Under AOT autograd's functionalization ``enter`` may be handed copies of ``places`` rather than the places
-themselves; it then fills each copy from its place, so what the graph reads next is the block's bytes either way. The
-operators find their hooks through a registry of live handles (:func:`register`), by number.
+Each storage of a static block is a torch storage of its own (over the same device bytes), so no two blocks' weights
+alias as graph inputs: aliased mutated inputs make AOT autograd merge them into one base that it clones and writes
+back whole. Declaring the block's inputs mutated instead (as vLLM's prefetch offloader does) orders less and changed
+inductor's output (a tiny Wan: 3.6e-7 from the resident compiled model; the weights declared: bit-identical). The
+version counters the mutation moves are recorded again when the component's forward ends. The operators find their
+hooks through a registry of live handles (:func:`register`), by number.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ __all__ = ["TraceState", "ops", "output_tensors", "register", "unregister"]
 class _Runs(Protocol):
     """What the operators call: the hooks of one handle."""
 
-    def traced_enter(self, unit: int, places: list[torch.Tensor]) -> None: ...
+    def traced_enter(self, unit: int, weights: list[torch.Tensor]) -> None: ...
 
     def traced_leave(self, unit: int) -> None: ...
 
@@ -97,27 +103,23 @@ def ops() -> tuple[Any, Any]:
     import torch
 
     # Schemas spelled out: this module's annotations are strings (``from __future__ import annotations``).
-    enter_schema = "(Tensor(a!) order, Tensor(b!)[] places, int key, int unit) -> ()"
-    leave_schema = "(Tensor(a!) order, Tensor(b!)[] places, Tensor[] outputs, int key, int unit) -> ()"
+    enter_schema = "(Tensor(a!) order, Tensor(b!)[] weights, int key, int unit) -> ()"
+    leave_schema = "(Tensor(a!) order, Tensor[] outputs, int key, int unit) -> ()"
 
-    @torch.library.custom_op("weightferry::enter", mutates_args=("order", "places"), schema=enter_schema)
-    def enter(order: torch.Tensor, places: list[torch.Tensor], key: int, unit: int) -> None:
-        _hooks_of(key).traced_enter(unit, places)
+    @torch.library.custom_op("weightferry::enter", mutates_args=("order", "weights"), schema=enter_schema)
+    def enter(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
+        _hooks_of(key).traced_enter(unit, weights)
 
     @enter.register_fake
-    def _(order: torch.Tensor, places: list[torch.Tensor], key: int, unit: int) -> None:
+    def _(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
-    @torch.library.custom_op("weightferry::leave", mutates_args=("order", "places"), schema=leave_schema)
-    def leave(
-        order: torch.Tensor, places: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int
-    ) -> None:
+    @torch.library.custom_op("weightferry::leave", mutates_args=("order",), schema=leave_schema)
+    def leave(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
         _hooks_of(key).traced_leave(unit)
 
     @leave.register_fake
-    def _(
-        order: torch.Tensor, places: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int
-    ) -> None:
+    def _(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
     _ops = (torch.ops.weightferry.enter, torch.ops.weightferry.leave)

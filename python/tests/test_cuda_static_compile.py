@@ -1,0 +1,68 @@
+"""``torch.compile(fullgraph=True)`` of a streamed transformer on CUDA (skipped without a GPU; CI has none, the lent
+H200 runs them). With ``static_slots`` every streamed block's tensors view its slot in place on the device for each
+forward of the transformer, and the compiled forward (inductor, torch.compile's default backend) streams every block
+and gives exactly the output of the resident model compiled alike, pass after pass: a tiny Flux in float32 and in
+bf16 with a float32 tensor in every block, and a tiny Wan. ``backend="aot_eager"``, which hands the operators copies
+of the weights that it would write back into the slots when the graph ends, is refused by name before it writes."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from test_static_compile import config, loads, model_and_inputs
+
+import weightferry as wf
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning"),
+]
+CUDA = torch.device("cuda", 0)
+
+
+def on_cuda(dtypes):
+    model, x = model_and_inputs(dtypes)
+    return model.to(CUDA), {k: v.to(CUDA) for k, v in x.items()}
+
+
+def run(fn, x):
+    with torch.no_grad():
+        out = fn(**x, return_dict=False)[0]
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+@pytest.mark.parametrize("dtypes", ["float32", "mixed", "wan"])
+def test_inductor_fullgraph_streams_every_block_bit_exact_against_the_resident_compiled_model(dtypes):
+    model, x = on_cuda(dtypes)
+    before = {k: v.cpu() for k, v in model.state_dict().items()}
+    torch._dynamo.reset()
+    want = run(torch.compile(copy.deepcopy(model), fullgraph=True), x)
+    model.cpu()
+    with wf.enable({"transformer": model}, config(depth=1 if dtypes == "wan" else 2), device="cuda") as h:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        blocks = len(h._storages.streamed_by)
+        for _ in range(3):
+            start = loads(h)
+            assert torch.equal(run(compiled, x), want)
+            assert loads(h) - start >= blocks - 2, "every streamed block but the prefetched ones loaded in the pass"
+        torch._dynamo.reset()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_backend_that_copies_the_weights_is_refused_before_it_writes_into_the_slots():
+    model, x = on_cuda("float32")
+    want = run(copy.deepcopy(model), x)
+    model.cpu()
+    with wf.enable({"transformer": model}, config(), device="cuda") as h:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with pytest.raises(wf.OffloadError, match=r"copies of its weights, which it would write back into the "
+                           r"device slots .* compile with inductor"):
+            run(compiled, x)
+        assert not h._hooks.busy()
+        torch._dynamo.reset()
+        assert torch.equal(run(model, x), want), "the eager forward after the refusal is exact"
