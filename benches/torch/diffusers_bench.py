@@ -8,8 +8,8 @@ Variants: ``resident`` (the model on the GPU: the compute term of the bound, and
 ``wf_dK`` (weightferry, every block streamed at prefetch depth K); ``wf_sdK`` (the same with a static schedule,
 ``static_slots``); any variant with ``_c`` appended (``resident_c``, ``wf_sd2_c``): compiled by inductor,
 ``torch.compile(fullgraph=True)``, compared with ``resident_c`` and bounded by its step; ``wf_bP`` (weightferry
-under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps every block resident through the
-hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
+under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps every block
+resident through the hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
 ``record_stream``). The default runs resident, wf_d1, wf_d2, wf_d4, wf_b25, wf_b50, wf_b75, group, group_record.
 Each prints one JSON line; the parent prints a table last: step time, the ratio to the bound
