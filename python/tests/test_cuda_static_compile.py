@@ -3,7 +3,8 @@ H200 runs them). With ``static_slots`` every streamed block's tensors view its s
 forward of the transformer, and the compiled forward (inductor, torch.compile's default backend) streams every block
 and gives exactly the output of the resident model compiled alike, pass after pass: a tiny Flux in float32 and in
 bf16 with a float32 tensor in every block, and a tiny Wan. ``backend="aot_eager"``, which hands the operators copies
-of the weights that it would write back into the slots when the graph ends, is refused by name before it writes."""
+of the weights that it would write back into the slots when the graph ends, is refused by name before it writes.
+Eager forwards of a static schedule view the slots in place too, one pointer per tensor over the passes."""
 
 import copy
 
@@ -66,3 +67,25 @@ def test_a_backend_that_copies_the_weights_is_refused_before_it_writes_into_the_
         assert not h._hooks.busy()
         torch._dynamo.reset()
         assert torch.equal(run(model, x), want), "the eager forward after the refusal is exact"
+
+
+@pytest.mark.parametrize("dtypes", ["mixed", "wan"])
+def test_eager_forwards_of_a_static_schedule_view_the_slots_in_place_and_are_exact(dtypes):
+    # Without torch.compile: the component's forward binds every static block at its slot (the device bytes in
+    # place, one pointer per tensor over the passes) and empties them after; outputs equal the resident model's.
+    model, x = on_cuda(dtypes)
+    want = run(copy.deepcopy(model), x)
+    model.cpu()
+    name = "blocks.1.attn1.to_q.weight" if dtypes == "wan" else "transformer_blocks.1.attn.to_q.weight"
+    pointers = set()
+    weight_shape = model.get_parameter(name).shape
+    with wf.enable({"transformer": model}, config(depth=1 if dtypes == "wan" else 2), device="cuda") as h:
+        weight = model.get_parameter(name)
+        hook = model.get_submodule(name.rsplit(".", 2)[0]).register_forward_pre_hook(
+            lambda m, a: pointers.add(weight.data_ptr()))
+        for _ in range(3):
+            assert torch.equal(run(model, x), want)
+            assert weight.shape == (0,), "an empty placeholder between forwards"
+        hook.remove()
+        assert len(pointers) == 1 and 0 not in pointers
+        assert h.state_dict("transformer")[name].shape == weight_shape

@@ -23,7 +23,7 @@ from ._grad import inference_only
 from ._outside import Unit, hook_outside_calls
 from ._static import StaticPlaces
 from ._storages import tensors_over
-from ._traced import TraceState, ops, output_tensors, register, unregister
+from ._traced import TraceState, ops, register, unregister
 
 if TYPE_CHECKING:
     import torch
@@ -310,32 +310,43 @@ class Hooks:
         start = time.perf_counter_ns()
         try:
             self._open_unit(path, traced=True)
-            assert self.static is not None
-            for given, own in zip(weights, self.static.tensors[path]):
-                if given.data_ptr() == own.data_ptr() or not own.numel():
-                    continue
-                if not self.static.mirrored:
-                    self._close_unit(path)
-                    raise _core.OffloadError(
-                        f"this compiled forward hands block '{path}' copies of its weights, which it would write "
-                        "back into the device slots when it ends, over the next blocks' copies: compile with "
-                        "inductor (torch.compile's default backend), not a backend without it such as "
-                        "\"aot_eager\", or without static_slots"
-                    )
-                given.copy_(own)
+            try:
+                for given, own in self._copies(path, weights):
+                    given.copy_(own)
+            except BaseException:
+                self._close_unit(path)
+                raise
         finally:
             self.clock.record(time.perf_counter_ns() - start)
 
-    def traced_leave(self, unit: int) -> None:
-        """``weightferry::leave`` run by compiled code: closes static block ``unit``."""
+    def traced_leave(self, unit: int, weights: list[torch.Tensor]) -> None:
+        """``weightferry::leave`` run by compiled code: closes static block ``unit`` (refusing copies of its weights
+        on CUDA, as ``enter`` does)."""
         path = self._units[unit]
         if path not in self._entered or self._thread != threading.get_ident():
             return
         start = time.perf_counter_ns()
         try:
-            self._close_unit(path)
+            try:
+                self._copies(path, weights)
+            finally:
+                self._close_unit(path)
         finally:
             self.clock.record(time.perf_counter_ns() - start)
+
+    def _copies(self, path: str, weights: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pairs (a tensor compiled code handed an operator, the block's own tensor) where the first is a copy;
+        on CUDA a copy is refused (see :mod:`._traced`)."""
+        assert self.static is not None
+        own = self.static.tensors[path]
+        pairs = [(g, o) for g, o in zip(weights, own) if o.numel() and g.data_ptr() != o.data_ptr()]
+        if pairs and not self.static.mirrored:
+            raise _core.OffloadError(
+                f"this compiled forward hands block '{path}' copies of its weights, which it would write back into "
+                "the device slots when it ends, over the next blocks' copies: compile with inductor (torch.compile's "
+                "default backend), not a backend without it such as \"aot_eager\", or without static_slots"
+            )
+        return pairs
 
     def _traced(
         self,
@@ -364,7 +375,7 @@ class Hooks:
 
         def traced_post(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if compiling():
-                leave(order, output_tensors(output), key, unit)
+                leave(order, static.tensors[path], key, unit)
                 trace.open -= 1
                 return None
             return post(module, args, output)
