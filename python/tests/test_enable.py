@@ -607,12 +607,12 @@ def test_a_failure_at_every_allocation_and_copy_of_enable_leaves_the_modules_as_
 
 
 def test_the_cuda_binder_moves_a_tensor_between_slots_from_views_made_once():
-    # The CUDA binder's rebinding on CPU storages (its `_storage` pointed at two CPU buffers standing in for two
+    # The CUDA binder's rebinding on CPU storages (its `storage` pointed at two CPU buffers standing in for two
     # slots): applying a rebinding makes the parameter object (kept, with its requires_grad) view its bytes in that
     # slot, and a rebinding made once is applied again later without being rebuilt.
     binder = CudaBinder(None, torch.device("cpu"))
     slots = {b: torch.arange(256, dtype=torch.uint8).add_(b).untyped_storage() for b in (1, 2)}
-    binder._storage = slots.__getitem__
+    binder.storage = slots.__getitem__
     p = nn.Parameter(torch.zeros(2, 3, dtype=BF16))
     tied = p.detach().view(6)  # another tensor object over the same storage
     views = [View(p, "m.weight"), View(tied, "m.tied", like=tied)]

@@ -23,7 +23,7 @@ from ._grad import inference_only
 from ._outside import Unit, hook_outside_calls
 from ._static import StaticPlaces
 from ._storages import tensors_over
-from ._traced import TraceState, ops, register, unregister
+from ._traced import TraceState, ops, output_tensors, register, unregister
 
 if TYPE_CHECKING:
     import torch
@@ -128,9 +128,9 @@ class Hooks:
             raise _core.OffloadError(
                 f"this forward runs on CUDA stream {now:#x}, but weightferry was enabled on stream {enabled_on:#x} "
                 "(torch's current stream at enable): run the pipeline on that stream, or disable and enable again "
-                "under the stream you use. (torch.compile(mode=\"reduce-overhead\") and torch.cuda.graphs run the "
-                "forward on a stream of their own to capture a CUDA graph, which weightferry's streamed blocks do "
-                "not support yet: compile with the default mode or \"max-autotune-no-cudagraphs\")"
+                "under the stream you use. (A CUDA graph capture, torch.cuda.graph, runs the forward on a stream of "
+                "its own: weightferry's streamed blocks cannot be captured yet; torch.compile keeps its operators out "
+                "of the graphs it captures)"
             )
 
     def _enter(self, path: str) -> None:
@@ -375,7 +375,10 @@ class Hooks:
 
         def traced_post(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if compiling():
-                leave(order, static.tensors[path], key, unit)
+                if static.mirrored:
+                    leave(order, static.tensors[path], [], key, unit)
+                else:  # CUDA: the outputs form (see _traced)
+                    leave(order, [], output_tensors(output), key, unit)
                 trace.open -= 1
                 return None
             return post(module, args, output)

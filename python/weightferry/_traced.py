@@ -8,22 +8,25 @@ compiled code runs, the operators run the eager hooks' work (the same checks, th
 ``post_forward``). Their order is declared, not hoped for:
 
 - both mutate ``order`` (one small tensor per handle), so they keep program order among themselves;
-- ``enter`` and ``leave`` both mutate the block's weights (one tensor of each of its storages: :mod:`._static`): no
-  read of them moves before ``enter``, and none after ``leave`` (a read after a declared mutation needs the old
-  value kept: a copy). A mutation declared, not made: inductor hands the operators the weights themselves and copies
-  nothing. AOT autograd without inductor (``backend="aot_eager"``) hands them copies, which ``enter`` fills from the
-  weights on the simulated device and refuses on CUDA (as ``leave`` does), where the copies written back when the
-  graph ends would land in slots the next copies are filling.
+- ``enter`` mutates the block's weights (one tensor of each of its storages: :mod:`._static`): no read of them moves
+  before it. On the simulated device ``leave`` mutates them too (no read moves after it); on CUDA it takes the
+  block's output tensors instead, so it runs after every operation they are computed from (see below why). A
+  mutation declared, never made: inductor hands the operators the weights themselves and copies nothing. AOT
+  autograd without inductor (``backend="aot_eager"``) hands them copies, which ``enter`` fills from the weights on
+  the simulated device and refuses on CUDA, where the copies written back when the graph ends would land in slots
+  the next copies are filling.
 
 Each storage of a static block is a torch storage of its own (over the same device bytes), so no two blocks' weights
 alias as graph inputs: aliased mutated inputs make AOT autograd merge them into one base that it clones and writes
-back whole. What was tried and changed the compiled output against the resident model compiled alike (inductor):
-declaring the block's inputs mutated instead (as vLLM's prefetch offloader does; a tiny Wan in float32 on the CPU:
-3.6e-7 apart), and ``leave`` taking the block's outputs (they must then be stored before the next block reads them,
-so inductor no longer computes a block's last pointwise operations inside the next block's kernels; a bf16 Flux:
-0.0078 apart). With the weights declared both ways the outputs are bit-identical. The version counters the
-declared mutations move are recorded again when the component's forward ends. The operators find their
-hooks through a registry of live handles (:func:`register`), by number.
+back whole. Measured, against the resident model compiled alike (inductor): declaring the block's inputs mutated
+instead (as vLLM's prefetch offloader does) put a tiny Wan in float32 3.6e-7 apart (CPU); ``leave`` taking the
+block's outputs puts a bf16 Flux 0.0078 apart (CPU), since the outputs must then be stored before the next block
+reads them and inductor no longer computes a block's last pointwise operations inside the next block's kernels;
+with the weights declared both ways the outputs are bit-identical on the CPU. On CUDA (torch 2.11, an H200) that
+last form made inductor hand ``enter`` copies of the first block's weights (refused), which the outputs form does
+not: so CUDA keeps the outputs form, and its compiled output is not bit-identical to the resident model compiled
+whole. The version counters the declared mutations move are recorded again when the component's forward ends.
+The operators find their hooks through a registry of live handles (:func:`register`), by number.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TraceState", "ops", "register", "unregister"]
+__all__ = ["TraceState", "ops", "output_tensors", "register", "unregister"]
 
 
 class _Runs(Protocol):
@@ -107,9 +110,15 @@ def ops() -> tuple[Any, Any]:
 
     # Schemas spelled out: this module's annotations are strings (``from __future__ import annotations``).
     enter_schema = "(Tensor(a!) order, Tensor(b!)[] weights, int key, int unit) -> ()"
-    leave_schema = "(Tensor(a!) order, Tensor(b!)[] weights, int key, int unit) -> ()"
+    leave_schema = "(Tensor(a!) order, Tensor(b!)[] weights, Tensor[] outputs, int key, int unit) -> ()"
 
-    @torch.library.custom_op("weightferry::enter", mutates_args=("order", "weights"), schema=enter_schema)
+    # cudagraph_unsafe: their work happens on the host (the session's scheduling and copies), which a replayed CUDA
+    # graph would skip; inductor keeps them out of any graph it captures (mode="reduce-overhead" partitions there).
+    unsafe = (torch.Tag.cudagraph_unsafe,)
+
+    @torch.library.custom_op(
+        "weightferry::enter", mutates_args=("order", "weights"), schema=enter_schema, tags=unsafe
+    )
     def enter(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
         _hooks_of(key).traced_enter(unit, weights)
 
@@ -117,13 +126,28 @@ def ops() -> tuple[Any, Any]:
     def _(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
-    @torch.library.custom_op("weightferry::leave", mutates_args=("order", "weights"), schema=leave_schema)
-    def leave(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
+    @torch.library.custom_op(
+        "weightferry::leave", mutates_args=("order", "weights"), schema=leave_schema, tags=unsafe
+    )
+    def leave(
+        order: torch.Tensor, weights: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int
+    ) -> None:
         _hooks_of(key).traced_leave(unit, weights)
 
     @leave.register_fake
-    def _(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
+    def _(order: torch.Tensor, weights: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
     _ops = (torch.ops.weightferry.enter, torch.ops.weightferry.leave)
     return _ops
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a block's output (a tensor, or a tuple or list holding some), for ``leave`` to wait on."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [o for o in output if isinstance(o, torch.Tensor)]
+    return []
