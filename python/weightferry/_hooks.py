@@ -283,6 +283,8 @@ class Hooks:
                 static.bound.discard(path)
             for sid in self._storages.streamed_by.get(path, ()):
                 self._idle(sid)
+        if static is not None and static.mirrored and path in static.places:
+            static.poison(path)  # the sim: a read of the block after it closed gives NaN, not its bytes by luck
         self._session.post_forward(path)
 
     def bind_static(self) -> None:
@@ -319,18 +321,14 @@ class Hooks:
         finally:
             self.clock.record(time.perf_counter_ns() - start)
 
-    def traced_leave(self, unit: int, weights: list[torch.Tensor]) -> None:
-        """``weightferry::leave`` run by compiled code: closes static block ``unit`` (refusing copies of its weights
-        on CUDA, as ``enter`` does)."""
+    def traced_leave(self, unit: int) -> None:
+        """``weightferry::leave`` run by compiled code: closes static block ``unit``."""
         path = self._units[unit]
         if path not in self._entered or self._thread != threading.get_ident():
             return
         start = time.perf_counter_ns()
         try:
-            try:
-                self._copies(path, weights)
-            finally:
-                self._close_unit(path)
+            self._close_unit(path)
         finally:
             self.clock.record(time.perf_counter_ns() - start)
 
@@ -375,10 +373,13 @@ class Hooks:
 
         def traced_post(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if compiling():
-                if static.mirrored:
-                    leave(order, static.tensors[path], [], key, unit)
-                else:  # CUDA: the outputs form (see _traced)
-                    leave(order, [], output_tensors(output), key, unit)
+                outputs = output_tensors(output)
+                if not outputs:
+                    raise _core.OffloadError(
+                        f"static block '{path}' returned no tensor, so its compiled code cannot be ordered before "
+                        "the block's slot is released: compile without static_slots for this component"
+                    )
+                leave(order, outputs, key, unit)
                 trace.open -= 1
                 return None
             return post(module, args, output)

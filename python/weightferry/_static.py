@@ -17,6 +17,9 @@ same tensors, of their true shapes, at the same places on every call; :mod:`._tr
 - On the simulated device, whose memory torch cannot view, the tensors view CPU mirrors of the buffers
   (:attr:`StaticPlaces.mirrored`), and :meth:`StaticPlaces.landed` copies a block's bytes into them when it lands
   (from wherever it landed).
+- A block's bytes in the mirror are poisoned when it closes (:meth:`StaticPlaces.poison`): the sim's counterpart of
+  a slot the copy stream refills, so a read after the block closed (compiled code that moved one past
+  ``weightferry::leave``) gives NaN in a test instead of the right bytes by luck.
 - Each weightferry storage of a static block is bound over a torch storage of its own (the same bytes), so compiled
   code sees no two blocks' weights aliased: see :mod:`._traced`.
 - Only blocks whose every tensor is a plain tensor holding a parameter (no tensor subclass, no buffer read outside
@@ -198,3 +201,12 @@ class StaticPlaces:
             if n:
                 data = torch.frombuffer(self._session.read_device(buffer, base + off, n), dtype=torch.uint8)
                 mirror[place.base + off : place.base + off + n].copy_(data)
+
+    def poison(self, path: str) -> None:
+        """On the sim, when block ``path`` closes: fills its bytes in the mirror with ``0xff`` (NaN in every
+        floating dtype), which :meth:`landed` overwrites when it lands again."""
+        place = self.places[path]
+        mirror = self._mirrors[place.buffer]
+        for sid, off in self.offsets[path]:
+            n = self._storages.nbytes[sid]
+            mirror[place.base + off : place.base + off + n].fill_(0xFF)

@@ -8,24 +8,29 @@ compiled code runs, the operators run the eager hooks' work (the same checks, th
 ``post_forward``). Their order is declared, not hoped for:
 
 - both mutate ``order`` (one small tensor per handle), so they keep program order among themselves;
-- ``enter`` mutates the block's weights (one tensor of each of its storages: :mod:`._static`): no read of them moves
-  before it. On the simulated device ``leave`` mutates them too (no read moves after it); on CUDA it takes the
-  block's output tensors instead, so it runs after every operation they are computed from (see below why). A
-  mutation declared, never made: inductor hands the operators the weights themselves and copies nothing. AOT
-  autograd without inductor (``backend="aot_eager"``) hands them copies, which ``enter`` fills from the weights on
-  the simulated device and refuses on CUDA, where the copies written back when the graph ends would land in slots
-  the next copies are filling.
+- ``enter`` mutates the block's weights (one tensor of each of its storages: :mod:`._static`): every read of them
+  takes the values ``enter`` gives back, so none moves before it. A mutation declared, never made: inductor hands
+  ``enter`` the weights themselves and copies nothing. AOT autograd without inductor (``backend="aot_eager"``) hands
+  it copies, which ``enter`` fills from the weights on the simulated device and refuses on CUDA, where the copies
+  written back when the graph ends would land in slots the next copies are filling;
+- ``leave`` takes the block's output tensors, so it runs after every operation they are computed from: every read
+  of the block's weights that reaches its output. A block whose output holds no tensor is refused while tracing.
+
+Why not ``leave`` declaring the weights mutated too (a form tried before): in a functional graph a read of the values
+before a mutation may still run after it, and inductor moved some there (on the CPU its oneDNN passes made a
+feed-forward's linear and GELU one kernel after ``leave``; on CUDA it handed the operators copies too), and gave
+``leave`` copies to keep the old values for them: the compiled code read a block's slot after ``leave`` had released
+it to the copy stream. The simulated device now poisons a
+static block's place when the block closes (:meth:`._static.StaticPlaces.poison`), so such a read gives NaN in
+the tests instead of passing by luck. The price of ``leave`` taking the outputs: they must be stored before the next
+block reads them, so inductor no longer computes a block's last pointwise operations inside the next block's
+kernels; in float32 the outputs equal the resident model compiled whole, bit for bit, and in bf16 they equal the
+resident model compiled with the same edge at every block (one bf16 rounding step from it compiled whole, measured).
+Declaring the block's *inputs* mutated instead (vLLM's prefetch offloader) orders nothing after the block's reads.
 
 Each storage of a static block is a torch storage of its own (over the same device bytes), so no two blocks' weights
 alias as graph inputs: aliased mutated inputs make AOT autograd merge them into one base that it clones and writes
-back whole. Measured, against the resident model compiled alike (inductor): declaring the block's inputs mutated
-instead (as vLLM's prefetch offloader does) put a tiny Wan in float32 3.6e-7 apart (CPU); ``leave`` taking the
-block's outputs puts a bf16 Flux 0.0078 apart (CPU), since the outputs must then be stored before the next block
-reads them and inductor no longer computes a block's last pointwise operations inside the next block's kernels;
-with the weights declared both ways the outputs are bit-identical on the CPU. On CUDA (torch 2.11, an H200) that
-last form made inductor hand ``enter`` copies of the first block's weights (refused), which the outputs form does
-not: so CUDA keeps the outputs form, and its compiled output is not bit-identical to the resident model compiled
-whole. The version counters the declared mutations move are recorded again when the component's forward ends.
+back whole. The version counters the declared mutations move are recorded again when the component's forward ends.
 The operators find their hooks through a registry of live handles (:func:`register`), by number.
 """
 
@@ -46,7 +51,7 @@ class _Runs(Protocol):
 
     def traced_enter(self, unit: int, weights: list[torch.Tensor]) -> None: ...
 
-    def traced_leave(self, unit: int, weights: list[torch.Tensor]) -> None: ...
+    def traced_leave(self, unit: int) -> None: ...
 
 
 class TraceState:
@@ -110,7 +115,7 @@ def ops() -> tuple[Any, Any]:
 
     # Schemas spelled out: this module's annotations are strings (``from __future__ import annotations``).
     enter_schema = "(Tensor(a!) order, Tensor(b!)[] weights, int key, int unit) -> ()"
-    leave_schema = "(Tensor(a!) order, Tensor(b!)[] weights, Tensor[] outputs, int key, int unit) -> ()"
+    leave_schema = "(Tensor(a!) order, Tensor[] outputs, int key, int unit) -> ()"
 
     # cudagraph_unsafe: their work happens on the host (the session's scheduling and copies), which a replayed CUDA
     # graph would skip; inductor keeps them out of any graph it captures (mode="reduce-overhead" partitions there).
@@ -126,16 +131,12 @@ def ops() -> tuple[Any, Any]:
     def _(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
-    @torch.library.custom_op(
-        "weightferry::leave", mutates_args=("order", "weights"), schema=leave_schema, tags=unsafe
-    )
-    def leave(
-        order: torch.Tensor, weights: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int
-    ) -> None:
-        _hooks_of(key).traced_leave(unit, weights)
+    @torch.library.custom_op("weightferry::leave", mutates_args=("order",), schema=leave_schema, tags=unsafe)
+    def leave(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
+        _hooks_of(key).traced_leave(unit)
 
     @leave.register_fake
-    def _(order: torch.Tensor, weights: list[torch.Tensor], outputs: list[torch.Tensor], key: int, unit: int) -> None:
+    def _(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
     _ops = (torch.ops.weightferry.enter, torch.ops.weightferry.leave)
@@ -143,11 +144,9 @@ def ops() -> tuple[Any, Any]:
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a block's output (a tensor, or a tuple or list holding some), for ``leave`` to wait on."""
+    """The tensors of a block's output (any nesting torch's pytree knows: tuples, lists, dicts, diffusers' output
+    classes), for ``leave`` to wait on."""
     import torch
+    from torch.utils import _pytree
 
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [o for o in output if isinstance(o, torch.Tensor)]
-    return []
+    return [leaf for leaf in _pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
