@@ -4,12 +4,13 @@ by diffusers' group offloading, on one GPU, each variant in its own process (so 
 
     python3 benches/torch/diffusers_bench.py [--model flux-dev] [--variants resident,wf_d1,...] [--steps 5]
 
-Variants: ``resident`` (the model on the GPU: the compute term of the bound, and the reference output);
-``wf_dK`` (weightferry, every block streamed at prefetch depth K); ``wf_sdK`` (the same with a static schedule,
-``static_slots``); any variant with ``_c`` appended (``resident_c``, ``wf_sd2_c``): compiled by inductor,
-``torch.compile(fullgraph=True)``, compared with ``resident_c`` and bounded by its step; ``wf_bP`` (weightferry
-under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps every block
-resident through the hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
+Variants: ``resident`` (the model on the GPU: the compute term of the bound, and the reference output); ``wf_dK``
+(weightferry, every block streamed at prefetch depth K); ``wf_sdK`` (the same with a static schedule,
+``static_slots``); any variant with ``_c``, ``_ma`` or ``_ro`` appended (``resident_c``, ``wf_sd2_ro``): compiled by
+inductor, ``torch.compile(fullgraph=True)`` in mode ``default``, ``max-autotune-no-cudagraphs`` or ``reduce-overhead``
+(CUDA graphs), compared with the resident model compiled alike and bounded by its step; ``wf_bP``
+(weightferry under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps
+every block resident through the hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
 ``record_stream``). The default runs resident, wf_d1, wf_d2, wf_d4, wf_b25, wf_b50, wf_b75, group, group_record.
 Each prints one JSON line; the parent prints a table last: step time, the ratio to the bound
@@ -637,15 +638,27 @@ def pin_copy(torch, model, chunk=256 << 20):
     return timed
 
 
+# A compiled variant's suffix and its torch.compile mode (inductor, fullgraph=True).
+COMPILE_MODES = {"_c": "default", "_ma": "max-autotune-no-cudagraphs", "_ro": "reduce-overhead"}
+
+
+def compile_suffix(v):
+    """The compile suffix of variant ``v`` (a key of ``COMPILE_MODES``), or ``""`` for an eager variant."""
+    return next((k for k in COMPILE_MODES if v.endswith(k)), "")
+
+
 def variant_base(v):
-    """A variant's name without its ``_c`` suffix (compiled: see :func:`compiled`)."""
-    return v[:-2] if v.endswith("_c") else v
+    """A variant's name without its compile suffix (see :func:`compiled`)."""
+    suffix = compile_suffix(v)
+    return v[: -len(suffix)] if suffix else v
 
 
 def compiled(torch, args, model):
-    """``<variant>_c``: the model compiled by inductor (``torch.compile(fullgraph=True)``, default mode) after it was
-    placed; its first warm-up step compiles (``first_warmup_s``)."""
-    return torch.compile(model, fullgraph=True) if args.variant.endswith("_c") else model
+    """``<variant>_c`` / ``_ma`` / ``_ro``: the model compiled by inductor (``torch.compile(fullgraph=True)``, mode
+    ``default`` / ``max-autotune-no-cudagraphs`` / ``reduce-overhead``) after it was placed; its first warm-up step
+    compiles (``first_warmup_s``)."""
+    suffix = compile_suffix(args.variant)
+    return torch.compile(model, fullgraph=True, mode=COMPILE_MODES[suffix]) if suffix else model
 
 
 def offload(torch, args, model, spec, weight_bytes, dev, cpu):
@@ -699,6 +712,13 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
     output and the handle's stats before the timed steps."""
     before = handle.stats() if handle else None
     out = None
+    inner = model
+    if compile_suffix(args.variant) == "_ro":
+
+        def model(**kw):  # each call a new step of the CUDA graph trees (the last output is read only at the end)
+            torch.compiler.cudagraph_mark_step_begin()
+            return inner(**kw)
+
     with torch.no_grad():
         if args.variant.startswith("ck_"):
             out = model(**x, return_dict=False)[0]
@@ -789,12 +809,14 @@ def variant(args):
     res["device_used"] = total - free
     res["peak_rss"] = rss("VmHWM") - base
     # A compiled variant is compared with the resident model compiled alike (inductor's kernels are not eager's).
-    out_path = os.path.join(args.out, "resident_c.pt" if args.variant.endswith("_c") else "resident.pt")
+    out_path = os.path.join(args.out, f"resident{compile_suffix(args.variant)}.pt")
     if v == "resident":
         torch.save(out.cpu(), out_path)
         res["bit_exact"] = True
     elif os.path.exists(out_path):
-        res["bit_exact"] = bool(torch.equal(out.cpu(), torch.load(out_path)))
+        want = torch.load(out_path)
+        res["bit_exact"] = bool(torch.equal(out.cpu(), want))
+        res["max_abs_diff"] = (out.cpu().float() - want.float()).abs().max().item()
     if handle:
         wf_results(res, handle, before, args.steps)
     elif v.startswith("group"):
@@ -811,14 +833,14 @@ def variant(args):
 def table(results):
     res = {r["variant"]: r for r in results}
     resident = res.get("resident", {}).get("step_s")
-    resident_c = res.get("resident_c", {}).get("step_s")
     print(f"\n{'variant':<14}{'step s':>9}{'bound s':>9}{'ratio':>8}{'GB/step':>9}{'H2D GB/s':>10}"
           f"{'RSS GB':>8}{'RSS×':>7}{'peakRSS':>9}{'peak×':>7}{'dev GB':>8}{'enable s':>9}{'pin s':>8}"
           f"{'en/pin':>8}  bit-exact")
     for r in results:
         h2d = r["h2d_Bps"]
         # A compiled variant's compute term is the resident model compiled alike.
-        compute = resident_c if r["variant"].endswith("_c") and resident_c else resident
+        suffix = compile_suffix(r["variant"])
+        compute = res.get(f"resident{suffix}", {}).get("step_s") or resident
         bound = max(compute or 0, r["streamed_per_step"] / h2d)
         ratio = r["step_s"] / bound if bound else float("nan")
         wb = r["weight_bytes"]
@@ -836,8 +858,11 @@ def table(results):
                   f"(p50 {h['p50_us']:.1f} us, p99 {h['p99_us']:.1f} us, {h['calls']} calls; host waits for the copy "
                   f"actor {h['record_waits']}, sync fetches {h['sync_fetches']})")
     for r in results:
-        if r["variant"].endswith("_c"):
+        if compile_suffix(r["variant"]):
             print(f"{r['variant']}: first warm-up step (compiling) {r['first_warmup_s']:.1f} s")
+        if not r.get("bit_exact", True) and "max_abs_diff" in r:
+            print(f"{r['variant']}: largest difference from resident{compile_suffix(r['variant'])} "
+                  f"{r['max_abs_diff']:.3g}")
     predicted = [r for r in results if "plan_host" in r]
     if predicted:
         print(f"\n{'host':<14}{'pred GB':>9}{'RSS GB':>8}{'RSS/pred':>9}{'peak/pred':>10}{'added/pred':>11}"

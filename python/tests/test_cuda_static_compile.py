@@ -63,6 +63,29 @@ def test_inductor_fullgraph_streams_every_block_the_same_bytes_every_pass(dtypes
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize("dtypes", ["float32", "mixed"])
+def test_reduce_overhead_replays_cuda_graphs_between_the_operators_exactly(dtypes):
+    # mode="reduce-overhead": the operators are tagged cudagraph_unsafe, so inductor captures the blocks' kernels in
+    # CUDA graphs between them and runs the operators (the copies' scheduling) outside, on the enable stream. Replayed
+    # pass after pass, the output is the one compiled without graphs (float32: the model compiled whole; bf16: with
+    # the same block edges), every block streamed.
+    model, x = on_cuda(dtypes)
+    torch._dynamo.reset()
+    reference = block_edges(model) if dtypes == "mixed" else copy.deepcopy(model)
+    want = run(torch.compile(reference, fullgraph=True), x)
+    model.cpu()
+    with wf.enable({"transformer": model}, config(), device="cuda") as h:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        blocks = len(h._storages.streamed_by)
+        for _ in range(4):
+            start = loads(h)
+            torch.compiler.cudagraph_mark_step_begin()
+            assert torch.equal(run(compiled, x), want)
+            assert loads(h) - start >= blocks - 2
+        torch._dynamo.reset()
+
+
 def test_a_backend_that_copies_the_weights_is_refused_before_it_writes_into_the_slots():
     model, x = on_cuda("float32")
     want = run(copy.deepcopy(model), x)
