@@ -1,12 +1,13 @@
 """``torch.compile(fullgraph=True)`` of a streamed transformer on CUDA (skipped without a GPU; CI has none, the lent
 H200 runs them). With ``static_slots`` every streamed block's tensors view its slot in place on the device for each
 forward of the transformer, and the compiled forward (inductor, torch.compile's default backend) streams every block,
-gives the same bytes pass after pass: in float32 (a tiny Flux, a tiny Wan) the resident model compiled whole, bit for
-bit; in bf16 with a float32 tensor in every block the resident model compiled with the same edge at every block
-(``leave`` takes the block's outputs, which keeps inductor from fusing across the blocks' edges: see ``_traced``),
-bit for bit, and the resident model compiled whole within one bf16 rounding step. ``backend="aot_eager"``, which
-hands the operators copies of the weights that it would write back into the slots when the graph ends, is refused by
-name before it writes.
+gives the same bytes pass after pass, the bytes of the resident model compiled with the same operators at its blocks'
+edges (``leave`` takes the block's outputs, which keeps inductor from fusing across the edges: see ``_traced``), and
+the resident model compiled whole within rounding (a tiny Flux in float32 and in bf16 with a float32 tensor in every
+block, a tiny Wan). On an H100 the first form of these tests (compared with the model compiled whole, and in bf16
+with an edge operator not tagged ``cudagraph_unsafe``) failed in every dtype while the passes agreed.
+``backend="aot_eager"``, which hands the operators copies of the weights that it would write back into the slots when
+the graph ends, is refused by name before it writes.
 Eager forwards of a static schedule view the slots in place too, one pointer per tensor over the passes."""
 
 import copy
@@ -44,7 +45,7 @@ def test_inductor_fullgraph_streams_every_block_the_same_bytes_every_pass(dtypes
     torch._dynamo.reset()
     whole = run(torch.compile(copy.deepcopy(model), fullgraph=True), x)
     torch._dynamo.reset()
-    want = run(torch.compile(block_edges(model), fullgraph=True), x) if dtypes == "mixed" else whole
+    want = run(torch.compile(block_edges(model), fullgraph=True), x)
     model.cpu()
     with wf.enable({"transformer": model}, config(depth=1 if dtypes == "wan" else 2), device="cuda") as h:
         torch._dynamo.reset()
@@ -57,7 +58,9 @@ def test_inductor_fullgraph_streams_every_block_the_same_bytes_every_pass(dtypes
             assert loads(h) - start >= blocks - 2, "every streamed block but the prefetched ones loaded in the pass"
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
         assert torch.equal(outs[0], want)
-        torch.testing.assert_close(outs[0], whole, rtol=0, atol=2**-7 if dtypes == "mixed" else 0)
+        # From the model compiled whole: inductor's fusions across the blocks' edges (not measured on CUDA yet).
+        tol = 2**-6 if dtypes == "mixed" else 1e-4
+        torch.testing.assert_close(outs[0], whole, rtol=tol, atol=tol)
         torch._dynamo.reset()
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
@@ -67,12 +70,11 @@ def test_inductor_fullgraph_streams_every_block_the_same_bytes_every_pass(dtypes
 def test_reduce_overhead_replays_cuda_graphs_between_the_operators_exactly(dtypes):
     # mode="reduce-overhead": the operators are tagged cudagraph_unsafe, so inductor captures the blocks' kernels in
     # CUDA graphs between them and runs the operators (the copies' scheduling) outside, on the enable stream. Replayed
-    # pass after pass, the output is the one compiled without graphs (float32: the model compiled whole; bf16: with
-    # the same block edges), every block streamed.
+    # pass after pass, the output is the resident model's compiled (without graphs) with the same block edges, every
+    # block streamed.
     model, x = on_cuda(dtypes)
     torch._dynamo.reset()
-    reference = block_edges(model) if dtypes == "mixed" else copy.deepcopy(model)
-    want = run(torch.compile(reference, fullgraph=True), x)
+    want = run(torch.compile(block_edges(model), fullgraph=True), x)
     model.cpu()
     with wf.enable({"transformer": model}, config(), device="cuda") as h:
         torch._dynamo.reset()

@@ -239,31 +239,45 @@ def test_inductor_matches_the_resident_model_compiled_whole_bit_for_bit(dtypes):
         assert torch.equal(out, want)
 
 
-_edge = None
+_edges = None
 
 
 def block_edges(model):
-    """A copy of ``model`` whose every block ends in a custom operator taking its outputs, as ``weightferry::leave``
-    does: the resident model compiled with the same edges at its blocks."""
-    global _edge
-    if _edge is None:
+    """A copy of ``model`` whose every block is framed by two custom operators declared as weightferry's are (see
+    ``weightferry._traced``: one declaring the block's weights mutated before it, one taking its outputs after it,
+    both tagged ``cudagraph_unsafe``) that do nothing: the resident model compiled with the same edges at its blocks,
+    against which a streamed compiled forward differs only if streaming changed a byte."""
+    global _edges
+    if _edges is None:
+        unsafe = (torch.Tag.cudagraph_unsafe,)
 
-        @torch.library.custom_op("wftest::edge", mutates_args=("order",))
-        def edge(order: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+        @torch.library.custom_op("wftest::enter", mutates_args=("order", "weights"), tags=unsafe)
+        def enter(order: torch.Tensor, weights: list[torch.Tensor]) -> None:
             pass
 
-        _edge = edge
+        @torch.library.custom_op("wftest::leave", mutates_args=("order",), tags=unsafe)
+        def leave(order: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+            pass
+
+        _edges = (enter, leave)
+    enter, leave = _edges
     model = copy.deepcopy(model)
     order = torch.zeros(1, device=next(model.parameters()).device)
-    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-        block.register_forward_hook(lambda m, a, out: _edge(order, [t for t in out if isinstance(t, torch.Tensor)]))
+    from weightferry._traced import output_tensors
+
+    flux = hasattr(model, "single_transformer_blocks")
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks] if flux else [*model.blocks]
+    for block in blocks:
+        weights = list(block.parameters())
+        block.register_forward_pre_hook(lambda m, a, weights=weights: enter(order, weights))
+        block.register_forward_hook(lambda m, a, out: leave(order, output_tensors(out)))
     return model
 
 
 def test_inductor_in_bf16_matches_the_resident_model_compiled_with_the_same_block_edges():
     # bf16 with a float32 tensor in every block: the streamed compiled forward equals the resident model compiled
-    # with an operator taking each block's outputs, bit for bit (``leave`` takes them: see weightferry._traced); from
-    # the resident model compiled whole it is one bf16 rounding step (inductor no longer fuses across the edges).
+    # with the same operators at its blocks' edges, bit for bit (``leave`` takes the outputs: see weightferry._traced);
+    # from the resident model compiled whole it is one bf16 rounding step (inductor no longer fuses across the edges).
     model, x = model_and_inputs("mixed")
     torch._dynamo.reset()
     whole = run(torch.compile(copy.deepcopy(model), fullgraph=True), x)
