@@ -462,6 +462,16 @@ impl Session {
         Ok(self.inner.device_ptr(DeviceBufferId(buffer))?)
     }
 
+    /// What a captured CUDA graph copies for static unit `module` (see [`session::Session::capture_copies`]).
+    pub fn capture_copies(&self, module: &str) -> Result<weightferry::session::CaptureCopies, CoreError> {
+        Ok(self.inner.capture_copies(module)?)
+    }
+
+    /// Blocks until every load issued so far and every released slot's last use have completed.
+    pub fn fence(&self) -> Result<(), CoreError> {
+        Ok(self.inner.fence()?)
+    }
+
     /// Whether the session drives a CUDA device.
     pub fn is_cuda(&self) -> bool {
         self.inner.is_cuda()

@@ -318,6 +318,17 @@ impl PySession {
         self.run(py, "Session.device_ptr", |s| s.device_ptr(buffer))
     }
 
+    /// What a captured CUDA graph copies for static unit `module`: where its bytes are now (`(buffer, offset)`, if
+    /// anywhere), and `(host address, offset in the block, bytes)` of each flat copy, from page-locked memory. Touches no device.
+    fn capture_copies(&self, py: Python<'_>, module: &str) -> PyResult<weightferry::session::CaptureCopies> {
+        self.run(py, "Session.capture_copies", |s| s.capture_copies(module))
+    }
+
+    /// Blocks until every load issued so far and every released slot's last use have completed.
+    fn fence(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, "Session.fence", |s| s.fence())
+    }
+
     /// Whether the session drives a CUDA device.
     fn is_cuda(&self, py: Python<'_>) -> PyResult<bool> {
         self.run(py, "Session.is_cuda", |s| Ok(s.is_cuda()))

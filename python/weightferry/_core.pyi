@@ -158,6 +158,14 @@ class Session:
     def device_ptr(self, buffer: int) -> tuple[int, int]:
         """``(device address, bytes)`` of a CUDA device buffer."""
 
+    def capture_copies(self, module: str) -> tuple[tuple[int, int] | None, list[tuple[int, int, int]]]:
+        """What a captured CUDA graph copies for static unit ``module``: ``(buffer, offset)`` of its bytes now (in its
+        slot or resident; ``None`` if nowhere), and
+        ``(host address, offset in the block, bytes)`` of each flat copy, from page-locked memory."""
+
+    def fence(self) -> None:
+        """Blocks until every load issued so far and every released slot's last use have completed."""
+
     def is_cuda(self) -> bool:
         """Whether the session drives a CUDA device."""
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
 from ._binders import Binder, CudaBinder, Rebinding
+from ._capture import CaptureRun, capturing
 from ._clock import HookClock
 from ._compiler import compiler_disabled, reset_compiled
 from ._grad import inference_only
@@ -101,6 +102,11 @@ class Hooks:
         self._key = 0  # this handle's number for the custom operators (0: none registered)
         self._order: torch.Tensor | None = None  # the tensor both operators mutate, which keeps them in order
         self._units: list[str] = []  # the operators' unit numbers -> unit paths
+        # A CUDA graph capture of a forward under way (_capture), whether one was captured since enable (eager
+        # forwards then wait for replays at their edges), and the stream captured copies run on.
+        self.capture: CaptureRun | None = None
+        self.captured = False
+        self._copy_stream: torch.cuda.Stream | None = None
 
     def _idle(self, sid: int) -> None:
         """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
@@ -129,8 +135,8 @@ class Hooks:
                 f"this forward runs on CUDA stream {now:#x}, but weightferry was enabled on stream {enabled_on:#x} "
                 "(torch's current stream at enable): run the pipeline on that stream, or disable and enable again "
                 "under the stream you use. (A CUDA graph capture, torch.cuda.graph, runs the forward on a stream of "
-                "its own: weightferry's streamed blocks cannot be captured yet; torch.compile keeps its operators out "
-                "of the graphs it captures)"
+                "its own: only a component whose streamed blocks all have a static schedule can be captured, "
+                "layer_options.<component>.static_slots = true)"
             )
 
     def _enter(self, path: str) -> None:
@@ -187,6 +193,9 @@ class Hooks:
                 f"'{path}' runs inside Handle.editing(), where the weights are ordinary CPU tensors being "
                 "edited: leave the editing block, then run the pipeline"
             )
+        if self.capture is not None:
+            self._open_captured(path)
+            return
         if self._stream is not None:
             self._check_stream(self._stream)
         self._enter(path)
@@ -202,6 +211,19 @@ class Hooks:
         except BaseException:
             if residency is not None:
                 self._session.post_forward(path)
+            self._leave()
+            raise
+        self._entered.add(path)
+        self._depth[path] = 1
+
+    def _open_captured(self, path: str) -> None:
+        """Opens unit ``path`` in a forward being captured: the copies and waits of the captured schedule instead of
+        the session's (its tensors are bound at its place since the forward started)."""
+        assert self.capture is not None
+        self._enter(path)
+        try:
+            self.capture.enter(path)
+        except BaseException:
             self._leave()
             raise
         self._entered.add(path)
@@ -275,6 +297,9 @@ class Hooks:
         block's stay at its place until its component's forward ends), and the session's ``post_forward``."""
         self._entered.discard(path)
         self._leave()
+        if self.capture is not None:
+            self.capture.leave(path)
+            return
         # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's data
         # pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
         static = self.static
@@ -288,9 +313,19 @@ class Hooks:
         self._session.post_forward(path)
 
     def bind_static(self) -> None:
-        """At the start of a component's forward: every static block's tensors at its place (see :mod:`._static`)."""
-        if self.static is not None:
-            self.static.bind_all()
+        """At the start of a component's forward: every static block's tensors at its place (see :mod:`._static`).
+        A forward being captured in a CUDA graph starts its captured schedule (:mod:`._capture`); once a graph was
+        captured, an eager forward first waits for the work on torch's stream (graph replays read the places the
+        session's copies are about to fill)."""
+        if self.static is None:
+            return
+        if self._copy_stream is not None and capturing():
+            self.capture = CaptureRun(self._session, self.static, self._copy_stream)
+        elif self.captured:
+            import torch
+
+            torch.cuda.current_stream(self._binder.device).synchronize()
+        self.static.bind_all()
 
     def idle_static(self) -> None:
         """At the end of a component's forward (also one that raised): a static block that compiled code opened and
@@ -301,6 +336,12 @@ class Hooks:
         if self._thread == threading.get_ident():
             for path in [p for p in self._entered if p in self.static.places]:
                 self._close_unit(path)
+        run, self.capture = self.capture, None
+        if run is not None:
+            run.finish()  # the places hold again what they held when the capture started
+            self.captured = True
+        elif self.captured:
+            self._session.fence()  # the session's copies complete before a graph replayed next reads the places
         self.static.unbind_all()
         # The compiled forward's operators moved the version counters of the weights they declare mutated.
         self.static.record()
@@ -450,6 +491,8 @@ class Hooks:
         self.static = StaticPlaces(self._session, self._storages, self._binder, self._sigs, eligible)
         self.static.prime()
         self._key = register(self)
+        if isinstance(self._binder, CudaBinder):
+            self._copy_stream = torch.cuda.Stream(self._binder.device)  # type: ignore[no-untyped-call]  # never while capturing
         self._order = torch.zeros(1, device=self._binder.device)
 
     def restatic(self) -> None:
@@ -479,6 +522,7 @@ class Hooks:
         self.static = None
         self._units.clear()
         self._trace.open = 0
+        self.capture, self.captured, self._copy_stream = None, False, None
 
     def refreshed(self, sids: set[int]) -> None:
         """After a write through the session: its block stacks may be new (every streamed block is bound again at

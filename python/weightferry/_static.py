@@ -71,6 +71,7 @@ class StaticPlaces:
         self.all_bound = False  # whether a component's forward bound them all (bind_all)
         self.tensors: dict[str, list[torch.Tensor]] = {}  # unit path -> the tensor of each of its storages
         self._mirrors: dict[int, torch.Tensor] = {}  # buffer -> its mirror (flat uint8; the sim)
+        self._flats: dict[int, torch.Tensor] = {}  # buffer -> the buffer as flat uint8 (CUDA; captured copies)
 
     def prime(self) -> None:
         """Learns every static block's place (one pass of its hooks, in execution order) and prepares the binding
@@ -82,6 +83,7 @@ class StaticPlaces:
         self._pairs.clear()
         self.tensors.clear()
         self._mirrors.clear()
+        self._flats.clear()
         for stack in self._session.static_stacks():
             for path in stack:
                 residency = self._session.pre_forward(path, True)
@@ -93,6 +95,8 @@ class StaticPlaces:
                 self.offsets[path] = offsets
         if self.mirrored:
             self._make_mirrors()
+        else:
+            self._make_flats()
         # The mirrors are filled as each block lands (its forward); not here, where the places may still be
         # loading the next pass's first blocks.
         for path in self.places:
@@ -110,6 +114,23 @@ class StaticPlaces:
             for sid, off in self.offsets[path]:
                 ends[place.buffer] = max(ends.get(place.buffer, 0), place.base + off + self._storages.nbytes[sid])
         self._mirrors = {buffer: torch.zeros(n, dtype=torch.uint8) for buffer, n in ends.items()}
+
+    def _make_flats(self) -> None:
+        """On CUDA: each place's buffer viewed as flat bytes, made here (outside any capture: viewing a buffer asks
+        the driver about its address), for the copies of a captured forward (:mod:`._capture`)."""
+        import torch
+
+        from ._binders import CudaBinder
+
+        assert isinstance(self._binder, CudaBinder)
+        for buffer in {place.buffer for place in self.places.values()}:
+            flat = torch.empty(0, dtype=torch.uint8, device=self._binder.device)
+            storage = self._binder.storage(buffer)
+            self._flats[buffer] = flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+    def flat(self, buffer: int) -> torch.Tensor:
+        """Device buffer ``buffer`` of a place as flat bytes (CUDA)."""
+        return self._flats[buffer]
 
     def _storage(self, buffer: int, start: int, nbytes: int) -> torch.UntypedStorage:
         """A torch storage of its own over ``nbytes`` at byte ``start`` of device buffer ``buffer``: of its mirror on

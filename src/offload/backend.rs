@@ -130,6 +130,18 @@ impl ModelHook for StackHook {
     }
 }
 
+/// What a captured forward copies for one static unit ([`StreamingBackend::capture_unit`]).
+#[derive(Debug, Clone)]
+pub struct CaptureUnit {
+    /// Where the unit's bytes are now (its slot, loaded or loading, or its resident region), if anywhere:
+    /// `(device buffer, offset)`.
+    pub location: Option<(DeviceBufferId, u64)>,
+    /// Its flat copies from host memory.
+    pub segments: Vec<weightferry_actors::Segment>,
+    /// Whether the disk tier reads it from its file on every pass (no host copy to capture).
+    pub from_disk: bool,
+}
+
 #[derive(Default)]
 struct State {
     units: Option<UnitPlan>,
@@ -369,6 +381,29 @@ impl StreamingBackend {
         let Some(units) = self.state.as_ref().and_then(|st| st.units.as_ref()) else { return Vec::new() };
         let stacks = units.stacks.iter().filter(|sp| sp.static_slots && !sp.allgather);
         stacks.map(|sp| sp.units.iter().map(|u| u.path.clone()).collect()).collect()
+    }
+
+    /// What a captured forward copies for static unit `module` (a unit of a stack with `static_slots`): where its
+    /// bytes are now, and its flat copies (host buffer, offset, length, offset in the block).
+    /// `None` for a module that is no unit of a rank-local static stack. Touches no device: a CUDA graph capture may
+    /// be under way, where a query of an event would end it.
+    pub fn capture_unit(&self, module: &str) -> Option<CaptureUnit> {
+        let st = self.state.as_ref()?;
+        let units = st.units.as_ref()?;
+        for (i, sp) in units.stacks.iter().enumerate() {
+            if !sp.static_slots || sp.allgather {
+                continue;
+            }
+            if let Some(j) = sp.units.iter().position(|u| u.path == module) {
+                let spec = &st.block_specs[i][j];
+                return Some(CaptureUnit {
+                    location: st.stacks[i].location(j).map(|l| (l.buffer, l.offset)),
+                    segments: spec.segments.clone(),
+                    from_disk: !spec.reads.is_empty(),
+                });
+            }
+        }
+        None
     }
 
     /// Discovers, places, builds masters and stacks, installs hooks. Transactional.

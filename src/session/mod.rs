@@ -142,6 +142,11 @@ pub struct SessionOptions {
     pub enable_progress: Option<EnableProgress>,
 }
 
+/// What a captured graph copies for one static unit ([`Session::capture_copies`]): where its bytes are now
+/// (`(device buffer, offset)`, if in a slot or resident), and `(host address, offset in the block, bytes)` of each
+/// flat copy.
+pub type CaptureCopies = (Option<(u64, u64)>, Vec<(u64, u64, u64)>);
+
 /// One offloaded pipeline: its host model (filled by the caller storage by storage, or from a checkpoint), the
 /// backend of its config, the hook registry, and the compute stream the hooks order. Created with the plan already
 /// resolved, so a bad pipeline or config fails before anything is allocated. Dropping it disables the backend and
@@ -557,6 +562,50 @@ impl Session {
         let mut out = vec![0; len as usize];
         sim.read_device(buffer, offset, &mut out).map_err(offload_err)?;
         Ok(out)
+    }
+
+    /// What a captured CUDA graph copies for static unit `module`: where its bytes are now (in its slot, loaded or
+    /// loading, or resident), and `(host address, offset in the block, bytes)` of each flat copy, read from page-locked memory. Touches
+    /// no device (a capture may be under way). Refused for a module that is no unit of a static stack, a unit the
+    /// disk tier reads from its file, pageable masters, and any device but CUDA.
+    pub fn capture_copies(&self, module: &str) -> Result<CaptureCopies, SessionError> {
+        let backend = self.backend.as_ref().ok_or_else(|| SessionError::Offload("nothing is offloaded".into()))?;
+        let unit = backend.capture_unit(module).ok_or_else(|| {
+            SessionError::Offload(format!("'{module}' is no unit of a stack with a static schedule (static_slots)"))
+        })?;
+        if unit.from_disk {
+            return Err(SessionError::Offload(format!(
+                "'{module}' is read from its checkpoint file on every pass (the disk tier), which a CUDA graph cannot \
+                 replay: raise host_budget so it has a host copy, or do not capture"
+            )));
+        }
+        match &self.device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cuda) => {
+                let mut copies = Vec::with_capacity(unit.segments.len());
+                for seg in &unit.segments {
+                    let base = cuda.dma_source(seg.host).ok_or_else(|| {
+                        SessionError::Offload(format!(
+                            "'{module}' is copied from pageable host memory, which a CUDA graph cannot replay: \
+                             enable with pin_memory = true to capture"
+                        ))
+                    })?;
+                    copies.push((base + seg.host_offset, seg.device_offset, seg.len));
+                }
+                Ok((unit.location.map(|(b, o)| (b.0, o)), copies))
+            }
+            _ => Err(SessionError::Offload(
+                "only a CUDA device's copies can be captured in a CUDA graph; the simulated device has none".into(),
+            )),
+        }
+    }
+
+    /// Blocks until every load issued so far and every released slot's last use have completed.
+    pub fn fence(&self) -> Result<(), SessionError> {
+        match &self.backend {
+            Some(b) => b.fence().map_err(offload_err),
+            None => Ok(()),
+        }
     }
 
     /// The device address and size of a CUDA device buffer (the engine views it without a copy). Addresses stay

@@ -289,6 +289,15 @@ impl CudaPlatform {
         self.host.get(buf.0).filter(|h| h.region().is_none()).map(|h| (h.ptr(), h.len()))
     }
 
+    /// The address a device copy may read host buffer `buf` at, if it is page-locked (pinned, or a mapping
+    /// registered with the driver): the source of the copies a captured CUDA graph replays. `None` for an unknown
+    /// handle, pageable memory or an unregistered mapping. The CPU never reads through it.
+    pub fn dma_source(&self, buf: HostBufferId) -> Option<u64> {
+        let h = self.host.get(buf.0)?;
+        let locked = h.kind() == HostMemoryKind::Pinned || (h.region().is_some() && h.is_registered());
+        locked.then(|| h.ptr() as u64)
+    }
+
     /// Measures host-to-device bandwidth in bytes per second: `iters` flat copies of `bytes` from a fresh pinned
     /// buffer into a fresh device buffer on a fresh stream, after one warm-up copy, timed around a stream
     /// synchronise. The buffers count against the capacity while the probe runs and are freed afterwards.

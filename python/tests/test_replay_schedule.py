@@ -1,0 +1,131 @@
+"""The schedule a captured CUDA graph replays (``weightferry._replay``), checked over repeated replays with the order
+checker, and the broken variants it catches (issue 29, Deliver 4). Pure Python: no device."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightferry._replay import Copy, Fork, Join, Op, Ready, ReplayPlan, Use, hazards
+
+
+def _stack(n: int, slots: int, resident: int = 0) -> tuple[list[str], dict[str, int]]:
+    """``n`` blocks, the first ``resident`` each in a place of its own (100 + i), the rest streamed through ``slots``
+    places in the static order (streamed block k in place k mod slots)."""
+    order = [f"b{i}" for i in range(n)]
+    place = {b: (100 + i if i < resident else (i - resident) % slots) for i, b in enumerate(order)}
+    return order, place
+
+
+def _boundary(order: list[str], place: dict[str, int], depth: int) -> dict[int, str]:
+    """What the session's static schedule holds at a pass boundary: each place its last block of the pass, then the
+    next pass's first ``depth`` streamed blocks prefetched over them (the wrap)."""
+    held: dict[int, str] = {}
+    for b in order:
+        held[place[b]] = b
+    streamed = [b for b in order if list(place.values()).count(place[b]) > 1]
+    for b in streamed[:depth]:
+        held[place[b]] = b
+    return held
+
+
+def _pass(plan: ReplayPlan, calls: list[str]) -> list[Op]:
+    ops = plan.start()
+    for b in calls:
+        ops += plan.enter(b)
+        ops += plan.leave(b)
+    return ops + plan.finish()
+
+
+SHAPES = [(4, 2, 0, 1), (6, 3, 0, 2), (6, 2, 0, 1), (8, 4, 2, 3), (57, 3, 0, 2), (5, 5, 0, 4)]
+
+
+@pytest.mark.parametrize("n,slots,resident,depth", SHAPES)
+def test_a_replayed_pass_is_race_free_and_gives_the_places_back(n: int, slots: int, resident: int, depth: int) -> None:
+    order, place = _stack(n, slots, resident)
+    held = _boundary(order, place, depth)
+    ops = _pass(ReplayPlan(order, place, held), order)
+    assert hazards(ops, held, replays=4) == []
+    assert isinstance(ops[0], Fork) and isinstance(ops[-1], Join)
+    uses = [op.block for op in ops if isinstance(op, Use)]
+    assert uses == order
+    # A block is copied once per pass, unless it is held at the start and alone in its place (a resident block, or
+    # a slot of its own): a held block sharing its place is overwritten during the pass and given back by the wrap.
+    copied = [op.block for op in ops if isinstance(op, Copy)]
+    for b in order:
+        alone = list(place.values()).count(place[b]) == 1
+        assert copied.count(b) == (0 if held.get(place[b]) == b and alone else 1), b
+
+
+@pytest.mark.parametrize("n,slots,depth", [(4, 2, 1), (6, 3, 2), (57, 3, 2)])
+def test_copies_run_ahead_of_the_blocks_that_read_them(n: int, slots: int, depth: int) -> None:
+    """In a steady pass no block waits for a copy issued when it opened: each is prefetched while an earlier block
+    runs (the copies overlap compute, as the session's own schedule does)."""
+    order, place = _stack(n, slots)
+    held = _boundary(order, place, depth)
+    plan = ReplayPlan(order, place, held)
+    plan.start()
+    for b in order:
+        issued_at_open = [op for op in plan.enter(b) if isinstance(op, Copy) and op.block == b]
+        assert issued_at_open == [], f"{b} was fetched when it opened"
+        plan.leave(b)
+
+
+def test_any_call_order_is_race_free() -> None:
+    """Blocks called out of the stack's order (an eager forward that skips or reorders blocks) are copied when they
+    open, still ordered behind the last use of what they overwrite."""
+    order, place = _stack(6, 2)
+    held = _boundary(order, place, 1)
+    for calls in (order[::-1], ["b0", "b2", "b4", "b1", "b3", "b5"], ["b3", "b3", "b0"], []):
+        ops = _pass(ReplayPlan(order, place, held), calls)
+        assert hazards(ops, held, replays=3) == [], calls
+
+
+def test_an_empty_start_is_race_free() -> None:
+    """Places the session left empty (nothing held) are filled by the graph and left filled: later replays find the
+    blocks there."""
+    order, place = _stack(6, 3)
+    ops = _pass(ReplayPlan(order, place, {}), order)
+    assert hazards(ops, {}, replays=3) == []
+
+
+@pytest.mark.parametrize("n,slots,depth", [(4, 2, 1), (6, 3, 2), (8, 2, 1)])
+def test_broken_without_the_last_use_wait_is_caught(n: int, slots: int, depth: int) -> None:
+    order, place = _stack(n, slots)
+    held = _boundary(order, place, depth)
+    found = hazards(_pass(ReplayPlan(order, place, held, fault="skip_last_use_wait"), order), held)
+    assert found and all("overwrite-before-last-use" in h for h in found), found
+
+
+@pytest.mark.parametrize("n,slots,depth", [(4, 2, 1), (6, 3, 2), (8, 2, 1)])
+def test_broken_without_the_ready_wait_is_caught(n: int, slots: int, depth: int) -> None:
+    order, place = _stack(n, slots)
+    held = _boundary(order, place, depth)
+    found = hazards(_pass(ReplayPlan(order, place, held, fault="skip_ready_wait"), order), held)
+    assert found and all("read-before-ready" in h for h in found), found
+
+
+def test_broken_without_the_wrap_is_caught() -> None:
+    """A graph that does not give the places back leaves the session's bookkeeping wrong, and its next replay reads
+    the wrong bytes."""
+    order, place = _stack(4, 2)
+    held = _boundary(order, place, 1)
+    found = hazards(_pass(ReplayPlan(order, place, held, fault="skip_wrap"), order), held)
+    assert any("replay-changed-places" in h for h in found), found
+    assert any("read-wrong-block" in h for h in found), found
+
+
+def test_the_checker_flags_hand_written_races() -> None:
+    """The checker itself: a read with no wait for its copy, a copy with no wait for the read it overwrites."""
+    held = {0: "a"}
+    read_early = [Fork(), Copy("b", 0, 1, ()), Use("b", 0, 2), Copy("a", 0, 3, (2,)), Join()]
+    assert hazards(read_early, held, replays=1) == ["replay 0: read-before-ready: b against the copy of b"]
+    overwrite = [Fork(), Use("a", 0, 1), Copy("b", 0, 2, ()), Ready("b", 2), Use("b", 0, 3), Copy("a", 0, 4, (3,))]
+    found = hazards([*overwrite, Join()], held, replays=1)
+    assert found == ["replay 0: overwrite-before-last-use: b over a"]
+    ordered = [Fork(), Use("a", 0, 1), Copy("b", 0, 2, (1,)), Ready("b", 2), Use("b", 0, 3), Copy("a", 0, 4, (3,))]
+    assert hazards([*ordered, Join()], held, replays=3) == []
+
+
+def test_an_unknown_fault_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown fault 'nope'"):
+        ReplayPlan(["a"], {"a": 0}, {}, fault="nope")
