@@ -8,7 +8,9 @@ Variants: ``resident`` (the model on the GPU: the compute term of the bound, and
 (weightferry, every block streamed at prefetch depth K); ``wf_sdK`` (the same with a static schedule,
 ``static_slots``); any variant with ``_c``, ``_ma`` or ``_ro`` appended (``resident_c``, ``wf_sd2_ro``): compiled by
 inductor, ``torch.compile(fullgraph=True)`` in mode ``default``, ``max-autotune-no-cudagraphs`` or ``reduce-overhead``
-(CUDA graphs), compared with the resident model compiled alike and bounded by its step; ``wf_bP``
+(CUDA graphs), compared with the resident model compiled alike and bounded by its step; ``_cg`` (``resident_cg``,
+``wf_sd2_cg``): not compiled, the forward captured whole in one CUDA graph after the warm-up steps (weightferry's
+copies inside it), each timed step a replay; ``wf_bP``
 (weightferry under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps
 every block resident through the hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
@@ -638,8 +640,9 @@ def pin_copy(torch, model, chunk=256 << 20):
     return timed
 
 
-# A compiled variant's suffix and its torch.compile mode (inductor, fullgraph=True).
-COMPILE_MODES = {"_c": "default", "_ma": "max-autotune-no-cudagraphs", "_ro": "reduce-overhead"}
+# A compiled variant's suffix and its torch.compile mode (inductor, fullgraph=True); ``_cg``: not compiled, the
+# forward captured in one CUDA graph (torch.cuda.graph) after the warm-up steps, each timed step a replay.
+COMPILE_MODES = {"_c": "default", "_ma": "max-autotune-no-cudagraphs", "_ro": "reduce-overhead", "_cg": None}
 
 
 def compile_suffix(v):
@@ -657,8 +660,8 @@ def compiled(torch, args, model):
     """``<variant>_c`` / ``_ma`` / ``_ro``: the model compiled by inductor (``torch.compile(fullgraph=True)``, mode
     ``default`` / ``max-autotune-no-cudagraphs`` / ``reduce-overhead``) after it was placed; its first warm-up step
     compiles (``first_warmup_s``)."""
-    suffix = compile_suffix(args.variant)
-    return torch.compile(model, fullgraph=True, mode=COMPILE_MODES[suffix]) if suffix else model
+    mode = COMPILE_MODES.get(compile_suffix(args.variant))
+    return torch.compile(model, fullgraph=True, mode=mode) if mode else model
 
 
 def offload(torch, args, model, spec, weight_bytes, dev, cpu):
@@ -731,6 +734,8 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
                 sync()
                 res["first_warmup_s"] = time.perf_counter() - w0
         sync()
+        if compile_suffix(args.variant) == "_cg":
+            model = captured(torch, inner, x)
         if handle:
             before = handle.stats()
         if cpu:
@@ -749,11 +754,26 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
     return out, before
 
 
+def captured(torch, model, x):
+    """``_cg``: the forward captured in one CUDA graph (weightferry's copies inside it for a ``wf_sd*`` variant); the
+    returned callable replays it and returns the graph's output."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(**x, return_dict=False)
+
+    def replay(**kw):
+        graph.replay()
+        return out
+
+    return replay
+
+
 def wf_results(res, handle, before, steps):
     """What weightferry's stats say about the timed steps: bytes streamed, device bytes, masters, hooks."""
     after = handle.stats()
     streamed = sum(a["h2d_bytes"] for a in after["stacks"]) - sum(b["h2d_bytes"] for b in before["stacks"])
-    res["streamed_per_step"] = streamed / steps
+    # replays of a captured forward copy outside the session's scheduler: its stats count what one replay copies
+    res["streamed_per_step"] = after.get("captured_bytes_per_replay", 0) if after.get("captured") else streamed / steps
     res["wf_device_bytes"] = after.get("fixed_device_bytes", 0) + sum(a.get("device_bytes", 0) for a in after["stacks"])
     keys = ("master_host_bytes", "mapped_host_bytes", "disk_bytes", "staging_host_bytes", "pinned")
     res["wf_stats"] = {k: after[k] for k in keys if k in after}

@@ -140,7 +140,10 @@ def test_a_cuda_graph_captures_the_forward_with_its_copies_and_replays_it_exactl
     with wf.enable({"transformer": model}, config(depth=1 if dtypes == "wan" else 2), device="cuda") as h:
         torch._dynamo.reset()
         fn = torch.compile(model, fullgraph=True) if compiled else model
-        want, want2 = run(fn, x), run(fn, x2)
+        want = run(fn, x)
+        streamed = h.stats()["bytes_streamed"]
+        want2 = run(fn, x2)
+        per_pass = h.stats()["bytes_streamed"] - streamed  # a steady pass of the session's static schedule
         static = {k: v.clone() for k, v in x.items()}
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
@@ -152,6 +155,8 @@ def test_a_cuda_graph_captures_the_forward_with_its_copies_and_replays_it_exactl
             torch.cuda.synchronize()
             assert torch.equal(out.cpu(), want)
         assert loads(h) == start, "replays stream without the session's scheduler"
+        stats = h.stats()
+        assert stats["captured"] and stats["captured_bytes_per_replay"] == per_pass, "the eager pass's copies"
         for k in ("hidden_states", "encoder_hidden_states"):
             static[k].copy_(x2[k])
         graph.replay()
@@ -163,6 +168,8 @@ def test_a_cuda_graph_captures_the_forward_with_its_copies_and_replays_it_exactl
         assert torch.equal(out.cpu(), want2), "a replay after an eager forward"
         del graph
         torch._dynamo.reset()
+        with pytest.warns(wf.WeightferryWarning, match="do not replay them, capture the forward again"):
+            h.disable()
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
 

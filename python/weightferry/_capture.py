@@ -55,6 +55,7 @@ class CaptureRun:
             self._plans.update(dict.fromkeys(stack, plan))
             self._stacks.append(plan)
         self.ops: list[Op] = []  # what was issued, in order
+        self.copied_bytes = 0  # host-to-device bytes one replay copies
         for plan in self._stacks:
             self._issue(plan, plan.start())
 
@@ -132,6 +133,7 @@ class CaptureRun:
                 with torch.cuda.stream(self._copy_stream):
                     for dst, src in self._sources[op.block]:
                         dst.copy_(src, non_blocking=True)
+                        self.copied_bytes += src.numel()
                 self._event(plan, op.event).record(self._copy_stream)
             elif isinstance(op, Ready):
                 self._stream.wait_event(self._event(plan, op.event))

@@ -249,7 +249,9 @@ class Handle:
         ``sync_fetches``), ``hooks`` (the torch hooks' own latency: ``calls``, ``p50_us``, ``p99_us`` over the last
         4096 calls, ``max_us``, ``total_ms``), and ``plan_host``: the host memory the plan predicted before
         anything was allocated (``master_bytes``, ``mapped_bytes``, ``sharded_bytes``, ``pinned``, ``budget``: the
-        ``host_budget`` enable checked it against)."""
+        ``host_budget`` enable checked it against); ``captured``: whether a forward was captured in a CUDA graph
+        (``torch.cuda.graph``) since enable, and ``captured_bytes_per_replay``, the host-to-device bytes a replay of
+        the last one copies (replays do not count in ``stacks``: the session's scheduler does not run in them)."""
         report: dict[str, Any] = json.loads(self._session.report())
         stacks = report.get("stacks", [])
         report["bytes_streamed"] = sum(s.get("h2d_bytes", 0) for s in stacks)
@@ -258,6 +260,8 @@ class Handle:
         report["stalls"] = sum(s.get("sync_fetches", 0) for s in stacks)
         report["hooks"] = self._hooks.clock.summary()
         report["plan_host"] = json.loads(self._session.plan_json())["host"]
+        report["captured"] = self._hooks.captured
+        report["captured_bytes_per_replay"] = self._hooks.captured_bytes
         return report
 
     def retune(

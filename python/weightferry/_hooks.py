@@ -106,6 +106,7 @@ class Hooks:
         # forwards then wait for replays at their edges), and the stream captured copies run on.
         self.capture: CaptureRun | None = None
         self.captured = False
+        self.captured_bytes = 0  # host-to-device bytes a replay of the last captured forward copies
         self._copy_stream: torch.cuda.Stream | None = None
 
     def _idle(self, sid: int) -> None:
@@ -339,7 +340,7 @@ class Hooks:
         run, self.capture = self.capture, None
         if run is not None:
             run.finish()  # the places hold again what they held when the capture started
-            self.captured = True
+            self.captured, self.captured_bytes = True, run.copied_bytes
         elif self.captured:
             self._session.fence()  # the session's copies complete before a graph replayed next reads the places
         self.static.unbind_all()
@@ -500,11 +501,29 @@ class Hooks:
         drops torch.compile's graphs: they were traced over the old places (AOT autograd's handling of tensors that
         share a storage is fixed when it traces, and nothing it guards on tells the new places apart)."""
         if self.static is not None:
+            self._forget_captures("a write or a retune moved the blocks' places")
             self.static.prime()
             reset_compiled()
 
+    def _forget_captures(self, why: str) -> None:
+        """Warns, once a forward was captured in a CUDA graph, that graphs captured before hold device addresses
+        that no longer hold the blocks (``why``), and forgets the capture."""
+        if self.captured:
+            import warnings
+
+            from ._warnings import WeightferryWarning
+
+            warnings.warn(
+                f"{why}: CUDA graphs captured before copy into device memory that no longer holds the blocks; do not "
+                "replay them, capture the forward again",
+                WeightferryWarning,
+                stacklevel=4,
+            )
+            self.captured, self.captured_bytes = False, 0
+
     def remove(self) -> None:
         """Removes every torch hook and forgets the slots."""
+        self._forget_captures("weightferry was disabled")
         if self._torch_hooks:
             reset_compiled()
         while self._torch_hooks:
@@ -522,7 +541,7 @@ class Hooks:
         self.static = None
         self._units.clear()
         self._trace.open = 0
-        self.capture, self.captured, self._copy_stream = None, False, None
+        self.capture, self.captured, self._copy_stream, self.captured_bytes = None, False, None, 0
 
     def refreshed(self, sids: set[int]) -> None:
         """After a write through the session: its block stacks may be new (every streamed block is bound again at
