@@ -107,6 +107,7 @@ class Hooks:
         self.capture: CaptureRun | None = None
         self.captured = False
         self.captured_bytes = 0  # host-to-device bytes a replay of the last captured forward copies
+        self._scheduled = False  # whether the session's scheduler ran in this forward (after a capture: see _sync)
         self._copy_stream: torch.cuda.Stream | None = None
 
     def _idle(self, sid: int) -> None:
@@ -199,6 +200,8 @@ class Hooks:
             return
         if self._stream is not None:
             self._check_stream(self._stream)
+        if self.captured and not self._scheduled:
+            self._sync_with_replays()
         self._enter(path)
         residency = None
         try:
@@ -313,19 +316,24 @@ class Hooks:
             static.poison(path)  # the sim: a read of the block after it closed gives NaN, not its bytes by luck
         self._session.post_forward(path)
 
+    def _sync_with_replays(self) -> None:
+        """Once a graph was captured, before the session's scheduler first runs in a forward: waits on the host for
+        the work on torch's stream (a graph replayed before may still read the places the session's copies are about
+        to fill). The forward's end then waits for the session's copies (:meth:`idle_static`). A forward that only
+        replays, or runs compiled code that cudagraphs replays, never gets here."""
+        import torch
+
+        torch.cuda.current_stream(self._binder.device).synchronize()
+        self._scheduled = True
+
     def bind_static(self) -> None:
         """At the start of a component's forward: every static block's tensors at its place (see :mod:`._static`).
-        A forward being captured in a CUDA graph starts its captured schedule (:mod:`._capture`); once a graph was
-        captured, an eager forward first waits for the work on torch's stream (graph replays read the places the
-        session's copies are about to fill)."""
+        A forward being captured in a CUDA graph starts its captured schedule (:mod:`._capture`)."""
+        self._scheduled = False
         if self.static is None:
             return
         if self._copy_stream is not None and capturing():
             self.capture = CaptureRun(self._session, self.static, self._copy_stream)
-        elif self.captured:
-            import torch
-
-            torch.cuda.current_stream(self._binder.device).synchronize()
         self.static.bind_all()
 
     def idle_static(self) -> None:
@@ -341,8 +349,9 @@ class Hooks:
         if run is not None:
             run.finish()  # the places hold again what they held when the capture started
             self.captured, self.captured_bytes = True, run.copied_bytes
-        elif self.captured:
+        elif self._scheduled:
             self._session.fence()  # the session's copies complete before a graph replayed next reads the places
+            self._scheduled = False
         self.static.unbind_all()
         # The compiled forward's operators moved the version counters of the weights they declare mutated.
         self.static.record()
