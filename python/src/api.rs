@@ -12,7 +12,7 @@ use weightferry::config::OffloadConfig;
 use weightferry::offload::BackendReport;
 use weightferry::pipeline::{PipelineDesc, StorageId};
 use weightferry::plan::report::PlanReport;
-use weightferry::scheduler::{DeviceBufferId, FaultPlan, SimConfig};
+use weightferry::scheduler::{DeviceBufferId, FaultPlan, HostBufferId, SimConfig};
 use weightferry::session::{
     self, CheckpointSource, CollectiveSource, ConfigSource, CudaDevice, LaunchExchange, SessionError,
 };
@@ -465,6 +465,21 @@ impl Session {
     /// What a captured CUDA graph copies for static unit `module` (see [`session::Session::capture_copies`]).
     pub fn capture_copies(&self, module: &str) -> Result<weightferry::session::CaptureCopies, CoreError> {
         Ok(self.inner.capture_copies(module)?)
+    }
+
+    /// The address a CUDA device copy reads host buffer `buffer` at (page-locked memory only).
+    pub fn host_address(&self, buffer: u64) -> Result<u64, CoreError> {
+        Ok(self.inner.host_address(HostBufferId(buffer))?)
+    }
+
+    /// Copies `len` bytes of a simulated host buffer out.
+    pub fn read_host(&self, buffer: u64, offset: u64, len: u64) -> Result<Vec<u8>, CoreError> {
+        Ok(self.inner.read_host(HostBufferId(buffer), offset, len)?)
+    }
+
+    /// Writes `data` into simulated device memory.
+    pub fn write_device(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), CoreError> {
+        Ok(self.inner.write_device(DeviceBufferId(buffer), offset, data)?)
     }
 
     /// Blocks until every load issued so far and every released slot's last use have completed.

@@ -319,9 +319,25 @@ impl PySession {
     }
 
     /// What a captured CUDA graph copies for static unit `module`: where its bytes are now (`(buffer, offset)`, if
-    /// anywhere), and `(host address, offset in the block, bytes)` of each flat copy, from page-locked memory. Touches no device.
+    /// anywhere), and `(host buffer, offset in it, offset in the block, bytes)` of each flat copy. Touches no device.
     fn capture_copies(&self, py: Python<'_>, module: &str) -> PyResult<weightferry::session::CaptureCopies> {
         self.run(py, "Session.capture_copies", |s| s.capture_copies(module))
+    }
+
+    /// The address a CUDA device copy reads host buffer `buffer` at (page-locked memory only).
+    fn host_address(&self, py: Python<'_>, buffer: u64) -> PyResult<u64> {
+        self.run(py, "Session.host_address", |s| s.host_address(buffer))
+    }
+
+    /// A copy of `len` bytes of a simulated host buffer, as a `bytearray`.
+    fn read_host<'py>(&self, py: Python<'py>, buffer: u64, offset: u64, len: u64) -> PyResult<Bound<'py, PyByteArray>> {
+        let bytes = self.run(py, "Session.read_host", |s| s.read_host(buffer, offset, len))?;
+        Ok(PyByteArray::new(py, &bytes))
+    }
+
+    /// Writes `data` into simulated device memory at `offset` of `buffer`.
+    fn write_device(&self, py: Python<'_>, buffer: u64, offset: u64, data: &[u8]) -> PyResult<()> {
+        self.run(py, "Session.write_device", |s| s.write_device(buffer, offset, data))
     }
 
     /// Blocks until every load issued so far and every released slot's last use have completed.

@@ -1,10 +1,20 @@
 """The schedule a captured CUDA graph replays (``weightferry._replay``), checked over repeated replays with the order
-checker, and the broken variants it catches (issue 29, Deliver 4). Pure Python: no device."""
+checker, and the broken variants it catches (issue 29, Deliver 4); and a whole capture on the simulated device
+(``weightferry._capture.simulated_capture``): the schedule recorded from a forward's hooks, eager or compiled, replayed
+against the simulated device's memory around forwards of the model, exact, and leaving the session's own schedule
+true (an eager forward after replays, and replays after it, exact), with the broken wrap caught by the bytes."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+import functools
 
+import pytest
+import torch
+from test_static_compile import config, loads, model_and_inputs, run
+
+import weightferry as wf
+from weightferry import _capture
 from weightferry._replay import Copy, Fork, Join, Op, Ready, ReplayPlan, Use, hazards
 
 
@@ -129,3 +139,68 @@ def test_the_checker_flags_hand_written_races() -> None:
 def test_an_unknown_fault_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown fault 'nope'"):
         ReplayPlan(["a"], {"a": 0}, {}, fault="nope")
+
+
+def _captured(h, fn, x):
+    with _capture.simulated_capture(h._hooks) as cap:
+        run(fn, x)
+    return cap
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+@pytest.mark.parametrize("dtypes", ["float32", "mixed", "wan"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_simulated_capture_replays_exactly_and_leaves_the_session_true(dtypes, compiled):
+    model, x = model_and_inputs(dtypes)
+    x2 = {k: (v * 0.5 if k in ("hidden_states", "encoder_hidden_states") else v) for k, v in x.items()}
+    resident = copy.deepcopy(model)
+    want, want2 = run(resident, x), run(resident, x2)
+    with wf.enable({"transformer": model}, config(depth=1 if dtypes == "wan" else 2), device="sim") as h:
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+        assert torch.equal(run(fn, x), want)
+        streamed = h.stats()["bytes_streamed"]
+        assert torch.equal(run(fn, x2), want2)
+        per_pass = h.stats()["bytes_streamed"] - streamed
+        cap = _captured(h, fn, x)
+        start = loads(h)
+        for _ in range(3):
+            assert torch.equal(cap.replay(h._hooks, lambda: run(fn, x)), want)
+        assert loads(h) == start, "replays run without the session's scheduler"
+        assert h.stats()["captured_bytes_per_replay"] == per_pass, "a replay copies what an eager pass does"
+        assert torch.equal(cap.replay(h._hooks, lambda: run(fn, x2)), want2)
+        assert torch.equal(run(fn, x), want), "an eager forward after replays: the session's places are true"
+        assert torch.equal(cap.replay(h._hooks, lambda: run(fn, x2)), want2), "a replay after an eager forward"
+        assert h._session.hazard_violations() == []
+        torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+def test_a_simulated_capture_without_the_wrap_is_caught_by_the_bytes(monkeypatch):
+    """The broken variant: a graph that does not give the places back. Its replays and the eager forward after
+    them read blocks of the previous pass where the session expects the next pass's first ones."""
+    model, x = model_and_inputs("float32")
+    want = run(copy.deepcopy(model), x)
+    with wf.enable({"transformer": model}, config(), device="sim") as h:
+        run(model, x)
+        monkeypatch.setattr(_capture, "ReplayPlan", functools.partial(ReplayPlan, fault="skip_wrap"))
+        cap = _captured(h, model, x)
+        outs = [cap.replay(h._hooks, lambda: run(model, x)) for _ in range(2)] + [run(model, x)]
+        assert not all(torch.equal(out, want) for out in outs)
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+def test_a_replay_of_another_forward_is_refused_by_name():
+    model, x = model_and_inputs("float32")
+    want = run(copy.deepcopy(model), x)
+    with wf.enable({"transformer": model}, config(), device="sim") as h:
+        run(model, x)
+        cap = _captured(h, model, x)
+        blocks = model.transformer_blocks
+        model.transformer_blocks = torch.nn.ModuleList(list(blocks)[1:])  # a forward that skips block 0
+        with pytest.raises(wf.OffloadError, match=r"reached enter 'transformer.transformer_blocks.1' where the "
+                           r"captured forward reached enter 'transformer.transformer_blocks.0'"):
+            cap.replay(h._hooks, lambda: run(model, x))
+        model.transformer_blocks = blocks
+        assert not h._hooks.busy()
+        assert torch.equal(cap.replay(h._hooks, lambda: run(model, x)), want), "the graph still replays"

@@ -158,10 +158,19 @@ class Session:
     def device_ptr(self, buffer: int) -> tuple[int, int]:
         """``(device address, bytes)`` of a CUDA device buffer."""
 
-    def capture_copies(self, module: str) -> tuple[tuple[int, int] | None, list[tuple[int, int, int]]]:
+    def capture_copies(self, module: str) -> tuple[tuple[int, int] | None, list[tuple[int, int, int, int]]]:
         """What a captured CUDA graph copies for static unit ``module``: ``(buffer, offset)`` of its bytes now (in its
-        slot or resident; ``None`` if nowhere), and
-        ``(host address, offset in the block, bytes)`` of each flat copy, from page-locked memory."""
+        slot or resident; ``None`` if nowhere), and ``(host buffer, offset in it, offset in the block, bytes)`` of
+        each flat copy."""
+
+    def host_address(self, buffer: int) -> int:
+        """The address a CUDA device copy reads host buffer ``buffer`` at (page-locked memory only)."""
+
+    def read_host(self, buffer: int, offset: int, len: int) -> bytearray:
+        """A copy of ``len`` bytes of a simulated host buffer."""
+
+    def write_device(self, buffer: int, offset: int, data: bytes) -> None:
+        """Writes ``data`` into simulated device memory at ``offset`` of ``buffer``."""
 
     def fence(self) -> None:
         """Blocks until every load issued so far and every released slot's last use have completed."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
 from ._binders import Binder, CudaBinder, Rebinding
-from ._capture import CaptureRun, capturing
+from ._capture import CaptureRun, CudaEmitter, SimGraph, SimRecorder, capturing
 from ._clock import HookClock
 from ._compiler import compiler_disabled, reset_compiled
 from ._grad import inference_only
@@ -104,7 +104,8 @@ class Hooks:
         self._units: list[str] = []  # the operators' unit numbers -> unit paths
         # A CUDA graph capture of a forward under way (_capture), whether one was captured since enable (eager
         # forwards then wait for replays at their edges), and the stream captured copies run on.
-        self.capture: CaptureRun | None = None
+        self.capture: CaptureRun | SimGraph | None = None
+        self.simulate: Any = None  # the sim: a capture to record (_capture.simulated_capture), or a graph to replay
         self.captured = False
         self.captured_bytes = 0  # host-to-device bytes a replay of the last captured forward copies
         self._scheduled = False  # whether the session's scheduler ran in this forward (after a capture: see _sync)
@@ -321,10 +322,15 @@ class Hooks:
         the work on torch's stream (a graph replayed before may still read the places the session's copies are about
         to fill). The forward's end then waits for the session's copies (:meth:`idle_static`). A forward that only
         replays, or runs compiled code that cudagraphs replays, never gets here."""
-        import torch
+        if isinstance(self._binder, CudaBinder):  # the sim's replays are synchronous
+            import torch
 
-        torch.cuda.current_stream(self._binder.device).synchronize()
+            torch.cuda.current_stream(self._binder.device).synchronize()
         self._scheduled = True
+
+    def session_fence(self) -> None:
+        """Waits until every copy and read of the session's slots completed."""
+        self._session.fence()
 
     def bind_static(self) -> None:
         """At the start of a component's forward: every static block's tensors at its place (see :mod:`._static`).
@@ -333,7 +339,13 @@ class Hooks:
         if self.static is None:
             return
         if self._copy_stream is not None and capturing():
-            self.capture = CaptureRun(self._session, self.static, self._copy_stream)
+            emitter = CudaEmitter(self._session, self.static, self._copy_stream)
+            self.capture = CaptureRun(self._session, self.static, emitter)
+        elif isinstance(self.simulate, SimGraph):
+            self.capture = self.simulate
+            self.simulate.begin()
+        elif self.simulate is not None:
+            self.capture = CaptureRun(self._session, self.static, SimRecorder())
         self.static.bind_all()
 
     def idle_static(self) -> None:
@@ -349,6 +361,8 @@ class Hooks:
         if run is not None:
             run.finish()  # the places hold again what they held when the capture started
             self.captured, self.captured_bytes = True, run.copied_bytes
+            if isinstance(run, CaptureRun) and isinstance(run.emitter, SimRecorder) and self.simulate is not None:
+                self.simulate.graph = SimGraph(self._session, self.static, run.emitter, run.copied_bytes)
         elif self._scheduled:
             self._session.fence()  # the session's copies complete before a graph replayed next reads the places
             self._scheduled = False

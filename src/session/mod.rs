@@ -75,7 +75,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use weightferry_actors::collective_actor::CollectiveFactory;
-use weightferry_actors::platform::{DeviceBufferId, Platform, PlatformRef, StreamId};
+use weightferry_actors::platform::{DeviceBufferId, HostBufferId, Platform, PlatformRef, StreamId};
 use weightferry_actors::OrderingFault;
 
 /// A checkpoint the session reads a component's weights from: the description's tensor `<component>.K` is the
@@ -143,9 +143,9 @@ pub struct SessionOptions {
 }
 
 /// What a captured graph copies for one static unit ([`Session::capture_copies`]): where its bytes are now
-/// (`(device buffer, offset)`, if in a slot or resident), and `(host address, offset in the block, bytes)` of each
-/// flat copy.
-pub type CaptureCopies = (Option<(u64, u64)>, Vec<(u64, u64, u64)>);
+/// (`(device buffer, offset)`, if in a slot or resident), and `(host buffer, offset in it, offset in the block,
+/// bytes)` of each flat copy.
+pub type CaptureCopies = (Option<(u64, u64)>, Vec<(u64, u64, u64, u64)>);
 
 /// One offloaded pipeline: its host model (filled by the caller storage by storage, or from a checkpoint), the
 /// backend of its config, the hook registry, and the compute stream the hooks order. Created with the plan already
@@ -565,9 +565,9 @@ impl Session {
     }
 
     /// What a captured CUDA graph copies for static unit `module`: where its bytes are now (in its slot, loaded or
-    /// loading, or resident), and `(host address, offset in the block, bytes)` of each flat copy, read from page-locked memory. Touches
-    /// no device (a capture may be under way). Refused for a module that is no unit of a static stack, a unit the
-    /// disk tier reads from its file, pageable masters, and any device but CUDA.
+    /// loading, or resident), and `(host buffer, offset in it, offset in the block, bytes)` of each flat copy.
+    /// Touches no device (a capture may be under way). Refused for a module that is no unit of a static stack and a
+    /// unit the disk tier reads from its file.
     pub fn capture_copies(&self, module: &str) -> Result<CaptureCopies, SessionError> {
         let backend = self.backend.as_ref().ok_or_else(|| SessionError::Offload("nothing is offloaded".into()))?;
         let unit = backend.capture_unit(module).ok_or_else(|| {
@@ -579,25 +579,56 @@ impl Session {
                  replay: raise host_budget so it has a host copy, or do not capture"
             )));
         }
+        let copies = unit.segments.iter().map(|s| (s.host.0, s.host_offset, s.device_offset, s.len)).collect();
+        Ok((unit.location.map(|(b, o)| (b.0, o)), copies))
+    }
+
+    /// The address a device copy reads host buffer `buffer` at (CUDA), for a captured graph's copies: refused for
+    /// pageable memory, which a graph cannot copy from, and on the simulated device (use [`Self::read_host`]).
+    pub fn host_address(&self, buffer: HostBufferId) -> Result<u64, SessionError> {
         match &self.device {
             #[cfg(feature = "cuda")]
-            Device::Cuda(cuda) => {
-                let mut copies = Vec::with_capacity(unit.segments.len());
-                for seg in &unit.segments {
-                    let base = cuda.dma_source(seg.host).ok_or_else(|| {
-                        SessionError::Offload(format!(
-                            "'{module}' is copied from pageable host memory, which a CUDA graph cannot replay: \
-                             enable with pin_memory = true to capture"
-                        ))
-                    })?;
-                    copies.push((base + seg.host_offset, seg.device_offset, seg.len));
-                }
-                Ok((unit.location.map(|(b, o)| (b.0, o)), copies))
+            Device::Cuda(cuda) => cuda.dma_source(buffer).ok_or_else(|| {
+                SessionError::Offload(
+                    "a block is copied from pageable host memory, which a CUDA graph cannot replay: enable with \
+                     pin_memory = true to capture"
+                        .into(),
+                )
+            }),
+            _ => {
+                let _ = buffer;
+                Err(SessionError::Offload(
+                    "host_address is for CUDA devices; on the simulated device use read_host".into(),
+                ))
             }
-            _ => Err(SessionError::Offload(
-                "only a CUDA device's copies can be captured in a CUDA graph; the simulated device has none".into(),
-            )),
         }
+    }
+
+    /// Copies `len` bytes of host buffer `buffer` at `offset` out (the simulated device: what a simulated capture's
+    /// replay copies).
+    pub fn read_host(&self, buffer: HostBufferId, offset: u64, len: u64) -> Result<Vec<u8>, SessionError> {
+        let Some(sim) = self.device.sim() else {
+            return Err(SessionError::Offload("read_host reads the simulated device's host memory only".into()));
+        };
+        let (size, _) = sim.host_buffer_info(buffer).map_err(offload_err)?;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(SessionError::Offload(format!(
+                "host read {offset}+{len} exceeds host buffer {} of {size} bytes",
+                buffer.0
+            )));
+        }
+        let mut out = vec![0; len as usize];
+        sim.read_host(buffer, offset, &mut out).map_err(offload_err)?;
+        Ok(out)
+    }
+
+    /// Writes `data` into simulated device memory at `offset` of `buffer`, synchronously (a simulated capture's
+    /// replay; checked by the hazard detector like any host access).
+    pub fn write_device(&self, buffer: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), SessionError> {
+        let Some(sim) = self.device.sim() else {
+            return Err(SessionError::Offload("write_device writes the simulated device only".into()));
+        };
+        sim.write_device(buffer, offset, data).map_err(offload_err)
     }
 
     /// Blocks until every load issued so far and every released slot's last use have completed.
