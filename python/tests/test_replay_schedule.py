@@ -98,20 +98,15 @@ def test_an_empty_start_is_race_free() -> None:
     assert hazards(ops, {}, replays=3) == []
 
 
+@pytest.mark.parametrize("fault,hazard", [("skip_last_use_wait", "overwrite-before-last-use"),
+                                          ("skip_ready_wait", "read-before-ready")])
 @pytest.mark.parametrize("n,slots,depth", [(4, 2, 1), (6, 3, 2), (8, 2, 1)])
-def test_broken_without_the_last_use_wait_is_caught(n: int, slots: int, depth: int) -> None:
+def test_broken_waits_are_caught(n: int, slots: int, depth: int, fault: str, hazard: str) -> None:
+    """Without the wait for the last use of what a copy overwrites, or without the wait for a block's own copy."""
     order, place = _stack(n, slots)
     held = _boundary(order, place, depth)
-    found = hazards(_pass(ReplayPlan(order, place, held, fault="skip_last_use_wait"), order), held)
-    assert found and all("overwrite-before-last-use" in h for h in found), found
-
-
-@pytest.mark.parametrize("n,slots,depth", [(4, 2, 1), (6, 3, 2), (8, 2, 1)])
-def test_broken_without_the_ready_wait_is_caught(n: int, slots: int, depth: int) -> None:
-    order, place = _stack(n, slots)
-    held = _boundary(order, place, depth)
-    found = hazards(_pass(ReplayPlan(order, place, held, fault="skip_ready_wait"), order), held)
-    assert found and all("read-before-ready" in h for h in found), found
+    found = hazards(_pass(ReplayPlan(order, place, held, fault=fault), order), held)
+    assert found and all(hazard in h for h in found), found
 
 
 def test_broken_without_the_wrap_is_caught() -> None:

@@ -142,6 +142,17 @@ pub struct SessionOptions {
     pub enable_progress: Option<EnableProgress>,
 }
 
+/// The length of a read of `len` bytes at `offset` of a `kind` buffer of `size` bytes, checked before anything is
+/// allocated.
+fn read_len(kind: &str, buffer: u64, offset: u64, len: u64, size: u64) -> Result<usize, SessionError> {
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(SessionError::Offload(format!(
+            "{kind} read {offset}+{len} exceeds {kind} buffer {buffer} of {size} bytes"
+        )));
+    }
+    usize::try_from(len).map_err(|_| SessionError::Offload(format!("{kind} read of {len} bytes")))
+}
+
 /// What a captured graph copies for one static unit ([`Session::capture_copies`]): where its bytes are now
 /// (`(device buffer, offset)`, if in a slot or resident), and `(host buffer, offset in it, offset in the block,
 /// bytes)` of each flat copy.
@@ -553,13 +564,7 @@ impl Session {
             ));
         };
         let size = sim.device_buffer_len(buffer).map_err(offload_err)?;
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(SessionError::Offload(format!(
-                "device read {offset}+{len} exceeds device buffer {} of {size} bytes",
-                buffer.0
-            )));
-        }
-        let mut out = vec![0; len as usize];
+        let mut out = vec![0; read_len("device", buffer.0, offset, len, size)?];
         sim.read_device(buffer, offset, &mut out).map_err(offload_err)?;
         Ok(out)
     }
@@ -611,13 +616,7 @@ impl Session {
             return Err(SessionError::Offload("read_host reads the simulated device's host memory only".into()));
         };
         let (size, _) = sim.host_buffer_info(buffer).map_err(offload_err)?;
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(SessionError::Offload(format!(
-                "host read {offset}+{len} exceeds host buffer {} of {size} bytes",
-                buffer.0
-            )));
-        }
-        let mut out = vec![0; len as usize];
+        let mut out = vec![0; read_len("host", buffer.0, offset, len, size)?];
         sim.read_host(buffer, offset, &mut out).map_err(offload_err)?;
         Ok(out)
     }
