@@ -77,6 +77,25 @@ def torchao_model(name, config):
     return model, {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
 
 
+GPU_ONLY_AO = {
+    # torchao's int4 weight-only needs CUDA's tile packing on this torchao (its plain packing needs `mslk`), and
+    # float8 dynamic activations need compute capability 8.9 or later: quantized on the GPU, then kept on the CPU.
+    "Int4WeightOnlyConfig": {"group_size": 32, "int4_packing_format": "tile_packed_to_4d"},
+    "Float8DynamicActivationFloat8WeightConfig": {},
+}
+
+
+def torchao_gpu_model(name, config):
+    """``(model, inputs)``: the tiny model ``name`` in bf16 quantized on CUDA device 0 by torchao with the config class
+    named ``config`` (one of :data:`GPU_ONLY_AO`, formats without a CPU build), then moved back to the CPU."""
+    import torchao.quantization as ao
+
+    model, x, _ = MODELS[name]()
+    model = model.to(device="cuda", dtype=BF16)
+    ao.quantize_(model, getattr(ao, config)(**GPU_ONLY_AO[config]))
+    return model.cpu(), {k: v.to(BF16) if v.is_floating_point() else v for k, v in x.items()}
+
+
 def layerwise_cast_model(name):
     """``(model, inputs)``: the tiny model ``name`` in bf16 with diffusers' layerwise casting (weights stored in
     float8_e4m3fn, each layer cast to bf16 for its forward); each call builds a new model object."""

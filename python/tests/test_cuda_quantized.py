@@ -1,13 +1,14 @@
 """Quantized models offloaded on ``device="cuda"`` (skipped without a GPU; CI has none, the lent H200 runs them):
 tiny diffusers Flux transformers from a GGUF file (diffusers' GGUF quantizer), quantized by torchao (int8 and
-float8 weight-only) and by bitsandbytes (NF4, with and without nested scales), offloaded layerwise and under a
-budget, equal the same quantized model resident on the GPU bit for bit; a torchao weight (a wrapper subclass streamed
-by its parts) and a 4-bit weight's quant_state tensors report the GPU while its block runs, and every weight is back
-on the CPU, bit-identical, after disable."""
+float8 weight-only; int4 weight-only and float8 dynamic, which torchao quantizes only on the GPU) and by
+bitsandbytes (NF4, with and without nested scales), offloaded layerwise and under a budget, equal the same quantized
+model resident on the GPU bit for bit; a torchao weight (a wrapper subclass streamed by its parts) and a 4-bit
+weight's quant_state tensors report the GPU while its block runs, and every weight is back on the CPU,
+bit-identical, after disable."""
 
 import pytest
 import torch
-from quantized import bnb_model, gguf_model, parts, state_tensors, torchao_model, weights
+from quantized import bnb_model, gguf_model, parts, state_tensors, torchao_gpu_model, torchao_model, weights
 from test_diffusers import layer
 from test_quantized import budget
 
@@ -17,12 +18,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 CUDA = torch.device("cuda", 0)
 MODELS = [("gguf", "Q8_0"), ("torchao", "Int8WeightOnlyConfig"), ("torchao", "Float8WeightOnlyConfig"),
-          ("bnb", "nf4"), ("bnb", "nested")]
+          ("bnb", "nf4"), ("bnb", "nested"), ("torchao-gpu", "Int4WeightOnlyConfig"),
+          ("torchao-gpu", "Float8DynamicActivationFloat8WeightConfig")]
 
 
 def build(kind, variant, folder):
     if kind == "bnb":  # quantized by bitsandbytes on the CPU, its kernels run on the GPU
         return bnb_model("flux", nested=variant == "nested")
+    if kind == "torchao-gpu":  # formats torchao quantizes only on the GPU (int4, float8 dynamic)
+        return torchao_gpu_model("flux", variant)
     return gguf_model("flux", variant, folder) if kind == "gguf" else torchao_model("flux", variant)
 
 
