@@ -91,17 +91,19 @@ def test_views_are_made_once_per_block_and_slot_and_tensors_are_empty_between_fo
         assert w.device == CUDA and w.numel() == 0, "between forwards: an empty placeholder on the device"
 
 
-def test_a_forward_on_another_stream_is_refused():
+def test_a_forward_on_another_stream_is_ordered_with_the_enable_stream_and_exact():
+    # The session orders its copies on the stream weightferry was enabled on; a forward on a side stream (as CUDA
+    # graph trees warm up on) is bridged to it by events around each block: the outputs equal the resident run's,
+    # and forwards on the enabling stream after it too.
+    want = resident()
     p = pipe()
     with wf.enable(p, layer(1), device="cuda"):
         side = torch.cuda.Stream()
-        x = torch.zeros(2, 5, 16, dtype=BF16, device=CUDA)
-        with torch.cuda.stream(side), torch.no_grad(), pytest.raises(wf.OffloadError) as e:
-            p.transformer(x)
-        assert "weightferry was enabled on stream" in str(e.value)
-        assert "run the pipeline on that stream" in str(e.value)
-        # The failed forward released its block: the pipeline still runs on the enabling stream.
-        assert_outputs_equal(run_on(p, CUDA), resident())
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = run_on(p, CUDA)
+        assert_outputs_equal(got, want)
+        assert_outputs_equal(run_on(p, CUDA), want)
 
 
 def test_tensors_already_on_the_gpu_are_refused_before_anything_moves():

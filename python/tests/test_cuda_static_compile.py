@@ -67,24 +67,36 @@ def test_inductor_fullgraph_streams_every_block_the_same_bytes_every_pass(dtypes
 
 
 @pytest.mark.parametrize("dtypes", ["float32", "mixed"])
-def test_reduce_overhead_replays_cuda_graphs_between_the_operators_exactly(dtypes):
-    # mode="reduce-overhead": the operators are tagged cudagraph_unsafe, so inductor captures the blocks' kernels in
-    # CUDA graphs between them and runs the operators (the copies' scheduling) outside, on the enable stream. Replayed
-    # pass after pass, the output is the resident model's compiled (without graphs) with the same block edges, every
-    # block streamed.
+@pytest.mark.parametrize("full", [True, False], ids=["fullgraph", "breakable"])
+def test_reduce_overhead_captures_the_streaming_forward_and_replays_it_exactly(dtypes, full):
+    # mode="reduce-overhead". fullgraph=True: the operators are the pair CUDA graph trees record (_traced), so the
+    # first call warms up (the session's scheduler, bridged from the trees' stream to the enable stream), the second
+    # records one graph with the copies inside (the captured schedule starts at the first block and finishes at the
+    # last), and every later call replays it: no session load. Without fullgraph: the operators tagged
+    # cudagraph_unsafe, the graphs between them, every block loaded by the session each call. Output: the resident
+    # model's compiled (without graphs) with the same block edges, every call.
     model, x = on_cuda(dtypes)
     torch._dynamo.reset()
     want = run(torch.compile(block_edges(model), fullgraph=True), x)
     model.cpu()
     with wf.enable({"transformer": model}, config(), device="cuda") as h:
         torch._dynamo.reset()
-        compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        compiled = torch.compile(model, fullgraph=full, mode="reduce-overhead")
         blocks = len(h._storages.streamed_by)
-        for _ in range(4):
+        per_call = []
+        for _ in range(5):
             start = loads(h)
             torch.compiler.cudagraph_mark_step_begin()
             assert torch.equal(run(compiled, x), want)
-            assert loads(h) - start >= blocks - 2
+            per_call.append(loads(h) - start)
+        if full:
+            assert h._hooks.captured and per_call[2:] == [0, 0, 0], per_call
+            assert per_call[0] >= blocks - 2, per_call
+            assert torch.equal(run(model, x), want), "an eager forward after replays"
+            torch.compiler.cudagraph_mark_step_begin()
+            assert torch.equal(run(compiled, x), want), "a replay after an eager forward"
+        else:
+            assert not h._hooks.captured and all(n >= blocks - 2 for n in per_call), per_call
         torch._dynamo.reset()
 
 

@@ -199,3 +199,63 @@ def test_a_replay_of_another_forward_is_refused_by_name():
         model.transformer_blocks = blocks
         assert not h._hooks.busy()
         assert torch.equal(cap.replay(h._hooks, lambda: run(model, x)), want), "the graph still replays"
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+@pytest.mark.parametrize("dtypes", ["float32", "wan"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_capture_that_starts_at_the_first_block_finishes_at_the_last_and_replays_exactly(dtypes, compiled):
+    # Inductor's CUDA graph trees capture inside the compiled call, after the component's hooks ran, and end the
+    # capture when the call returns: the captured schedule starts at the first static block and finishes (the wrap,
+    # the join) when the last block of every stack closes, before the component's forward ends.
+    model, x = model_and_inputs(dtypes)
+    want = run(copy.deepcopy(model), x)
+    with wf.enable({"transformer": model}, config(depth=1 if dtypes == "wan" else 2), device="sim") as h:
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+        streamed = h.stats()["bytes_streamed"]
+        assert torch.equal(run(fn, x), want)
+        per_pass = h.stats()["bytes_streamed"] - streamed
+        at_end = []
+        idle = h._hooks.idle_static
+        h._hooks.idle_static = lambda: (at_end.append((h._hooks.capture, h._hooks.captured)), idle())[1]
+        with _capture.simulated_capture(h._hooks, inside=True) as cap:
+            run(fn, x)
+        del h._hooks.idle_static
+        assert at_end == [(None, True)], "finished at the last block's close, inside the capture"
+        assert cap.graph is not None and cap.graph._segments[0][:2] == ("start", "")
+        start = loads(h)
+        for _ in range(2):
+            assert torch.equal(cap.replay(h._hooks, lambda: run(fn, x)), want)
+        assert loads(h) == start
+        assert h.stats()["captured_bytes_per_replay"] == per_pass
+        assert torch.equal(run(fn, x), want), "an eager forward after replays"
+        assert h._session.hazard_violations() == []
+        torch._dynamo.reset()
+
+
+def test_a_whole_trace_calls_the_operators_cuda_graphs_may_record_and_a_broken_one_those_they_leave_out():
+    # torch.compile(fullgraph=True): no graph break can split the forward's blocks over two CUDA graphs, so the
+    # operators are the untagged pair inductor's CUDA graph trees record (mode="reduce-overhead" captures the copies
+    # inside one graph); without fullgraph the pair tagged cudagraph_unsafe, which runs between the graphs.
+    model, x = model_and_inputs("float32")
+    want = run(copy.deepcopy(model), x)
+    seen: dict[bool, list[str]] = {}
+
+    def backend(full):
+        def compile_graph(gm, example):
+            seen.setdefault(full, []).extend(str(n.target) for n in gm.graph.nodes if "weightferry" in str(n.target))
+            return gm.forward
+        return compile_graph
+
+    with wf.enable({"transformer": model}, config(), device="sim"):
+        for full in (True, False):
+            torch._dynamo.reset()
+            assert torch.equal(run(torch.compile(model, fullgraph=full, backend=backend(full)), x), want)
+        torch._dynamo.reset()
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    assert sorted(set(seen[True])) == ["weightferry.enter_in_graph", "weightferry.leave_in_graph"]
+    assert sorted(set(seen[False])) == ["weightferry.enter", "weightferry.leave"]
+    assert len(seen[True]) == len(seen[False]) == 2 * blocks
+    assert torch.Tag.cudagraph_unsafe in torch.ops.weightferry.enter.default.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.weightferry.enter_in_graph.default.tags

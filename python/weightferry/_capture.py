@@ -72,6 +72,7 @@ class CaptureRun:
             self._plans.update(dict.fromkeys(stack, plan))
             self._stacks.append(plan)
         self.copied_bytes = 0  # host-to-device bytes one replay copies
+        self._ends = {stack[-1] for stack in session.static_stacks() if stack}  # last blocks not closed yet
         emitter.mark("start", "")
         for plan in self._stacks:
             self._issue(plan, plan.start())
@@ -112,6 +113,13 @@ class CaptureRun:
         plan = self._owner(path)
         self.emitter.mark("leave", path)
         self._issue(plan, plan.leave(path))
+        self._ends.discard(path)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the last block of every static stack closed: the forward's streaming is over, and the run can
+        finish while the capture still records (CUDA graph trees end it when the compiled call returns)."""
+        return not self._ends
 
     def finish(self) -> None:
         """The forward ends: the wrap copies, the join of the copy stream."""
@@ -261,6 +269,11 @@ class SimGraph:
         self._step("leave", path)
         self._static.poison(path)
 
+    @property
+    def complete(self) -> bool:
+        """Whether the recorded forward's finish is next (as :attr:`CaptureRun.complete`)."""
+        return self._next < len(self._segments) and self._segments[self._next][0] == "finish"
+
     def finish(self) -> None:
         if self._next <= len(self._segments):  # not after a divergence already refused
             self._step("finish", "")
@@ -269,8 +282,9 @@ class SimGraph:
 class _Simulated:
     """What :func:`simulated_capture` gives: the recorded graph, once the captured forward ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, inside: bool = False) -> None:
         self.graph: SimGraph | None = None
+        self.inside = inside  # the capture starts at the first static block, not with the component's forward
 
     def replay(self, hooks: Any, forward: Callable[[], Any]) -> Any:
         """Runs ``forward`` (a forward of the captured component) as a replay of the graph; returns its output."""
@@ -284,14 +298,15 @@ class _Simulated:
 
 
 @contextmanager
-def simulated_capture(hooks: Any) -> Iterator[_Simulated]:
+def simulated_capture(hooks: Any, inside: bool = False) -> Iterator[_Simulated]:
     """On the simulated device: the component forward run inside the ``with`` block is captured (its schedule
     recorded, nothing of the session run); the result's ``replay(hooks, forward)`` replays it (see the module doc).
-    A test aid: the simulated device has no CUDA graphs."""
+    ``inside``: the capture starts at the forward's first static block, as inductor's CUDA graph trees capture
+    inside the compiled call, after the component's hooks ran. A test aid: the simulated device has no CUDA graphs."""
     if not getattr(hooks.static, "mirrored", False):
         raise _core.OffloadError("simulated_capture needs a static schedule on the simulated device")
     hooks.session_fence()  # as torch.cuda.graph synchronises the device before it captures
-    result = _Simulated()
+    result = _Simulated(inside)
     hooks.simulate = result
     try:
         yield result

@@ -24,7 +24,8 @@ from ._grad import inference_only
 from ._outside import Unit, hook_outside_calls
 from ._static import StaticPlaces
 from ._storages import tensors_over
-from ._traced import TraceState, ops, output_tensors, register, unregister
+from ._streams import StreamBridge
+from ._traced import TraceState, ops, output_tensors, register, unregister, whole_trace
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +77,8 @@ class Hooks:
         self._storages = storages
         self._binder = binder
         self._modules = modules  # module path -> nn.Module
-        self._stream = stream
+        self._bridge = StreamBridge(stream[0], stream[1], binder.device) if stream is not None else None
+        self._foreign: dict[str, torch.cuda.Stream] = {}  # unit path -> the other stream its forward runs on
         self.clock = HookClock()
         self.broken: str | None = None  # why the hooks refuse to run (a retune that failed half-way), else None
         # unit module path -> [(storage id, offset in its block)], asked once per enable/retune
@@ -129,18 +131,6 @@ class Hooks:
 
     def _bind_from_device(self, sid: int, buffer: int, offset: int) -> None:
         self._binder.bind(self._storages.views[sid], self._storages.nbytes[sid], buffer, offset)
-
-    def _check_stream(self, stream: StreamCheck) -> None:
-        enabled_on, current = stream
-        now = current()
-        if now != enabled_on:
-            raise _core.OffloadError(
-                f"this forward runs on CUDA stream {now:#x}, but weightferry was enabled on stream {enabled_on:#x} "
-                "(torch's current stream at enable): run the pipeline on that stream, or disable and enable again "
-                "under the stream you use. (A CUDA graph capture, torch.cuda.graph, runs the forward on a stream of "
-                "its own: only a component whose streamed blocks all have a static schedule can be captured, "
-                "layer_options.<component>.static_slots = true)"
-            )
 
     def _enter(self, path: str) -> None:
         """Counts ``path`` open on this thread; refuses a thread while another one has a hooked module open (the
@@ -196,11 +186,11 @@ class Hooks:
                 f"'{path}' runs inside Handle.editing(), where the weights are ordinary CPU tensors being "
                 "edited: leave the editing block, then run the pipeline"
             )
+        if self.capture is None and self._may_capture and self.static is not None and path in self.static.places:
+            self._start_capture(inside=True)
         if self.capture is not None:
             self._open_captured(path)
             return
-        if self._stream is not None:
-            self._check_stream(self._stream)
         if self.captured and not self._scheduled:
             self._sync_with_replays()
         self._enter(path)
@@ -213,6 +203,10 @@ class Hooks:
                 if offsets is None:
                     offsets = self._offsets[path] = listed
                 self._place(path, offsets, buffer, base, traced)
+                foreign = self._bridge.foreign() if self._bridge is not None else None
+                if foreign is not None:
+                    self._bridge.loaded(foreign)  # type: ignore[union-attr]
+                    self._foreign[path] = foreign
         except BaseException:
             if residency is not None:
                 self._session.post_forward(path)
@@ -304,6 +298,8 @@ class Hooks:
         self._leave()
         if self.capture is not None:
             self.capture.leave(path)
+            if self.capture.complete:
+                self._finish_capture()  # inside the capture still: CUDA graph trees end it with the compiled call
             return
         # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's data
         # pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
@@ -315,6 +311,9 @@ class Hooks:
                 self._idle(sid)
         if static is not None and static.mirrored and path in static.places:
             static.poison(path)  # the sim: a read of the block after it closed gives NaN, not its bytes by luck
+        foreign = self._foreign.pop(path, None)
+        if foreign is not None:
+            self._bridge.releasing(foreign)  # type: ignore[union-attr]
         self._session.post_forward(path)
 
     def _sync_with_replays(self) -> None:
@@ -338,15 +337,39 @@ class Hooks:
         self._scheduled = False
         if self.static is None:
             return
-        if self._copy_stream is not None and capturing():
-            emitter = CudaEmitter(self._session, self.static, self._copy_stream)
-            self.capture = CaptureRun(self._session, self.static, emitter)
-        elif isinstance(self.simulate, SimGraph):
-            self.capture = self.simulate
-            self.simulate.begin()
-        elif self.simulate is not None:
-            self.capture = CaptureRun(self._session, self.static, SimRecorder())
+        self._start_capture(inside=False)
         self.static.bind_all()
+
+    @property
+    def _may_capture(self) -> bool:
+        """Whether a capture can begin in a forward of this handle (CUDA with a static schedule, or the sim told to
+        record or replay one)."""
+        return self._copy_stream is not None or self.simulate is not None
+
+    def _start_capture(self, inside: bool) -> None:
+        """Starts the captured schedule (:mod:`._capture`) if a capture is under way: ``torch.cuda.graph`` around
+        the component's forward is found when the forward starts; inductor's CUDA graph trees, which capture inside
+        the compiled call, at its first static block (``inside``)."""
+        static = self.static
+        assert static is not None
+        if self._copy_stream is not None and capturing():
+            emitter = CudaEmitter(self._session, static, self._copy_stream)
+            self.capture = CaptureRun(self._session, static, emitter)
+        elif isinstance(self.simulate, SimGraph):
+            if not inside:
+                self.capture = self.simulate
+                self.simulate.begin()
+        elif self.simulate is not None and getattr(self.simulate, "inside", False) == inside:
+            self.capture = CaptureRun(self._session, static, SimRecorder())
+
+    def _finish_capture(self) -> None:
+        """Ends the captured schedule: the wrap copies and the join, while the capture still records them."""
+        run, self.capture = self.capture, None
+        assert run is not None and self.static is not None
+        run.finish()  # the places hold again what they held when the capture started
+        self.captured, self.captured_bytes = True, run.copied_bytes
+        if isinstance(run, CaptureRun) and isinstance(run.emitter, SimRecorder) and self.simulate is not None:
+            self.simulate.graph = SimGraph(self._session, self.static, run.emitter, run.copied_bytes)
 
     def idle_static(self) -> None:
         """At the end of a component's forward (also one that raised): a static block that compiled code opened and
@@ -357,12 +380,13 @@ class Hooks:
         if self._thread == threading.get_ident():
             for path in [p for p in self._entered if p in self.static.places]:
                 self._close_unit(path)
-        run, self.capture = self.capture, None
-        if run is not None:
-            run.finish()  # the places hold again what they held when the capture started
-            self.captured, self.captured_bytes = True, run.copied_bytes
-            if isinstance(run, CaptureRun) and isinstance(run.emitter, SimRecorder) and self.simulate is not None:
-                self.simulate.graph = SimGraph(self._session, self.static, run.emitter, run.copied_bytes)
+        if self.capture is not None:
+            if self._copy_stream is not None and not capturing():
+                # Started inside a compiled call whose capture ended before every stack's last block closed (a
+                # block raised or was skipped): torch refused that capture, and nothing of it ran.
+                self.capture = None
+            else:
+                self._finish_capture()  # a forward captured whole that skipped a stack's last block
         elif self._scheduled:
             self._session.fence()  # the session's copies complete before a graph replayed next reads the places
             self._scheduled = False
@@ -418,11 +442,14 @@ class Hooks:
         post: Callable[[torch.nn.Module, Any, Any], Any],
     ) -> tuple[Callable[[torch.nn.Module, Any], None], Callable[[torch.nn.Module, Any, Any], Any]]:
         """The hooks of static block ``path``: under torch.compile's tracing they call the custom operators (no graph
-        break), else the eager hooks ``pre`` / ``post``."""
+        break; in a trace without graph breaks the pair CUDA graph trees may record, see :mod:`._traced`), else the
+        eager hooks ``pre`` / ``post``."""
         import torch
 
         compiling = torch.compiler.is_compiling
-        enter, leave = ops()
+        enter_out, leave_out = ops()
+        enter_in, leave_in = ops(in_graph=True)
+        whole = whole_trace()
         unit, order, trace = len(self._units), self._order, self._trace
         self._units.append(path)
         static = self.static
@@ -432,7 +459,7 @@ class Hooks:
         def traced_pre(module: torch.nn.Module, args: Any) -> None:
             if compiling():
                 trace.open += 1
-                enter(order, static.tensors[path], key, unit)
+                (enter_in if whole() else enter_out)(order, static.tensors[path], key, unit)
                 return
             pre(module, args)
 
@@ -444,7 +471,7 @@ class Hooks:
                         f"static block '{path}' returned no tensor, so its compiled code cannot be ordered before "
                         "the block's slot is released: compile without static_slots for this component"
                     )
-                leave(order, outputs, key, unit)
+                (leave_in if whole() else leave_out)(order, outputs, key, unit)
                 trace.open -= 1
                 return None
             return post(module, args, output)
@@ -518,6 +545,9 @@ class Hooks:
         if isinstance(self._binder, CudaBinder):
             self._copy_stream = torch.cuda.Stream(self._binder.device)  # type: ignore[no-untyped-call]  # never while capturing
         self._order = torch.zeros(1, device=self._binder.device)
+        # A static input for inductor's CUDA graph trees: both operators mutate it, and a mutated input that is not
+        # static (a parameter, or an address marked so) makes them skip the graph.
+        torch._dynamo.mark_static_address(self._order)
 
     def restatic(self) -> None:
         """Binds the static blocks at their places again, after the stacks were rebuilt (a retune, a write), and

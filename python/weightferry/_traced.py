@@ -32,6 +32,13 @@ Each storage of a static block is a torch storage of its own (over the same devi
 alias as graph inputs: aliased mutated inputs make AOT autograd merge them into one base that it clones and writes
 back whole. The version counters the declared mutations move are recorded again when the component's forward ends.
 The operators find their hooks through a registry of live handles (:func:`register`), by number.
+
+Two pairs: ``enter`` / ``leave`` tagged ``cudagraph_unsafe`` (inductor's CUDA graphs leave them out and the
+session's scheduler runs between the graphs), and ``enter_in_graph`` / ``leave_in_graph`` untagged, which a trace
+without graph breaks calls (:func:`whole_trace`): CUDA graph trees (``mode="reduce-overhead"``) then record the
+whole forward with the captured schedule of :mod:`._capture` inside. A trace that may break calls the tagged pair:
+a break between two blocks would split their copies over two graphs, and the first would end with its copy stream
+unjoined.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TraceState", "ops", "output_tensors", "register", "unregister"]
+__all__ = ["TraceState", "ops", "output_tensors", "register", "unregister", "whole_trace"]
 
 
 class _Runs(Protocol):
@@ -64,7 +71,7 @@ class TraceState:
 
 _registry: dict[int, weakref.ref[_Runs]] = {}
 _numbers = itertools.count(1)
-_ops: tuple[Any, Any] | None = None
+_ops: tuple[Any, Any, Any, Any] | None = None
 _hook_guards_before = True
 
 
@@ -106,23 +113,36 @@ def _hooks_of(key: int) -> _Runs:
     return hooks
 
 
-def ops() -> tuple[Any, Any]:
-    """``(enter, leave)``: the operators, defined once per process."""
+def ops(in_graph: bool = False) -> tuple[Any, Any]:
+    """``(enter, leave)``: the operators, defined once per process. ``in_graph``: the pair inductor's CUDA graphs may
+    record (not tagged ``cudagraph_unsafe``), for a trace without graph breaks (:func:`whole_trace`)."""
     global _ops
-    if _ops is not None:
-        return _ops
+    if _ops is None:
+        _ops = _define("", (_unsafe_tag(),)) + _define("_in_graph", ())
+    return _ops[2:] if in_graph else _ops[:2]
+
+
+def _unsafe_tag() -> Any:
+    import torch
+
+    return torch.Tag.cudagraph_unsafe
+
+
+def _define(suffix: str, tags: tuple[Any, ...]) -> tuple[Any, Any]:
+    """Defines ``weightferry::enter{suffix}`` and ``weightferry::leave{suffix}`` with ``tags``.
+
+    Tagged ``cudagraph_unsafe``: inductor keeps them out of the CUDA graphs it captures (mode="reduce-overhead"
+    partitions there) and they run the session's scheduler between the graphs' replays. Untagged: inductor's CUDA
+    graph trees record them inside one graph of the whole forward, where the hooks run a captured schedule
+    (:mod:`._capture`) whose copies every replay repeats."""
     import torch
 
     # Schemas spelled out: this module's annotations are strings (``from __future__ import annotations``).
     enter_schema = "(Tensor(a!) order, Tensor(b!)[] weights, int key, int unit) -> ()"
     leave_schema = "(Tensor(a!) order, Tensor[] outputs, int key, int unit) -> ()"
 
-    # cudagraph_unsafe: their work happens on the host (the session's scheduling and copies), which a replayed CUDA
-    # graph would skip; inductor keeps them out of any graph it captures (mode="reduce-overhead" partitions there).
-    unsafe = (torch.Tag.cudagraph_unsafe,)
-
     @torch.library.custom_op(
-        "weightferry::enter", mutates_args=("order", "weights"), schema=enter_schema, tags=unsafe
+        f"weightferry::enter{suffix}", mutates_args=("order", "weights"), schema=enter_schema, tags=tags
     )
     def enter(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
         _hooks_of(key).traced_enter(unit, weights)
@@ -131,7 +151,7 @@ def ops() -> tuple[Any, Any]:
     def _(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
-    @torch.library.custom_op("weightferry::leave", mutates_args=("order",), schema=leave_schema, tags=unsafe)
+    @torch.library.custom_op(f"weightferry::leave{suffix}", mutates_args=("order",), schema=leave_schema, tags=tags)
     def leave(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
         _hooks_of(key).traced_leave(unit)
 
@@ -139,8 +159,34 @@ def ops() -> tuple[Any, Any]:
     def _(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
         return None
 
-    _ops = (torch.ops.weightferry.enter, torch.ops.weightferry.leave)
-    return _ops
+    return getattr(torch.ops.weightferry, f"enter{suffix}"), getattr(torch.ops.weightferry, f"leave{suffix}")
+
+
+def _whole_trace() -> bool:
+    """Whether torch.compile traces the current frame as one graph (``fullgraph=True``, or
+    ``torch._dynamo.error_on_graph_break``): then no graph break can fall between two blocks of the forward, and a
+    CUDA graph inductor records holds all of them. Asked while tracing (see :func:`whole_trace`)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # not under dynamo's tracer, or another torch: the operators that stay out of graphs
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
+_whole_trace_const: Any = None
+
+
+def whole_trace() -> Any:
+    """:func:`_whole_trace` marked ``torch._dynamo.assume_constant_result``: called from traced code, dynamo runs it
+    while tracing and keeps its answer as a constant of the trace."""
+    global _whole_trace_const
+    if _whole_trace_const is None:
+        import torch._dynamo
+
+        _whole_trace_const = torch._dynamo.assume_constant_result(_whole_trace)  # type: ignore[no-untyped-call]
+    return _whole_trace_const
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
