@@ -118,6 +118,8 @@ def test_the_distributed_benchmark_runs_a_wan_transformer_from_one_checkpoint_bi
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", bench, "--tiny",
            "--model", "wan-14b", "--steps", "2", "--warmup", "1", "--depth", "1", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr, sep="\n")  # in full: pytest cuts an assertion's message
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[:3000], p.stderr[-3000:])  # the first error, the summary
     results = json.loads((tmp_path / "dist-wan-14b-2.json").read_text())
     assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
