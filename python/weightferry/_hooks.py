@@ -186,7 +186,7 @@ class Hooks:
                 f"'{path}' runs inside Handle.editing(), where the weights are ordinary CPU tensors being "
                 "edited: leave the editing block, then run the pipeline"
             )
-        if self.capture is None and self._may_capture and self.static is not None and path in self.static.places:
+        if self.capture is None and self.static is not None and self._may_capture and path in self.static.places:
             self._start_capture(inside=True)
         if self.capture is not None:
             self._open_captured(path)
@@ -203,9 +203,10 @@ class Hooks:
                 if offsets is None:
                     offsets = self._offsets[path] = listed
                 self._place(path, offsets, buffer, base, traced)
-                foreign = self._bridge.foreign() if self._bridge is not None else None
-                if foreign is not None:
-                    self._bridge.loaded(foreign)  # type: ignore[union-attr]
+                bridge = self._bridge
+                foreign = bridge.foreign() if bridge is not None else None
+                if bridge is not None and foreign is not None:
+                    bridge.loaded(foreign)
                     self._foreign[path] = foreign
         except BaseException:
             if residency is not None:
@@ -311,9 +312,9 @@ class Hooks:
                 self._idle(sid)
         if static is not None and static.mirrored and path in static.places:
             static.poison(path)  # the sim: a read of the block after it closed gives NaN, not its bytes by luck
-        foreign = self._foreign.pop(path, None)
-        if foreign is not None:
-            self._bridge.releasing(foreign)  # type: ignore[union-attr]
+        foreign, bridge = self._foreign.pop(path, None), self._bridge
+        if foreign is not None and bridge is not None:
+            bridge.releasing(foreign)
         self._session.post_forward(path)
 
     def _sync_with_replays(self) -> None:
