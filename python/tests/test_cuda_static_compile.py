@@ -74,8 +74,10 @@ def test_reduce_overhead_captures_the_streaming_forward_and_replays_it_exactly(d
     # records one graph with the copies inside (the captured schedule starts at the first block and finishes at the
     # last), and every later call replays it: no session load. Without fullgraph: the operators tagged
     # cudagraph_unsafe, the graphs between them, every block loaded by the session each call. Output: the resident
-    # model's compiled (without graphs) with the same block edges, every call.
+    # model's compiled (without graphs) with the same block edges, every call; an eager forward between replays: the
+    # resident model's eager output (inductor rounds differently from eager).
     model, x = on_cuda(dtypes)
+    eager = run(model, x)
     torch._dynamo.reset()
     want = run(torch.compile(block_edges(model), fullgraph=True), x)
     model.cpu()
@@ -92,7 +94,7 @@ def test_reduce_overhead_captures_the_streaming_forward_and_replays_it_exactly(d
         if full:
             assert h._hooks.captured and per_call[2:] == [0, 0, 0], per_call
             assert per_call[0] >= blocks - 2, per_call
-            assert torch.equal(run(model, x), want), "an eager forward after replays"
+            assert torch.equal(run(model, x), eager), "an eager forward after replays"
             torch.compiler.cudagraph_mark_step_begin()
             assert torch.equal(run(compiled, x), want), "a replay after an eager forward"
         else:
