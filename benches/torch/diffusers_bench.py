@@ -828,8 +828,11 @@ def variant(args):
     free, total = (0, 0) if cpu else torch.cuda.mem_get_info()
     res["device_used"] = total - free
     res["peak_rss"] = rss("VmHWM") - base
-    # A compiled variant is compared with the resident model compiled alike (inductor's kernels are not eager's).
+    # A compiled variant is compared with the resident model compiled alike (inductor's kernels are not eager's); a
+    # captured one (``_cg``) with the resident model captured, else eager (a graph replays the eager kernels).
     out_path = os.path.join(args.out, f"resident{compile_suffix(args.variant)}.pt")
+    if v != "resident" and compile_suffix(args.variant) == "_cg" and not os.path.exists(out_path):
+        out_path = os.path.join(args.out, "resident.pt")
     if v == "resident":
         torch.save(out.cpu(), out_path)
         res["bit_exact"] = True
