@@ -259,3 +259,31 @@ def test_a_whole_trace_calls_the_operators_cuda_graphs_may_record_and_a_broken_o
     assert len(seen[True]) == len(seen[False]) == 2 * blocks
     assert torch.Tag.cudagraph_unsafe in torch.ops.weightferry.enter.default.tags
     assert torch.Tag.cudagraph_unsafe not in torch.ops.weightferry.enter_in_graph.default.tags
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+@pytest.mark.parametrize("inside", [False, True], ids=["around", "inside"])
+def test_a_capture_per_input_shape_each_replays_exactly_in_any_order(inside):
+    # A changed input shape is a new capture (torch.cuda.graph again, or the next recording of CUDA graph trees): the
+    # blocks stay at their places, so the graphs of both shapes copy into the same places and either may replay after
+    # the other, or after an eager forward.
+    model, x = model_and_inputs("float32")
+    small = {**x, "hidden_states": x["hidden_states"][:, :8], "img_ids": x["img_ids"][:8]}
+    resident = copy.deepcopy(model)
+    want, want_small = run(resident, x), run(resident, small)
+    assert want.shape != want_small.shape
+    with wf.enable({"transformer": model}, config(), device="sim") as h:
+        assert torch.equal(run(model, x), want)
+        graphs = []
+        for inputs in (x, small):
+            with _capture.simulated_capture(h._hooks, inside=inside) as cap:
+                run(model, inputs)
+            graphs.append(cap)
+        start = loads(h)
+        for cap, inputs, expected in [(graphs[1], small, want_small), (graphs[0], x, want), (graphs[1], small,
+                                      want_small), (graphs[0], x, want)]:
+            assert torch.equal(cap.replay(h._hooks, lambda inputs=inputs: run(model, inputs)), expected)
+        assert loads(h) == start
+        assert torch.equal(run(model, small), want_small), "an eager forward after replays"
+        assert torch.equal(graphs[0].replay(h._hooks, lambda: run(model, x)), want), "a replay after it"
+        assert h._session.hazard_violations() == []

@@ -9,6 +9,7 @@ The simulated device's hazard detector finds no violation in the compiled schedu
 Without ``static_slots`` the graph breaks at the blocks, and ``fullgraph=True`` refuses."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -89,8 +90,13 @@ def test_without_a_static_schedule_each_streamed_block_is_one_graph_break():
         # The hooks are compiler-disabled: the graph breaks at the blocks (the blocks of a kind share one frame).
         assert explained.graph_break_count >= 2 and explained.graph_count >= 3
         torch._dynamo.reset()
-        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"torch\.compiler\.disable"):
+        # fullgraph=True stops at the first hook, and torch's message says why and names the fix.
+        with pytest.raises(torch._dynamo.exc.Unsupported) as caught:
             run(torch.compile(model, backend="eager", fullgraph=True), x)
+        assert re.search(r"weightferry streams block 'transformer\.\w+\.0' and rebinds its tensors in this hook",
+                         str(caught.value)), str(caught.value)
+        assert "compile without fullgraph=True" in str(caught.value)
+        assert '"static_slots": True in its layer_options' in str(caught.value)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

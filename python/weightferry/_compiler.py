@@ -11,12 +11,21 @@ __all__ = ["compiler_disabled", "reset_compiled"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def compiler_disabled(fn: _F) -> _F:
-    """``fn`` marked for torch.compile to run as is, never traced (``torch.compiler.disable``, torch >= 2.1)."""
+def compiler_disabled(fn: _F, reason: str | None = None) -> _F:
+    """``fn`` marked for torch.compile to run as is, never traced (``torch.compiler.disable``, torch >= 2.1);
+    ``reason`` is what torch.compile says when a trace that may not break (``fullgraph=True``) reaches ``fn`` (torch
+    >= 2.8 takes it; older versions say only that the function was disabled)."""
     import torch
 
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+    if disable is None:
+        return fn
+    if reason is not None:
+        try:
+            return disable(fn, reason=reason)  # type: ignore[no-any-return]
+        except TypeError:  # a torch without the keyword
+            pass
+    return disable(fn)  # type: ignore[no-any-return]
 
 
 def reset_compiled() -> None:

@@ -39,7 +39,16 @@ if TYPE_CHECKING:
 __all__ = ["Hooks", "StreamCheck"]
 
 StreamCheck: TypeAlias = "tuple[int, Callable[[], int]]"
-"""On CUDA: (torch's raw stream at enable, a reader of the current one); the hooks refuse another stream."""
+"""On CUDA: (torch's raw stream at enable, a reader of the current one); a forward on another stream is bridged to
+the enable stream by events (:mod:`._streams`)."""
+
+_UNTRACED = (
+    "weightferry streams block '{path}' and rebinds its tensors in this hook, which torch.compile runs as it is (one "
+    "graph break per streamed block): compile without fullgraph=True, or give the component a static schedule "
+    "(\"static_slots\": True in its layer_options) so that torch.compile traces its blocks without a break"
+)
+"""What torch.compile says when a trace that may not break reaches a streamed block's hook (``compiler_disabled``)."""
+
 
 def _entries(component: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules through which a whole component offloaded as one unit can run: the component itself (its
@@ -505,7 +514,8 @@ class Hooks:
             # torch.compile must not trace into the hooks (they call into Rust and rebind tensors): each hook is one
             # graph break, and the compiled regions between them stay valid across rebinding. A block at a fixed
             # place (a static schedule) is traced instead, as the custom operators of _traced.
-            pre, post = compiler_disabled(self._pre(path)), compiler_disabled(self._post(path))
+            why = _UNTRACED.format(path=path)
+            pre, post = compiler_disabled(self._pre(path), why), compiler_disabled(self._post(path), why)
             if self.static is not None and path in self.static.places:
                 pre, post = self._traced(path, pre, post)
             for entry in _entries(module) if "." not in path else [module]:
