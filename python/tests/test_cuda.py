@@ -315,6 +315,36 @@ def test_loads_edits_and_lora_on_cuda_equal_a_resident_twin(cfg):
 
 
 @pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
+def test_a_pipeline_loads_a_lora_without_editing_on_cuda_and_its_adapter_runs_on_the_gpu():
+    # The pipeline's load_lora_weights runs inside editing() (weightferry/_lora.py), where peft places the new
+    # adapter by its base weight (a CPU tensor there); after it the adapter is on the GPU, with the transformer.
+    pytest.importorskip("peft")
+    import copy
+
+    from test_diffusers import flux_pipeline
+    from test_writes import CONFIGS, pipeline_lora
+
+    state = pipeline_lora(5)
+    pipe, twin = flux_pipeline(), flux_pipeline()
+    twin.load_lora_weights(copy.deepcopy(state), adapter_name="x")
+    twin.transformer.to(CUDA)
+    g = torch.Generator().manual_seed(0)
+    x = {"hidden_states": torch.randn(1, 16, 4, generator=g),
+         "encoder_hidden_states": torch.randn(1, 7, 32, generator=g),
+         "pooled_projections": torch.randn(1, 32, generator=g), "timestep": torch.tensor([0.5]),
+         "img_ids": torch.randn(16, 3, generator=g), "txt_ids": torch.randn(7, 3, generator=g)}
+    x = {k: v.to(CUDA) if k.endswith("_ids") else v.to(CUDA, BF16) for k, v in x.items()}
+    with wf.enable(pipe, CONFIGS["depth2"], device="cuda"):
+        pipe.load_lora_weights(copy.deepcopy(state), adapter_name="x")
+        adapter = pipe.transformer.transformer_blocks[0].attn.to_q.lora_A["x"].weight
+        assert adapter.device == CUDA
+        assert torch.equal(_out(pipe.transformer, x), _out(twin.transformer, x))
+        pipe.unload_lora_weights()
+        twin.unload_lora_weights()
+        assert torch.equal(_out(pipe.transformer, x), _out(twin.transformer, x))
+
+
+@pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
 def test_module_mode_runs_vae_decode_and_encode_on_cuda():
     import copy
 

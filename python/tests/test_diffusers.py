@@ -299,6 +299,27 @@ def test_converting_an_offloaded_module_is_refused_before_anything_changes():
     assert "_apply" not in vars(m) and "_apply" not in vars(m.transformer_blocks[0])
 
 
+def test_a_to_that_changes_nothing_returns_the_module_and_one_that_changes_anything_is_refused():
+    # diffusers' LoRA loader calls text_encoder.to(device=text_encoder.device, dtype=text_encoder.dtype).
+    m, x, _ = flux()
+    m = m.to(BF16).eval()
+    x = bf16_inputs(x)
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
+        before = forward(m, x)
+        for args in [(), ("cpu",), (BF16,), ("cpu", BF16), (torch.device("cpu"), BF16, False)]:
+            assert m.to(*args) is m, args
+        assert m.to(device=m.device, dtype=m.dtype) is m
+        assert m.transformer_blocks[0].to(dtype=BF16) is m.transformer_blocks[0]
+        for kwargs in [{"dtype": torch.float32}, {"device": "meta"}, {"memory_format": torch.channels_last}]:
+            with pytest.raises(wf.OffloadError, match="is offloaded by weightferry: converting it"):
+                m.to(**kwargs)
+        with pytest.raises(TypeError, match="floating point or complex"):  # what torch says of the module resident
+            m.to(torch.int8)
+        assert all(t.dtype == BF16 for t in m.parameters())
+        assert torch.equal(forward(m, x), before)
+    assert "to" not in vars(m) and "to" not in vars(m.transformer_blocks[0])
+
+
 def test_a_second_thread_forwarding_the_same_offloaded_module_is_refused_and_the_first_is_unharmed():
     import threading
 

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from test_diffusers import BF16, bf16_inputs, flux, forward, layer
+from test_diffusers import BF16, bf16_inputs, flux, flux_pipeline, forward, layer, run_pipeline
 
 import weightferry as wf
 
@@ -312,6 +312,71 @@ def test_fuse_and_unfuse_lora_without_editing_walk_the_true_weights_as_on_the_tw
         assert torch.equal(forward(m, x), forward(twin, x))
         same_weights(m, twin)
     same_weights(m, twin)
+
+
+def pipeline_lora(seed, text_encoder=False):
+    """A LoRA of the tiny FluxPipeline's transformer (and its CLIP text encoder) as diffusers loads it: peft's keys
+    under ``transformer.`` (and ``text_encoder.``)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = flux_pipeline()
+    pipe.transformer.add_adapter(lora(seed=seed), "x")
+    parts = {"transformer": pipe.transformer}
+    if text_encoder:
+        torch.manual_seed(seed + 1)
+        config = LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj", "v_proj", "out_proj"])
+        parts["text_encoder"] = inject_adapter_in_model(config, pipe.text_encoder, adapter_name="x")
+    return {f"{name}.{k}": v.clone() for name, part in parts.items()
+            for k, v in get_peft_model_state_dict(part, adapter_name="x").items()}
+
+
+PIPELINE_CONFIGS = {
+    "depth2": CONFIGS["depth2"],
+    "resident1": CONFIGS["resident1"],
+    "encoders-layer": {"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"]}},
+    "encoders-module": {"diffusion_offload_config": {"mode": "module", "components": ["dit", "text_encoder"]}},
+}
+
+
+@pytest.mark.parametrize("cfg", sorted(PIPELINE_CONFIGS))
+def test_a_pipeline_loads_fuses_unfuses_and_unloads_a_lora_without_editing_as_its_twin(cfg):
+    # The pipeline's LoRA methods read the components' weights directly (FLUX's load_lora_weights reads each targeted
+    # layer's weight shape, unfuse_lora unmerges layer by layer, the text encoder's load calls a .to() that changes
+    # nothing): while enabled they run in editing() of the offloaded components the LoRA goes into.
+    state = pipeline_lora(5, text_encoder=cfg.startswith("encoders"))
+    pipe, twin = flux_pipeline(), flux_pipeline()
+    with wf.enable(pipe, PIPELINE_CONFIGS[cfg], device="sim"):
+        assert torch.equal(run_pipeline(pipe), run_pipeline(twin))
+        for p in (pipe, twin):
+            p.load_lora_weights(copy.deepcopy(state), adapter_name="x")
+        assert torch.equal(run_pipeline(pipe), run_pipeline(twin)), "load_lora_weights"
+        assert not torch.equal(run_pipeline(pipe), run_pipeline(flux_pipeline())), "the LoRA changes the output"
+        if cfg.startswith("encoders"):
+            assert any("lora_A" in name for name, _ in pipe.text_encoder.named_modules()), "into the text encoder"
+            same_weights(pipe.text_encoder, twin.text_encoder)
+        for step in ("fuse_lora", "unfuse_lora", "unload_lora_weights"):
+            for p in (pipe, twin):
+                getattr(p, step)()
+            assert torch.equal(run_pipeline(pipe), run_pipeline(twin)), step
+            same_weights(pipe.transformer, twin.transformer)
+    assert "load_lora_weights" not in vars(pipe), "disable gives the pipeline its methods back"
+    same_weights(pipe.transformer, twin.transformer)
+    same_weights(pipe.text_encoder, twin.text_encoder)
+
+
+def test_tensors_an_editing_block_gives_the_modules_are_the_ones_placed_on_the_device_after_it():
+    # On CUDA what an editing block added (peft places a new adapter by its base weight, a CPU tensor inside the
+    # block) goes to the device the pipeline runs on; the tensors the modules had before stay where they are.
+    from weightferry._edits import new_on_cpu
+
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    known = {id(t) for t in m.parameters()}
+    added = torch.nn.Linear(2, 3)
+    m.append(added)
+    m.append(added)  # reachable twice, moved once
+    assert [id(t) for t in new_on_cpu([m], known)] == [id(added.weight), id(added.bias)]
+    assert new_on_cpu([m], known | {id(added.weight), id(added.bias)}) == []
 
 
 def test_a_walk_of_one_block_edits_its_true_weights_and_a_walk_inside_editing_runs_as_is():

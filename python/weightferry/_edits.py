@@ -17,7 +17,9 @@ bytes in a shared slot. So:
   ``.data`` replacements); on leaving, every tensor whose signature changed is written through
   (:mod:`._writes`), even when the block raised (a half-done edit is kept as the resident module would keep it),
   and the tensors are bound to the device again. Tensors of those modules that weightferry does not manage and that
-  are not on the CPU (adapters added after ``enable``) are on the CPU inside the block too, and go back after.
+  are not on the CPU (adapters added after ``enable``) are on the CPU inside the block too, and go back after; the
+  tensors the block gave those modules (an adapter loaded inside it: peft places it by the base weight, a CPU tensor
+  there) go to the device the pipeline runs on, where the modules' other unmanaged tensors are.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from ._storages import StorageMap, View
     from ._writes import Writer
 
-__all__ = ["Signatures", "editing"]
+__all__ = ["Signatures", "editing", "new_on_cpu", "place_new"]
 
 _FIX = "make weight edits inside `with handle.editing():` (or disable, edit, and enable again)"
 
@@ -92,12 +94,15 @@ def editing(
     sids: set[int],
     modules: list[nn.Module],
     rebind: Any,
+    device: torch.device | str = "cpu",
 ) -> Iterator[None]:
-    """See the module doc; ``rebind(sids)`` binds the storages' tensors as they are between forwards again."""
+    """See the module doc; ``rebind(sids)`` binds the storages' tensors as they are between forwards again;
+    ``device``: where the pipeline runs (``"cpu"`` on the simulated device)."""
     import torch
 
     if sigs.editing is not None:
         raise _core.OffloadError("Handle.editing() is already open for this pipeline; edit inside that block")
+    before = {id(t) for t in _tensors(modules)}
     moved = _to_cpu(storages, modules)
     held: dict[int, bytearray] = {}  # storage -> the bytes its views hold inside the block
     for sid in sids:
@@ -124,6 +129,7 @@ def editing(
             with torch.no_grad():
                 rebind(sids)
                 _back(moved)
+                place_new(modules, {id(t) for t in storages.tensors()} | before, device)
 
 
 def _to_cpu(storages: StorageMap, modules: list[nn.Module]) -> list[tuple[torch.Tensor, torch.device]]:
@@ -144,4 +150,28 @@ def _to_cpu(storages: StorageMap, modules: list[nn.Module]) -> list[tuple[torch.
 def _back(moved: list[tuple[torch.Tensor, torch.device]]) -> None:
     for t, device in moved:
         if t.device.type == "cpu":
+            t.data = t.data.to(device)
+
+
+def _tensors(modules: list[nn.Module]) -> list[torch.Tensor]:
+    return [t for module in modules for t in [*module.parameters(), *module.buffers()]]
+
+
+def new_on_cpu(modules: list[nn.Module], known: set[int]) -> list[torch.Tensor]:
+    """The CPU tensors of ``modules`` whose id is not in ``known`` (made during an editing block), each once."""
+    out: dict[int, torch.Tensor] = {}
+    for t in _tensors(modules):
+        if id(t) not in known and t.device.type == "cpu":
+            out.setdefault(id(t), t)
+    return list(out.values())
+
+
+def place_new(modules: list[nn.Module], known: set[int], device: torch.device | str) -> None:
+    """Moves :func:`new_on_cpu`'s tensors to ``device``; nothing when ``device`` is the CPU."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return
+    with torch.no_grad():
+        for t in new_on_cpu(modules, known):
             t.data = t.data.to(device)

@@ -113,7 +113,9 @@ def enable(
         storages = StorageMap(session, bound, materialize_meta(bound, undo) if ckpt else {}, composites)
         if ckpt:
             _check_held_match(session, storages, ckpt)
-        handle = Handle(session, storages, modules, bound, binder, stream, json.loads(text) if fmt == "json" else None)
+        handle = Handle(
+            session, storages, modules, bound, binder, stream, json.loads(text) if fmt == "json" else None, pipeline
+        )
         if ckpt:
             # The session has every other storage from the file: those tensors keep their (empty) data until enable
             # succeeded.
@@ -138,6 +140,7 @@ def enable(
         undo.push(handle._state_hooks.remove)
         undo.push(handle._guard.remove)
         undo.push(handle._walks.remove)
+        undo.push(handle._lora.remove)
         undo.push(handle._copies.remove)
         undo.push(handle._load_hooks.remove)
         undo.push(handle._remove_watch)

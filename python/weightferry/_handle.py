@@ -15,6 +15,7 @@ from ._edits import Signatures, check, editing
 from ._guards import ConversionGuard
 from ._hooks import Hooks, StreamCheck
 from ._loads import LoadHooks
+from ._lora import LoraGuard
 from ._pickling import CopyGuard
 from ._registry import mark
 from ._state_dict import StateDictHooks
@@ -45,8 +46,9 @@ class Handle:
         binder: Binder,
         stream: StreamCheck | None,
         config: dict[str, Any] | None,
+        pipeline: object = None,
     ) -> None:
-        """Made by ``enable``, which then offloads (:meth:`_offload`) or not."""
+        """Made by ``enable`` (``pipeline``: what it was given), which then offloads (:meth:`_offload`) or not."""
         self._session = session
         self._storages = storages
         self._binder = binder
@@ -63,9 +65,9 @@ class Handle:
         # While offloaded, Module.apply (diffusers' fuse_lora / unfuse_lora) walks the true weights in editing().
         # While offloaded, copying or pickling a module (deepcopy, torch.save of the module) is refused.
         self._copies = CopyGuard(modules)
-        self._walks = WalkGuard(
-            modules, self.editing, lambda: self._sigs.editing is not None or self._forwards > 0 or self._hooks.busy()
-        )
+        self._walks = WalkGuard(modules, self.editing, self._walk_as_is)
+        # While offloaded, a diffusers pipeline's load_lora_weights / unload_lora_weights run in editing().
+        self._lora = LoraGuard(pipeline, modules, self.editing, self._walk_as_is)
         # Writes into the weights go through weightferry's copy: load_state_dict's, and edits inside editing().
         self._writer = Writer(session, storages, self._hooks.refreshed)
         self._load_hooks = LoadHooks(modules, storages, bound, self._writer, self._sigs)
@@ -73,6 +75,11 @@ class Handle:
         self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
         self._offloaded = False
         self._disabled = False
+
+    def _walk_as_is(self) -> bool:
+        """Whether a walk over the weights (``apply``, a LoRA load) runs as it is now: inside an editing block or a
+        forward, where the weights are already what the walk needs."""
+        return self._sigs.editing is not None or self._forwards > 0 or self._hooks.busy()
 
     def _offload(self) -> None:
         """Binds the fixed placement, installs the hooks and registers the tensors as offloaded (after the session
@@ -82,6 +89,7 @@ class Handle:
         self._state_hooks.install()
         self._guard.install()
         self._walks.install()
+        self._lora.install()
         self._copies.install()
         self._load_hooks.install()
         self._install_watch()
@@ -164,7 +172,10 @@ class Handle:
         prefixes = tuple(paths[id(m)] + "." if paths[id(m)] else "" for m in chosen)
         sids = {sid for sid, vs in self._storages.views.items() if any(v.path.startswith(prefixes) for v in vs)}
         self._check(sids)
-        with editing(self._sigs, self._storages, self._session, self._writer, sids, chosen, self._hooks.rebind_idle):
+        with editing(
+            self._sigs, self._storages, self._session, self._writer, sids, chosen, self._hooks.rebind_idle,
+            self._binder.device,
+        ):
             yield
 
     def _unmark(self) -> None:
@@ -200,6 +211,7 @@ class Handle:
         self._state_hooks.remove()
         self._guard.remove()
         self._walks.remove()
+        self._lora.remove()
         self._copies.remove()
         self._load_hooks.remove()
         self._disabled = True
