@@ -365,6 +365,36 @@ def test_a_pipeline_loads_fuses_unfuses_and_unloads_a_lora_without_editing_as_it
     same_weights(pipe.text_encoder, twin.text_encoder)
 
 
+ZOO = ["sd3", "wan22", "ltx", "qwen_image", "hunyuan_video"]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_the_lora_methods_of_other_pipelines_run_on_an_enabled_pipeline_as_on_its_twin(name):
+    # Without weightferry/_lora.py each of these fails at the pipeline's unfuse_lora (peft's unmerge meets a
+    # placeholder). A LoRA on the attention projections every diffusers transformer has.
+    import pipelines
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    build, run = getattr(pipelines, f"{name}_pipeline"), getattr(pipelines, f"run_{name}")
+    source = build()
+    torch.manual_seed(3)
+    source.transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v"]), "x"
+    )
+    state = {f"transformer.{k}": v.clone() for k, v in get_peft_model_state_dict(source.transformer, None, "x").items()}
+    pipe, twin = build(), build()
+    with wf.enable(pipe, layer(2), device="sim"):
+        for p in (pipe, twin):
+            p.load_lora_weights(copy.deepcopy(state), adapter_name="x")
+        assert torch.equal(run(pipe), run(twin)), "load_lora_weights"
+        for step in ("fuse_lora", "unfuse_lora", "unload_lora_weights"):
+            for p in (pipe, twin):
+                getattr(p, step)()
+            assert torch.equal(run(pipe), run(twin)), step
+    same_weights(pipe.transformer, twin.transformer)
+
+
 def test_tensors_an_editing_block_gives_the_modules_are_the_ones_placed_on_the_device_after_it():
     # On CUDA what an editing block added (peft places a new adapter by its base weight, a CPU tensor inside the
     # block) goes to the device the pipeline runs on; the tensors the modules had before stay where they are.
