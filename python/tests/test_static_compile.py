@@ -99,6 +99,26 @@ def test_without_a_static_schedule_each_streamed_block_is_one_graph_break():
         assert '"static_slots": True in its layer_options' in str(caught.value)
 
 
+@pytest.mark.parametrize("dtypes", ["float32", "mixed"])
+def test_regional_compilation_with_fullgraph_compiles_every_streamed_block_and_is_exact(dtypes):
+    # diffusers' compile_repeated_blocks(fullgraph=True) compiles each block's call, and each block's hooks name
+    # their block: one compiled version per block, so while a static schedule is enabled torch.compile's limit of
+    # versions is raised by its static blocks (without it, fullgraph=True fails at the limit, 8 by default, with
+    # torch's FailOnRecompileLimitHit).
+    model, x = model_and_inputs(dtypes)
+    want = run(copy.deepcopy(model), x)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()
+    with wf.enable({"transformer": model}, config(), device="sim") as h:
+        blocks = len(h._hooks.static.places)
+        assert blocks == 10 and torch._dynamo.config.recompile_limit == limit + blocks  # the hooks: 10 versions
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
+        for _ in range(2):
+            assert torch.equal(run(model, x), want)
+    assert torch._dynamo.config.recompile_limit == limit
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_write_and_a_retune_keep_the_compiled_forward_exact(backend):
     # The resident copy is compiled while the model is enabled: torch.compile guards on hooks then, so the copy's

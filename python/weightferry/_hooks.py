@@ -552,7 +552,7 @@ class Hooks:
         }
         self.static = StaticPlaces(self._session, self._storages, self._binder, self._sigs, eligible)
         self.static.prime()
-        self._key = register(self)
+        self._key = register(self, len(self.static.places))
         if isinstance(self._binder, CudaBinder):
             self._copy_stream = torch.cuda.Stream(self._binder.device)  # type: ignore[no-untyped-call]  # never while capturing
         self._order = torch.zeros(1, device=self._binder.device)

@@ -73,22 +73,43 @@ _registry: dict[int, weakref.ref[_Runs]] = {}
 _numbers = itertools.count(1)
 _ops: tuple[Any, Any, Any, Any] | None = None
 _hook_guards_before = True
+_limit_before: int | None = None
+_blocks: dict[int, int] = {}  # key -> the static blocks of those hooks
 
 
-def register(hooks: _Runs) -> int:
-    """Registers ``hooks`` for the operators; returns the number they name it by. While any hooks are registered,
-    torch.compile guards on modules' hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``; the setting
-    before is restored when the last ones are unregistered): by default it does not, and code compiled for a copy of
-    the model without the hooks would run for the offloaded one, reading its bound tensors without opening a block
-    (a silently wrong output where the tensors view their places)."""
-    global _hook_guards_before
+def _limit_name() -> str:
+    """torch.compile's limit of compiled versions of one function (``recompile_limit``; before torch 2.7
+    ``cache_size_limit``)."""
     import torch._dynamo
 
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def register(hooks: _Runs, blocks: int = 0) -> int:
+    """Registers ``hooks`` (of ``blocks`` static blocks) for the operators; returns the number they name it by. While
+    any hooks are registered:
+
+    - torch.compile guards on modules' hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``): by default
+      it does not, and code compiled for a copy of the model without the hooks would run for the offloaded one,
+      reading its bound tensors without opening a block (a silently wrong output where the tensors view their places);
+    - its limit of compiled versions of one function is raised by the most static blocks registered: each block's
+      hooks name the block, so code compiled block by block (diffusers' ``compile_repeated_blocks``, which compiles
+      each block's call) has a version per block, and ``fullgraph=True`` fails where the limit is reached.
+
+    Both settings as they were before are restored when the last hooks are unregistered."""
+    global _hook_guards_before, _limit_before
+    import torch._dynamo
+
+    config = torch._dynamo.config
     if not _registry:
-        _hook_guards_before = torch._dynamo.config.skip_nnmodule_hook_guards
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        _hook_guards_before = config.skip_nnmodule_hook_guards
+        config.skip_nnmodule_hook_guards = False
+        _limit_before = getattr(config, _limit_name())
     key = next(_numbers)
     _registry[key] = weakref.ref(hooks)
+    _blocks[key] = blocks
+    if _limit_before is not None:
+        setattr(config, _limit_name(), _limit_before + max(_blocks.values()))
     return key
 
 
@@ -96,8 +117,13 @@ def unregister(key: int) -> None:
     """Forgets the hooks registered as ``key`` (their handle was disabled)."""
     import torch._dynamo
 
-    if _registry.pop(key, None) is not None and not _registry:
+    _blocks.pop(key, None)
+    if _registry.pop(key, None) is None:
+        return
+    if not _registry:
         torch._dynamo.config.skip_nnmodule_hook_guards = _hook_guards_before
+    if _limit_before is not None:
+        setattr(torch._dynamo.config, _limit_name(), _limit_before + max(_blocks.values(), default=0))
 
 
 def _hooks_of(key: int) -> _Runs:
