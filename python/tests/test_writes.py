@@ -395,6 +395,25 @@ def test_the_lora_methods_of_other_pipelines_run_on_an_enabled_pipeline_as_on_it
     same_weights(pipe.transformer, twin.transformer)
 
 
+def test_fuse_qkv_projections_works_inside_editing_and_outside_fails_in_diffusers_with_nothing_changed():
+    # diffusers' fuse_qkv_projections concatenates each attention's q, k and v weights into new layers: inside
+    # editing() it meets the true weights (the fused layers are new tensors outside weightferry's plan); outside it
+    # meets the placeholders and diffusers raises before it adds a layer.
+    m, x = model()
+    twin = copy.deepcopy(m)
+    with wf.enable({"transformer": m}, layer(2), device="sim") as h:
+        before = forward(m, x)
+        with pytest.raises(IndexError):
+            m.fuse_qkv_projections()
+        assert not any(hasattr(mod, "to_qkv") for mod in m.modules())
+        assert torch.equal(forward(m, x), before)
+        with h.editing():
+            m.fuse_qkv_projections()
+        twin.fuse_qkv_projections()
+        assert torch.equal(forward(m, x), forward(twin, x))
+    assert torch.equal(forward(m, x), forward(twin, x))
+
+
 def test_tensors_an_editing_block_gives_the_modules_are_the_ones_placed_on_the_device_after_it():
     # On CUDA what an editing block added (peft places a new adapter by its base weight, a CPU tensor inside the
     # block) goes to the device the pipeline runs on; the tensors the modules had before stay where they are.
