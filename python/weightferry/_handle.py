@@ -66,7 +66,7 @@ class Handle:
         # While offloaded, copying or pickling a module (deepcopy, torch.save of the module) is refused.
         self._copies = CopyGuard(modules)
         self._walks = WalkGuard(modules, self.editing, self._walk_as_is)
-        # While offloaded, a diffusers pipeline's load_lora_weights / unload_lora_weights run in editing().
+        # While offloaded, a diffusers pipeline's LoRA methods (load, fuse, unfuse, unload) run in editing().
         self._lora = LoraGuard(pipeline, modules, self.editing, self._walk_as_is)
         # Writes into the weights go through weightferry's copy: load_state_dict's, and edits inside editing().
         self._writer = Writer(session, storages, self._hooks.refreshed)
