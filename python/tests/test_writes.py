@@ -365,6 +365,28 @@ def test_a_pipeline_loads_fuses_unfuses_and_unloads_a_lora_without_editing_as_it
     same_weights(pipe.text_encoder, twin.text_encoder)
 
 
+def test_a_pipeline_lora_on_a_static_schedule_compiled_fullgraph_runs_as_on_its_twin():
+    # The LoRA methods on a transformer compiled in place (Module.compile, fullgraph) over a static schedule: the new
+    # adapter layers are modules of the blocks, so torch.compile traces again; the hazard detector sees no race.
+    from test_static_compile import config as static_config
+
+    state = pipeline_lora(5)
+    pipe, twin = flux_pipeline(), flux_pipeline()
+    with wf.enable(pipe, static_config(), device="sim") as h:
+        torch._dynamo.reset()
+        pipe.transformer.compile(fullgraph=True, backend="eager")
+        assert torch.equal(run_pipeline(pipe), run_pipeline(twin))
+        for p in (pipe, twin):
+            p.load_lora_weights(copy.deepcopy(state), adapter_name="x")
+        assert torch.equal(run_pipeline(pipe), run_pipeline(twin)), "load_lora_weights"
+        for step in ("fuse_lora", "unfuse_lora", "unload_lora_weights"):
+            for p in (pipe, twin):
+                getattr(p, step)()
+            assert torch.equal(run_pipeline(pipe), run_pipeline(twin)), step
+        assert h._session.hazard_violations() == []
+        torch._dynamo.reset()
+
+
 ZOO = ["sd3", "wan22", "ltx", "qwen_image", "hunyuan_video"]
 
 
