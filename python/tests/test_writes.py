@@ -365,6 +365,17 @@ def test_a_pipeline_loads_fuses_unfuses_and_unloads_a_lora_without_editing_as_it
     same_weights(pipe.text_encoder, twin.text_encoder)
 
 
+def lora_round_trip(pipe, twin, state, run):
+    """Loads ``state``, fuses, unfuses and unloads it on both pipelines; their runs equal after each step."""
+    for p in (pipe, twin):
+        p.load_lora_weights(copy.deepcopy(state), adapter_name="x")
+    assert torch.equal(run(pipe), run(twin)), "load_lora_weights"
+    for step in ("fuse_lora", "unfuse_lora", "unload_lora_weights"):
+        for p in (pipe, twin):
+            getattr(p, step)()
+        assert torch.equal(run(pipe), run(twin)), step
+
+
 def test_a_pipeline_lora_on_a_static_schedule_compiled_fullgraph_runs_as_on_its_twin():
     # The LoRA methods on a transformer compiled in place (Module.compile, fullgraph) over a static schedule: the new
     # adapter layers are modules of the blocks, so torch.compile traces again; the hazard detector sees no race.
@@ -376,13 +387,7 @@ def test_a_pipeline_lora_on_a_static_schedule_compiled_fullgraph_runs_as_on_its_
         torch._dynamo.reset()
         pipe.transformer.compile(fullgraph=True, backend="eager")
         assert torch.equal(run_pipeline(pipe), run_pipeline(twin))
-        for p in (pipe, twin):
-            p.load_lora_weights(copy.deepcopy(state), adapter_name="x")
-        assert torch.equal(run_pipeline(pipe), run_pipeline(twin)), "load_lora_weights"
-        for step in ("fuse_lora", "unfuse_lora", "unload_lora_weights"):
-            for p in (pipe, twin):
-                getattr(p, step)()
-            assert torch.equal(run_pipeline(pipe), run_pipeline(twin)), step
+        lora_round_trip(pipe, twin, state, run_pipeline)
         assert h._session.hazard_violations() == []
         torch._dynamo.reset()
 
@@ -407,13 +412,7 @@ def test_the_lora_methods_of_other_pipelines_run_on_an_enabled_pipeline_as_on_it
     state = {f"transformer.{k}": v.clone() for k, v in get_peft_model_state_dict(source.transformer, None, "x").items()}
     pipe, twin = build(), build()
     with wf.enable(pipe, layer(2), device="sim"):
-        for p in (pipe, twin):
-            p.load_lora_weights(copy.deepcopy(state), adapter_name="x")
-        assert torch.equal(run(pipe), run(twin)), "load_lora_weights"
-        for step in ("fuse_lora", "unfuse_lora", "unload_lora_weights"):
-            for p in (pipe, twin):
-                getattr(p, step)()
-            assert torch.equal(run(pipe), run(twin)), step
+        lora_round_trip(pipe, twin, state, run)
     same_weights(pipe.transformer, twin.transformer)
 
 
