@@ -4,7 +4,9 @@
 //! - `buffered`: `pread` through the page cache, the file's pages dropped first (`posix_fadvise(DONTNEED)`), so
 //!   the figure is a cold read as the page cache serves it;
 //! - `direct xN`: [`DirectFile`] (`O_DIRECT`, no page cache) with N threads each reading a contiguous part of every
-//!   range into its own aligned buffer (N = 1, 2, 4, 8): one reader thread against a small pool of `pread`s.
+//!   range into its own aligned buffer (N = 1, 2, 4, 8): one reader thread against a small pool of `pread`s;
+//! - `uring qN` (Linux): one thread, the file opened with `O_DIRECT`, every range split into N reads submitted to an
+//!   io_uring at once and waited for together (N = 1, 2, 4, 8, 16): the kernel's queue deep without threads.
 //!
 //! Each row is the best of `DISK_READ_ROUNDS` rounds (default 3) in GB/s (10^9 bytes). The file lives in
 //! `DISK_READ_DIR` (default the system temp folder); the figures describe that folder's device.
@@ -65,6 +67,52 @@ fn direct(path: &Path, total: u64, chunk: u64, threads: u64) -> f64 {
     total as f64 / t0.elapsed().as_secs_f64() / 1e9
 }
 
+/// One range of `uring`: its parts submitted at once, then every completion waited for and checked whole.
+#[cfg(target_os = "linux")]
+fn uring_range(ring: &mut io_uring::IoUring, fd: i32, bufs: &mut [AlignedBuf], at: u64, end: u64, part: u64) {
+    use io_uring::{opcode, types};
+    let mut wanted = Vec::new();
+    for (i, buf) in bufs.iter_mut().enumerate() {
+        let start = at + i as u64 * part;
+        let len = part.min(end.saturating_sub(start));
+        if len == 0 {
+            continue;
+        }
+        let read = opcode::Read::new(types::Fd(fd), buf.as_mut_slice().as_mut_ptr(), len as u32)
+            .offset(start)
+            .build()
+            .user_data(i as u64);
+        // SAFETY: the buffer and the descriptor outlive the read: this function waits for every completion it
+        // submitted before it returns, and neither is touched meanwhile.
+        unsafe { ring.submission().push(&read).expect("the ring holds one entry per part") };
+        wanted.push(len);
+    }
+    ring.submit_and_wait(wanted.len()).unwrap();
+    let mut seen = 0;
+    for done in ring.completion() {
+        assert_eq!(done.result() as u64, wanted[done.user_data() as usize], "a short or failed io_uring read");
+        seen += 1;
+    }
+    assert_eq!(seen, wanted.len());
+}
+
+#[cfg(target_os = "linux")]
+fn uring(path: &Path, total: u64, chunk: u64, depth: u64) -> f64 {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).unwrap();
+    let mut ring = io_uring::IoUring::new(depth as u32).unwrap();
+    let part = chunk / depth;
+    let mut bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(part as usize)).collect();
+    let t0 = Instant::now();
+    let mut at = 0;
+    while at < total {
+        let n = chunk.min(total - at);
+        uring_range(&mut ring, f.as_raw_fd(), &mut bufs, at, at + n, part);
+        at += n;
+    }
+    total as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
 fn main() {
     let measuring = std::env::args().any(|a| a == "--bench");
     let (mib, chunk_mib, rounds) = if measuring {
@@ -89,6 +137,10 @@ fn main() {
     println!("{:<12} {:>8.2}", "buffered", best(&|| buffered(&path, total, chunk)));
     for threads in [1, 2, 4, 8] {
         println!("{:<12} {:>8.2}", format!("direct x{threads}"), best(&|| direct(&path, total, chunk, threads)));
+    }
+    #[cfg(target_os = "linux")]
+    for depth in [1, 2, 4, 8, 16] {
+        println!("{:<12} {:>8.2}", format!("uring q{depth}"), best(&|| uring(&path, total, chunk, depth)));
     }
     std::fs::remove_file(&path).unwrap();
 }

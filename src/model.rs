@@ -95,6 +95,19 @@ pub enum ModelError {
     },
 }
 
+/// A checkpoint file a model's storages live in, as its loader opened it (the checkpoint module's mapped file):
+/// its path, and whether a file is still that file with the contents it had then.
+pub trait OpenedFile: Send + Sync + std::fmt::Debug {
+    /// The file's path.
+    fn path(&self) -> &std::path::Path;
+    /// Fails, saying what changed and the fix, when the file is no longer as opened (truncated, resized or
+    /// rewritten in place).
+    fn check_unchanged(&self) -> Result<(), String>;
+    /// Fails, saying so, when `other` (the same path opened again) is another file (the path was replaced since)
+    /// or the file changed.
+    fn check_same(&self, other: &std::fs::File) -> Result<(), String>;
+}
+
 /// A loaded model.
 #[derive(Debug)]
 pub struct HostModel {
@@ -103,8 +116,9 @@ pub struct HostModel {
     homes: BTreeMap<StorageId, Home>,
     /// Mapped checkpoint files the model owns (freed by [`HostModel::release`]).
     files: Vec<HostBufferId>,
-    /// Each mapped file's path (the disk tier opens it again for reads around the page cache).
-    paths: BTreeMap<HostBufferId, std::path::PathBuf>,
+    /// Each mapped file as opened (the disk tier opens it again for reads around the page cache, and checks that
+    /// it is the same file, unchanged).
+    paths: BTreeMap<HostBufferId, Arc<dyn OpenedFile>>,
     /// Where each file-backed storage lies in its file, whatever its current home: a backend's master gives it
     /// back by re-homing it there, without a copy.
     origins: BTreeMap<StorageId, (HostBufferId, u64)>,
@@ -266,13 +280,13 @@ impl HostModel {
 
     /// A model whose every storage lies in a mapped file: `files` are mapped host buffers of `platform`
     /// ([`Platform::map_host`](weightferry_actors::platform::Platform::map_host)), owned by the model from now on;
-    /// `at` gives each storage of `desc` its file and offset, `paths` each file's path. Loaders check the ranges
+    /// `at` gives each storage of `desc` its file and offset, `paths` each file as opened. Loaders check the ranges
     /// first. `loaded` are the caller's storages (zero-filled, for the caller to write); `converted` storages the
     /// loader filled itself (a file tensor in another float dtype).
     pub(crate) fn from_files(
         platform: PlatformRef,
         desc: Arc<PipelineDesc>,
-        paths: BTreeMap<HostBufferId, std::path::PathBuf>,
+        paths: BTreeMap<HostBufferId, Arc<dyn OpenedFile>>,
         at: BTreeMap<StorageId, (HostBufferId, u64)>,
         loaded: BTreeMap<StorageId, HostBufferId>,
         converted: BTreeMap<StorageId, HostBufferId>,
@@ -296,9 +310,9 @@ impl HostModel {
         self.origins.get(&id).copied()
     }
 
-    /// The path of mapped checkpoint file `buf`.
-    pub fn file_path(&self, buf: HostBufferId) -> Option<&std::path::Path> {
-        self.paths.get(&buf).map(|p| p.as_path())
+    /// Mapped checkpoint file `buf` as the loader opened it.
+    pub fn file(&self, buf: HostBufferId) -> Option<&Arc<dyn OpenedFile>> {
+        self.paths.get(&buf)
     }
 
     /// The mapped checkpoint files the model owns.

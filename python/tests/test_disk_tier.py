@@ -2,10 +2,11 @@
 the blocks beyond the budget are read from the file on every pass (through a reader actor and a ring of staging
 buffers) instead of holding a master. At several budgets the outputs equal the model's own, the bytes ``enable``
 holds are the ones the plan predicted (masters + staging within the budget), ``state_dict`` and ``disable`` give
-the true weights; a budget nothing fits is refused before anything changes, and a file truncated under a run is a
-typed error naming it."""
+the true weights; a budget nothing fits is refused before anything changes, and a file truncated or rewritten in
+place under a run is a typed error naming it."""
 
 import copy
+import json
 import os
 
 import pytest
@@ -15,6 +16,8 @@ from test_host_memory import checkpoint as host_checkpoint
 from test_host_memory import with_key
 
 import weightferry as wf
+from weightferry import _enable as wf_enable
+from weightferry._enable import Seams
 
 pytestmark = pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
 
@@ -84,18 +87,74 @@ def test_a_model_without_a_checkpoint_has_no_disk_tier_and_is_refused():
     assert all(torch.equal(v, twin.state_dict()[k]) for k, v in model.state_dict().items())
 
 
-def test_a_file_truncated_under_a_run_is_a_typed_error_naming_it(tmp_path):
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def rewrite(path):
+    """Zeroes the file's second half in place, the length unchanged (its modification time set 10 s on, as a
+    rewrite seconds into a run has it on a filesystem with coarse timestamps)."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(size - size // 2))
+    later = os.path.getmtime(path) + 10
+    os.utime(path, (later, later))
+
+
+@pytest.mark.parametrize(("change", "said"), [(truncate, "truncated from"), (rewrite, "rewritten in place")])
+def test_a_file_truncated_or_rewritten_under_a_run_is_a_typed_error_naming_it(tmp_path, change, said):
     ref, m, path = checkpoint(tmp_path, 128)
     x = inputs()
     budget = masters_of(m, path) * 7 // 10
     cfg = with_key(LAYER, host_masters="pinned", host_budget=budget)
     h = wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path)
     assert torch.equal(forward(m, x), forward(ref, x))
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.truncate(size // 2)
+    change(path)
     with pytest.raises(wf.Error) as e:
         forward(m, x)
-    assert str(path) in str(e.value) and "truncated" in str(e.value)
+    assert f"{path}: the checkpoint was {said}" in str(e.value) and "while weightferry used it" in str(e.value)
     assert type(e.value).__module__.startswith("weightferry")
+    # The weights the file held are gone: disable says so (a typed error), never gives other weights back.
+    with pytest.raises(wf.Error, match=f"the checkpoint was {said}"):
+        h.disable()
     del h
+
+
+class BufferedSession:
+    """The real session, whose report says the disk tier reads ``files`` through the page cache (as it does where the
+    filesystem refuses ``O_DIRECT``; every filesystem of the test machines allows it)."""
+
+    def __init__(self, files, *args, **kwargs):
+        self._s = wf_enable._core.Session(*args, **kwargs)
+        self._files = files
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def report(self):
+        report = json.loads(self._s.report())
+        assert report["buffered_files"] == []  # this machine's filesystem reads around the cache
+        return json.dumps({**report, "buffered_files": self._files})
+
+
+def test_a_file_read_through_the_page_cache_is_a_warning_at_enable(tmp_path):
+    ref, m, path = checkpoint(tmp_path, 16)
+    budget = masters_of(m, path) * 7 // 10
+    cfg = with_key(LAYER, host_masters="pinned", host_budget=budget)
+
+    def session(*args, **kwargs):
+        return BufferedSession([str(path)], *args, **kwargs)
+
+    with pytest.warns(wf.WeightferryWarning) as caught:
+        h = wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path, _seams=Seams(session=session))
+    said = [w for w in caught if "O_DIRECT" in str(w.message)]
+    assert [str(w.message) for w in said] == [
+        f"{path}: the filesystem refuses O_DIRECT, so the disk tier reads this checkpoint through the page cache, "
+        "whose pages the kernel keeps beyond host_budget; keep it on a local disk (ext4, xfs) to read around the cache"
+    ]
+    assert said[0].filename == __file__  # attributed to the caller of enable
+    x = inputs()
+    assert torch.equal(forward(m, x), forward(ref, x))
+    h.disable()

@@ -148,7 +148,21 @@ def enable(
     except BaseException:
         undo.unwind()
         raise
+    _warn_buffered(session)
     return handle
+
+
+def _warn_buffered(session: _core.Session) -> None:
+    """Warns of each checkpoint file the disk tier reads through the page cache (its filesystem refused
+    ``O_DIRECT``): the reads work, but the file's pages then stay cached beyond ``host_budget``."""
+    for path in json.loads(session.report()).get("buffered_files", []):
+        warnings.warn(
+            f"{path}: the filesystem refuses O_DIRECT, so the disk tier reads this checkpoint through the page cache, "
+            "whose pages the kernel keeps beyond host_budget; keep it on a local disk (ext4, xfs) to read around the "
+            "cache",
+            WeightferryWarning,
+            stacklevel=3,
+        )
 
 
 def _default_device(device: str | torch.device | None) -> str | torch.device:

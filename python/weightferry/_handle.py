@@ -254,7 +254,8 @@ class Handle:
         forward waited for their copy), ``record_waits`` (hook calls that waited on the host for the copy actor to
         enqueue their block's load), ``device_bytes``, ...), ``fixed_device_bytes``, ``master_host_bytes``,
         ``mapped_host_bytes`` (blocks served straight from a checkpoint file, no master), ``disk_bytes`` (blocks the
-        disk tier reads from their checkpoint file on every pass) and ``staging_host_bytes`` (its staging buffers),
+        disk tier reads from their checkpoint file on every pass), ``staging_host_bytes`` (its staging buffers) and
+        ``buffered_files`` (checkpoint files it reads through the page cache: their filesystem refused ``O_DIRECT``),
         ``pinned``; and the totals
         ``bytes_streamed`` (host-to-device bytes of every stack), ``device_bytes`` (fixed placement and every
         stack's slots), ``host_bytes`` (the masters and staging buffers), ``stalls`` (the stacks'

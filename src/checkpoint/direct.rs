@@ -9,11 +9,13 @@
 //! offset; a short read (the file shrank) or an I/O error is an error and the buffer's contents are unspecified.
 
 use super::error::CheckpointError;
+use crate::model::OpenedFile;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use weightferry_actors::platform::{BlockFile, DIRECT_READ_ALIGN};
 
 /// Alignment of offsets, lengths and buffer addresses of direct reads (the scheduler's
@@ -45,7 +47,8 @@ impl AlignedBuf {
         // SAFETY: `ptr` is a live allocation of `len` initialized (zeroed, then written) bytes owned by `self`.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    /// Its bytes, to read into (the disk-read bench hands them to io_uring).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -101,6 +104,11 @@ impl DirectFile {
         self.direct
     }
 
+    /// The error of a read of this file that found it changed, for `reason` (which names the file).
+    fn changed(&self, reason: String) -> CheckpointError {
+        CheckpointError::Changed { file: self.path.clone(), reason }
+    }
+
     /// The buffer size a read of `len` bytes at `offset` needs: the aligned superset of the range.
     pub fn span(offset: u64, len: u64) -> u64 {
         let start = offset - offset % DIRECT_ALIGN;
@@ -120,7 +128,7 @@ impl DirectFile {
     pub fn read_into(&self, offset: u64, len: u64, window: &mut [u8]) -> Result<Range<usize>, CheckpointError> {
         let start = offset - offset % DIRECT_ALIGN;
         let span = Self::span(offset, len);
-        let changed = |reason: String| CheckpointError::Changed { file: self.path.clone(), reason };
+        let changed = |reason: String| self.changed(reason);
         if span > window.len() as u64 {
             return Err(changed(format!(
                 "{}: a read of {len} bytes at {offset} needs a buffer of {span} bytes, given {}",
@@ -161,22 +169,36 @@ impl DirectFile {
 
 /// A [`DirectFile`] as the disk tier's reader reads it ([`BlockFile`]): a read into an aligned window (the staging
 /// buffers the reader fills) goes straight there; any other read goes through one aligned buffer the file keeps
-/// (made on first need, grown to the largest such read), copied into the caller's bytes.
+/// (made on first need, grown to the largest such read), copied into the caller's bytes. It is the checkpoint file
+/// the model was loaded from ([`OpenedFile`]): opening it again must find that file unchanged, and every read is
+/// checked against it once the bytes are in (a file truncated, resized or rewritten in place before or during a read
+/// is an error naming it, never weights).
 #[derive(Debug)]
 pub struct DiskSource {
     file: DirectFile,
+    origin: Arc<dyn OpenedFile>,
     buf: std::sync::Mutex<Option<AlignedBuf>>,
 }
 
 impl DiskSource {
-    /// Opens `path` for the disk tier (see [`DirectFile::open`]).
-    pub fn open(path: impl AsRef<Path>) -> Result<DiskSource, CheckpointError> {
-        Ok(DiskSource { file: DirectFile::open(path)?, buf: std::sync::Mutex::new(None) })
+    /// Opens the model's checkpoint file `origin` again for the disk tier (see [`DirectFile::open`]); fails when the
+    /// path now names another file or the file changed since the model was loaded.
+    pub fn open(origin: Arc<dyn OpenedFile>) -> Result<DiskSource, CheckpointError> {
+        let file = DirectFile::open(origin.path())?;
+        origin.check_same(&file.file).map_err(|reason| file.changed(reason))?;
+        Ok(DiskSource { file, origin, buf: std::sync::Mutex::new(None) })
     }
 
     /// Whether reads bypass the page cache.
     pub fn is_direct(&self) -> bool {
         self.file.is_direct()
+    }
+
+    /// A read's result once it returned: the file's change since it was opened if it changed (which explains a
+    /// failed read too), else the read's own result.
+    fn checked<T>(&self, read: Result<T, CheckpointError>) -> Result<T, String> {
+        self.origin.check_unchanged()?;
+        read.map_err(|e| e.to_string())
     }
 }
 
@@ -195,7 +217,7 @@ impl BlockFile for DiskSource {
             *guard = Some(AlignedBuf::new(span));
         }
         let buf = guard.as_mut().expect("allocated above");
-        let at = self.file.read(offset, len, buf).map_err(|e| e.to_string())?;
+        let at = self.checked(self.file.read(offset, len, buf))?;
         out.copy_from_slice(&buf.as_slice()[at]);
         Ok(())
     }
@@ -203,7 +225,7 @@ impl BlockFile for DiskSource {
     fn read_window(&self, offset: u64, len: u64, window: &mut [u8]) -> Result<(), String> {
         let aligned = window.as_ptr() as usize % DIRECT_ALIGN as usize == 0;
         if !self.file.direct || aligned {
-            return self.file.read_into(offset, len, window).map(drop).map_err(|e| e.to_string());
+            return self.checked(self.file.read_into(offset, len, window)).map(drop);
         }
         let at = (offset % DIRECT_ALIGN) as usize;
         let end = at.saturating_add(len as usize);
@@ -221,6 +243,11 @@ mod tests {
         let path = dir.join(name);
         std::fs::write(&path, &bytes).unwrap();
         (path, bytes)
+    }
+
+    /// `path` opened as a model's loader opens its checkpoint file.
+    fn opened(path: &Path) -> Arc<dyn OpenedFile> {
+        Arc::new(super::super::FileRegion::new(path, File::open(path).unwrap()).unwrap())
     }
 
     fn scratch(name: &str) -> PathBuf {
@@ -243,7 +270,7 @@ mod tests {
     #[test]
     fn a_window_read_lands_at_the_offset_s_distance_past_alignment_aligned_or_not() {
         let (path, bytes) = file_of(&scratch("window"), "f.bin", 5 * 4096 + 77);
-        let f = DiskSource::open(&path).unwrap();
+        let f = DiskSource::open(opened(&path)).unwrap();
         for (offset, len) in [(0u64, 10u64), (4097, 5000), (4095, 2), (3 * 4096 + 5, 2 * 4096 + 72)] {
             let span = DirectFile::span(offset, len) as usize;
             let mut aligned = AlignedBuf::new(span + 4096);
@@ -294,6 +321,40 @@ mod tests {
         std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(4096).unwrap();
         let mut buf = AlignedBuf::new(2 * 4096);
         assert!(matches!(f.read(4096, 4096, &mut buf), Err(CheckpointError::Changed { .. })));
+    }
+
+    #[test]
+    fn a_file_rewritten_in_place_or_replaced_is_an_error_naming_it_never_its_new_bytes() {
+        let (path, bytes) = file_of(&scratch("rewrite"), "f.bin", 4 * 4096);
+        let source = DiskSource::open(opened(&path)).unwrap();
+        let mut out = vec![0u8; 4096];
+        source.read_at(4096, &mut out).unwrap();
+        assert_eq!(out, bytes[4096..8192]);
+        // The same length, other bytes, written into the file (its modification time set apart from the open's, as
+        // a rewrite seconds later has it on a filesystem with coarse timestamps).
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all_at(&vec![0x5A; 4096], 4096).unwrap();
+        file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(10)).unwrap();
+        let want = format!(
+            "{}: the checkpoint was rewritten in place while weightferry used it; its weights are no longer the ones \
+             enabled. Reload the model, and replace checkpoints by writing a new file and renaming it over the old one",
+            path.display()
+        );
+        assert_eq!(source.read_at(4096, &mut out).unwrap_err(), want);
+        let mut window = AlignedBuf::new(4096);
+        assert_eq!(source.read_window(4096, 4096, window.as_mut_slice()).unwrap_err(), want);
+
+        // Replaced by a rename between the model's load and the disk tier's open: the tier refuses the new file.
+        let (path, _) = file_of(&scratch("replaced"), "f.bin", 4 * 4096);
+        let origin = opened(&path);
+        let fresh = path.with_extension("new");
+        std::fs::write(&fresh, vec![7u8; 4 * 4096]).unwrap();
+        std::fs::rename(&fresh, &path).unwrap();
+        let e = DiskSource::open(origin).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("{}: the checkpoint was replaced by another file while", path.display())),
+            "{e}"
+        );
     }
 
     #[test]

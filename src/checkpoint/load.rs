@@ -7,7 +7,7 @@
 use super::convert::{self, converts, is_float};
 use super::error::CheckpointError;
 use super::Checkpoint;
-use crate::model::{zeroed_buffers, HostModel};
+use crate::model::{zeroed_buffers, HostModel, OpenedFile};
 use crate::pipeline::{DType, PipelineDesc, StorageId, TensorDesc, TensorKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -100,7 +100,10 @@ impl HostModel {
                 return Err(e);
             }
         };
-        let paths = mapped.iter().map(|(&(i, fi), &buf)| (buf, parts[i].0.files()[fi].path().to_path_buf())).collect();
+        let paths = mapped
+            .iter()
+            .map(|(&(i, fi), &buf)| (buf, parts[i].0.files()[fi].region() as Arc<dyn OpenedFile>))
+            .collect();
         Ok(HostModel::from_files(platform, desc, paths, at, loaded, converted))
     }
 }

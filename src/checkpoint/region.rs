@@ -12,6 +12,9 @@
 //!   registered pages stay resident, so after a truncation the device keeps reading the bytes it registered, and
 //!   after an in-place rewrite it may read the new ones; the next CPU read (at the latest `disable`) reports the
 //!   change.
+//! - **The disk tier** ([`DiskSource`](super::DiskSource)) opens the path again for reads around the page cache: that
+//!   open must find the file opened here (not one renamed over it since), unchanged, and each of its reads is checked
+//!   after it completes, so bytes changed before or during a read are an error, never weights.
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -24,11 +27,16 @@ struct Stamp {
     len: u64,
     mtime: (i64, i64),
     ino: u64,
+    dev: u64,
 }
 
 impl Stamp {
     fn of(meta: &std::fs::Metadata) -> Stamp {
-        Stamp { len: meta.len(), mtime: (meta.mtime(), meta.mtime_nsec()), ino: meta.ino() }
+        Stamp { len: meta.len(), mtime: (meta.mtime(), meta.mtime_nsec()), ino: meta.ino(), dev: meta.dev() }
+    }
+
+    fn of_file(file: &File, path: &Path) -> Result<Stamp, String> {
+        file.metadata().map(|m| Stamp::of(&m)).map_err(|e| format!("{}: cannot stat: {e}", path.display()))
     }
 }
 
@@ -66,12 +74,17 @@ impl FileRegion {
 
     /// Fails when the file's length or modification time differ from those at open.
     pub fn check_unchanged(&self) -> Result<(), String> {
-        let now = self.file.metadata().map_err(|e| format!("{}: cannot stat: {e}", self.path.display()))?;
-        let now = Stamp::of(&now);
+        self.compare(Stamp::of_file(&self.file, &self.path)?)
+    }
+
+    /// Fails, naming the change and the fix, when `now` (a stamp of the same file) is not the stamp at open.
+    fn compare(&self, now: Stamp) -> Result<(), String> {
         if now == self.stamp {
             return Ok(());
         }
-        let what = if now.len < self.stamp.len {
+        let what = if (now.ino, now.dev) != (self.stamp.ino, self.stamp.dev) {
+            "replaced by another file".to_string()
+        } else if now.len < self.stamp.len {
             format!("truncated from {} to {} bytes", self.stamp.len, now.len)
         } else if now.len != self.stamp.len {
             format!("resized from {} to {} bytes", self.stamp.len, now.len)
@@ -83,6 +96,20 @@ impl FileRegion {
              Reload the model, and replace checkpoints by writing a new file and renaming it over the old one",
             self.path.display()
         ))
+    }
+}
+
+impl crate::model::OpenedFile for FileRegion {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn check_unchanged(&self) -> Result<(), String> {
+        FileRegion::check_unchanged(self)
+    }
+
+    fn check_same(&self, other: &File) -> Result<(), String> {
+        self.compare(Stamp::of_file(other, &self.path)?)
     }
 }
 

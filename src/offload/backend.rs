@@ -86,6 +86,9 @@ pub struct BackendReport {
     pub disk_bytes: u64,
     /// Host bytes of the disk tier's staging buffers.
     pub staging_host_bytes: u64,
+    /// Checkpoint files the disk tier reads through the page cache, because their filesystem refuses `O_DIRECT`
+    /// (their pages then stay in the page cache, outside the host budget).
+    pub buffered_files: Vec<String>,
     /// Whether masters are pinned.
     pub pinned: bool,
     /// Distributed layerwise offload: this rank's part of the group.
@@ -175,6 +178,8 @@ struct State {
     disk_bytes: u64,
     /// Host bytes of the readers' staging buffers.
     staging_bytes: u64,
+    /// Checkpoint files the disk tier reads through the page cache (their filesystem refused `O_DIRECT`).
+    buffered_files: Vec<String>,
 }
 
 /// Most section bytes of one batch of units whose masters are built in parallel (one thread per unit) before their
@@ -504,7 +509,8 @@ impl StreamingBackend {
         let units = st.units.clone().unwrap_or_else(|| UnitPlan { hook_name: "", stacks: vec![], fixed: vec![] });
         let mut served = self.plan_mapped(model, &units)?;
         let on_disk = disk::plan(model, self.config.host_budget, &units, &mut served);
-        let files = disk::open_files(model, &units, &on_disk)?;
+        let (files, buffered) = disk::open_files(model, &units, &on_disk)?;
+        st.buffered_files = buffered;
         self.register_files(st, &mut served)?;
         let stream = StreamHandle::spawn(self.platform.clone(), "copy", StreamOptions::default())?;
         st.stream = Some(stream.clone());
@@ -1033,6 +1039,7 @@ impl StreamingBackend {
             r.master_host_bytes = st.master_bytes;
             r.mapped_host_bytes = st.mapped_bytes;
             (r.disk_bytes, r.staging_host_bytes) = (st.disk_bytes, st.staging_bytes);
+            r.buffered_files.clone_from(&st.buffered_files);
             if let Some(units) = &st.units {
                 for (sp, stack) in units.stacks.iter().zip(&st.stacks) {
                     let s: StackStats = stack.stats();

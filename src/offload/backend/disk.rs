@@ -37,14 +37,18 @@ pub(super) fn plan(
     disk
 }
 
-/// A reader for every checkpoint file a disk unit reads; warns once per file the filesystem will not read around
-/// the page cache.
+/// The disk tier's checkpoint files by the model's mapped buffer of each.
+pub(super) type Files = BTreeMap<HostBufferId, Arc<dyn BlockFile>>;
+
+/// A reader for every checkpoint file a disk unit reads, and the paths of those the filesystem will not read
+/// around the page cache (logged as a warning here; the report names them for hosts without a log, and Python warns).
 pub(super) fn open_files(
     model: &HostModel,
     units: &UnitPlan,
     disk: &DiskPlan,
-) -> Result<BTreeMap<HostBufferId, Arc<dyn BlockFile>>, OffloadError> {
+) -> Result<(Files, Vec<String>), OffloadError> {
     let mut files: BTreeMap<HostBufferId, Arc<dyn BlockFile>> = BTreeMap::new();
+    let mut buffered = Vec::new();
     for (si, sp) in units.stacks.iter().enumerate() {
         for (_, unit) in sp.units.iter().enumerate().filter(|(ui, _)| disk.on_disk(si, *ui)) {
             for s in unit.storages() {
@@ -52,21 +56,23 @@ pub(super) fn open_files(
                 if files.contains_key(&buf) {
                     continue;
                 }
-                let path = model.file_path(buf).ok_or_else(|| {
+                let origin = model.file(buf).ok_or_else(|| {
                     OffloadError::Unsupported(format!("internal: the checkpoint file of `{}` has no path", unit.path))
                 })?;
-                let source = DiskSource::open(path).map_err(|e| OffloadError::Unsupported(e.to_string()))?;
+                let path = origin.path();
+                let source = DiskSource::open(origin.clone()).map_err(|e| OffloadError::Unsupported(e.to_string()))?;
                 if !source.is_direct() {
                     tracing::warn!(
                         "{}: the filesystem refuses O_DIRECT; the disk tier reads it through the page cache",
                         path.display()
                     );
+                    buffered.push(path.display().to_string());
                 }
                 files.insert(buf, Arc::new(source));
             }
         }
     }
-    Ok(files)
+    Ok((files, buffered))
 }
 
 /// The block spec of unit `ui` of stack `si`, a disk unit: the copies of its sections in a file (the caller adds
@@ -130,4 +136,5 @@ pub(super) fn destroy(st: &mut State) {
         let _ = r.destroy();
     }
     (st.staging_bytes, st.disk_bytes) = (0, 0);
+    st.buffered_files.clear();
 }
