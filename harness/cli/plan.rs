@@ -1,6 +1,6 @@
 //! `weightferry plan`: resolves the offload plan of a pipeline under a config and prints it (text, or one JSON
-//! object with `--json`); with `--checkpoint`, of the pipeline derived from a safetensors checkpoint. Nothing is
-//! allocated or run.
+//! object with `--json`); with `--checkpoint`, of the pipeline derived from a safetensors checkpoint, whose files are
+//! mapped (not read) so the plan predicts what they serve and what the disk tier reads. Nothing is run.
 
 use super::{
     check_blockless, emit, load_checkpoint, load_config, load_pipeline, CliError, LoadedPipeline, PlanArgs,
@@ -18,7 +18,13 @@ pub fn plan(a: &PlanArgs) -> Result<i32, CliError> {
     if let (Some(path), Some(l)) = (&a.checkpoint, &loaded) {
         check_blockless(path, l, &config)?;
     }
-    let report = weightferry::offload::predict::plan_report(&pipeline.name, &pipeline.desc, &config)
+    // With a checkpoint, the model over its mapped files (on the simulated platform: nothing is copied), so the
+    // plan says what the files serve and what the disk tier reads.
+    let model = match &loaded {
+        Some(l) => Some(checkpoint_model(&pipeline.desc, l)?),
+        None => None,
+    };
+    let report = weightferry::offload::predict::plan_report_of(&pipeline.name, &pipeline.desc, &config, model.as_ref())
         .map_err(|e| CliError::invalid(format!("the config cannot be applied to {}: {e}", pipeline.name)))?;
     if a.json {
         let text =
@@ -28,4 +34,18 @@ pub fn plan(a: &PlanArgs) -> Result<i32, CliError> {
         emit(&report.to_string());
     }
     Ok(0)
+}
+
+/// The model of `loaded`'s checkpoint over its mapped files, on a simulated platform of its own.
+fn checkpoint_model(
+    desc: &weightferry::pipeline::PipelineDesc,
+    loaded: &super::LoadedCheckpoint,
+) -> Result<weightferry::model::HostModel, CliError> {
+    use weightferry::scheduler::{PlatformRef, SimConfig, SimPlatform};
+    let sim = SimPlatform::new(SimConfig { tracing: false, ..SimConfig::default() })
+        .map_err(|e| CliError::failed(format!("simulated platform: {e}")))?;
+    let platform: PlatformRef = std::sync::Arc::new(sim);
+    let desc = std::sync::Arc::new(desc.clone());
+    weightferry::model::HostModel::from_checkpoint(platform, desc, &loaded.checkpoint, &loaded.derived.component)
+        .map_err(|e| CliError::invalid(format!("checkpoint {e}")))
 }

@@ -207,6 +207,8 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
     let (outputs_match, weights_match) = (cmp.outputs_match(), cmp.weights_match());
     let (master_host_bytes, mapped_host_bytes) =
         cmp.backend.as_ref().map_or((0, 0), |b| (b.master_host_bytes, b.mapped_host_bytes));
+    let (disk_bytes, staging_host_bytes) =
+        cmp.backend.as_ref().map_or((0, 0), |b| (b.disk_bytes, b.staging_host_bytes));
     let stacks = cmp.backend.map(|b| b.stacks).unwrap_or_default();
     let (p50, p99) = hook_percentiles_us(&cmp.offloaded.hook_latencies);
     let peak = cmp.offloaded_peak_bytes;
@@ -230,6 +232,8 @@ pub fn run(spec: &RunSpec, progress: &mut dyn FnMut(RunStage, Progress<'_>)) -> 
         activation_bytes,
         master_host_bytes,
         mapped_host_bytes,
+        disk_bytes,
+        staging_host_bytes,
         h2d_bytes: stats1.h2d_bytes - stats0.h2d_bytes,
         d2h_bytes: stats1.d2h_bytes - stats0.d2h_bytes,
         prefetch_hits: stacks.iter().map(|s| s.prefetch_hits).sum(),

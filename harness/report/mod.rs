@@ -61,6 +61,10 @@ pub struct RunReport {
     pub master_host_bytes: u64,
     /// Bytes of streamed sections served straight from the checkpoint's files (`host_masters`), no master.
     pub mapped_host_bytes: u64,
+    /// Bytes of the blocks the disk tier read from the checkpoint's files on every pass (beyond `host_budget`).
+    pub disk_bytes: u64,
+    /// Host bytes of the disk tier's staging buffers.
+    pub staging_host_bytes: u64,
     /// Bytes copied host → device during the offloaded run.
     pub h2d_bytes: u64,
     /// Bytes copied device → host during the offloaded run.
@@ -162,6 +166,14 @@ impl fmt::Display for RunReport {
             human_bytes(self.master_host_bytes),
             human_bytes(self.mapped_host_bytes)
         )?;
+        if self.disk_bytes > 0 {
+            writeln!(
+                f,
+                "disk tier: {} read from the files on every pass, {} of staging buffers",
+                human_bytes(self.disk_bytes),
+                human_bytes(self.staging_host_bytes)
+            )?;
+        }
         writeln!(f, "transfers: h2d {}, d2h {}", human_bytes(self.h2d_bytes), human_bytes(self.d2h_bytes))?;
         writeln!(
             f,

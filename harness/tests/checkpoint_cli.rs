@@ -343,3 +343,46 @@ fn malformed_checkpoints_are_one_line_exit_2() {
     let e = invalid(&["run", "--checkpoint", fs, "--preset", "flux-tiny"]);
     assert!(e.contains("cannot be used with"), "{e}");
 }
+
+/// A checkpoint of eight 128 KiB blocks (`blocks.N.w`, bf16) and an embedder: blocks well above the 4 KiB of a
+/// direct read's alignment, so a disk tier costs less host memory than the masters it replaces.
+fn large_blocks(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("checkpoint-cli-{name}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let mut m: BTreeMap<String, T> =
+        (0..8u32).map(|i| (format!("blocks.{i}.w"), tensor(S::BF16, &[256, 256], 50 + i))).collect();
+    m.insert("x_embedder.weight".into(), tensor(S::BF16, &[256, 16], 60));
+    write(&d.join("model.safetensors"), &m.iter().map(|(k, v)| (k.clone(), v)).collect());
+    d.join("model.safetensors")
+}
+
+#[test]
+fn plan_checkpoint_predicts_the_disk_tier_the_run_then_holds() {
+    let p = large_blocks("disk_tier");
+    let c = p.with_file_name("disk.json");
+    for budget in [700u64 << 10, 900 << 10] {
+        let cfg = json!({"diffusion_offload_config": {"mode": "layer", "components": ["dit"],
+            "host_masters": "pinned", "host_budget": budget}});
+        std::fs::write(&c, cfg.to_string()).unwrap();
+        let (p, c) = (p.to_str().unwrap(), c.to_str().unwrap());
+        let plan = ok_json(&["plan", "--json", "--checkpoint", p, "--config", c]);
+        let run = ok_json(&["run", "--json", "--steps", "2", "--checkpoint", p, "--config", c]);
+        let host = &plan["host"];
+        assert!(host["disk_bytes"].as_u64().unwrap() > 0, "{budget}: {host}");
+        assert_eq!(
+            (&run["master_host_bytes"], &run["disk_bytes"], &run["staging_host_bytes"]),
+            (&host["master_bytes"], &host["disk_bytes"], &host["staging_bytes"]),
+            "{budget}: the run holds what the plan predicted"
+        );
+        let held = host["master_bytes"].as_u64().unwrap() + host["staging_bytes"].as_u64().unwrap();
+        assert!(held <= budget, "{budget}: {host}");
+        assert_eq!(run["outputs_match"], true);
+        let text = String::from_utf8_lossy(&wf(&["plan", "--checkpoint", p, "--config", c]).stdout).to_string();
+        let line = format!(
+            "  disk tier        {} read on every pass\n",
+            weightferry::plan::bytes::human_bytes(host["disk_bytes"].as_u64().unwrap())
+        );
+        assert!(text.contains(&line), "{text}");
+    }
+}

@@ -66,6 +66,34 @@ def test_the_plan_predicts_the_host_masters_enable_holds_to_the_byte(folder, cas
         assert s["plan_host"] == predicted
 
 
+PASSES = {
+    "depth 1": layer(1),
+    "depth 2 resident 1": layer(2, resident_layers=1),
+    "depth 4 (a slot per block)": layer(4),
+    "static depth 1": layer(1, static_slots=True),
+    "static depth 2": with_key(layer(2, static_slots=True), pin_memory=False),
+    "budget 30%": None,
+}
+
+
+@pytest.mark.parametrize("case", sorted(PASSES))
+def test_the_plan_predicts_the_bytes_each_forward_copies_once_the_ring_is_warm(case):
+    m, x, _ = flux()
+    cfg = PASSES[case] or dit_budget(m, 0.3)
+    plan = wf.plan({"transformer": m}, cfg)
+    (stack,) = plan["components"][0]["stacks"]
+    assert plan["pass_h2d_bytes"] == stack["pass_h2d_bytes"]
+    with wf.enable({"transformer": m}, cfg, device="sim") as h:
+        seen = []
+        for _ in range(4):
+            m(**x)
+            seen.append(h.stats()["bytes_streamed"])
+    per_pass = {b - a for a, b in zip(seen[1:], seen[2:])}
+    assert per_pass == {plan["pass_h2d_bytes"]}, (seen, plan["pass_h2d_bytes"])
+    # Every streamed block once a pass, or none when each keeps a slot of its own.
+    assert (plan["pass_h2d_bytes"] > 0) == (stack["slots"] < stack["streaming"])
+
+
 def checkpoint(tmp_path, head_dim, **blocks):
     """A tiny Flux's weights in a safetensors file, the same module on ``meta``, and the reference. Heads of 128:
     every block tensor is a multiple of 256 bytes, so every section lies in the file as packed; heads of 16: the

@@ -53,11 +53,13 @@ def test_layerwise_figures_match_the_cli(cli, tmp_path, n, config):
         "name": "transformer[blocks]", "blocks": n, "resident": 0, "streaming": n, "bytes": n * TinyBlock.DEVICE,
         "resident_bytes": 0, "max_streaming_block_bytes": TinyBlock.DEVICE, "prefetch_depth": depth,
         "slots": dit_slots, "slot_bytes": dit_slots * TinyBlock.DEVICE,
+        # Every streamed block once a forward when the ring holds fewer slots than blocks, none when each has one.
+        "pass_h2d_bytes": n * TinyBlock.DEVICE if dit_slots < n else 0,
     }
     assert stack(enc) == {
         "name": "text_encoder[layers]", "blocks": 3, "resident": 0, "streaming": 3, "bytes": 3 * TinyBlock.DEVICE,
         "resident_bytes": 0, "max_streaming_block_bytes": TinyBlock.DEVICE, "prefetch_depth": 2, "slots": 3,
-        "slot_bytes": 3 * TinyBlock.DEVICE,
+        "slot_bytes": 3 * TinyBlock.DEVICE, "pass_h2d_bytes": 0,
     }
     # A component's `bytes` are its distinct storages' (host) bytes; stacks and the budget count device bytes.
     assert dit["bytes"] == TinyDiT.NON_BLOCK + n * TinyBlock.RAW
@@ -68,6 +70,7 @@ def test_layerwise_figures_match_the_cli(cli, tmp_path, n, config):
     assert got["budget"] == {"budget": None, "always_resident_bytes": always, "resident_head_bytes": 0,
                              "slot_bytes": slots, "on_demand_peak_bytes": TinyVAE.DEVICE, "planner_chose": False}
     assert got["device_weight_bytes"] == always + slots + TinyVAE.DEVICE
+    assert got["pass_h2d_bytes"] == stack(dit)["pass_h2d_bytes"]
     # The tied head is counted once.
     raw = TinyDiT.NON_BLOCK + n * TinyBlock.RAW + TinyTextEncoder.EMBED + 3 * TinyBlock.RAW + TinyVAE.RAW
     assert got["total_weight_bytes"] == raw

@@ -80,8 +80,20 @@ pub fn host_of(
 /// block; a plan whose masters exceed `host_budget` gets a warning (enable refuses it, unless a checkpoint file
 /// serves enough of it).
 pub fn plan_report(name: &str, desc: &PipelineDesc, config: &OffloadConfig) -> Result<PlanReport, PlanError> {
+    plan_report_of(name, desc, config, None)
+}
+
+/// [`plan_report`] of a loaded `model` when given: with weights from a checkpoint, what its files serve (mapped)
+/// and the disk tier (blocks beyond `host_budget` read from the file on every pass, and its staging buffers) are
+/// predicted too, as `enable` will find them.
+pub fn plan_report_of(
+    name: &str,
+    desc: &PipelineDesc,
+    config: &OffloadConfig,
+    model: Option<&HostModel>,
+) -> Result<PlanReport, PlanError> {
     let plan = resolve_offload_plan(desc, config)?;
-    let host = host_of(desc, config, &plan, None);
+    let host = host_of(desc, config, &plan, model);
     let over = check_host_budget(&host).err();
     let mut report = PlanReport::from_plan(name, desc, config, &plan, host);
     report.warnings.extend(over.map(|e| format!("enable will refuse this plan: {}", e.0)));

@@ -36,6 +36,9 @@ pub struct PlanStack {
     pub slots: usize,
     /// Bytes of the ring slots.
     pub slot_bytes: u64,
+    /// Bytes its blocks copy host-to-device on each forward pass of the component once the ring is warm (0 when
+    /// the component does not stream).
+    pub pass_h2d_bytes: u64,
     /// A static schedule: every streamed block in the same slot on every pass (`static_slots`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub static_slots: bool,
@@ -125,6 +128,11 @@ pub struct PlanReport {
     pub total_weight_bytes: u64,
     /// Breakdown of the bound.
     pub budget: PlanBudget,
+    /// Bytes the streamed components copy host-to-device in one forward pass of each, once their rings are warm
+    /// (the sum of their stacks' `pass_h2d_bytes`; of them, `host.disk_bytes` are read from disk first). A pass
+    /// takes at least the longest of its compute, these bytes at the pinned host-to-device rate, and the disk bytes
+    /// at the disk's read rate.
+    pub pass_h2d_bytes: u64,
     /// Host memory the weights will take.
     pub host: PlanHost,
     /// Budget notes (planner choices).
@@ -133,7 +141,7 @@ pub struct PlanReport {
     pub warnings: Vec<String>,
 }
 
-fn plan_stack(s: &StackPlan) -> PlanStack {
+fn plan_stack(s: &StackPlan, streams: bool) -> PlanStack {
     PlanStack {
         name: s.name.clone(),
         blocks: s.blocks.len(),
@@ -145,8 +153,18 @@ fn plan_stack(s: &StackPlan) -> PlanStack {
         prefetch_depth: s.prefetch_depth,
         slots: s.slot_count(),
         slot_bytes: s.slot_bytes(),
+        pass_h2d_bytes: if streams { s.pass_h2d_bytes() } else { 0 },
         static_slots: s.static_slots,
     }
+}
+
+/// Whether the backend streams `c`'s block stacks through their rings on every forward (layer-wise strategies, a
+/// selected component that is not staged whole on demand, offload not skipped).
+fn streams(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent) -> bool {
+    matches!(strategy, Strategy::LayerWise | Strategy::DistributedLayerWise)
+        && plan.skip_reason.is_none()
+        && c.selected
+        && !c.on_demand
 }
 
 fn action(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent, keep_dit: bool) -> String {
@@ -203,7 +221,7 @@ fn plan_component(strategy: Strategy, plan: &ResolvedPlan, c: &ResolvedComponent
         on_demand: c.on_demand,
         bytes: c.bytes,
         action: action(strategy, plan, c, keep_dit),
-        stacks: c.stacks.iter().map(plan_stack).collect(),
+        stacks: c.stacks.iter().map(|s| plan_stack(s, streams(strategy, plan, c))).collect(),
         children: c.children.iter().map(|ch| plan_component(strategy, plan, ch, keep_dit)).collect(),
     }
 }
@@ -218,13 +236,13 @@ impl PlanReport {
         host: PlanHost,
     ) -> PlanReport {
         let b = &plan.budget;
+        let components: Vec<PlanComponent> =
+            plan.components().map(|c| plan_component(plan.strategy, plan, c, config.keep_dit_resident)).collect();
         PlanReport {
             pipeline: pipeline.to_string(),
             strategy: plan.strategy.report_name().to_string(),
-            components: plan
-                .components()
-                .map(|c| plan_component(plan.strategy, plan, c, config.keep_dit_resident))
-                .collect(),
+            pass_h2d_bytes: components.iter().map(pass_h2d).sum(),
+            components,
             skip_reason: plan.skip_reason.clone(),
             device_weight_bytes: b.device_weight_bytes,
             total_weight_bytes: desc.storages.values().map(|s| s.byte_size()).sum(),
@@ -241,6 +259,11 @@ impl PlanReport {
             warnings: plan.warnings.clone(),
         }
     }
+}
+
+/// A component's and its children's `pass_h2d_bytes`.
+fn pass_h2d(c: &PlanComponent) -> u64 {
+    c.stacks.iter().map(|s| s.pass_h2d_bytes).sum::<u64>() + c.children.iter().map(pass_h2d).sum::<u64>()
 }
 
 fn write_component(f: &mut fmt::Formatter<'_>, c: &PlanComponent, indent: &str) -> fmt::Result {
@@ -313,9 +336,16 @@ impl fmt::Display for PlanReport {
         if h.sharded_bytes > 0 {
             writeln!(f, "  AllGather blocks {} (each rank holds its shard)", human_bytes(h.sharded_bytes))?;
         }
+        if h.disk_bytes > 0 {
+            writeln!(f, "  disk tier        {} read on every pass", human_bytes(h.disk_bytes))?;
+            writeln!(f, "  staging buffers  {} {kind}", human_bytes(h.staging_bytes))?;
+        }
         match h.budget {
             Some(budget) => writeln!(f, "  budget           {}", human_bytes(budget))?,
             None => writeln!(f, "  budget           none set")?,
+        }
+        if self.pass_h2d_bytes > 0 {
+            writeln!(f, "per forward pass (rings warm): {} host-to-device", human_bytes(self.pass_h2d_bytes))?;
         }
         for n in &self.notes {
             writeln!(f, "note: {n}")?;

@@ -72,6 +72,16 @@ impl StackPlan {
         let streaming = (0..self.blocks.len()).filter(|&i| !self.is_resident(i)).count();
         weightferry_actors::block_stack::slot_count(streaming, self.prefetch_depth as usize, self.static_slots)
     }
+    /// Bytes the ring copies host-to-device on each forward pass once warm: every streamed block once when the ring
+    /// has fewer slots than streamed blocks (each pass evicts the blocks the next one starts with), none when every
+    /// streamed block keeps a slot of its own.
+    pub fn pass_h2d_bytes(&self) -> u64 {
+        let streaming = (0..self.blocks.len()).filter(|&i| !self.is_resident(i)).count();
+        if self.slot_count() >= streaming {
+            return 0;
+        }
+        self.block_bytes.iter().enumerate().filter(|(i, _)| !self.is_resident(*i)).map(|(_, b)| *b).sum()
+    }
     /// Device bytes of the ring's slots.
     pub fn slot_bytes(&self) -> u64 {
         (self.slot_count() as u64).saturating_mul(self.max_streaming_block_bytes())

@@ -382,6 +382,9 @@ impl Session {
             ));
         }
         let (plan, mut report) = resolve(name, model.desc(), config, None)?;
+        if !model.mapped_files().is_empty() {
+            report.host = host_of(model.desc(), config, &plan, Some(model)); // what its files serve, the disk tier
+        }
         resolve_auto_host_budget(config, model, &mut report);
         check_host_budget(&report.host).map_err(|e| not_applicable(name, e))?;
         let platform = model.platform().clone();
