@@ -158,3 +158,32 @@ def test_a_file_read_through_the_page_cache_is_a_warning_at_enable(tmp_path):
     x = inputs()
     assert torch.equal(forward(m, x), forward(ref, x))
     h.disable()
+
+
+def test_after_a_failed_read_forwards_keep_failing_and_disable_gives_the_weights_back(tmp_path):
+    """A read that fails (here the file is cut short, then restored with its bytes and time stamps, as after a
+    transient fault) fails its forward; the stack keeps that load's error, so every later forward raises it too,
+    never an output from missing bytes; ``disable`` then gives the module the file's weights, bit for bit, and a
+    new ``enable`` runs exact again."""
+    ref, m, path = checkpoint(tmp_path, 128)
+    x = inputs()
+    want = forward(ref, x)
+    cfg = with_key(LAYER, host_masters="pinned", host_budget=masters_of(m, path) * 7 // 10)
+    h = wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path)
+    assert torch.equal(forward(m, x), want)
+    stat, data = os.stat(path), path.read_bytes()
+    with open(path, "r+b") as f:
+        f.truncate(len(data) // 2)
+    with pytest.raises(wf.Error) as first:
+        forward(m, x)
+    path.write_bytes(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    for _ in range(2):
+        with pytest.raises(wf.Error) as again:
+            forward(m, x)
+        assert str(again.value).split(": ", 1)[1] == str(first.value).split(": ", 1)[1]
+    h.disable()
+    got = m.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+    with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path):
+        assert torch.equal(forward(m, x), want)
