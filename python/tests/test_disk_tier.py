@@ -187,3 +187,28 @@ def test_after_a_failed_read_forwards_keep_failing_and_disable_gives_the_weights
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
     with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path):
         assert torch.equal(forward(m, x), want)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9])
+def test_plan_with_the_checkpoint_predicts_the_disk_tier_enable_then_holds(tmp_path, fraction):
+    _, m, path = checkpoint(tmp_path, 128)
+    cfg = with_key(LAYER, host_masters="pinned", host_budget=int(masters_of(m, path) * fraction))
+    before = {k: (v.device, v.shape) for k, v in m.state_dict().items()}
+    predicted = wf.plan({"transformer": m}, cfg, checkpoint=path)["host"]
+    assert {k: (v.device, v.shape) for k, v in m.state_dict().items()} == before  # still on meta, nothing read
+    assert predicted["disk_bytes"] > 0 and predicted["staging_bytes"] > 0
+    with wf.enable({"transformer": m}, cfg, device="sim", checkpoint=path) as h:
+        s = h.stats()
+        assert s["plan_host"] == predicted
+        assert (s["master_host_bytes"], s["disk_bytes"], s["staging_host_bytes"]) == (
+            predicted["master_bytes"], predicted["disk_bytes"], predicted["staging_bytes"])
+    # Without the checkpoint the plan cannot know what the file serves: it counts every block as a master.
+    assert wf.plan({"transformer": m}, cfg)["host"]["disk_bytes"] == 0
+
+
+def test_plan_with_a_checkpoint_refuses_a_distributed_config(tmp_path):
+    _, m, path = checkpoint(tmp_path, 128)
+    cfg = {"data_parallel_size": 2, "diffusion_offload_config": {
+        "mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}}
+    with pytest.raises(wf.PlanError, match=r"plan\(checkpoint=\.\.\.\) predicts one process's host memory"):
+        wf.plan({"transformer": m}, cfg, checkpoint=path)

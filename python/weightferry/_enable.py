@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from ._hooks import StreamCheck
 
-__all__ = ["Seams", "enable"]
+__all__ = ["Seams", "checkpoint_host_plan", "enable"]
 
 
 def enable(
@@ -163,6 +163,35 @@ def _warn_buffered(session: _core.Session) -> None:
             WeightferryWarning,
             stacklevel=3,
         )
+
+
+def checkpoint_host_plan(
+    desc: dict[str, Any],
+    bound: Bound,
+    modules: Mapping[str, Any],
+    text: str,
+    fmt: ConfigFormat,
+    name: str,
+    checkpoint: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+) -> dict[str, Any]:
+    """The host side of the plan (the report's ``"host"``) as :func:`enable` will find it with ``checkpoint``: the
+    files mapped (no weight read) by a session on the simulated device, so what they serve and what the disk tier
+    reads are known; the session is dropped after. Not for a distributed config (its session would meet its ranks)."""
+    if _core.check_config(text, fmt).startswith("distributed"):
+        raise _core.PlanError(
+            "plan(checkpoint=...) predicts one process's host memory; a distributed config's ranks each bind their "
+            "share at enable: call plan() without checkpoint="
+        )
+    ckpt = _checkpoint_components(desc, checkpoint)
+    _check_computed_buffers(bound)
+    views = _views(ckpt, bound, modules)
+    with in_python_words():
+        session, _, _ = _open_session(json.dumps(desc), text, fmt, name, "sim", ckpt, Seams(), views)
+    try:
+        host: dict[str, Any] = json.loads(session.plan_json())["host"]
+    finally:
+        del session
+    return host
 
 
 def _default_device(device: str | torch.device | None) -> str | torch.device:

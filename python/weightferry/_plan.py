@@ -4,6 +4,7 @@ surfaced as Python warnings."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,6 +41,7 @@ def plan(
     encoders: list[str] | None = None,
     vaes: list[str] | None = None,
     blocks: Mapping[str, list[str]] | None = None,
+    checkpoint: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> dict[str, Any]:
     """The resolved offload plan of ``pipeline`` under ``config``, as a dict: the object
     ``weightferry plan --pipeline FILE --config FILE --json`` prints for ``describe(pipeline)`` written to FILE
@@ -47,7 +49,11 @@ def plan(
 
     ``pipeline`` is what :func:`describe` accepts; ``config`` a dict in the config file's vocabulary or a path to a
     ``.json`` / ``.toml`` file; ``name`` the report's ``"pipeline"`` (default: the pipeline's class name);
-    ``dit``, ``encoders``, ``vaes`` and ``blocks`` what :func:`describe` takes.
+    ``dit``, ``encoders``, ``vaes`` and ``blocks`` what :func:`describe` takes. ``checkpoint`` (what
+    :func:`enable` takes) predicts the host side as ``enable(..., checkpoint=)`` will hold it: the checkpoint's
+    files are mapped, not read, so ``"host"`` says which blocks they serve (``mapped_bytes``) and which the disk tier
+    reads on every pass beyond ``host_budget`` (``disk_bytes``, ``staging_bytes``); a ``host_budget = "auto"`` is
+    resolved from this process's memory now, as enable would.
     A component whose discovered block lists leave large lists of blocks on the device (each a twentieth of the
     model or more: Latte's temporal blocks) has ``"left_resident"``: ``[{"path", "blocks", "bytes"}]``, paths in the
     component, as its one warning names them (``blocks=`` streams them).
@@ -57,12 +63,16 @@ def plan(
     Raises :class:`weightferry.ConfigError`, :class:`weightferry.PipelineError` or
     :class:`weightferry.PlanError` with the CLI's message.
     """
-    desc, _, modules, _ = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
+    desc, bound, modules, _ = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
     text, fmt = config_arg(config)
+    label = desc["class"] if name is None else str(name)
     with in_python_words():
-        report: dict[str, Any] = json.loads(
-            _core.plan(json.dumps(desc), text, fmt, desc["class"] if name is None else str(name))
-        )
+        report: dict[str, Any] = json.loads(_core.plan(json.dumps(desc), text, fmt, label))
+    if checkpoint is not None:
+        from ._enable import checkpoint_host_plan  # enable's session opening, imported when asked for
+
+        report["host"] = checkpoint_host_plan(desc, bound, modules, text, fmt, label, checkpoint)
+        report["warnings"] = [w for w in report["warnings"] if not w.startswith("enable will refuse this plan")]
     for component in report.get("components", []):
         module = modules.get(component.get("path"))
         left = left_resident(module) if module is not None else []
