@@ -144,18 +144,19 @@ def enable(
         undo.push(handle._copies.remove)
         undo.push(handle._load_hooks.remove)
         undo.push(handle._remove_watch)
+        buffered = json.loads(session.report()).get("buffered_files", [])
         handle._offload()
     except BaseException:
         undo.unwind()
         raise
-    _warn_buffered(session)
+    _warn_buffered(buffered)
     return handle
 
 
-def _warn_buffered(session: _core.Session) -> None:
+def _warn_buffered(paths: list[str]) -> None:
     """Warns of each checkpoint file the disk tier reads through the page cache (its filesystem refused
     ``O_DIRECT``): the reads work, but the file's pages then stay cached beyond ``host_budget``."""
-    for path in json.loads(session.report()).get("buffered_files", []):
+    for path in paths:
         warnings.warn(
             f"{path}: the filesystem refuses O_DIRECT, so the disk tier reads this checkpoint through the page cache, "
             "whose pages the kernel keeps beyond host_budget; keep it on a local disk (ext4, xfs) to read around the "
