@@ -240,7 +240,7 @@ def test_a_whole_trace_calls_the_operators_cuda_graphs_may_record_and_a_broken_o
     # inside one graph); without fullgraph the pair tagged cudagraph_unsafe, which runs between the graphs.
     model, x = model_and_inputs("float32")
     want = run(copy.deepcopy(model), x)
-    seen: dict[bool, list[str]] = {}
+    seen: dict[object, list[str]] = {}
 
     def backend(full):
         def compile_graph(gm, example):
@@ -253,10 +253,20 @@ def test_a_whole_trace_calls_the_operators_cuda_graphs_may_record_and_a_broken_o
             torch._dynamo.reset()
             assert torch.equal(run(torch.compile(model, fullgraph=full, backend=backend(full)), x), want)
         torch._dynamo.reset()
+        # Regional compilation (diffusers' compile_repeated_blocks): each block's call traced alone, fullgraph or
+        # not, holds one block's share of the forward's schedule, so its graphs call the pair kept out of CUDA graphs.
+        for full in (True, False):
+            key = ("regional", full)
+            for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+                block.compile(fullgraph=full, backend=backend(key))
+            assert torch.equal(run(model, x), want)
+            torch._dynamo.reset()
     blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
     assert sorted(set(seen[True])) == ["weightferry.enter_in_graph", "weightferry.leave_in_graph"]
-    assert sorted(set(seen[False])) == ["weightferry.enter", "weightferry.leave"]
-    assert len(seen[True]) == len(seen[False]) == 2 * blocks
+    for key in (False, ("regional", True), ("regional", False)):
+        assert sorted(set(seen[key])) == ["weightferry.enter", "weightferry.leave"], key
+        assert len(seen[key]) == 2 * blocks, key
+    assert len(seen[True]) == 2 * blocks
     assert torch.Tag.cudagraph_unsafe in torch.ops.weightferry.enter.default.tags
     assert torch.Tag.cudagraph_unsafe not in torch.ops.weightferry.enter_in_graph.default.tags
 

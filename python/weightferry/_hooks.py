@@ -552,7 +552,8 @@ class Hooks:
         }
         self.static = StaticPlaces(self._session, self._storages, self._binder, self._sigs, eligible)
         self.static.prime()
-        self._key = register(self, len(self.static.places))
+        components = tuple(m for path, m in self._modules.items() if "." not in path)
+        self._key = register(self, len(self.static.places), components)
         if isinstance(self._binder, CudaBinder):
             self._copy_stream = torch.cuda.Stream(self._binder.device)  # type: ignore[no-untyped-call]  # never while capturing
         self._order = torch.zeros(1, device=self._binder.device)

@@ -35,10 +35,11 @@ The operators find their hooks through a registry of live handles (:func:`regist
 
 Two pairs: ``enter`` / ``leave`` tagged ``cudagraph_unsafe`` (inductor's CUDA graphs leave them out and the
 session's scheduler runs between the graphs), and ``enter_in_graph`` / ``leave_in_graph`` untagged, which a trace
-without graph breaks calls (:func:`whole_trace`): CUDA graph trees (``mode="reduce-overhead"``) then record the
-whole forward with the captured schedule of :mod:`._capture` inside. A trace that may break calls the tagged pair:
-a break between two blocks would split their copies over two graphs, and the first would end with its copy stream
-unjoined.
+without graph breaks of a whole component calls (:func:`whole_trace`): CUDA graph trees (``mode="reduce-overhead"``)
+then record the whole forward with the captured schedule of :mod:`._capture` inside. A trace that may break calls the
+tagged pair: a break between two blocks would split their copies over two graphs, and the first would end with its
+copy stream unjoined; so does a trace of one block's call (regional compilation), whose graph would hold one block's
+share of a schedule made for the whole forward.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ _ops: tuple[Any, Any, Any, Any] | None = None
 _hook_guards_before = True
 _limit_before: int | None = None
 _blocks: dict[int, int] = {}  # key -> the static blocks of those hooks
+_components: dict[int, list[weakref.ref[Any]]] = {}  # key -> the components those hooks stream
 
 
 def _limit_name() -> str:
@@ -85,9 +87,9 @@ def _limit_name() -> str:
     return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
-def register(hooks: _Runs, blocks: int = 0) -> int:
-    """Registers ``hooks`` (of ``blocks`` static blocks) for the operators; returns the number they name it by. While
-    any hooks are registered:
+def register(hooks: _Runs, blocks: int = 0, components: tuple[Any, ...] = ()) -> int:
+    """Registers ``hooks`` (of ``blocks`` static blocks in the modules ``components``) for the operators; returns the
+    number they name it by. While any hooks are registered:
 
     - torch.compile guards on modules' hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``): by default
       it does not, and code compiled for a copy of the model without the hooks would run for the offloaded one,
@@ -108,6 +110,7 @@ def register(hooks: _Runs, blocks: int = 0) -> int:
     key = next(_numbers)
     _registry[key] = weakref.ref(hooks)
     _blocks[key] = blocks
+    _components[key] = [weakref.ref(c) for c in components]
     if _limit_before is not None:
         setattr(config, _limit_name(), _limit_before + max(_blocks.values()))
     return key
@@ -118,6 +121,7 @@ def unregister(key: int) -> None:
     import torch._dynamo
 
     _blocks.pop(key, None)
+    _components.pop(key, None)
     if _registry.pop(key, None) is None:
         return
     if not _registry:
@@ -190,15 +194,34 @@ def _define(suffix: str, tags: tuple[Any, ...]) -> tuple[Any, Any]:
 
 def _whole_trace() -> bool:
     """Whether torch.compile traces the current frame as one graph (``fullgraph=True``, or
-    ``torch._dynamo.error_on_graph_break``): then no graph break can fall between two blocks of the forward, and a
-    CUDA graph inductor records holds all of them. Asked while tracing (see :func:`whole_trace`)."""
+    ``torch._dynamo.error_on_graph_break``) that spans a whole streamed component: then no graph break can fall
+    between two blocks of the forward, and a CUDA graph inductor records holds all of them. The frame the trace
+    started in must be a method of a streamed component or of a module holding one: a trace of one block's call
+    (diffusers' ``compile_repeated_blocks``, regional compilation) holds that block only, and a CUDA graph of it
+    would replay one block's copies of a schedule made for the whole forward. Asked while tracing (see
+    :func:`whole_trace`)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
+        one_graph = bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+        root = tx.output.root_tx
+        names = root.f_code.co_varnames
+        owner = root.f_locals.get(names[0]) if root.f_code.co_argcount and names else None
     except Exception:  # not under dynamo's tracer, or another torch: the operators that stay out of graphs
         return False
-    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    return one_graph and _holds_a_component(owner)
+
+
+def _holds_a_component(owner: Any) -> bool:
+    """Whether ``owner`` (the first argument of the frame a trace started in) is a streamed component or a module
+    holding one."""
+    import torch
+
+    if not isinstance(owner, torch.nn.Module):
+        return False
+    streamed = {id(c) for refs in _components.values() for ref in refs if (c := ref()) is not None}
+    return any(id(m) in streamed for m in owner.modules())
 
 
 _whole_trace_const: Any = None
