@@ -1,9 +1,10 @@
 """``weightferry.from_pretrained`` on ``device="sim"``: a diffusers transformer and a transformers text encoder saved
 with ``save_pretrained`` (one file and sharded, bf16 and f32, tied weights), built on ``meta`` and bound from their
 files: outputs bit-identical to the model saved, the weights after ``disable`` the saved ones (ties kept), the
-model never materialized before binding; a whole saved FluxPipeline, its offloaded components from their files and
-the rest loaded as usual, runs bit-identical to the pipeline saved; a folder weightferry cannot read is a
-``CheckpointError`` naming it."""
+model never materialized before binding; with a ``host_budget`` below its masters the last blocks are read from the
+saved files on every pass (the disk tier), exact, one file and sharded; a whole saved FluxPipeline, its offloaded
+components from their files and the rest loaded as usual, runs bit-identical to the pipeline saved; a folder
+weightferry cannot read is a ``CheckpointError`` naming it."""
 
 import copy
 import os
@@ -42,6 +43,33 @@ def test_a_diffusers_transformer_streams_from_its_saved_folder_bit_identical(tmp
                                   subfolder="transformer")
     with h:
         assert h.stats()["plan_host"]["master_bytes"] > 0
+        for _ in range(2):
+            assert torch.equal(forward(model, x), expected)
+    assert same_weights(model, ref)
+
+
+@pytest.mark.parametrize("shard", [None, "2MB"])
+def test_a_saved_transformer_larger_than_its_host_budget_streams_its_last_blocks_from_disk(tmp_path, shard):
+    # The way a user reaches the disk tier: from_pretrained with a host_budget below the model's masters. Blocks of
+    # 128-dim heads (each well above a direct read's 4 KiB alignment), one file and sharded.
+    torch.manual_seed(0)
+    ref = diffusers.FluxTransformer2DModel(**dict(
+        CONFIG, attention_head_dim=128, axes_dims_rope=(16, 56, 56), num_layers=1, num_single_layers=12,
+    )).to(torch.bfloat16).eval()
+    ref.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    x = inputs()
+    expected = forward(ref, x)
+    cfg = copy.deepcopy(LAYER)
+    cfg["diffusion_offload_config"]["host_masters"] = "pinned"
+    model, h = wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, cfg, device="sim")
+    with h:
+        masters = h.stats()["master_host_bytes"]
+    cfg["diffusion_offload_config"]["host_budget"] = masters * 6 // 10
+    model, h = wf.from_pretrained(diffusers.FluxTransformer2DModel, tmp_path, cfg, device="sim")
+    with h:
+        s = h.stats()
+        assert s["disk_bytes"] > 0 and s["master_host_bytes"] + s["staging_host_bytes"] <= masters * 6 // 10
+        assert s["plan_host"]["disk_bytes"] == s["disk_bytes"]
         for _ in range(2):
             assert torch.equal(forward(model, x), expected)
     assert same_weights(model, ref)
