@@ -254,7 +254,8 @@ def test_a_whole_trace_calls_the_operators_cuda_graphs_may_record_and_a_broken_o
             assert torch.equal(run(torch.compile(model, fullgraph=full, backend=backend(full)), x), want)
         torch._dynamo.reset()
         # Regional compilation (diffusers' compile_repeated_blocks): each block's call traced alone, fullgraph or
-        # not, holds one block's share of the forward's schedule, so its graphs call the pair kept out of CUDA graphs.
+        # not, holds one block's share of the forward's schedule, so its graphs call a pair kept out of CUDA graphs
+        # (the one naming the block by a tensor, so the blocks of a class share their code).
         for full in (True, False):
             key = ("regional", full)
             for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
@@ -263,11 +264,12 @@ def test_a_whole_trace_calls_the_operators_cuda_graphs_may_record_and_a_broken_o
             torch._dynamo.reset()
     blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
     assert sorted(set(seen[True])) == ["weightferry.enter_in_graph", "weightferry.leave_in_graph"]
-    for key in (False, ("regional", True), ("regional", False)):
-        assert sorted(set(seen[key])) == ["weightferry.enter", "weightferry.leave"], key
-        assert len(seen[key]) == 2 * blocks, key
-    assert len(seen[True]) == 2 * blocks
-    assert torch.Tag.cudagraph_unsafe in torch.ops.weightferry.enter.default.tags
+    assert sorted(set(seen[False])) == ["weightferry.enter", "weightferry.leave"]
+    for key in (("regional", True), ("regional", False)):
+        assert sorted(set(seen[key])) == ["weightferry.enter_block", "weightferry.leave_block"], key
+    assert len(seen[True]) == len(seen[False]) == 2 * blocks
+    for op in ("enter", "leave", "enter_block", "leave_block"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.weightferry, op).default.tags
     assert torch.Tag.cudagraph_unsafe not in torch.ops.weightferry.enter_in_graph.default.tags
 
 

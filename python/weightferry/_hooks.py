@@ -25,7 +25,7 @@ from ._outside import Unit, hook_outside_calls
 from ._static import StaticPlaces
 from ._storages import tensors_over
 from ._streams import StreamBridge
-from ._traced import TraceState, ops, output_tensors, register, unregister, whole_trace
+from ._traced import TraceState, block_trace, ops, output_tensors, register, unregister, whole_trace
 
 if TYPE_CHECKING:
     import torch
@@ -448,28 +448,40 @@ class Hooks:
     def _traced(
         self,
         path: str,
+        module: torch.nn.Module,
         pre: Callable[[torch.nn.Module, Any], None],
         post: Callable[[torch.nn.Module, Any, Any], Any],
     ) -> tuple[Callable[[torch.nn.Module, Any], None], Callable[[torch.nn.Module, Any, Any], Any]]:
-        """The hooks of static block ``path``: under torch.compile's tracing they call the custom operators (no graph
-        break; in a trace without graph breaks the pair CUDA graph trees may record, see :mod:`._traced`), else the
-        eager hooks ``pre`` / ``post``."""
+        """The hooks of static block ``path`` (``module``): under torch.compile's tracing they call the custom
+        operators (no graph break; in a trace without graph breaks the pair CUDA graph trees may record, in a trace
+        of the block's own call the pair that names it by a tensor, see :mod:`._traced`), else the eager hooks
+        ``pre`` / ``post``."""
         import torch
 
         compiling = torch.compiler.is_compiling
         enter_out, leave_out = ops()
         enter_in, leave_in = ops(in_graph=True)
-        whole = whole_trace()
+        enter_block, leave_block = ops(block=True)
+        whole, alone = whole_trace(), block_trace()
         unit, order, trace = len(self._units), self._order, self._trace
         self._units.append(path)
         static = self.static
         assert static is not None and order is not None
         key = self._key
+        # For a trace of the block's own call: its number as a tensor and its weights by their names in it (the
+        # same for every block of its class), so no constant of the trace names the block.
+        number = torch.tensor(unit)
+        names = _names_in(module, static.tensors[path])
 
         def traced_pre(module: torch.nn.Module, args: Any) -> None:
             if compiling():
                 trace.open += 1
-                (enter_in if whole() else enter_out)(order, static.tensors[path], key, unit)
+                if whole():
+                    enter_in(order, static.tensors[path], key, unit)
+                elif names is not None and alone():
+                    enter_block(order, [_attribute(module, n) for n in names], key, number)
+                else:
+                    enter_out(order, static.tensors[path], key, unit)
                 return
             pre(module, args)
 
@@ -481,7 +493,12 @@ class Hooks:
                         f"static block '{path}' returned no tensor, so its compiled code cannot be ordered before "
                         "the block's slot is released: compile without static_slots for this component"
                     )
-                (leave_in if whole() else leave_out)(order, outputs, key, unit)
+                if whole():
+                    leave_in(order, outputs, key, unit)
+                elif names is not None and alone():
+                    leave_block(order, outputs, key, number)
+                else:
+                    leave_out(order, outputs, key, unit)
                 trace.open -= 1
                 return None
             return post(module, args, output)
@@ -517,7 +534,7 @@ class Hooks:
             why = _UNTRACED.format(path=path)
             pre, post = compiler_disabled(self._pre(path), why), compiler_disabled(self._post(path), why)
             if self.static is not None and path in self.static.places:
-                pre, post = self._traced(path, pre, post)
+                pre, post = self._traced(path, module, pre, post)
             for entry in _entries(module) if "." not in path else [module]:
                 self._torch_hooks.append(entry.register_forward_pre_hook(pre))
                 self._torch_hooks.append(entry.register_forward_hook(post, always_call=True))
@@ -553,7 +570,8 @@ class Hooks:
         self.static = StaticPlaces(self._session, self._storages, self._binder, self._sigs, eligible)
         self.static.prime()
         components = tuple(m for path, m in self._modules.items() if "." not in path)
-        self._key = register(self, len(self.static.places), components)
+        blocks = tuple(self._modules[p] for p in self.static.places if p in self._modules)
+        self._key = register(self, blocks, components)
         if isinstance(self._binder, CudaBinder):
             self._copy_stream = torch.cuda.Stream(self._binder.device)  # type: ignore[no-untyped-call]  # never while capturing
         self._order = torch.zeros(1, device=self._binder.device)
@@ -645,3 +663,19 @@ class Hooks:
         """Drops what the hooks know of the slots (new slots after a retune, none after disable)."""
         self._offsets.clear()
         self._rebindings.clear()
+
+
+def _names_in(module: torch.nn.Module, tensors: list[torch.Tensor]) -> tuple[str, ...] | None:
+    """The name of each of ``tensors`` among ``module``'s parameters and buffers, or ``None`` when one is not there."""
+    own = {id(t): n for n, t in module.named_parameters(remove_duplicate=False)}
+    own.update({id(t): n for n, t in module.named_buffers(remove_duplicate=False)})
+    names = tuple(own.get(id(t), "") for t in tensors)
+    return None if "" in names else names
+
+
+def _attribute(module: torch.nn.Module, name: str) -> Any:
+    """``module``'s parameter or buffer ``name`` (a dotted path), by attribute: torch.compile traces it as an input
+    of the module it reads it from."""
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module

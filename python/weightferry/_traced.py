@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TraceState", "ops", "output_tensors", "register", "unregister", "whole_trace"]
+__all__ = ["TraceState", "block_trace", "ops", "output_tensors", "register", "unregister", "whole_trace"]
 
 
 class _Runs(Protocol):
@@ -72,11 +72,12 @@ class TraceState:
 
 _registry: dict[int, weakref.ref[_Runs]] = {}
 _numbers = itertools.count(1)
-_ops: tuple[Any, Any, Any, Any] | None = None
+_ops: tuple[Any, Any, Any, Any, Any, Any] | None = None
 _hook_guards_before = True
 _limit_before: int | None = None
 _blocks: dict[int, int] = {}  # key -> the static blocks of those hooks
 _components: dict[int, list[weakref.ref[Any]]] = {}  # key -> the components those hooks stream
+_block_modules: dict[int, list[weakref.ref[Any]]] = {}  # key -> the modules of its static blocks
 
 
 def _limit_name() -> str:
@@ -87,8 +88,8 @@ def _limit_name() -> str:
     return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
-def register(hooks: _Runs, blocks: int = 0, components: tuple[Any, ...] = ()) -> int:
-    """Registers ``hooks`` (of ``blocks`` static blocks in the modules ``components``) for the operators; returns the
+def register(hooks: _Runs, blocks: tuple[Any, ...] = (), components: tuple[Any, ...] = ()) -> int:
+    """Registers ``hooks`` (of the static blocks ``blocks``, modules of ``components``) for the operators; returns the
     number they name it by. While any hooks are registered:
 
     - torch.compile guards on modules' hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``): by default
@@ -109,8 +110,9 @@ def register(hooks: _Runs, blocks: int = 0, components: tuple[Any, ...] = ()) ->
         _limit_before = getattr(config, _limit_name())
     key = next(_numbers)
     _registry[key] = weakref.ref(hooks)
-    _blocks[key] = blocks
+    _blocks[key] = len(blocks)
     _components[key] = [weakref.ref(c) for c in components]
+    _block_modules[key] = [weakref.ref(b) for b in blocks]
     if _limit_before is not None:
         setattr(config, _limit_name(), _limit_before + max(_blocks.values()))
     return key
@@ -122,6 +124,7 @@ def unregister(key: int) -> None:
 
     _blocks.pop(key, None)
     _components.pop(key, None)
+    _block_modules.pop(key, None)
     if _registry.pop(key, None) is None:
         return
     if not _registry:
@@ -143,13 +146,17 @@ def _hooks_of(key: int) -> _Runs:
     return hooks
 
 
-def ops(in_graph: bool = False) -> tuple[Any, Any]:
+def ops(in_graph: bool = False, block: bool = False) -> tuple[Any, Any]:
     """``(enter, leave)``: the operators, defined once per process. ``in_graph``: the pair inductor's CUDA graphs may
-    record (not tagged ``cudagraph_unsafe``), for a trace without graph breaks (:func:`whole_trace`)."""
+    record (not tagged ``cudagraph_unsafe``), for a trace without graph breaks (:func:`whole_trace`). ``block``: the
+    pair a trace of one block's call uses (:func:`block_trace`), tagged ``cudagraph_unsafe`` too, which takes the
+    block's number as a tensor: a constant would make torch.compile specialize the code on it, one version per block,
+    while a tensor is an input, so every block of a class shares one compiled version."""
     global _ops
     if _ops is None:
-        _ops = _define("", (_unsafe_tag(),)) + _define("_in_graph", ())
-    return _ops[2:] if in_graph else _ops[:2]
+        unsafe = (_unsafe_tag(),)
+        _ops = _define("", unsafe) + _define("_in_graph", ()) + _define("_block", unsafe, unit="Tensor")
+    return _ops[4:] if block else _ops[2:4] if in_graph else _ops[:2]
 
 
 def _unsafe_tag() -> Any:
@@ -158,8 +165,9 @@ def _unsafe_tag() -> Any:
     return torch.Tag.cudagraph_unsafe
 
 
-def _define(suffix: str, tags: tuple[Any, ...]) -> tuple[Any, Any]:
-    """Defines ``weightferry::enter{suffix}`` and ``weightferry::leave{suffix}`` with ``tags``.
+def _define(suffix: str, tags: tuple[Any, ...], unit: str = "int") -> tuple[Any, Any]:
+    """Defines ``weightferry::enter{suffix}`` and ``weightferry::leave{suffix}`` with ``tags``, the block's number
+    an ``int`` or a (0-d, CPU) ``Tensor`` (``unit``).
 
     Tagged ``cudagraph_unsafe``: inductor keeps them out of the CUDA graphs it captures (mode="reduce-overhead"
     partitions there) and they run the session's scheduler between the graphs' replays. Untagged: inductor's CUDA
@@ -168,25 +176,25 @@ def _define(suffix: str, tags: tuple[Any, ...]) -> tuple[Any, Any]:
     import torch
 
     # Schemas spelled out: this module's annotations are strings (``from __future__ import annotations``).
-    enter_schema = "(Tensor(a!) order, Tensor(b!)[] weights, int key, int unit) -> ()"
-    leave_schema = "(Tensor(a!) order, Tensor[] outputs, int key, int unit) -> ()"
+    enter_schema = f"(Tensor(a!) order, Tensor(b!)[] weights, int key, {unit} unit) -> ()"
+    leave_schema = f"(Tensor(a!) order, Tensor[] outputs, int key, {unit} unit) -> ()"
 
     @torch.library.custom_op(
         f"weightferry::enter{suffix}", mutates_args=("order", "weights"), schema=enter_schema, tags=tags
     )
-    def enter(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
-        _hooks_of(key).traced_enter(unit, weights)
+    def enter(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: Any) -> None:
+        _hooks_of(key).traced_enter(int(unit), weights)
 
     @enter.register_fake
-    def _(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: int) -> None:
+    def _(order: torch.Tensor, weights: list[torch.Tensor], key: int, unit: Any) -> None:
         return None
 
     @torch.library.custom_op(f"weightferry::leave{suffix}", mutates_args=("order",), schema=leave_schema, tags=tags)
-    def leave(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
-        _hooks_of(key).traced_leave(unit)
+    def leave(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: Any) -> None:
+        _hooks_of(key).traced_leave(int(unit))
 
     @leave.register_fake
-    def _(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: int) -> None:
+    def _(order: torch.Tensor, outputs: list[torch.Tensor], key: int, unit: Any) -> None:
         return None
 
     return getattr(torch.ops.weightferry, f"enter{suffix}"), getattr(torch.ops.weightferry, f"leave{suffix}")
@@ -205,26 +213,57 @@ def _whole_trace() -> bool:
 
         tx = InstructionTranslator.current_tx()
         one_graph = bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
-        root = tx.output.root_tx
-        names = root.f_code.co_varnames
-        owner = root.f_locals.get(names[0]) if root.f_code.co_argcount and names else None
     except Exception:  # not under dynamo's tracer, or another torch: the operators that stay out of graphs
         return False
-    return one_graph and _holds_a_component(owner)
+    return one_graph and _holds(_root_owner(), _components)
 
 
-def _holds_a_component(owner: Any) -> bool:
-    """Whether ``owner`` (the first argument of the frame a trace started in) is a streamed component or a module
-    holding one."""
+def _block_trace() -> bool:
+    """Whether the frame torch.compile's trace started in is a static block's own call (regional compilation):
+    then every block of its class can share the compiled code if the hooks name the block by a tensor, not a
+    constant. Asked while tracing (see :func:`block_trace`)."""
+    import torch
+
+    owner = _root_owner()
+    if not isinstance(owner, torch.nn.Module):
+        return False
+    return any(ref() is owner for refs in _block_modules.values() for ref in refs)
+
+
+def _root_owner() -> Any:
+    """The first argument (``self`` of a method) of the frame the current trace started in, or ``None``."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        root = InstructionTranslator.current_tx().output.root_tx
+        names = root.f_code.co_varnames
+        return root.f_locals.get(names[0]) if root.f_code.co_argcount and names else None
+    except Exception:  # not under dynamo's tracer, or another torch
+        return None
+
+
+def _holds(owner: Any, registered: dict[int, list[weakref.ref[Any]]]) -> bool:
+    """Whether ``owner`` is one of the ``registered`` modules or a module holding one."""
     import torch
 
     if not isinstance(owner, torch.nn.Module):
         return False
-    streamed = {id(c) for refs in _components.values() for ref in refs if (c := ref()) is not None}
-    return any(id(m) in streamed for m in owner.modules())
+    ids = {id(m) for refs in registered.values() for ref in refs if (m := ref()) is not None}
+    return any(id(m) in ids for m in owner.modules())
 
 
 _whole_trace_const: Any = None
+_block_trace_const: Any = None
+
+
+def block_trace() -> Any:
+    """:func:`_block_trace` marked ``torch._dynamo.assume_constant_result`` (see :func:`whole_trace`)."""
+    global _block_trace_const
+    if _block_trace_const is None:
+        import torch._dynamo
+
+        _block_trace_const = torch._dynamo.assume_constant_result(_block_trace)  # type: ignore[no-untyped-call]
+    return _block_trace_const
 
 
 def whole_trace() -> Any:
