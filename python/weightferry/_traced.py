@@ -33,13 +33,15 @@ alias as graph inputs: aliased mutated inputs make AOT autograd merge them into 
 back whole. The version counters the declared mutations move are recorded again when the component's forward ends.
 The operators find their hooks through a registry of live handles (:func:`register`), by number.
 
-Two pairs: ``enter`` / ``leave`` tagged ``cudagraph_unsafe`` (inductor's CUDA graphs leave them out and the
+Three pairs: ``enter`` / ``leave`` tagged ``cudagraph_unsafe`` (inductor's CUDA graphs leave them out and the
 session's scheduler runs between the graphs), and ``enter_in_graph`` / ``leave_in_graph`` untagged, which a trace
 without graph breaks of a whole component calls (:func:`whole_trace`): CUDA graph trees (``mode="reduce-overhead"``)
 then record the whole forward with the captured schedule of :mod:`._capture` inside. A trace that may break calls the
 tagged pair: a break between two blocks would split their copies over two graphs, and the first would end with its
-copy stream unjoined; so does a trace of one block's call (regional compilation), whose graph would hold one block's
-share of a schedule made for the whole forward.
+copy stream unjoined. A trace of one block's own call (regional compilation, :func:`block_trace`), whose graph would
+hold one block's share of a schedule made for the whole forward, calls ``enter_block`` / ``leave_block``, tagged too,
+which take the block's number as a tensor and its weights by their names in it: nothing in the trace names the
+block, so every block of a class runs the same compiled code.
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ def register(hooks: _Runs, blocks: tuple[Any, ...] = (), components: tuple[Any, 
     - torch.compile guards on modules' hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``): by default
       it does not, and code compiled for a copy of the model without the hooks would run for the offloaded one,
       reading its bound tensors without opening a block (a silently wrong output where the tensors view their places);
-    - its limit of compiled versions of one function is raised by the most static blocks registered: each block's
-      hooks name the block, so code compiled block by block (diffusers' ``compile_repeated_blocks``, which compiles
-      each block's call) has a version per block, and ``fullgraph=True`` fails where the limit is reached.
+    - its limit of compiled versions of one function is raised by the most static blocks registered: a trace that
+      reaches a block's hooks any other way than through its own call (a function compiled around one block, say)
+      names the block by constants, one version per block, and ``fullgraph=True`` fails where the limit is reached.
 
     Both settings as they were before are restored when the last hooks are unregistered."""
     global _hook_guards_before, _limit_before
