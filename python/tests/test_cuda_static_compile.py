@@ -102,6 +102,34 @@ def test_reduce_overhead_captures_the_streaming_forward_and_replays_it_exactly(d
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_regional_compilation_streams_every_block_and_equals_the_resident_model_compiled_so(mode):
+    # diffusers' compile_repeated_blocks(fullgraph=True) with inductor: each block's call compiled alone, the blocks
+    # of a class sharing their code (the operators name a block by a tensor), the session's scheduler between the
+    # blocks' graphs (those operators are kept out of CUDA graphs, so under reduce-overhead the graph trees record
+    # the blocks' compute only). Output: the resident model compiled the same way, every call.
+    model, x = on_cuda("mixed")
+    twin = copy.deepcopy(model)
+    torch._dynamo.reset()
+    twin.compile_repeated_blocks(fullgraph=True, mode=mode)
+    wants = []
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        wants.append(run(twin, x))
+    model.cpu()
+    torch._dynamo.reset()
+    with wf.enable({"transformer": model}, config(), device="cuda") as h:
+        model.compile_repeated_blocks(fullgraph=True, mode=mode)
+        blocks = len(h._storages.streamed_by)
+        for want in wants:
+            start = loads(h)
+            torch.compiler.cudagraph_mark_step_begin()
+            assert torch.equal(run(model, x), want)
+            assert loads(h) - start >= blocks - 2, "the session streamed every block but the prefetched ones"
+        assert not h._hooks.captured
+        torch._dynamo.reset()
+
+
 def test_a_backend_that_copies_the_weights_is_refused_before_it_writes_into_the_slots():
     model, x = on_cuda("float32")
     want = run(copy.deepcopy(model), x)
