@@ -133,21 +133,34 @@ def test_regional_compilation_with_fullgraph_compiles_each_block_class_once_and_
     assert graphs[0] == graphs[1], graphs
 
 
+def compile_as(how, backend):
+    """``model`` compiled whole (``torch.compile(fullgraph=True)``) or block by block (diffusers'
+    ``compile_repeated_blocks(fullgraph=True)``, in place)."""
+    def compile_model(model):
+        if how == "whole":
+            return torch.compile(model, backend=backend, fullgraph=True)
+        model.compile_repeated_blocks(fullgraph=True, backend=backend)
+        return model
+    return compile_model
+
+
+@pytest.mark.parametrize("how", ["whole", "regional"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_write_and_a_retune_keep_the_compiled_forward_exact(backend):
+def test_a_write_and_a_retune_keep_the_compiled_forward_exact(backend, how):
     # The resident copy is compiled while the model is enabled: torch.compile guards on hooks then, so the copy's
-    # code (no hooks) never runs for the offloaded model.
+    # code (no hooks) never runs for the offloaded model. Regional: the blocks' shared code reads their weights by
+    # name, and those names are made again with the places.
     model, x = model_and_inputs("float32")
     resident = copy.deepcopy(model)
     key = "single_transformer_blocks.4.proj_out.weight"
     new = {key: resident.state_dict()[key] * 2}
     with wf.enable({"transformer": model}, config(), device="sim") as h:
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        compiled = compile_as(how, backend)(model)
         run(compiled, x)
         model.load_state_dict(new, strict=False)  # the stacks are rebuilt: every block bound at its new slot
         resident.load_state_dict(new, strict=False)
         torch._dynamo.reset()
-        want = run(torch.compile(resident, backend=backend, fullgraph=True), x)
+        want = run(compile_as(how, backend)(resident), x)
         assert torch.equal(run(compiled, x), want)
         h.retune(prefetch_depth=1)  # 2 static slots now
         assert torch.equal(run(compiled, x), want)

@@ -113,6 +113,8 @@ class Hooks:
         self._key = 0  # this handle's number for the custom operators (0: none registered)
         self._order: torch.Tensor | None = None  # the tensor both operators mutate, which keeps them in order
         self._units: list[str] = []  # the operators' unit numbers -> unit paths
+        # static block path -> [the names of its weights in it, or None], read by its traced hooks (see _traced)
+        self._names: dict[str, list[tuple[str, ...] | None]] = {}
         # A CUDA graph capture of a forward under way (_capture), whether one was captured since enable (eager
         # forwards then wait for replays at their edges), and the stream captured copies run on.
         self.capture: CaptureRun | SimGraph | None = None
@@ -469,17 +471,18 @@ class Hooks:
         assert static is not None and order is not None
         key = self._key
         # For a trace of the block's own call: its number as a tensor and its weights by their names in it (the
-        # same for every block of its class), so no constant of the trace names the block.
+        # same for every block of its class; renamed when the places are made again: restatic), so no constant of
+        # the trace names the block.
         number = torch.tensor(unit)
-        names = _names_in(module, static.tensors[path])
+        named = self._names[path] = [_names_in(module, static.tensors[path])]
 
         def traced_pre(module: torch.nn.Module, args: Any) -> None:
             if compiling():
                 trace.open += 1
                 if whole():
                     enter_in(order, static.tensors[path], key, unit)
-                elif names is not None and alone():
-                    enter_block(order, [_attribute(module, n) for n in names], key, number)
+                elif named[0] is not None and alone():
+                    enter_block(order, [_attribute(module, n) for n in named[0]], key, number)
                 else:
                     enter_out(order, static.tensors[path], key, unit)
                 return
@@ -495,7 +498,7 @@ class Hooks:
                     )
                 if whole():
                     leave_in(order, outputs, key, unit)
-                elif names is not None and alone():
+                elif named[0] is not None and alone():
                     leave_block(order, outputs, key, number)
                 else:
                     leave_out(order, outputs, key, unit)
@@ -586,6 +589,9 @@ class Hooks:
         if self.static is not None:
             self._forget_captures("a write or a retune moved the blocks' places")
             self.static.prime()
+            for path, named in self._names.items():
+                module, tensors = self._modules.get(path), self.static.tensors.get(path)
+                named[0] = _names_in(module, tensors) if module is not None and tensors is not None else None
             reset_compiled()
 
     def _forget_captures(self, why: str) -> None:
@@ -623,6 +629,7 @@ class Hooks:
             self._key = 0
         self.static = None
         self._units.clear()
+        self._names.clear()
         self._trace.open = 0
         self.capture, self.captured, self._copy_stream, self.captured_bytes = None, False, None, 0
 
