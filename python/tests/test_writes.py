@@ -376,16 +376,21 @@ def lora_round_trip(pipe, twin, state, run):
         assert torch.equal(run(pipe), run(twin)), step
 
 
-def test_a_pipeline_lora_on_a_static_schedule_compiled_fullgraph_runs_as_on_its_twin():
-    # The LoRA methods on a transformer compiled in place (Module.compile, fullgraph) over a static schedule: the new
-    # adapter layers are modules of the blocks, so torch.compile traces again; the hazard detector sees no race.
+@pytest.mark.parametrize("how", ["whole", "regional"])
+def test_a_pipeline_lora_on_a_static_schedule_compiled_fullgraph_runs_as_on_its_twin(how):
+    # The LoRA methods on a transformer compiled in place (Module.compile, fullgraph; or block by block, diffusers'
+    # compile_repeated_blocks) over a static schedule: the new adapter layers are modules of the blocks, so
+    # torch.compile traces again; the hazard detector sees no race.
     from test_static_compile import config as static_config
 
     state = pipeline_lora(5)
     pipe, twin = flux_pipeline(), flux_pipeline()
     with wf.enable(pipe, static_config(), device="sim") as h:
         torch._dynamo.reset()
-        pipe.transformer.compile(fullgraph=True, backend="eager")
+        if how == "whole":
+            pipe.transformer.compile(fullgraph=True, backend="eager")
+        else:
+            pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
         assert torch.equal(run_pipeline(pipe), run_pipeline(twin))
         lora_round_trip(pipe, twin, state, run_pipeline)
         assert h._session.hazard_violations() == []
