@@ -116,14 +116,14 @@ def test_regional_compilation_with_fullgraph_compiles_each_block_class_once_and_
         twin = copy.deepcopy(model)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.reset()
-        twin.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        twin.compile_repeated_blocks(fullgraph=True, backend="eager")
         want = run(twin, x)
         torch._dynamo.reset()
         counters.clear()
         with wf.enable({"transformer": model}, config(), device="sim") as h:
             blocks = len(h._hooks.static.places)
             assert blocks == 4 + singles and torch._dynamo.config.recompile_limit == limit + blocks
-            model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+            model.compile_repeated_blocks(fullgraph=True, backend="eager")
             for _ in range(2):
                 assert torch.equal(run(model, x), want)
             assert h._session.hazard_violations() == []
