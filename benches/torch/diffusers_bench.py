@@ -8,7 +8,8 @@ Variants: ``resident`` (the model on the GPU: the compute term of the bound, and
 (weightferry, every block streamed at prefetch depth K); ``wf_sdK`` (the same with a static schedule,
 ``static_slots``); any variant with ``_c``, ``_ma`` or ``_ro`` appended (``resident_c``, ``wf_sd2_ro``): compiled by
 inductor, ``torch.compile(fullgraph=True)`` in mode ``default``, ``max-autotune-no-cudagraphs`` or ``reduce-overhead``
-(CUDA graphs), compared with the resident model compiled alike and bounded by its step; ``_cg`` (``resident_cg``,
+(CUDA graphs), or ``_rc``: diffusers' regional compilation (``compile_repeated_blocks(fullgraph=True)``, each block
+class compiled once), compared with the resident model compiled alike and bounded by its step; ``_cg`` (``resident_cg``,
 ``wf_sd2_cg``): not compiled, the forward captured whole in one CUDA graph after the warm-up steps (weightferry's
 copies inside it), each timed step a replay; ``wf_bP``
 (weightferry under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps
@@ -642,7 +643,8 @@ def pin_copy(torch, model, chunk=256 << 20):
 
 # A compiled variant's suffix and its torch.compile mode (inductor, fullgraph=True); ``_cg``: not compiled, the
 # forward captured in one CUDA graph (torch.cuda.graph) after the warm-up steps, each timed step a replay.
-COMPILE_MODES = {"_c": "default", "_ma": "max-autotune-no-cudagraphs", "_ro": "reduce-overhead", "_cg": None}
+COMPILE_MODES = {"_c": "default", "_ma": "max-autotune-no-cudagraphs", "_ro": "reduce-overhead", "_cg": None,
+                 "_rc": "regional"}
 
 
 def compile_suffix(v):
@@ -658,9 +660,13 @@ def variant_base(v):
 
 def compiled(torch, args, model):
     """``<variant>_c`` / ``_ma`` / ``_ro``: the model compiled by inductor (``torch.compile(fullgraph=True)``, mode
-    ``default`` / ``max-autotune-no-cudagraphs`` / ``reduce-overhead``) after it was placed; its first warm-up step
-    compiles (``first_warmup_s``)."""
+    ``default`` / ``max-autotune-no-cudagraphs`` / ``reduce-overhead``) after it was placed; ``_rc``: its repeated
+    blocks compiled in place (``compile_repeated_blocks(fullgraph=True)``); its first warm-up step compiles
+    (``first_warmup_s``)."""
     mode = COMPILE_MODES.get(compile_suffix(args.variant))
+    if mode == "regional":  # diffusers' regional compilation: each repeated block's call, in place
+        model.compile_repeated_blocks(fullgraph=True)
+        return model
     return torch.compile(model, fullgraph=True, mode=mode) if mode else model
 
 
