@@ -30,18 +30,32 @@ fn drop_cache(path: &Path) {
     unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 
+/// GB/s of `read(start, end)` called for each range of `chunk` bytes of the first `total`, in order.
+fn rate(total: u64, chunk: u64, mut read: impl FnMut(u64, u64)) -> f64 {
+    let t0 = Instant::now();
+    let mut at = 0;
+    while at < total {
+        let end = (at + chunk).min(total);
+        read(at, end);
+        at = end;
+    }
+    total as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+/// The first parts of range `at..end` split every `part` bytes, one per buffer of `bufs`: `(buffer, start, len)`
+/// (the parts past the range's end, always the last ones, left out).
+fn parts(at: u64, end: u64, part: u64, bufs: &mut [AlignedBuf]) -> impl Iterator<Item = (&mut AlignedBuf, u64, u64)> {
+    bufs.iter_mut().enumerate().map(move |(i, buf)| (buf, at + i as u64 * part)).filter_map(move |(buf, start)| {
+        let len = part.min(end.saturating_sub(start));
+        (len > 0).then_some((buf, start, len))
+    })
+}
+
 fn buffered(path: &Path, total: u64, chunk: u64) -> f64 {
     drop_cache(path);
     let f = std::fs::File::open(path).unwrap();
     let mut buf = vec![0u8; chunk as usize];
-    let t0 = Instant::now();
-    let mut at = 0;
-    while at < total {
-        let n = chunk.min(total - at) as usize;
-        f.read_exact_at(&mut buf[..n], at).unwrap();
-        at += n as u64;
-    }
-    total as f64 / t0.elapsed().as_secs_f64() / 1e9
+    rate(total, chunk, |at, end| f.read_exact_at(&mut buf[..(end - at) as usize], at).unwrap())
 }
 
 fn direct(path: &Path, total: u64, chunk: u64, threads: u64) -> f64 {
@@ -49,22 +63,14 @@ fn direct(path: &Path, total: u64, chunk: u64, threads: u64) -> f64 {
     assert!(f.is_direct(), "{} refuses O_DIRECT: set DISK_READ_DIR to a disk-backed folder", path.display());
     let part = chunk / threads;
     let mut bufs: Vec<AlignedBuf> = (0..threads).map(|_| AlignedBuf::new(part as usize)).collect();
-    let t0 = Instant::now();
-    let mut at = 0;
-    while at < total {
-        let n = chunk.min(total - at);
+    rate(total, chunk, |at, end| {
         std::thread::scope(|s| {
-            for (i, buf) in bufs.iter_mut().enumerate() {
-                let (f, start) = (&f, at + i as u64 * part);
-                let len = part.min((at + n).saturating_sub(start));
-                if len > 0 {
-                    s.spawn(move || f.read(start, len, buf).unwrap());
-                }
+            for (buf, start, len) in parts(at, end, part, &mut bufs) {
+                let f = &f;
+                s.spawn(move || f.read(start, len, buf).unwrap());
             }
         });
-        at += n;
-    }
-    total as f64 / t0.elapsed().as_secs_f64() / 1e9
+    })
 }
 
 /// One range of `uring`: its parts submitted at once, then every completion waited for and checked whole.
@@ -72,16 +78,11 @@ fn direct(path: &Path, total: u64, chunk: u64, threads: u64) -> f64 {
 fn uring_range(ring: &mut io_uring::IoUring, fd: i32, bufs: &mut [AlignedBuf], at: u64, end: u64, part: u64) {
     use io_uring::{opcode, types};
     let mut wanted = Vec::new();
-    for (i, buf) in bufs.iter_mut().enumerate() {
-        let start = at + i as u64 * part;
-        let len = part.min(end.saturating_sub(start));
-        if len == 0 {
-            continue;
-        }
+    for (buf, start, len) in parts(at, end, part, bufs) {
         let read = opcode::Read::new(types::Fd(fd), buf.as_mut_slice().as_mut_ptr(), len as u32)
             .offset(start)
             .build()
-            .user_data(i as u64);
+            .user_data(wanted.len() as u64);
         // SAFETY: the buffer and the descriptor outlive the read: this function waits for every completion it
         // submitted before it returns, and neither is touched meanwhile.
         unsafe { ring.submission().push(&read).expect("the ring holds one entry per part") };
@@ -103,14 +104,7 @@ fn uring(path: &Path, total: u64, chunk: u64, depth: u64) -> f64 {
     let mut ring = io_uring::IoUring::new(depth as u32).unwrap();
     let part = chunk / depth;
     let mut bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(part as usize)).collect();
-    let t0 = Instant::now();
-    let mut at = 0;
-    while at < total {
-        let n = chunk.min(total - at);
-        uring_range(&mut ring, f.as_raw_fd(), &mut bufs, at, at + n, part);
-        at += n;
-    }
-    total as f64 / t0.elapsed().as_secs_f64() / 1e9
+    rate(total, chunk, |at, end| uring_range(&mut ring, f.as_raw_fd(), &mut bufs, at, end, part))
 }
 
 fn main() {
