@@ -92,11 +92,7 @@ def enable(
             f"pipeline {desc['class']} is already enabled by weightferry (one of its tensors is offloaded); call "
             "disable() on its handle first"
         )
-    ckpt = _checkpoint_components(desc, checkpoint) if checkpoint is not None else []
-    views: dict[str, Views] = {}
-    if ckpt:
-        _check_computed_buffers(bound)
-        views = _views(ckpt, bound, modules)
+    ckpt, views = _checkpoint_views(desc, bound, modules, checkpoint) if checkpoint is not None else ([], {})
     with in_python_words():
         session, binder, stream = _open_session(
             json.dumps(desc), text, fmt, desc["class"] if name is None else str(name), device, ckpt, seams, views
@@ -183,9 +179,7 @@ def checkpoint_host_plan(
             "plan(checkpoint=...) predicts one process's host memory; a distributed config's ranks each bind their "
             "share at enable: call plan() without checkpoint="
         )
-    ckpt = _checkpoint_components(desc, checkpoint)
-    _check_computed_buffers(bound)
-    views = _views(ckpt, bound, modules)
+    ckpt, views = _checkpoint_views(desc, bound, modules, checkpoint)
     with in_python_words():
         session, _, _ = _open_session(json.dumps(desc), text, fmt, name, "sim", ckpt, Seams(), views)
     try:
@@ -276,6 +270,21 @@ def _check_unfilled(bound: Bound, session: _core.Session) -> None:
                 "the module with its weights (diffusers' from_single_file with the quantization config) and enable "
                 "it with checkpoint= again"
             )
+
+
+def _checkpoint_views(
+    desc: dict[str, Any],
+    bound: Bound,
+    modules: Mapping[str, Any],
+    checkpoint: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+) -> tuple[list[tuple[str, str]], dict[str, Views]]:
+    """What a session bound from ``checkpoint`` opens with: its ``(path, component)`` pairs and the components' tensors
+    the files name otherwise (after checking the computed buffers the files do not hold)."""
+    ckpt = _checkpoint_components(desc, checkpoint)
+    if not ckpt:
+        return ckpt, {}
+    _check_computed_buffers(bound)
+    return ckpt, _views(ckpt, bound, modules)
 
 
 def _views(ckpt: list[tuple[str, str]], bound: Bound, modules: Mapping[str, Any]) -> dict[str, Views]:

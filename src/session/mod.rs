@@ -188,6 +188,14 @@ impl std::fmt::Debug for Session {
 /// Resolves `host_budget = "auto"` ([`OffloadConfig::resolve_auto_host_budget`]) from the memory the process may
 /// still take and the weights it holds now (every storage not served by a checkpoint file: the masters take their
 /// place), into the config and the report; a note in the report says what it became.
+/// With weights bound from checkpoint files, the host side of `report` predicted again over `model`: what its files
+/// serve and what the disk tier reads (the plan without the model counts every block as a master).
+fn predict_from_files(report: &mut PlanReport, config: &OffloadConfig, plan: &ResolvedPlan, model: &HostModel) {
+    if !model.mapped_files().is_empty() {
+        report.host = host_of(model.desc(), config, plan, Some(model));
+    }
+}
+
 fn resolve_auto_host_budget(config: &mut OffloadConfig, model: &HostModel, report: &mut PlanReport) {
     let desc = model.desc();
     let held: u64 =
@@ -313,9 +321,7 @@ impl Session {
         };
         let (model, written) = Self::host_model(platform.clone(), desc, &checkpoints)?;
         let mut report = report;
-        if !model.mapped_files().is_empty() {
-            report.host = host_of(model.desc(), &config, &plan, Some(&model));
-        }
+        predict_from_files(&mut report, &config, &plan, &model);
         resolve_auto_host_budget(&mut config, &model, &mut report);
         if let Err(e) = check_host_budget(&report.host) {
             model.release();
@@ -382,9 +388,7 @@ impl Session {
             ));
         }
         let (plan, mut report) = resolve(name, model.desc(), config, None)?;
-        if !model.mapped_files().is_empty() {
-            report.host = host_of(model.desc(), config, &plan, Some(model)); // what its files serve, the disk tier
-        }
+        predict_from_files(&mut report, config, &plan, model);
         resolve_auto_host_budget(config, model, &mut report);
         check_host_budget(&report.host).map_err(|e| not_applicable(name, e))?;
         let platform = model.platform().clone();
