@@ -4,6 +4,10 @@ by diffusers' group offloading, on one GPU, each variant in its own process (so 
 
     python3 benches/torch/diffusers_bench.py [--model flux-dev] [--variants resident,wf_d1,...] [--steps 5]
 
+``--overlap SECONDS`` runs the variants' processes at once (compiling a full-size transformer takes minutes) and
+times each alone in its turn once all are warm (``turns.py``): step times and the H2D probe are measured with nothing
+else on the GPU; enable and pin times are not (they ran beside the other builds), nor is the compile time.
+
 Variants: ``resident`` (the model on the GPU: the compute term of the bound, and the reference output); ``wf_dK``
 (weightferry, every block streamed at prefetch depth K); ``wf_sdK`` (the same with a static schedule,
 ``static_slots``); any variant with ``_c``, ``_ma`` or ``_ro`` appended (``resident_c``, ``wf_sd2_ro``): compiled by
@@ -84,6 +88,9 @@ import os
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import turns
 
 
 def flux_inputs(torch, c, g, tokens):
@@ -742,6 +749,7 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
         sync()
         if compile_suffix(args.variant) == "_cg":
             model = captured(torch, inner, x)
+        turns.wait_for_turn(args.variant)  # --overlap: the GPU is this variant's alone from here
         if handle:
             before = handle.stats()
         if cpu:
@@ -855,6 +863,7 @@ def variant(args):
     if args.lora:
         res["lora"] = lora_timings(torch, model, args.lora, handle, v.startswith("group"), sync)
     res["h2d_Bps"] = 1e9 if cpu else h2d_bandwidth(torch)  # cpu: a placeholder, the check runs the code only
+    turns.end_turn(args.variant)
     print("RESULT " + json.dumps(res), flush=True)
     os._exit(0)  # the process ends here: no teardown of 24 GB of tensors and masters to wait for
 
@@ -965,11 +974,20 @@ def main():
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache (root: /proc/sys/vm/drop_caches) before reading the checkpoint once and "
                          "before each checkpoint variant, so start-up is measured from disk")
+    ap.add_argument("--overlap", type=float, default=0, metavar="SECONDS",
+                    help="run the variants' processes at once, each timed alone in its turn once all are warm "
+                         "(benches/torch/turns.py); a process not warm SECONDS after the start is killed")
+    ap.add_argument("--stagger", type=float, default=20, help="with --overlap: seconds between the processes' starts")
+    ap.add_argument("--hold", metavar="PATH",
+                    help="with --overlap: the first turn waits until the file PATH is gone (other GPU work beside)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
         return variant(args)
     variants = args.variants.split(",")
+    if args.overlap and (args.cold or args.lora):
+        raise SystemExit("--overlap times the steps alone, not what runs beside them: --cold and --lora run one "
+                         "variant at a time")
     if MODELS[args.model].get("pair") and (args.lora or any(v.startswith("ck_") for v in variants)):
         raise SystemExit(f"{args.model} has two transformers: --lora and the ck_ variants (checkpoint= fills one "
                          "component) take a model of one")
@@ -990,25 +1008,33 @@ def main():
         direct_s = read_direct(path)
         print(f"checkpoint: {size / 1e9:.2f} GB written in {time.time() - t0:.0f} s; read once in {read_s:.2f} s, "
               f"with O_DIRECT in {direct_s if direct_s is None else round(direct_s, 2)} s", flush=True)
-    for v in variants:
-        if args.cold and v.startswith("ck_"):
-            drop_caches()
+
+    def command(v):
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--out", args.out, "--lora", str(args.lora), "--quant", args.quant]
-        if args.tiny:
-            cmd.append("--tiny")
-        t0 = time.time()
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not lines:
-            print(f"{v}: failed (exit {p.returncode}) after {time.time() - t0:.0f} s\n{p.stderr[-3000:]}", flush=True)
-            continue
+        return [*cmd, "--tiny"] if args.tiny else cmd
+
+    def report(v, returncode, stdout, stderr, seconds):
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        if returncode or not lines:
+            print(f"{v}: failed (exit {returncode}) after {seconds:.0f} s\n{stderr[-3000:]}", flush=True)
+            return
         r = json.loads(lines[-1][7:])
         if v.startswith("ck_"):
             r["read_once_s"] = read_s
             r["read_direct_s"], r["file_bytes"] = direct_s, size
-        print(f"{v}: {time.time() - t0:.0f} s  " + json.dumps(r), flush=True)
+        print(f"{v}: {seconds:.0f} s  " + json.dumps(r), flush=True)
         results.append(r)
+
+    if args.overlap:
+        turns.run_overlapped({v: command(v) for v in variants}, args.overlap, report, stagger_s=args.stagger,
+                              hold=args.hold)
+    for v in variants if not args.overlap else []:
+        if args.cold and v.startswith("ck_"):
+            drop_caches()
+        t0 = time.time()
+        p = subprocess.run(command(v), capture_output=True, text=True)
+        report(v, p.returncode, p.stdout, p.stderr, time.time() - t0)
     table(results)
 
 
