@@ -421,23 +421,61 @@ def test_the_lora_methods_of_other_pipelines_run_on_an_enabled_pipeline_as_on_it
     same_weights(pipe.transformer, twin.transformer)
 
 
-def test_fuse_qkv_projections_works_inside_editing_and_outside_fails_in_diffusers_with_nothing_changed():
-    # diffusers' fuse_qkv_projections concatenates each attention's q, k and v weights into new layers: inside
-    # editing() it meets the true weights (the fused layers are new tensors outside weightferry's plan); outside it
-    # meets the placeholders and diffusers raises before it adds a layer.
+def fused(m):
+    return sum(hasattr(mod, "to_qkv") for mod in m.modules())
+
+
+def test_fuse_qkv_projections_and_unfuse_while_offloaded_equal_the_twin_inside_editing_or_not():
+    # diffusers' fuse_qkv_projections calls each attention's fuse_projections, which concatenates its q, k and v
+    # weights into new layers: while enabled each call runs inside editing() of that attention, so it reads the true
+    # weights (the fused layers are new tensors outside weightferry's plan).
     m, x = model()
     twin = copy.deepcopy(m)
     with wf.enable({"transformer": m}, layer(2), device="sim") as h:
-        before = forward(m, x)
-        with pytest.raises(IndexError):
-            m.fuse_qkv_projections()
-        assert not any(hasattr(mod, "to_qkv") for mod in m.modules())
-        assert torch.equal(forward(m, x), before)
+        forward(m, x)
+        m.fuse_qkv_projections()
+        twin.fuse_qkv_projections()
+        assert fused(m) == fused(twin) > 0
+        assert torch.equal(forward(m, x), forward(twin, x))
+        m.unfuse_qkv_projections()
+        twin.unfuse_qkv_projections()
+        assert fused(m) == fused(twin) == 0
+        assert torch.equal(forward(m, x), forward(twin, x))
         with h.editing():
             m.fuse_qkv_projections()
         twin.fuse_qkv_projections()
         assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+    same_weights(m, twin)
     assert torch.equal(forward(m, x), forward(twin, x))
+
+
+def test_peft_merge_and_unmerge_of_each_adapter_layer_while_offloaded_equal_the_twin():
+    # peft's merge_and_unload merges each tuner layer's delta into its base weight (layer.merge()); while enabled a
+    # tuner layer's merge and unmerge run inside editing() of that layer.
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    m, x = model()
+    torch.manual_seed(5)
+    m.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["to_q", "proj_out"]), "x")
+    twin = copy.deepcopy(m)
+
+    def layers(model):
+        return [mod for mod in model.modules() if isinstance(mod, BaseTunerLayer)]
+
+    with wf.enable({"transformer": m}, layer(2), device="sim"):
+        forward(m, x)
+        for a, b in zip(layers(m), layers(twin)):
+            a.merge()
+            b.merge()
+        assert torch.equal(forward(m, x), forward(twin, x))
+        same_weights(m, twin)
+        for a, b in zip(layers(m), layers(twin)):
+            a.unmerge()
+            b.unmerge()
+        assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)
 
 
 def test_tensors_an_editing_block_gives_the_modules_are_the_ones_placed_on_the_device_after_it():

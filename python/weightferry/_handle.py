@@ -62,9 +62,10 @@ class Handle:
         # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
         self._guard = ConversionGuard(modules, lambda: self._forwards > 0 or self._hooks.busy())
         self._forwards = 0  # component forwards under way (a cast of dtype on the device is taken inside one)
-        # While offloaded, Module.apply (diffusers' fuse_lora / unfuse_lora) walks the true weights in editing().
         # While offloaded, copying or pickling a module (deepcopy, torch.save of the module) is refused.
         self._copies = CopyGuard(modules)
+        # While offloaded, Module.apply (diffusers' fuse_lora / unfuse_lora), attention projection fusion and peft's
+        # layer merges run on the true weights in editing() (_walks.WALKS).
         self._walks = WalkGuard(modules, self.editing, self._walk_as_is)
         # While offloaded, a diffusers pipeline's LoRA methods (load, fuse, unfuse, unload) run in editing().
         self._lora = LoraGuard(pipeline, modules, self.editing, self._walk_as_is)

@@ -27,10 +27,13 @@ class Overrides:
         self._name = name
         self._saved: dict[int, tuple[Any, bool]] = {}  # id(module) -> (its own instance attribute, whether it had one)
 
-    def install(self, make: Callable[[str, nn.Module, Any], Any]) -> None:
-        """Puts the override on every module (once per module object, which may be reachable at two paths)."""
+    def install(
+        self, make: Callable[[str, nn.Module, Any], Any], only: Callable[[nn.Module], bool] | None = None
+    ) -> None:
+        """Puts the override on every module (once per module object, which may be reachable at two paths), or on
+        those for which ``only(module)`` holds."""
         for path, module in self._modules.items():
-            if id(module) in self._saved:
+            if id(module) in self._saved or (only is not None and not only(module)):
                 continue
             had = self._name in module.__dict__
             own = module.__dict__.get(self._name)
