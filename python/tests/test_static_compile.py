@@ -30,15 +30,16 @@ def config(static=True, depth=2):
     return {"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "layer_options": {"dit": dit}}}
 
 
-def model_and_inputs(dtypes):
-    """A tiny Flux of 4 double and 6 single blocks (10 streamed; at depth 2 a static ring of 5 slots). ``"mixed"``:
-    bf16, with every block's ``norm_q`` in float32, so each block holds two dtypes in its slot. ``"wan"``: a tiny
-    Wan 2.1 transformer (4 blocks) instead."""
+def model_and_inputs(dtypes, single=6):
+    """A tiny Flux of 4 double and ``single`` single blocks (10 streamed; at depth 2 a static ring of 5 slots; the
+    inductor tests take 2 single blocks, 6 streamed in a ring of 3, to compile in less time). ``"mixed"``: bf16, with
+    every block's ``norm_q`` in float32, so each block holds two dtypes in its slot. ``"wan"``: a tiny Wan 2.1
+    transformer (4 blocks) instead."""
     if dtypes == "wan":
         model, x, _ = wan()
         return model.eval(), x
     model, x, _ = flux()
-    model = type(model)(**{**model.config, "num_layers": 4, "num_single_layers": 6}).eval()
+    model = type(model)(**{**model.config, "num_layers": 4, "num_single_layers": single}).eval()
     if dtypes == "mixed":
         model = model.to(torch.bfloat16)
         for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
@@ -285,7 +286,7 @@ def compiled_outputs(model, x, dtypes, passes=2):
 def test_inductor_matches_the_resident_model_compiled_whole_bit_for_bit(dtypes):
     # Inductor (the default backend; on the CPU here): in float32 the streamed compiled forward equals the resident
     # model compiled whole, bit for bit, pass after pass.
-    model, x = model_and_inputs(dtypes)
+    model, x = model_and_inputs(dtypes, single=2)
     torch._dynamo.reset()
     want = run(torch.compile(copy.deepcopy(model), fullgraph=True), x)
     for out in compiled_outputs(model, x, dtypes):
@@ -331,7 +332,7 @@ def test_inductor_in_bf16_matches_the_resident_model_compiled_with_the_same_bloc
     # bf16 with a float32 tensor in every block: the streamed compiled forward equals the resident model compiled
     # with the same operators at its blocks' edges, bit for bit (``leave`` takes the outputs: see weightferry._traced);
     # from the resident model compiled whole it is one bf16 rounding step (inductor no longer fuses across the edges).
-    model, x = model_and_inputs("mixed")
+    model, x = model_and_inputs("mixed", single=2)
     torch._dynamo.reset()
     whole = run(torch.compile(copy.deepcopy(model), fullgraph=True), x)
     torch._dynamo.reset()

@@ -450,6 +450,23 @@ def test_fuse_qkv_projections_and_unfuse_while_offloaded_equal_the_twin_inside_e
     assert torch.equal(forward(m, x), forward(twin, x))
 
 
+def test_a_vae_offloaded_whole_fuses_its_attention_projections_as_its_twin():
+    # AutoencoderKL's fuse_qkv_projections calls the older Attention class's fuse_projections(fuse=True), which runs
+    # inside editing() of that attention (a component offloaded whole keeps its weights on the device between calls,
+    # so this passed before too: the test holds the contract, the FLUX test above the editing).
+    pipe = {"vae": vae()}
+    twin = copy.deepcopy(pipe["vae"])
+    z = torch.randn(1, 4, 8, 8)
+    config = {"diffusion_offload_config": {"mode": "module", "components": ["vae"]}}
+    with wf.enable(pipe, config, device="sim"), torch.no_grad():
+        pipe["vae"].decode(z)
+        pipe["vae"].fuse_qkv_projections()
+        twin.fuse_qkv_projections()
+        assert fused(pipe["vae"]) == fused(twin) > 0
+        assert torch.equal(pipe["vae"].decode(z).sample, twin.decode(z).sample)
+    same_weights(pipe["vae"], twin)
+
+
 def test_peft_merge_and_unmerge_of_each_adapter_layer_while_offloaded_equal_the_twin():
     # peft's merge_and_unload merges each tuner layer's delta into its base weight (layer.merge()); while enabled a
     # tuner layer's merge and unmerge run inside editing() of that layer.
