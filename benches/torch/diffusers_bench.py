@@ -90,6 +90,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import timeline
 import turns
 
 
@@ -765,6 +766,11 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
             e.record()
             sync()
             res["step_s"] = s.elapsed_time(e) / 1e3 / args.steps
+        if args.profile and not cpu:  # --profile: one more step on a device timeline (timeline.py)
+            path = os.path.join(args.out, f"timeline-{args.variant}.json.gz")
+            last = []  # the profiled step's output is the one compared (a CUDA graph tree overwrote the earlier one)
+            res["profile"] = timeline.profile_step(torch, lambda: last.append(model(**x, return_dict=False)[0]), path)
+            out = last[0]
     return out, before
 
 
@@ -980,6 +986,9 @@ def main():
     ap.add_argument("--stagger", type=float, default=20, help="with --overlap: seconds between the processes' starts")
     ap.add_argument("--hold", metavar="PATH",
                     help="with --overlap: the first turn waits until the file PATH is gone (other GPU work beside)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, one more step on a device timeline (benches/torch/timeline.py): "
+                         "its Chrome trace under --out, and per stream the busy time and largest gaps in the result")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -1012,6 +1021,7 @@ def main():
     def command(v):
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--out", args.out, "--lora", str(args.lora), "--quant", args.quant]
+        cmd += ["--profile"] if args.profile else []
         return [*cmd, "--tiny"] if args.tiny else cmd
 
     def report(v, returncode, stdout, stderr, seconds):

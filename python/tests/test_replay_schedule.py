@@ -237,8 +237,9 @@ def test_a_capture_that_starts_at_the_first_block_finishes_at_the_last_and_repla
 def test_a_whole_trace_calls_the_operators_cuda_graphs_may_record_and_a_broken_one_those_they_leave_out():
     # torch.compile(fullgraph=True): no graph break can split the forward's blocks over two CUDA graphs, so the
     # operators are the untagged pair inductor's CUDA graph trees record (mode="reduce-overhead" captures the copies
-    # inside one graph); without fullgraph the pair tagged cudagraph_unsafe, which runs between the graphs.
-    model, x = model_and_inputs("float32")
+    # inside one graph); without fullgraph the pair tagged cudagraph_unsafe, which runs between the graphs. Six
+    # streamed blocks (a ring of 3, so each slot turns twice a pass): each traced four ways.
+    model, x = model_and_inputs("float32", single=2)
     want = run(copy.deepcopy(model), x)
     seen: dict[object, list[str]] = {}
 

@@ -20,7 +20,6 @@ from torch._dynamo.utils import counters
 import weightferry as wf
 
 pytestmark = pytest.mark.filterwarnings("ignore::weightferry.WeightferryWarning")
-BACKENDS = ["eager", "aot_eager"]
 
 
 def config(static=True, depth=2):
@@ -57,10 +56,12 @@ def loads(h):
     return sum(s["loads"] for s in h.stats()["stacks"])
 
 
-@pytest.mark.parametrize("dtypes", ["float32", "mixed", "wan"])
-@pytest.mark.parametrize("backend", BACKENDS)
+# Dynamo alone (``eager``) on one model; ``aot_eager`` (dynamo, then AOTAutograd's functionalization of the traced
+# operators, what inductor sees) on each: the graph-break count is dynamo's in both.
+@pytest.mark.parametrize(("backend", "dtypes"), [("eager", "wan"), ("aot_eager", "float32"), ("aot_eager", "mixed"),
+                                                 ("aot_eager", "wan")])
 def test_fullgraph_compile_streams_every_block_with_no_graph_break(backend, dtypes):
-    model, x = model_and_inputs(dtypes)
+    model, x = model_and_inputs(dtypes, single=2)  # Flux: 6 streamed blocks, a ring of 3 turning twice a pass
     before = {k: v.clone() for k, v in model.state_dict().items()}
     torch._dynamo.reset()
     want = run(torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), x)
@@ -146,7 +147,7 @@ def compile_as(how, backend):
 
 
 @pytest.mark.parametrize("how", ["whole", "regional"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["aot_eager"])  # dynamo's guards and recompiles, and the functionalized operators
 def test_a_write_and_a_retune_keep_the_compiled_forward_exact(backend, how):
     # The resident copy is compiled while the model is enabled: torch.compile guards on hooks then, so the copy's
     # code (no hooks) never runs for the offloaded model. Regional: the blocks' shared code reads their weights by
