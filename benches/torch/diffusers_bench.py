@@ -771,6 +771,9 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
             last = []  # the profiled step's output is the one compared (a CUDA graph tree overwrote the earlier one)
             res["profile"] = timeline.profile_step(torch, lambda: last.append(model(**x, return_dict=False)[0]), path)
             out = last[0]
+            res["numa"] = timeline.numa_layout()
+            if handle is not None and len(res["numa"]["nodes"]) > 1:
+                res["master_nodes"] = timeline.master_nodes(handle)
     return out, before
 
 

@@ -52,7 +52,10 @@ def summarize(trace):
         "span_ms": (end - t0) / 1e3,
         "streams": {str(k): dict(_stream_summary(v, t0), activities=len(v)) for k, v in streams.items()},
         "h2d": {"copies": len(h2d), "bytes": h2d_bytes, "busy_ms": h2d_busy / 1e3,
-                "GBps_while_copying": h2d_bytes / h2d_busy / 1e3 if h2d_busy else None},
+                "GBps_while_copying": h2d_bytes / h2d_busy / 1e3 if h2d_busy else None,
+                # each copy of at least 1 MiB in the order they started: its rate, GB/s
+                "GBps_each": [round(e["args"]["bytes"] / e["dur"] / 1e3, 1) for e in sorted(h2d, key=lambda e: e["ts"])
+                              if e.get("args", {}).get("bytes", 0) >= 1 << 20 and e["dur"] > 0]},
     }
 
 
@@ -73,3 +76,51 @@ def profile_step(torch, run_step, path):
     with gzip.open(path, "wt") as f:
         json.dump(trace, f)
     return summarize(trace)
+
+
+def _page_nodes(address, nbytes, stride=2 << 20):
+    """The NUMA node of one page every ``stride`` bytes of ``[address, address + nbytes)`` (``move_pages(2)``
+    asked for none: it reports where each page is); ``-errno`` for a page it cannot place."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = list(range(address, address + nbytes, stride))
+    arr = (ctypes.c_void_p * len(pages))(*pages)
+    status = (ctypes.c_int * len(pages))()
+    if libc.syscall(279, 0, len(pages), arr, None, status, 0) != 0:  # SYS_move_pages on x86_64
+        return []
+    return list(status)
+
+
+def master_nodes(handle):
+    """Per streamed block of ``handle``'s static stacks (execution order): ``[block, {node: share of its host
+    master's pages}]``, and the node each GPU hangs off (``/sys/bus/pci/devices/*/numa_node``). What decides a
+    host-to-device copy's rate when the machine has several memory nodes."""
+    session = handle._session
+    out = []
+    for stack in session.static_stacks():
+        for path in stack:
+            nodes = []
+            for hb, ho, _, n in session.capture_copies(path)[1]:
+                nodes += _page_nodes(session.host_address(hb) + ho, n)
+            share = {str(k): round(nodes.count(k) / len(nodes), 3) for k in sorted(set(nodes))} if nodes else {}
+            out.append([path, share])
+    return out
+
+
+def numa_layout():
+    """The machine's memory nodes and each NVIDIA device's node, as sysfs has them."""
+    import glob
+
+    nodes = sorted(os.path.basename(p) for p in glob.glob("/sys/devices/system/node/node*"))
+    gpus = {}
+    for dev in glob.glob("/sys/bus/pci/devices/*"):
+        try:
+            with open(os.path.join(dev, "vendor")) as f, open(os.path.join(dev, "class")) as g:
+                if f.read().strip() != "0x10de" or not g.read().startswith("0x03"):
+                    continue
+            with open(os.path.join(dev, "numa_node")) as f:
+                gpus[os.path.basename(dev)] = int(f.read())
+        except OSError:
+            continue
+    return {"nodes": nodes, "gpu_nodes": gpus}

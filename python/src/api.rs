@@ -399,9 +399,16 @@ impl Session {
 
     /// Retunes the enabled backend to `config` (read as in [`load_config`]; `device_budget = "auto"` resolved from
     /// `free_bytes`, or the sim's capacity; see [`session::Session::retune`]). Returns the new plan report as JSON.
-    pub fn retune(&mut self, config: &str, config_format: &str, free_bytes: u64) -> Result<String, CoreError> {
+    /// `reserved_bytes`: device bytes outside the plan a byte-count budget must hold too.
+    pub fn retune(
+        &mut self,
+        config: &str,
+        config_format: &str,
+        free_bytes: u64,
+        reserved_bytes: u64,
+    ) -> Result<String, CoreError> {
         let config = load_config(config, config_format)?;
-        let plan = encode_plan(self.inner.retune(config, free_bytes)?)?;
+        let plan = encode_plan(self.inner.retune(config, free_bytes, reserved_bytes)?)?;
         self.plan = plan.clone();
         Ok(plan)
     }

@@ -257,10 +257,19 @@ impl PySession {
     }
 
     /// Retunes the enabled backend to a new config (`config_format` as for `plan`; `free_bytes` for an auto budget
-    /// on CUDA): depths, resident layers, budget, masters kept. Returns the new plan report as JSON text.
-    #[pyo3(signature = (config, config_format = "json", free_bytes = 0))]
-    fn retune(&self, py: Python<'_>, config: &str, config_format: &str, free_bytes: u64) -> PyResult<String> {
-        self.run(py, "Session.retune", |s| s.retune(config, config_format, free_bytes))
+    /// on CUDA; `reserved_bytes`: device bytes outside the plan, such as adapter layers added after enable, that a
+    /// byte-count `device_budget` must hold too): depths, resident layers, budget, masters kept. Returns the new plan
+    /// report as JSON text.
+    #[pyo3(signature = (config, config_format = "json", free_bytes = 0, reserved_bytes = 0))]
+    fn retune(
+        &self,
+        py: Python<'_>,
+        config: &str,
+        config_format: &str,
+        free_bytes: u64,
+        reserved_bytes: u64,
+    ) -> PyResult<String> {
+        self.run(py, "Session.retune", |s| s.retune(config, config_format, free_bytes, reserved_bytes))
     }
 
     /// Whether the backend is enabled.

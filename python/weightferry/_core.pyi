@@ -124,8 +124,15 @@ class Session:
     def enable(self) -> bool:
         """Offloads (transactional); returns whether anything is offloaded."""
 
-    def retune(self, config: str, config_format: Literal["json", "toml", "file"] = "json", free_bytes: int = 0) -> str:
-        """Retunes the enabled backend to a new config; returns the new plan report as JSON text."""
+    def retune(
+        self,
+        config: str,
+        config_format: Literal["json", "toml", "file"] = "json",
+        free_bytes: int = 0,
+        reserved_bytes: int = 0,
+    ) -> str:
+        """Retunes the enabled backend to a new config (``reserved_bytes``: device bytes outside the plan that a
+        byte-count ``device_budget`` holds too); returns the new plan report as JSON text."""
 
     def is_enabled(self) -> bool:
         """Whether the backend is enabled."""

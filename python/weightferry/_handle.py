@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
+from ._added import AddedTensors
 from ._config import ConfigLike, config_arg
 from ._edits import Signatures, check, editing
 from ._guards import ConversionGuard
@@ -21,6 +23,7 @@ from ._registry import mark
 from ._state_dict import StateDictHooks
 from ._storages import tensors_over
 from ._walks import WalkGuard
+from ._warnings import WeightferryWarning
 from ._writes import Writer
 
 if TYPE_CHECKING:
@@ -74,6 +77,7 @@ class Handle:
         self._load_hooks = LoadHooks(modules, storages, bound, self._writer, self._sigs)
         self._watch: list[Any] = []  # forward pre-hooks of the components: edits are checked before each forward
         self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
+        self._added: AddedTensors | None = None  # tensors the components gained after enable (adapter layers)
         self._offloaded = False
         self._disabled = False
 
@@ -95,6 +99,16 @@ class Handle:
         self._load_hooks.install()
         self._install_watch()
         mark(self._storages.tensors(), True)
+        self._added = AddedTensors([m for _, m, _ in self._components()], self._binder.device)
+
+    def _components(self) -> Iterator[tuple[str, torch.nn.Module, set[int]]]:
+        """``(name, module, its storages)`` of every component: a top-level module with managed weights."""
+        for comp, module in self._modules.items():
+            if not comp or "." in comp:
+                continue
+            sids = {sid for sid, vs in self._storages.views.items() if vs[0].path.startswith(comp + ".")}
+            if sids:
+                yield comp, module, sids
 
     def _install_watch(self) -> None:
         """A forward pre-hook on every component (a top-level module with managed weights), first of its hooks:
@@ -107,12 +121,7 @@ class Handle:
         from ._compiler import compiler_disabled
         from ._grad import inference_only
 
-        for comp, module in self._modules.items():
-            if not comp or "." in comp:
-                continue
-            sids = {sid for sid, vs in self._storages.views.items() if vs[0].path.startswith(comp + ".")}
-            if not sids:
-                continue
+        for comp, module, sids in list(self._components()):
 
             def pre(module: Any, args: Any, sids: set[int] = sids) -> None:
                 self._check(sids)
@@ -173,11 +182,41 @@ class Handle:
         prefixes = tuple(paths[id(m)] + "." if paths[id(m)] else "" for m in chosen)
         sids = {sid for sid, vs in self._storages.views.items() if any(v.path.startswith(prefixes) for v in vs)}
         self._check(sids)
+        added = self._added_bytes()
         with editing(
             self._sigs, self._storages, self._session, self._writer, sids, chosen, self._hooks.rebind_idle,
             self._binder.device,
         ):
             yield
+        if self._added_bytes() > added:
+            self._fit_added()
+
+    def _added_bytes(self) -> int:
+        return self._added.device_bytes() if self._added is not None else 0
+
+    def _fit_added(self) -> None:
+        """After an editing block added tensors to the components (a LoRA load): when the plan under a device
+        budget no longer fits beside them, retunes under the same config so it does (more blocks stream), or warns
+        naming the fix when no plan fits."""
+        plan = json.loads(self._session.plan_json())
+        budget = (plan.get("budget") or {}).get("budget")
+        added = self._added_bytes()
+        if budget is None or plan["device_weight_bytes"] + added <= budget:
+            return
+        if self._config is None:
+            why = "this handle was enabled from a config file: call handle.retune(<the config>) to plan beside them"
+        else:
+            try:
+                self.retune()
+                return
+            except _core.PlanError as e:
+                why = f"no plan fits beside them ({e}); raise device_budget or remove adapters, then call retune()"
+        warnings.warn(
+            f"the {added} bytes of tensors added to the offloaded modules after enable (adapter layers) and the "
+            f"plan's {plan['device_weight_bytes']} bytes exceed device_budget ({budget} bytes): {why}",
+            WeightferryWarning,
+            stacklevel=4,
+        )
 
     def _unmark(self) -> None:
         mark(self._storages.tensors(), False)
@@ -265,7 +304,9 @@ class Handle:
         anything was allocated (``master_bytes``, ``mapped_bytes``, ``sharded_bytes``, ``pinned``, ``budget``: the
         ``host_budget`` enable checked it against); ``captured``: whether a forward was captured in a CUDA graph
         (``torch.cuda.graph``) since enable, and ``captured_bytes_per_replay``, the host-to-device bytes a replay of
-        the last one copies (replays do not count in ``stacks``: the session's scheduler does not run in them)."""
+        the last one copies (replays do not count in ``stacks``: the session's scheduler does not run in them);
+        ``added_device_bytes``: tensors the offloaded modules gained after enable (adapter layers peft added) on their
+        device, outside the plan (:meth:`retune` counts them against a byte-count ``device_budget``)."""
         report: dict[str, Any] = json.loads(self._session.report())
         stacks = report.get("stacks", [])
         report["bytes_streamed"] = sum(s.get("h2d_bytes", 0) for s in stacks)
@@ -276,6 +317,7 @@ class Handle:
         report["plan_host"] = json.loads(self._session.plan_json())["host"]
         report["captured"] = self._hooks.captured
         report["captured_bytes_per_replay"] = self._hooks.captured_bytes
+        report["added_device_bytes"] = self._added_bytes()
         return report
 
     def retune(
@@ -294,7 +336,12 @@ class Handle:
         ``device_budget``; ``device_budget="auto"`` is planned from the device's free memory now). A config that
         would offload other components or blocks raises :class:`weightferry.OffloadError` and changes nothing
         (disable and enable instead); a bad config raises :class:`weightferry.ConfigError` /
-        :class:`weightferry.PlanError`. Each streamed block is rebound to its new slot at its next forward."""
+        :class:`weightferry.PlanError`. Each streamed block is rebound to its new slot at its next forward.
+
+        Tensors the offloaded modules gained after enable (adapter layers) stay where they are, outside the plan: a
+        byte-count ``device_budget`` holds them beside the plan's weights (``stats()["added_device_bytes"]``); an
+        ``editing()`` block that adds some (a pipeline's ``load_lora_weights``) retunes so by itself when the plan
+        no longer fits beside them."""
         if not self.enabled:
             raise _core.OffloadError("retune needs an enabled handle; this one is disabled or offloads nothing")
         self._check(set(self._storages.views))
@@ -307,7 +354,7 @@ class Handle:
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(self._binder.device)[0]
         try:
-            plan = self._session.retune(text, fmt, free)
+            plan = self._session.retune(text, fmt, free, self._added_bytes())
         except _core.Error:
             if not self._session.hooked_modules():
                 self._hooks.broken = (

@@ -232,6 +232,39 @@ fn open_checkpoints(sources: &[CheckpointSource]) -> Result<Vec<(Checkpoint, Str
         .collect()
 }
 
+/// Takes `reserved` bytes out of a byte-count `device_budget` (see [`Session::retune`]): `(budget, reserved)`
+/// when it did, `None` for no budget, an `"auto"` one or nothing reserved. A budget the reserved bytes fill is a
+/// plan error naming both.
+fn reserve_in_budget(
+    name: &str,
+    config: &mut OffloadConfig,
+    reserved: u64,
+) -> Result<Option<(u64, u64)>, SessionError> {
+    let Some(budget) = config.device_budget.filter(|_| reserved > 0 && !config.device_budget_auto) else {
+        return Ok(None);
+    };
+    if reserved >= budget {
+        return Err(SessionError::Plan(one_line(&format!(
+            "the config cannot be applied to {name}: diffusion_offload_config.device_budget: {budget} bytes are \
+             all taken by the {reserved} bytes of tensors added to the pipeline after enable (adapter layers); \
+             raise device_budget, or remove adapters"
+        ))));
+    }
+    config.device_budget = Some(budget - reserved);
+    Ok(Some((budget, reserved)))
+}
+
+/// A plan error of a retune under a budget less reserved bytes says so (its numbers are of what was left).
+fn with_reserved(e: SessionError, reserved: Option<(u64, u64)>) -> SessionError {
+    match (e, reserved) {
+        (SessionError::Plan(m), Some((budget, reserved))) => SessionError::Plan(format!(
+            "{m} (device_budget {budget} bytes less the {reserved} bytes of tensors added to the pipeline after \
+             enable: adapter layers)"
+        )),
+        (e, _) => e,
+    }
+}
+
 /// A plan the config cannot give `name` (the resolver's refusal or the host budget's), in one line.
 fn not_applicable(name: &str, e: impl std::fmt::Display) -> SessionError {
     SessionError::Plan(one_line(&format!("the config cannot be applied to {name}: {e}")))
@@ -502,10 +535,26 @@ impl Session {
     /// Retunes the enabled backend to `config` (`device_budget = "auto"` resolved from `free_bytes` on CUDA, from
     /// the capacity on the simulated device): prefetch depths, resident layers and the device budget change
     /// without rebuilding host masters or the fixed placement; a config that would offload other components or
-    /// blocks is refused before anything changes. Returns the new plan report.
-    pub fn retune(&mut self, mut config: OffloadConfig, free_bytes: u64) -> Result<&PlanReport, SessionError> {
+    /// blocks is refused before anything changes. `reserved_bytes`: device bytes the plan does not place (tensors
+    /// the engine added to the pipeline after enable, such as adapter layers) that a byte-count `device_budget`
+    /// must hold beside the plan's (an `"auto"` budget reads them in the free memory already). Returns the new
+    /// plan report.
+    pub fn retune(
+        &mut self,
+        mut config: OffloadConfig,
+        free_bytes: u64,
+        reserved_bytes: u64,
+    ) -> Result<&PlanReport, SessionError> {
         let free = self.sim_capacity.unwrap_or(free_bytes);
-        let (plan, mut report) = resolve(&self.name, self.model.desc(), &mut config, Some(free))?;
+        let reserved = reserve_in_budget(&self.name, &mut config, reserved_bytes)?;
+        let (plan, mut report) =
+            resolve(&self.name, self.model.desc(), &mut config, Some(free)).map_err(|e| with_reserved(e, reserved))?;
+        if let Some((budget, reserved)) = reserved {
+            report.notes.push(format!(
+                "device_budget {budget} bytes less {reserved} bytes of tensors added to the pipeline after enable \
+                 (adapter layers): the plan fits the rest"
+            ));
+        }
         // Retuning keeps the host masters: the host side is the enabled one's, under the new budget.
         report.host = PlanHost { budget: config.host_budget, ..self.report.host.clone() };
         resolve_auto_host_budget(&mut config, &self.model, &mut report);

@@ -56,7 +56,7 @@ fn enable_and_disable_give_the_bytes_back_bit_identical() {
             s.post_forward(block).unwrap();
         }
     }
-    let retuned = s.retune(load_config(ConfigSource::Json(LAYER)).unwrap(), 0).unwrap().clone();
+    let retuned = s.retune(load_config(ConfigSource::Json(LAYER)).unwrap(), 0, 0).unwrap().clone();
     assert_eq!(&retuned, s.plan_report());
     assert!(s.hazard_violations().is_empty());
     s.disable().unwrap();
