@@ -756,22 +756,26 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
         if cpu:
             start = time.perf_counter()
         else:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-        for _ in range(args.steps):
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+            marks[0].record()
+        for i in range(args.steps):
             out = model(**x, return_dict=False)[0]
+            if not cpu:
+                marks[i + 1].record()  # each step's own time too (steps_s): a slow first step after an idle GPU
         if cpu:
             res["step_s"] = (time.perf_counter() - start) / args.steps
         else:
-            e.record()
             sync()
-            res["step_s"] = s.elapsed_time(e) / 1e3 / args.steps
+            res["step_s"] = marks[0].elapsed_time(marks[-1]) / 1e3 / args.steps
+            res["steps_s"] = [round(a.elapsed_time(b) / 1e3, 4) for a, b in zip(marks, marks[1:])]
         if args.profile and not cpu:  # --profile: one more step on a device timeline (timeline.py)
             path = os.path.join(args.out, f"timeline-{args.variant}.json.gz")
             last = []  # the profiled step's output is the one compared (a CUDA graph tree overwrote the earlier one)
             res["profile"] = timeline.profile_step(torch, lambda: last.append(model(**x, return_dict=False)[0]), path)
             out = last[0]
             res["numa"] = timeline.numa_layout()
+            if handle is not None and handle._session.static_stacks():
+                res["master_GBps"] = timeline.master_rates(torch, handle)
             if handle is not None and len(res["numa"]["nodes"]) > 1:
                 res["master_nodes"] = timeline.master_nodes(handle)
     return out, before

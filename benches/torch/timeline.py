@@ -124,3 +124,31 @@ def numa_layout():
         except OSError:
             continue
     return {"nodes": nodes, "gpu_nodes": gpus}
+
+
+def master_rates(torch, handle):
+    """Per streamed block of ``handle``'s static stacks (execution order), the rate in GB/s of copying its host
+    master into a scratch device buffer with torch, outside any graph, one block at a time: beside the same blocks'
+    rates inside a step (``GBps_each``), it tells a slow source apart from a slow schedule."""
+    import ctypes
+
+    session = handle._session
+    blocks = [(path, session.capture_copies(path)[1]) for stack in session.static_stacks() for path in stack]
+    largest = max((sum(n for *_, n in copies) for _, copies in blocks), default=0)
+    scratch = torch.empty(largest, dtype=torch.uint8, device="cuda")
+    rates = []
+    for _, copies in blocks:
+        sources = []
+        for hb, ho, _, n in copies:
+            raw = (ctypes.c_uint8 * n).from_address(session.host_address(hb) + ho)
+            sources.append(torch.frombuffer(raw, dtype=torch.uint8, count=n))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        at = 0
+        for src in sources:
+            scratch[at : at + src.numel()].copy_(src, non_blocking=True)
+            at += src.numel()
+        end.record()
+        end.synchronize()
+        rates.append(round(at / start.elapsed_time(end) / 1e6, 1))
+    return rates
