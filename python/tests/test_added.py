@@ -98,3 +98,29 @@ def test_an_editing_block_that_adds_an_adapter_retunes_to_fit_it_or_warns():
             assert json.loads(h._session.plan_json()) == plan
             assert torch.equal(forward(m, x), forward(twin, x))
     same_weights(m, twin)
+
+
+def test_an_adapter_added_outside_editing_warns_once_at_the_next_forward_until_a_retune():
+    m, x = model()
+    twin = copy.deepcopy(m)
+    budget = full_budget(m)
+    registered = torch.nn.modules.module._global_parameter_registration_hooks
+    hooks = len(registered)
+    with wf.enable({"transformer": m}, budget_config(budget), device="sim") as h:
+        assert len(registered) == hooks + 1
+        for mod in (m, twin):
+            mod.add_adapter(lora(rank=16, seed=1), "late")
+        with pytest.warns(wf.WeightferryWarning) as caught:
+            assert torch.equal(forward(m, x), forward(twin, x))
+        ours = [str(w.message) for w in caught if issubclass(w.category, wf.WeightferryWarning)]
+        assert len(ours) == 1 and ours[0].startswith(f"the {lora_bytes(m)} bytes of tensors added to the offloaded")
+        assert ours[0].endswith("call handle.retune() to plan the weights beside them (more blocks stream)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", wf.WeightferryWarning)
+            assert torch.equal(forward(m, x), forward(twin, x))  # counted once: no second warning
+            h.retune()
+            m.set_adapters("late", 0.5)  # registers nothing new
+            twin.set_adapters("late", 0.5)
+            assert torch.equal(forward(m, x), forward(twin, x))
+    same_weights(m, twin)
+    assert len(registered) == hooks  # disable took torch's global registration hooks away with the rest

@@ -4,13 +4,16 @@ weightferry's plan. :class:`AddedTensors` remembers every parameter and buffer o
 them and counts the bytes of those that came since and sit on the components' device: ``Handle.stats()`` reports
 them (``added_device_bytes``), ``Handle.retune()`` plans the weights within what a byte-count ``device_budget``
 leaves beside them, and an ``editing()`` block that added some (a LoRA load) retunes so on leaving when the plan no
-longer fits beside them."""
+longer fits beside them. Added anywhere else (``add_adapter`` on the component), torch's global registration hooks
+(a parameter, buffer or module registered on any module) mark them :attr:`AddedTensors.maybe_grew`, so the next
+forward of a component counts them once and warns when the plan no longer fits beside them (a retune inside a
+forward would drop the compiled code that may be running it)."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +31,24 @@ class AddedTensors:
         self._device = torch.device(device)
         # By identity (a tensor's == compares elements), weakly: a tensor removed since is not kept alive.
         self._known = {id(t): weakref.ref(t) for t in self._tensors()}
+        self.maybe_grew = False  # something was registered on some module since the last count
+        self._hooks: list[Any] = []
+
+    def watch(self) -> None:
+        """Sets :attr:`maybe_grew` on every registration of a parameter, buffer or module anywhere (torch's global
+        hooks: a flag per call, the count waits for the next forward)."""
+        from torch.nn.modules import module as m
+
+        def grew(*args: object) -> None:
+            self.maybe_grew = True
+
+        for register in (m.register_module_parameter_registration_hook, m.register_module_buffer_registration_hook,
+                         m.register_module_module_registration_hook):
+            self._hooks.append(register(grew))
+
+    def unwatch(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
 
     def _tensors(self) -> Iterator[torch.Tensor]:
         for component in self._components:

@@ -140,6 +140,7 @@ def enable(
         undo.push(handle._copies.remove)
         undo.push(handle._load_hooks.remove)
         undo.push(handle._remove_watch)
+        undo.push(handle._unwatch_added)
         buffered = json.loads(session.report()).get("buffered_files", [])
         handle._offload()
     except BaseException:

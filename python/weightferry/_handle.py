@@ -78,6 +78,7 @@ class Handle:
         self._watch: list[Any] = []  # forward pre-hooks of the components: edits are checked before each forward
         self._config = config  # the config dict given to enable (or the last retune), for retune's keyword edits
         self._added: AddedTensors | None = None  # tensors the components gained after enable (adapter layers)
+        self._warned_added = 0  # the added bytes the last warning counted (one warning per count)
         self._offloaded = False
         self._disabled = False
 
@@ -100,6 +101,7 @@ class Handle:
         self._install_watch()
         mark(self._storages.tensors(), True)
         self._added = AddedTensors([m for _, m, _ in self._components()], self._binder.device)
+        self._added.watch()
 
     def _components(self) -> Iterator[tuple[str, torch.nn.Module, set[int]]]:
         """``(name, module, its storages)`` of every component: a top-level module with managed weights."""
@@ -127,6 +129,9 @@ class Handle:
                 self._check(sids)
                 self._forwards += 1
                 if self._forwards == 1:
+                    if self._added is not None and self._added.maybe_grew:
+                        self._added.maybe_grew = False
+                        self._over_budget(fit=False)
                     self._hooks.bind_static()
 
             def post(module: Any, args: Any, output: Any, comp: str = comp) -> Any:
@@ -143,6 +148,10 @@ class Handle:
             # A backward is refused at the component's output, before any of its parameters gets a gradient; and
             # the casts a forward made (diffusers' layerwise casting, see `_guards`) end with it, even when it raised.
             self._watch.append(module.register_forward_hook(compiler_disabled(post), always_call=True))
+
+    def _unwatch_added(self) -> None:
+        if self._added is not None:
+            self._added.unwatch()
 
     def _remove_watch(self) -> None:
         while self._watch:
@@ -189,21 +198,25 @@ class Handle:
         ):
             yield
         if self._added_bytes() > added:
-            self._fit_added()
+            self._over_budget(fit=True)
+        if self._added is not None:
+            self._added.maybe_grew = False  # counted just now
 
     def _added_bytes(self) -> int:
         return self._added.device_bytes() if self._added is not None else 0
 
-    def _fit_added(self) -> None:
-        """After an editing block added tensors to the components (a LoRA load): when the plan under a device
-        budget no longer fits beside them, retunes under the same config so it does (more blocks stream), or warns
-        naming the fix when no plan fits."""
+    def _over_budget(self, fit: bool) -> None:
+        """Tensors were added to the components (a LoRA load): when the plan under a device budget no longer fits
+        beside them, retunes under the same config so it does (``fit``: after an editing block; more blocks
+        stream), or warns naming the fix (no plan fits, or before a forward: call retune). Warns once per count."""
         plan = json.loads(self._session.plan_json())
         budget = (plan.get("budget") or {}).get("budget")
         added = self._added_bytes()
-        if budget is None or plan["device_weight_bytes"] + added <= budget:
+        if budget is None or plan["device_weight_bytes"] + added <= budget or added == self._warned_added:
             return
-        if self._config is None:
+        if not fit:
+            why = "call handle.retune() to plan the weights beside them (more blocks stream)"
+        elif self._config is None:
             why = "this handle was enabled from a config file: call handle.retune(<the config>) to plan beside them"
         else:
             try:
@@ -211,6 +224,7 @@ class Handle:
                 return
             except _core.PlanError as e:
                 why = f"no plan fits beside them ({e}); raise device_budget or remove adapters, then call retune()"
+        self._warned_added = added
         warnings.warn(
             f"the {added} bytes of tensors added to the offloaded modules after enable (adapter layers) and the "
             f"plan's {plan['device_weight_bytes']} bytes exceed device_budget ({budget} bytes): {why}",
@@ -241,6 +255,7 @@ class Handle:
             seen = {sid for sid, _ in changed}
             changed += [(sid, v) for sid, v in self._drifted() if sid not in seen]
         self._remove_watch()
+        self._unwatch_added()
         self._hooks.remove()
         self._session.disable()
         self._binder.clear()
