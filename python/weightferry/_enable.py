@@ -25,6 +25,7 @@ from ._describe import Bound, PipelineLike, _describe
 from ._discover import Declared
 from ._distributed import rendezvous_port
 from ._handle import Handle
+from ._offloaders import refuse_other_offloaders
 from ._registry import is_offloaded
 from ._single_file import Views, checkpoint_views
 from ._storages import StorageMap, materialize_meta, set_data
@@ -87,6 +88,7 @@ def enable(
     device = _default_device(device)
     text, fmt = config_arg(config)
     desc, bound, modules, composites = _describe(pipeline, Declared.of(dit, encoders, vaes, blocks))
+    refuse_other_offloaders(modules)
     if any(is_offloaded(getattr(m, n)) for m, n in bound.values()):
         raise _core.OffloadError(
             f"pipeline {desc['class']} is already enabled by weightferry (one of its tensors is offloaded); call "
