@@ -160,11 +160,11 @@ def test_a_file_read_through_the_page_cache_is_a_warning_at_enable(tmp_path):
     h.disable()
 
 
-def test_after_a_failed_read_forwards_keep_failing_and_disable_gives_the_weights_back(tmp_path):
+def test_after_a_failed_read_forwards_keep_failing_until_a_retune_and_disable_gives_the_weights_back(tmp_path):
     """A read that fails (here the file is cut short, then restored with its bytes and time stamps, as after a
     transient fault) fails its forward; the stack keeps that load's error, so every later forward raises it too,
-    never an output from missing bytes; ``disable`` then gives the module the file's weights, bit for bit, and a
-    new ``enable`` runs exact again."""
+    never an output from missing bytes, until ``retune`` rebuilds the stacks (its message says so); ``disable``
+    then gives the module the file's weights, bit for bit, and a new ``enable`` runs exact again."""
     ref, m, path = checkpoint(tmp_path, 128)
     x = inputs()
     want = forward(ref, x)
@@ -176,12 +176,19 @@ def test_after_a_failed_read_forwards_keep_failing_and_disable_gives_the_weights
         f.truncate(len(data) // 2)
     with pytest.raises(wf.Error) as first:
         forward(m, x)
+    assert str(first.value).endswith(
+        "; the block stack keeps this error until it is rebuilt: once the cause is gone (a file restored, memory "
+        "freed) call retune(), which rebuilds the stacks and keeps the host masters, or disable()"
+    )
     path.write_bytes(data)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     for _ in range(2):
         with pytest.raises(wf.Error) as again:
             forward(m, x)
         assert str(again.value).split(": ", 1)[1] == str(first.value).split(": ", 1)[1]
+    # The cause gone, a retune rebuilds the stacks: exact again, the masters kept.
+    h.retune()
+    assert torch.equal(forward(m, x), want)
     h.disable()
     got = m.state_dict()
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())

@@ -60,7 +60,7 @@ pub use load::{load_config, load_pipeline, ConfigSource};
 use crate::checkpoint::{Checkpoint, View};
 use crate::config::OffloadConfig;
 use crate::dist::rank::{rank_collective, RankOptions};
-use crate::hooks::{HookRegistry, Residency};
+use crate::hooks::{HookError, HookFailure, HookRegistry, Residency};
 use crate::model::HostModel;
 use crate::offload::backend::EnableProgress;
 use crate::offload::predict::{check_host_budget, host_of};
@@ -76,7 +76,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use weightferry_actors::collective_actor::CollectiveFactory;
 use weightferry_actors::platform::{DeviceBufferId, HostBufferId, Platform, PlatformRef, StreamId};
-use weightferry_actors::OrderingFault;
+use weightferry_actors::{OrderingFault, SchedulerError};
 
 /// A checkpoint the session reads a component's weights from: the description's tensor `<component>.K` is the
 /// file's tensor `K` (every one checked before a byte is read).
@@ -263,6 +263,21 @@ fn with_reserved(e: SessionError, reserved: Option<(u64, u64)>) -> SessionError 
         )),
         (e, _) => e,
     }
+}
+
+/// A hook's failure in one line. A failed load also says how its stack recovers: the stack keeps the error (every
+/// later forward raises it, never an output from missing bytes) until a retune rebuilds the stacks or disable.
+fn hook_err(e: HookError) -> SessionError {
+    let load_failed = matches!(&e, HookError::Failed { source, .. }
+        if matches!(**source, HookFailure::Scheduler(SchedulerError::LoadFailed { .. })));
+    let message = e.to_string();
+    if !load_failed {
+        return SessionError::Offload(one_line(&message));
+    }
+    SessionError::Offload(one_line(&format!(
+        "{message}; the block stack keeps this error until it is rebuilt: once the cause is gone (a file restored, \
+         memory freed) call retune(), which rebuilds the stacks and keeps the host masters, or disable()"
+    )))
 }
 
 /// A plan the config cannot give `name` (the resolver's refusal or the host budget's), in one line.
@@ -591,7 +606,7 @@ impl Session {
     /// compute stream was ordered behind the copies, so kernels launched on it next read landed bytes. `None` for
     /// a module whose weights no hook places.
     pub fn pre_forward(&self, module: &str) -> Result<Option<Residency>, SessionError> {
-        let residency = self.hooks.pre_forward(module).map_err(offload_err)?;
+        let residency = self.hooks.pre_forward(module).map_err(hook_err)?;
         if let Some(sim) = self.device.sim() {
             sim.stream_synchronize(self.compute).map_err(offload_err)?;
         }
@@ -600,7 +615,7 @@ impl Session {
 
     /// Runs `module`'s post-forward hooks.
     pub fn post_forward(&self, module: &str) -> Result<(), SessionError> {
-        self.hooks.post_forward(module).map_err(offload_err)
+        self.hooks.post_forward(module).map_err(hook_err)
     }
 
     /// Device buffer and byte offset of a storage: always answers for the fixed placement, and for a streamed
