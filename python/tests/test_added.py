@@ -32,10 +32,19 @@ def full_budget(m):
     return p["budget"]["always_resident_bytes"] + stack(p)["bytes"] - 1
 
 
-def test_a_retune_plans_the_budget_beside_adapters_added_after_enable():
+def offloaded_with_a_twin():
+    """``(model, inputs, its twin not offloaded, a budget that streams some blocks)``."""
     m, x = model()
-    twin = copy.deepcopy(m)
-    budget = full_budget(m)
+    return m, x, copy.deepcopy(m), full_budget(m)
+
+
+def ours(caught):
+    """The messages of weightferry's warnings among ``caught``."""
+    return [str(w.message) for w in caught if issubclass(w.category, wf.WeightferryWarning)]
+
+
+def test_a_retune_plans_the_budget_beside_adapters_added_after_enable():
+    m, x, twin, budget = offloaded_with_a_twin()
     with wf.enable({"transformer": m}, budget_config(budget), device="sim") as h:
         before = json.loads(h._session.plan_json())
         assert h.stats()["added_device_bytes"] == 0
@@ -64,9 +73,7 @@ def test_a_retune_plans_the_budget_beside_adapters_added_after_enable():
 
 
 def test_an_editing_block_that_adds_an_adapter_retunes_to_fit_it_or_warns():
-    m, x = model()
-    twin = copy.deepcopy(m)
-    budget = full_budget(m)
+    m, x, twin, budget = offloaded_with_a_twin()
     with wf.enable({"transformer": m}, budget_config(budget), device="sim") as h:
         resident = stack(json.loads(h._session.plan_json()))["resident"]
         with h.editing():
@@ -79,9 +86,8 @@ def test_an_editing_block_that_adds_an_adapter_retunes_to_fit_it_or_warns():
         with pytest.warns(wf.WeightferryWarning) as caught, h.editing():
             m.add_adapter(lora(rank=256, seed=2), "huge")
         twin.add_adapter(lora(rank=256, seed=2), "huge")
-        ours = [w for w in caught if issubclass(w.category, wf.WeightferryWarning)]
-        assert len(ours) == 1
-        message = str(ours[0].message)
+        assert len(ours(caught)) == 1
+        message = ours(caught)[0]
         assert message.startswith(f"the {lora_bytes(m)} bytes of tensors added to the offloaded modules after enable")
         assert "raise device_budget or remove adapters, then call retune()" in message
         assert json.loads(h._session.plan_json()) == plan
@@ -101,9 +107,7 @@ def test_an_editing_block_that_adds_an_adapter_retunes_to_fit_it_or_warns():
 
 
 def test_an_adapter_added_outside_editing_warns_once_at_the_next_forward_until_a_retune():
-    m, x = model()
-    twin = copy.deepcopy(m)
-    budget = full_budget(m)
+    m, x, twin, budget = offloaded_with_a_twin()
     registered = torch.nn.modules.module._global_parameter_registration_hooks
     hooks = len(registered)
     with wf.enable({"transformer": m}, budget_config(budget), device="sim") as h:
@@ -112,9 +116,9 @@ def test_an_adapter_added_outside_editing_warns_once_at_the_next_forward_until_a
             mod.add_adapter(lora(rank=16, seed=1), "late")
         with pytest.warns(wf.WeightferryWarning) as caught:
             assert torch.equal(forward(m, x), forward(twin, x))
-        ours = [str(w.message) for w in caught if issubclass(w.category, wf.WeightferryWarning)]
-        assert len(ours) == 1 and ours[0].startswith(f"the {lora_bytes(m)} bytes of tensors added to the offloaded")
-        assert ours[0].endswith("call handle.retune() to plan the weights beside them (more blocks stream)")
+        said = ours(caught)
+        assert len(said) == 1 and said[0].startswith(f"the {lora_bytes(m)} bytes of tensors added to the offloaded")
+        assert said[0].endswith("call handle.retune() to plan the weights beside them (more blocks stream)")
         with warnings.catch_warnings():
             warnings.simplefilter("error", wf.WeightferryWarning)
             assert torch.equal(forward(m, x), forward(twin, x))  # counted once: no second warning

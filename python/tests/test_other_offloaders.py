@@ -6,20 +6,10 @@ import copy
 
 import pytest
 import torch
+from quantized import weights
 from test_diffusers import flux, forward, layer
 
 import weightferry as wf
-from weightferry._registry import is_offloaded
-
-
-def snapshot(m):
-    return {k: v.clone() for k, v in m.state_dict().items()}
-
-
-def unchanged(m, before):
-    after = m.state_dict()
-    assert list(after) == list(before)
-    assert all(torch.equal(after[k], v) and not is_offloaded(after[k]) for k, v in before.items())
 
 
 def test_accelerate_offload_hooks_are_refused_and_taken_off_the_model_enables_exactly():
@@ -28,7 +18,7 @@ def test_accelerate_offload_hooks_are_refused_and_taken_off_the_model_enables_ex
 
     m, x, _ = flux()
     want = forward(m, x)
-    before = snapshot(m)
+    before = weights(m)
     cpu_offload_with_hook(m, execution_device="cpu")  # what a pipeline's enable_model_cpu_offload() puts on it
     with pytest.raises(wf.PipelineError) as e:
         wf.enable({"transformer": m}, layer(1), device="sim")
@@ -38,24 +28,24 @@ def test_accelerate_offload_hooks_are_refused_and_taken_off_the_model_enables_ex
         "weights; call pipe.remove_all_hooks() (or accelerate.hooks.remove_hook_from_module(transformer, "
         "recurse=True)), keep the weights on the CPU, then enable"
     )
-    unchanged(m, before)
+    assert weights(m) == before
     remove_hook_from_module(m, recurse=True)
     with wf.enable({"transformer": m}, layer(1), device="sim"):
         assert torch.equal(forward(m, x), want)
-    unchanged(m, before)
+    assert weights(m) == before
 
 
 def test_diffusers_group_offloading_is_refused_and_its_other_hooks_are_not():
     from diffusers.hooks import apply_group_offloading
 
     m, x, _ = flux()
-    before = snapshot(m)
+    before = weights(m)
     apply_group_offloading(m, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
     with pytest.raises(wf.PipelineError) as e:
         wf.enable({"transformer": m}, layer(1), device="sim")
     assert str(e.value).startswith("'transformer' has diffusers' group offloading applied (enable_group_offload() or")
     assert str(e.value).endswith("load the model again without group offloading, then enable weightferry")
-    unchanged(m, before)
+    assert weights(m) == before
     # A diffusers hook that does not offload (a first-block cache, in diffusers' same hook registry) stays.
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 
