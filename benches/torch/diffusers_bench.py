@@ -13,7 +13,11 @@ Variants: ``resident`` (the model on the GPU: the compute term of the bound, and
 ``static_slots``); any variant with ``_c``, ``_ma`` or ``_ro`` appended (``resident_c``, ``wf_sd2_ro``): compiled by
 inductor, ``torch.compile(fullgraph=True)`` in mode ``default``, ``max-autotune-no-cudagraphs`` or ``reduce-overhead``
 (CUDA graphs), or ``_rc``: diffusers' regional compilation (``compile_repeated_blocks(fullgraph=True)``, each block
-class compiled once), compared with the resident model compiled alike and bounded by its step; ``_cg`` (``resident_cg``,
+class compiled once), compared with the resident model compiled alike and bounded by its step (inductor in its
+deterministic mode, ``TORCHINDUCTOR_DETERMINISTIC=1``, unless the environment sets it: else the kernels it picks by
+timing them differ from process to process, and so do the bf16 outputs); ``edges_<suffix>``: the resident model with
+every repeated block framed by two do-nothing custom operators declared as weightferry's compiled hooks are (what
+the block edges alone change in inductor's kernels); ``_cg`` (``resident_cg``,
 ``wf_sd2_cg``): not compiled, the forward captured whole in one CUDA graph after the warm-up steps (weightferry's
 copies inside it), each timed step a replay; ``wf_bP``
 (weightferry under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps
@@ -684,6 +688,9 @@ def offload(torch, args, model, spec, weight_bytes, dev, cpu):
     v, ck = variant_base(args.variant), args.variant.startswith("ck_")
     if v == "resident":
         model.to(dev)
+    elif v == "edges":  # resident, each repeated block framed by two custom operators as weightferry's compiled hooks
+        model.to(dev)
+        block_edges(torch, model)
     elif v.startswith("wf_") or ck:
         import warnings
 
@@ -722,6 +729,30 @@ def offload(torch, args, model, spec, weight_bytes, dev, cpu):
     else:
         raise SystemExit(f"unknown variant {v}")
     return None
+
+
+def block_edges(torch, model):
+    """``edges``: every repeated block of ``model`` (diffusers' ``_repeated_blocks``) framed by two custom operators
+    that do nothing, declared as weightferry's compiled hooks are (one declaring the block's weights mutated before
+    it, one taking its output tensors after it): the resident model compiled with the edges a streamed compiled
+    forward has, to tell what the edges change in inductor's kernels from what streaming changes."""
+    from torch.utils import _pytree
+
+    @torch.library.custom_op("wfbench::enter", mutates_args=("order", "weights"))
+    def enter(order: torch.Tensor, weights: list[torch.Tensor]) -> None:
+        pass
+
+    @torch.library.custom_op("wfbench::leave", mutates_args=("order",))
+    def leave(order: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+        pass
+
+    order = torch.zeros(1, device=next(model.parameters()).device)
+    names = set(getattr(model, "_repeated_blocks", ()))
+    for block in [m for m in model.modules() if type(m).__name__ in names]:
+        weights = list(block.parameters())
+        block.register_forward_pre_hook(lambda m, a, weights=weights: enter(order, weights))
+        block.register_forward_hook(lambda m, a, out: leave(
+            order, [t for t in _pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]))
 
 
 def step(torch, args, model, x, res, handle, t0, sync, cpu):
@@ -860,6 +891,7 @@ def variant(args):
     out_path = os.path.join(args.out, f"resident{compile_suffix(args.variant)}.pt")
     if v != "resident" and compile_suffix(args.variant) == "_cg" and not os.path.exists(out_path):
         out_path = os.path.join(args.out, "resident.pt")
+    torch.save(out.cpu(), os.path.join(args.out, f"out-{args.variant}.pt"))  # every variant's, to compare any pair
     if v == "resident":
         torch.save(out.cpu(), out_path)
         res["bit_exact"] = True
@@ -1008,6 +1040,12 @@ def main():
         raise SystemExit(f"{args.model} has two transformers: --lora and the ck_ variants (checkpoint= fills one "
                          "component) take a model of one")
     os.makedirs(args.out, exist_ok=True)
+    if any(compile_suffix(v) not in ("", "_cg") for v in variants):
+        # Inductor picks some kernels' configurations by timing them, a choice that moves bf16 roundings and differs
+        # from process to process (SD3.5-Large: the resident model compiled in two processes differed by 0.0156):
+        # without its deterministic mode no compiled variant could be compared bit for bit with another process.
+        os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+        print("TORCHINDUCTOR_DETERMINISTIC=" + os.environ["TORCHINDUCTOR_DETERMINISTIC"], flush=True)
     results = []
     read_s = direct_s = size = None
     if any(v.startswith("ck_") for v in variants):
