@@ -732,10 +732,11 @@ def offload(torch, args, model, spec, weight_bytes, dev, cpu):
 
 
 def block_edges(torch, model):
-    """``edges``: every repeated block of ``model`` (diffusers' ``_repeated_blocks``) framed by two custom operators
-    that do nothing, declared as weightferry's compiled hooks are (one declaring the block's weights mutated before
-    it, one taking its output tensors after it): the resident model compiled with the edges a streamed compiled
-    forward has, to tell what the edges change in inductor's kernels from what streaming changes."""
+    """``edges``: every block of ``model`` (the classes diffusers' ``_repeated_blocks`` names, else
+    ``_no_split_modules``) framed by two custom operators that do nothing, declared as weightferry's compiled hooks
+    are (one declaring the block's weights mutated before it, one taking its output tensors after it): the resident
+    model compiled with the edges a streamed compiled forward has, to tell what the edges change in inductor's
+    kernels from what streaming changes."""
     from torch.utils import _pytree
 
     @torch.library.custom_op("wfbench::enter", mutates_args=("order", "weights"))
@@ -747,7 +748,8 @@ def block_edges(torch, model):
         pass
 
     order = torch.zeros(1, device=next(model.parameters()).device)
-    names = set(getattr(model, "_repeated_blocks", ()))
+    names = set(getattr(model, "_repeated_blocks", None) or getattr(model, "_no_split_modules", None) or ())
+    assert names, f"{type(model).__name__} declares no block class (_repeated_blocks, _no_split_modules)"
     for block in [m for m in model.modules() if type(m).__name__ in names]:
         weights = list(block.parameters())
         block.register_forward_pre_hook(lambda m, a, weights=weights: enter(order, weights))

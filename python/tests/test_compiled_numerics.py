@@ -1,9 +1,10 @@
 """What a streamed forward compiled by inductor equals, on a model class the other compile tests do not name (a tiny
 SD3 transformer, ``device="sim"``, a static schedule, ``torch.compile(fullgraph=True)``).
 
-Inductor computes a fused kernel's intermediate values in float32 and rounds only what it stores; which operations
-share a kernel depends on the whole graph, and a streamed forward's graph holds weightferry's operators at the
-blocks' edges and each block's weights as views of its slot. So:
+Inductor computes a fused kernel's intermediate values in float32 and rounds only what it stores; a streamed
+forward's graph holds weightferry's operators at the blocks' edges, and ``leave`` takes each block's outputs, so
+they are stored and the next block reads them rounded where the model compiled whole may compute on the unrounded
+values. So:
 
 - in float32 the streamed compiled forward equals the resident model compiled whole, bit for bit;
 - in bf16 it does when inductor rounds where eager rounds (``torch._inductor.config.emulate_precision_casts``, which
