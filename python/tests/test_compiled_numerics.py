@@ -6,10 +6,12 @@ forward's graph holds weightferry's operators at the blocks' edges, and ``leave`
 they are stored and the next block reads them rounded where the model compiled whole may compute on the unrounded
 values. So:
 
-- in float32 the streamed compiled forward equals the resident model compiled whole, bit for bit;
-- in bf16 it does when inductor rounds where eager rounds (``torch._inductor.config.emulate_precision_casts``, which
-  the resident model is compiled with too); without it the two may differ by a bf16 rounding step (measured on an
-  H100: SD3.5-Large, ``benches/RESULTS.md``), while the streamed forward stays the same bytes pass after pass.
+- in float32 the streamed compiled forward equals the resident model compiled whole, bit for bit (tested in
+  ``test_static_compile.py``);
+- in bf16 it does on the CPU when inductor rounds where eager rounds (``torch._inductor.config.
+  emulate_precision_casts``, which the resident model is compiled with too); without it the two differ by a bf16
+  rounding step, and on an H100 SD3.5-Large still differed with it (``benches/RESULTS.md``), while the streamed
+  forward stays the same bytes pass after pass.
 
 Inductor's deterministic mode is on in every test (``config.deterministic``): a kernel configuration it picks by
 timing moves bf16 roundings from one compile to the next."""
@@ -56,10 +58,11 @@ def streamed(model, x, passes=2):
     return outs
 
 
-@pytest.mark.parametrize(("dtype", "emulate"), [(torch.float32, False), (torch.bfloat16, True)])
-def test_inductor_streamed_equals_the_resident_model_compiled_whole(dtype, emulate):
-    model, x = model_and_inputs(dtype)
-    with inductor.patch(deterministic=True, emulate_precision_casts=emulate):
+def test_inductor_streamed_in_bf16_equals_the_resident_model_compiled_whole_when_inductor_rounds_as_eager():
+    # (float32 against the model compiled whole: test_static_compile.py, on Flux and Wan.) Without
+    # emulate_precision_casts this tiny SD3 differs from the model compiled whole by 0.0078 (one bf16 step).
+    model, x = model_and_inputs(torch.bfloat16)
+    with inductor.patch(deterministic=True, emulate_precision_casts=True):
         want = compiled(copy.deepcopy(model), x)
         outs = streamed(model, x)
     for out in outs:
