@@ -676,6 +676,10 @@ def compiled(torch, args, model):
     blocks compiled in place (``compile_repeated_blocks(fullgraph=True)``); its first warm-up step compiles
     (``first_warmup_s``)."""
     mode = COMPILE_MODES.get(compile_suffix(args.variant))
+    if args.no_cudagraph_trees:
+        import torch._inductor.config
+
+        torch._inductor.config.triton.cudagraph_trees = False
     if mode == "regional":  # diffusers' regional compilation: each repeated block's call, in place
         model.compile_repeated_blocks(fullgraph=True)
         return model
@@ -1030,6 +1034,10 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="after the timed steps, one more step on a device timeline (benches/torch/timeline.py): "
                          "its Chrome trace under --out, and per stream the busy time and largest gaps in the result")
+    ap.add_argument("--no-cudagraph-trees", action="store_true",
+                    help="the _ro variants record with inductor's plain CUDA graphs, not CUDA graph trees "
+                         "(torch._inductor.config.triton.cudagraph_trees = False): does the tree machinery cost a "
+                         "copy-bound model its copy rate")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -1069,6 +1077,7 @@ def main():
         cmd = [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--out", args.out, "--lora", str(args.lora), "--quant", args.quant]
         cmd += ["--profile"] if args.profile else []
+        cmd += ["--no-cudagraph-trees"] if args.no_cudagraph_trees else []
         return [*cmd, "--tiny"] if args.tiny else cmd
 
     def report(v, returncode, stdout, stderr, seconds):
