@@ -16,10 +16,10 @@ inductor, ``torch.compile(fullgraph=True)`` in mode ``default``, ``max-autotune-
 class compiled once), compared with the resident model compiled alike and bounded by its step (inductor in its
 deterministic mode, ``TORCHINDUCTOR_DETERMINISTIC=1``, unless the environment sets it: else the kernels it picks by
 timing them differ from process to process, and so do the bf16 outputs); ``edges_<suffix>``: the resident model with
-every repeated block framed by two do-nothing custom operators declared as weightferry's compiled hooks are (what
-the block edges alone change in inductor's kernels); ``_cg`` (``resident_cg``,
-``wf_sd2_cg``): not compiled, the forward captured whole in one CUDA graph after the warm-up steps (weightferry's
-copies inside it), each timed step a replay; ``wf_bP``
+every block framed by two do-nothing custom operators declared as weightferry's compiled hooks are (what the block
+edges alone change in inductor's kernels; the last lines compare every pair of the variants' outputs); ``_cg``
+(``resident_cg``, ``wf_sd2_cg``): not compiled, the forward captured whole in one CUDA graph after the warm-up
+steps (weightferry's copies inside it), each timed step a replay; ``wf_bP``
 (weightferry under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps
 every block resident through the hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
@@ -736,12 +736,13 @@ def offload(torch, args, model, spec, weight_bytes, dev, cpu):
 
 
 def block_edges(torch, model):
-    """``edges``: every block of ``model`` (the classes diffusers' ``_repeated_blocks`` names, else
-    ``_no_split_modules``) framed by two custom operators that do nothing, declared as weightferry's compiled hooks
-    are (one declaring the block's weights mutated before it, one taking its output tensors after it): the resident
-    model compiled with the edges a streamed compiled forward has, to tell what the edges change in inductor's
-    kernels from what streaming changes."""
-    from torch.utils import _pytree
+    """``edges``: every block of ``model`` (weightferry's own discovery: the lists of the classes diffusers'
+    ``_repeated_blocks`` and ``_no_split_modules`` name) framed by two custom operators that do nothing, declared as
+    weightferry's compiled hooks are (one declaring the block's weights mutated before it, one taking its output
+    tensors after it): the resident model compiled with the edges a streamed compiled forward has, to tell what the
+    edges change in inductor's kernels from what streaming changes."""
+    from weightferry._discover import metadata_block_lists
+    from weightferry._traced import output_tensors
 
     @torch.library.custom_op("wfbench::enter", mutates_args=("order", "weights"))
     def enter(order: torch.Tensor, weights: list[torch.Tensor]) -> None:
@@ -752,13 +753,12 @@ def block_edges(torch, model):
         pass
 
     order = torch.zeros(1, device=next(model.parameters()).device)
-    names = set(getattr(model, "_repeated_blocks", None) or getattr(model, "_no_split_modules", None) or ())
-    assert names, f"{type(model).__name__} declares no block class (_repeated_blocks, _no_split_modules)"
-    for block in [m for m in model.modules() if type(m).__name__ in names]:
+    lists = metadata_block_lists(model)
+    assert lists, f"{type(model).__name__} declares no block class (_repeated_blocks, _no_split_modules)"
+    for block in [b for path in lists for b in model.get_submodule(path)]:
         weights = list(block.parameters())
         block.register_forward_pre_hook(lambda m, a, weights=weights: enter(order, weights))
-        block.register_forward_hook(lambda m, a, out: leave(
-            order, [t for t in _pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]))
+        block.register_forward_hook(lambda m, a, out: leave(order, output_tensors(out)))
 
 
 def step(torch, args, model, x, res, handle, t0, sync, cpu):
@@ -894,12 +894,11 @@ def variant(args):
     res["peak_rss"] = rss("VmHWM") - base
     # A compiled variant is compared with the resident model compiled alike (inductor's kernels are not eager's); a
     # captured one (``_cg``) with the resident model captured, else eager (a graph replays the eager kernels).
-    out_path = os.path.join(args.out, f"resident{compile_suffix(args.variant)}.pt")
+    torch.save(out.cpu(), output_path(args.out, args.variant))  # every variant's (pairs() compares them all)
+    out_path = output_path(args.out, f"resident{compile_suffix(args.variant)}")
     if v != "resident" and compile_suffix(args.variant) == "_cg" and not os.path.exists(out_path):
-        out_path = os.path.join(args.out, "resident.pt")
-    torch.save(out.cpu(), os.path.join(args.out, f"out-{args.variant}.pt"))  # every variant's, to compare any pair
+        out_path = output_path(args.out, "resident")
     if v == "resident":
-        torch.save(out.cpu(), out_path)
         res["bit_exact"] = True
     elif os.path.exists(out_path):
         want = torch.load(out_path)
@@ -917,6 +916,25 @@ def variant(args):
     turns.end_turn(args.variant)
     print("RESULT " + json.dumps(res), flush=True)
     os._exit(0)  # the process ends here: no teardown of 24 GB of tensors and masters to wait for
+
+
+def output_path(out, variant):
+    """Where a variant's process saves its output under ``--out``."""
+    return os.path.join(out, f"out-{variant}.pt")
+
+
+def pairs(out, variants):
+    """Every pair of the variants' saved outputs: equal or not, and their largest difference (a compiled variant
+    against the resident model compiled alike is in the table; this says how every other pair compares)."""
+    import torch
+
+    outs = {v: torch.load(output_path(out, v)) for v in variants if os.path.exists(output_path(out, v))}
+    if len(outs) >= 2:
+        print("\noutputs, every pair: equal, largest difference")
+        for i, a in enumerate(outs):
+            for b in list(outs)[i + 1:]:
+                diff = (outs[a].float() - outs[b].float()).abs().max().item()
+                print(f"{a:<14}{b:<14}{torch.equal(outs[a], outs[b])!s:>6}  {diff:.6g}")
 
 
 def table(results):
@@ -1102,6 +1120,7 @@ def main():
         p = subprocess.run(command(v), capture_output=True, text=True)
         report(v, p.returncode, p.stdout, p.stderr, time.time() - t0)
     table(results)
+    pairs(args.out, [r["variant"] for r in results])
 
 
 if __name__ == "__main__":
