@@ -19,7 +19,8 @@ timing them differ from process to process, and so do the bf16 outputs); ``edges
 every block framed by two do-nothing custom operators declared as weightferry's compiled hooks are (what the block
 edges alone change in inductor's kernels; the last lines compare every pair of the variants' outputs); ``_cg``
 (``resident_cg``, ``wf_sd2_cg``): not compiled, the forward captured whole in one CUDA graph after the warm-up
-steps (weightferry's copies inside it), each timed step a replay; ``wf_bP``
+steps (weightferry's copies inside it), each timed step a replay; ``_cgc``: compiled as ``_c``, then captured as
+``_cg`` (inductor's kernels in a graph ``torch.cuda.graph`` records; compared with ``resident_c``); ``wf_bP``
 (weightferry under a device budget of P% of the weight bytes, the planner keeping blocks resident; ``wf_b400`` keeps
 every block resident through the hooks: what the hooks add to a step); ``group`` / ``group_record`` (diffusers
 ``apply_group_offloading``: block level, one block per group, ``use_stream=True``, without / with
@@ -289,6 +290,28 @@ def rss(field="VmRSS"):
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def thread_cpu():
+    """Each thread's CPU seconds so far (user + system), by ``thread-id name``."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busy_threads(before, after, wall):
+    """The threads busy more than 5% of ``wall`` seconds between two :func:`thread_cpu` readings, busiest first:
+    ``[name, share of wall]``."""
+    busy = [(k, (v - before.get(k, 0.0)) / wall) for k, v in after.items()]
+    return [[k, round(share, 3)] for k, share in sorted(busy, key=lambda b: -b[1]) if share > 0.05]
 
 
 def build(torch, name, tiny=False):
@@ -655,8 +678,11 @@ def pin_copy(torch, model, chunk=256 << 20):
 
 # A compiled variant's suffix and its torch.compile mode (inductor, fullgraph=True); ``_cg``: not compiled, the
 # forward captured in one CUDA graph (torch.cuda.graph) after the warm-up steps, each timed step a replay.
-COMPILE_MODES = {"_c": "default", "_ma": "max-autotune-no-cudagraphs", "_ro": "reduce-overhead", "_cg": None,
-                 "_rc": "regional"}
+# ``_cgc``: compiled as ``_c``, then captured as ``_cg`` (inductor's kernels in a graph torch.cuda.graph records).
+# (``_cgc`` before ``_c``: a suffix is the first key the name ends with.)
+COMPILE_MODES = {"_cgc": "default", "_c": "default", "_ma": "max-autotune-no-cudagraphs", "_ro": "reduce-overhead",
+                 "_cg": None, "_rc": "regional"}
+CAPTURED = ("_cg", "_cgc")
 
 
 def compile_suffix(v):
@@ -785,11 +811,12 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
                 sync()
                 res["first_warmup_s"] = time.perf_counter() - w0
         sync()
-        if compile_suffix(args.variant) == "_cg":
-            model = captured(torch, inner, x)
+        if compile_suffix(args.variant) in CAPTURED:
+            model = captured(torch, inner, x, args.refill)
         turns.wait_for_turn(args.variant)  # --overlap: the GPU is this variant's alone from here
         if handle:
             before = handle.stats()
+        threads, wall0 = thread_cpu(), time.perf_counter()
         if cpu:
             start = time.perf_counter()
         else:
@@ -805,6 +832,8 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
             sync()
             res["step_s"] = marks[0].elapsed_time(marks[-1]) / 1e3 / args.steps
             res["steps_s"] = [round(a.elapsed_time(b) / 1e3, 4) for a, b in zip(marks, marks[1:])]
+        # the host threads busy during the timed steps (a thread spinning beside the copies shows here)
+        res["busy_threads"] = busy_threads(threads, thread_cpu(), time.perf_counter() - wall0)
         if args.profile and not cpu:  # --profile: one more step on a device timeline (timeline.py)
             path = os.path.join(args.out, f"timeline-{args.variant}.json.gz")
             last = []  # the profiled step's output is the one compared (a CUDA graph tree overwrote the earlier one)
@@ -818,14 +847,22 @@ def step(torch, args, model, x, res, handle, t0, sync, cpu):
     return out, before
 
 
-def captured(torch, model, x):
+def captured(torch, model, x, refill=False):
     """``_cg``: the forward captured in one CUDA graph (weightferry's copies inside it for a ``wf_sd*`` variant); the
-    returned callable replays it and returns the graph's output."""
+    returned callable replays it and returns the graph's output. ``refill`` (``"copy"`` / ``"kernel"``): each replay
+    first writes every input tensor into the one the graph captured, from a copy of it (what a pipeline's step with
+    new latents does), by ``copy_`` or by kernels."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = model(**x, return_dict=False)
+    fresh = {k: v.clone() for k, v in x.items() if torch.is_tensor(v)} if refill else {}
 
     def replay(**kw):
+        for k, v in fresh.items():
+            if refill == "kernel":  # written by kernels, no copy-engine operation before the graph
+                x[k].mul_(0).add_(v)
+            else:
+                x[k].copy_(v)
         graph.replay()
         return out
 
@@ -896,8 +933,8 @@ def variant(args):
     # captured one (``_cg``) with the resident model captured, else eager (a graph replays the eager kernels).
     torch.save(out.cpu(), output_path(args.out, args.variant))  # every variant's (pairs() compares them all)
     out_path = output_path(args.out, f"resident{compile_suffix(args.variant)}")
-    if v != "resident" and compile_suffix(args.variant) == "_cg" and not os.path.exists(out_path):
-        out_path = output_path(args.out, "resident")
+    if v != "resident" and compile_suffix(args.variant) in CAPTURED and not os.path.exists(out_path):
+        out_path = output_path(args.out, "resident" if compile_suffix(args.variant) == "_cg" else "resident_c")
     if v == "resident":
         res["bit_exact"] = True
     elif os.path.exists(out_path):
@@ -1056,6 +1093,10 @@ def main():
                     help="the _ro variants record with inductor's plain CUDA graphs, not CUDA graph trees "
                          "(torch._inductor.config.triton.cudagraph_trees = False): does the tree machinery cost a "
                          "copy-bound model its copy rate")
+    ap.add_argument("--refill", choices=("copy", "kernel"),
+                    help="the _cg / _cgc variants copy every input into the captured ones before each replay, as a "
+                         "pipeline's step does (the work inductor's CUDA graphs do before theirs): with copy_, or "
+                         "written by kernels (mul_(0).add_())")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -1096,6 +1137,7 @@ def main():
                "--warmup", str(args.warmup), "--out", args.out, "--lora", str(args.lora), "--quant", args.quant]
         cmd += ["--profile"] if args.profile else []
         cmd += ["--no-cudagraph-trees"] if args.no_cudagraph_trees else []
+        cmd += ["--refill", args.refill] if args.refill else []
         return [*cmd, "--tiny"] if args.tiny else cmd
 
     def report(v, returncode, stdout, stderr, seconds):

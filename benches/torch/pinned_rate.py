@@ -6,7 +6,8 @@ suspects for copies that run slower inside one captured forward than another (is
   huge pages (``thp``) or against them (``nothp``) then ``cudaHostRegister``ed; four buffers, each the median rate of
   six timed copies, and how many of its bytes sit in huge pages.
 - ``--graph``: ten 400 MiB copies on the capturing stream with small kernels forked beside them (the graph's root
-  branch), or the kernels first and the copies forked (a side branch); eager and captured.
+  branch), or the kernels first and the copies forked (a side branch); eager and captured, and each replay after a
+  small device-to-device ``copy_`` on the launching stream.
 
     python3 benches/torch/pinned_rate.py --pages hostalloc   # and thp, nothp: one process each
     python3 benches/torch/pinned_rate.py --graph
@@ -105,6 +106,12 @@ def graph():
         kernels(count)
         torch.cuda.current_stream().wait_stream(side)
 
+    small, other = torch.zeros(1 << 20, device="cuda"), torch.ones(1 << 20, device="cuda")
+
+    def after_copy(g):  # a small device-to-device copy_ on the launching stream before each replay
+        small.copy_(other)
+        g.replay()
+
     for count in (0, 50):
         for name, fn in (("root", root), ("branch", branch)):
             print(f"eager {name} kernels={count}: {timed(functools.partial(fn, count), k * n):.1f} GB/s")
@@ -114,6 +121,8 @@ def graph():
             with torch.cuda.graph(g):
                 fn(count)
             print(f"graph {name} kernels={count}: {timed(g.replay, k * n):.1f} GB/s")
+            rate = timed(functools.partial(after_copy, g), k * n)
+            print(f"graph {name} kernels={count} after a copy_: {rate:.1f} GB/s")
 
 
 def timed(fn, nbytes):
