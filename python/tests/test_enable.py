@@ -15,7 +15,7 @@ from tiny import BF16, OffloadPlan, TinyBlock, TinyDiT, TinyPipeline, TinyTextEn
 
 import weightferry as wf
 import weightferry._enable as wf_enable
-from weightferry._binders import CudaBinder
+from weightferry._binders import CudaBinder, is_placeholder
 from weightferry._clock import HookClock
 from weightferry._enable import Seams
 from weightferry._storages import View, set_data
@@ -145,7 +145,7 @@ def test_offloaded_forward_is_bit_identical_and_disable_restores_every_tensor(co
     assert handle.enabled
     # Streamed tensors hold no host copy between forwards; inside its block's forward a weight is bound.
     fc = p.transformer.blocks[1].fc
-    assert fc.weight.numel() == 0
+    assert is_placeholder(fc.weight) and fc.weight.shape == (64, 64)
     seen = []
     user_hook = fc.register_forward_pre_hook(lambda m, a: seen.append(tuple(m.weight.shape)))
     # Every tensor now holds device bytes (or nothing): it no longer views torch's own host copy.
@@ -418,7 +418,7 @@ def test_a_forward_that_raises_still_releases_its_block(monkeypatch):
         monkeypatch.setattr(block, "forward", lambda h_: (_ for _ in ()).throw(ValueError("boom")))
         with pytest.raises(ValueError, match="boom"):
             run(p)
-        assert block.fc.weight.numel() == 0  # the post-hook ran (always_call) and released it
+        assert is_placeholder(block.fc.weight)  # the post-hook ran (always_call) and released it
         monkeypatch.undo()
         assert_outputs_equal(run(p), expected)
         assert h.stats()["enabled"] is True
@@ -465,7 +465,7 @@ def test_a_dict_and_a_root_module_pipeline_bind_by_their_paths():
             warnings.simplefilter("error")  # its class declares its block lists: found without a warning
             h = wf.enable(p, dit_only, device="sim")
         with h, torch.no_grad():
-            assert dit.blocks[2].fc.weight.numel() == 0
+            assert is_placeholder(dit.blocks[2].fc.weight)
             assert torch.equal(dit(x), expected)
         after = dit.state_dict()
         assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)

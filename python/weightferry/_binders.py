@@ -3,8 +3,9 @@
 - ``"cuda"`` / ``"cuda:N"`` (:class:`CudaBinder`): torch views weightferry's device buffers in place
   (``__cuda_array_interface__``, one torch storage per buffer, made once). A streamed block's tensors are bound at
   each of its forwards, one ``.data`` assignment per tensor from views made the first time the block landed in that
-  slot (:meth:`CudaBinder.rebinding`), and given an empty placeholder on the device after it: between its forwards a
-  streamed tensor never shows a slot that may hold another block's bytes, and an edit of it cannot reach a slot.
+  slot (:meth:`CudaBinder.rebinding`), and given a placeholder on the device after it (:func:`placeholder`):
+  between its forwards a streamed tensor never shows a slot that may hold another block's bytes, and an edit of it
+  cannot reach a slot.
 - ``"sim"`` (:class:`SimBinder`, the simulated device: device buffers in host memory, compute on the CPU): a tensor
   "on the device" is a CPU tensor holding a copy of the simulated device memory, rebuilt at each streamed block's
   ``pre_forward`` and emptied after it: the sim is the test device, so the copy is acceptable there.
@@ -25,7 +26,18 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import TypeAlias
 
-__all__ = ["Binder", "CudaBinder", "Rebinding", "SetData", "SimBinder", "placeholder"]
+__all__ = [
+    "Binder",
+    "CudaBinder",
+    "Rebinding",
+    "SetData",
+    "SimBinder",
+    "is_placeholder",
+    "placeholder",
+    "repoison",
+    "sentinel",
+    "shaped",
+]
 
 SetData: TypeAlias = "Callable[[View, torch.Tensor], None]"
 """Makes a view's tensor object hold a tensor's data."""
@@ -33,12 +45,78 @@ Rebinding: TypeAlias = "list[tuple[torch.Tensor, torch.Tensor]]"
 """Pairs of (a pipeline tensor, a tensor viewing its bytes on the device)."""
 
 
-def placeholder(view: View, device: str | torch.device = "cpu") -> torch.Tensor:
-    """What a tensor holds before its bytes are bound (and, on the sim, between its block's forwards): nothing (an
-    empty tensor of its dtype on ``device``)."""
+_sentinels: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+_SENTINEL_ELEMENTS = 1 << 16  # the least a sentinel holds: any weight whose dimensions sum to less views one
+
+
+def _span(shape: tuple[int, ...]) -> int:
+    """The elements a tensor of ``shape`` with stride 1 in every dimension reaches (none when it has none)."""
+    return 0 if 0 in shape else 1 + sum(n - 1 for n in shape)
+
+
+def sentinel(dtype: torch.dtype, device: str | torch.device = "cpu", elements: int = 1) -> torch.Tensor:
+    """A buffer of at least ``elements`` elements of ``dtype`` on ``device`` that placeholders view: the first made
+    that is long enough, else a new one (never freed: a few hundred KB at most). Its bytes are all ``0xff`` (NaN in
+    every float dtype, -1 or the largest value in an integer one; ``True`` for ``bool``). The same shape always gets
+    the same buffer, so a placeholder's data pointer is the same every time it is given back (the edit check
+    compares pointers, :mod:`._edits`)."""
     import torch
 
-    return torch.empty(0, dtype=view.dtype, device=device)
+    made = _sentinels.setdefault((str(torch.device(device)), dtype), [])
+    for one in made:
+        if one.numel() >= elements:
+            return one
+    with torch.inference_mode(False):  # an ordinary tensor, though made in a forward under inference_mode
+        one = torch.empty(max(elements, _SENTINEL_ELEMENTS), dtype=dtype, device=device)
+    _poison(one)
+    made.append(one)
+    return one
+
+
+def _poison(one: torch.Tensor) -> None:
+    import torch
+
+    with torch.no_grad():
+        if one.dtype == torch.bool:
+            one.fill_(True)
+        else:
+            one.view(torch.uint8).fill_(0xFF)
+
+
+def repoison() -> None:
+    """Gives every sentinel its bytes again: an in-place write to a placeholder outside ``Handle.editing()`` (caught
+    at the next check, :func:`._edits.check`) wrote into its dtype's sentinel."""
+    for made in _sentinels.values():
+        for one in made:
+            _poison(one)
+
+
+def placeholder(view: View, device: str | torch.device = "cpu") -> torch.Tensor:
+    """What a tensor holds before its bytes are bound and between its block's forwards: its true shape and dtype on
+    ``device``, over a few elements of a :func:`sentinel` (stride 1 in every dimension: element ``(i, j)`` is element
+    ``i + j``), so ``shape``, ``numel()`` and a module's parameter count are true, a read of its values gives NaN (a
+    float dtype), never a plausible weight, and an in-place write runs (into the sentinel, which the next check of
+    edits finds and repairs) instead of failing inside torch."""
+    return shaped(view.dtype, tuple(view.shape), device)
+
+
+def shaped(dtype: torch.dtype, shape: tuple[int, ...], device: str | torch.device = "cpu") -> torch.Tensor:
+    """A placeholder of ``shape`` (see :func:`placeholder`)."""
+    import torch
+
+    t = torch.empty(0, dtype=dtype, device=device)
+    one = sentinel(dtype, device, _span(shape))
+    return t.set_(one.untyped_storage(), 0, shape, (1,) * len(shape))
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a :func:`placeholder` (or holds no element)."""
+    import torch
+
+    if t.numel() == 0:
+        return True
+    ptr = t.untyped_storage().data_ptr()
+    return any(one.data_ptr() == ptr for one in _sentinels.get((str(torch.device(t.device)), t.dtype), ()))
 
 
 class SimBinder:
@@ -87,7 +165,8 @@ class CudaBinder:
         self.device = self._device = device
         self.set_data = bind
         self._storages: dict[int, torch.UntypedStorage] = {}  # buffer id -> torch UntypedStorage viewing it
-        self._empty: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the placeholder streamed tensors share
+        # (dtype, shape) -> the placeholder streamed tensors of that dtype and shape share (over one sentinel a dtype)
+        self._empty: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         import torch
 
         self._no_grad = torch.no_grad
@@ -138,8 +217,9 @@ class CudaBinder:
                         f"not a multiple of its {item}-byte elements"
                     )
                 t = view.tensor
+                empty = self._placeholder(view)  # made now, not at the first unbind (which a capture may record)
                 if t.device != self._device:
-                    self.set_data(view, placeholder(view, self._device))
+                    self.set_data(view, empty)
                 src = torch.empty(0, dtype=view.dtype, device=self._device)
                 src.set_(st, offset // item + view.offset, view.shape, view.strides)
                 pairs.append((t, src))
@@ -159,10 +239,15 @@ class CudaBinder:
         """Empties the views of a streamed storage after its block's forward (a placeholder on the device, so the
         module still reports the device)."""
         for view in views:
-            empty = self._empty.get(view.dtype)
-            if empty is None:
-                empty = self._empty[view.dtype] = placeholder(view, self._device)
-            self.set_data(view, empty)
+            self.set_data(view, self._placeholder(view))
+
+    def _placeholder(self, view: View) -> torch.Tensor:
+        """The placeholder ``view``'s tensor holds between forwards, shared by every tensor of its dtype and shape."""
+        key = (view.dtype, view.shape)
+        empty = self._empty.get(key)
+        if empty is None:
+            empty = self._empty[key] = shaped(view.dtype, view.shape, self._device)
+        return empty
 
     def clear(self) -> None:
         """Forgets the torch storages over the device buffers (new buffers after a retune, none after disable)."""

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Union
 
 from . import _core
+from ._binders import is_placeholder
 from ._composites import SEP, Composite, is_composite
 from ._discover import Declared, discover
 
@@ -211,11 +212,15 @@ class _Describer:
         shape = list(t.shape)
         strides = list(t.stride())
         offset = int(t.storage_offset())
-        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-        entry = {"dtype": dtype, "shape": shape, "strides": strides, "kind": kind, "storage_offset": offset}
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         nbytes = storage.nbytes()
+        if is_placeholder(t) and t.numel():
+            # An offloaded tensor between forwards (a pipeline described while enabled): described as the dense
+            # tensor of its own it stands for, not as a view of the placeholders' shared elements.
+            strides, offset, ptr, nbytes = _dense_strides(shape), 0, 0, t.numel() * t.element_size()
+        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+        entry = {"dtype": dtype, "shape": shape, "strides": strides, "kind": kind, "storage_offset": offset}
         # Storages without memory (empty, meta) have no address: each owns its own, except that one meta tensor
         # object reached at several paths (tied weights) is one storage, as it is once materialized.
         if ptr != 0 and nbytes > 0:
@@ -490,3 +495,12 @@ def _describe(
         desc["pinned"] = d.pinned
     discover(desc, items, declared, py if py is not None else Declared())
     return desc, d.bound, d.modules, d.composites
+
+
+def _dense_strides(shape: list[int]) -> list[int]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from ._binders import repoison
 from ._storages import set_data, tensors_over
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ def check(sigs: Signatures, sids: Any, repair: Any, when: str) -> None:
     if not changed:
         return
     repair({sid for sid, _ in changed})
+    repoison()  # the edit may have written into a placeholder's one element, which every placeholder views
     paths = sorted({v.path for _, v in changed})
     more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
     raise _core.OffloadError(

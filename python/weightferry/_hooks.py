@@ -4,7 +4,7 @@
 On CUDA the hooks never wait on the host: Rust orders torch's current stream behind the copies and records the
 block's reads on it. A streamed block's tensors are bound for each of its forwards (one ``.data`` assignment per
 tensor, from views made once per block and slot) and emptied after it, on every device: between forwards a streamed
-tensor is an empty placeholder (on the device), never a slot that may hold another block's bytes; the true weights
+tensor is a placeholder (on the device), never a slot that may hold another block's bytes; the true weights
 are read through ``state_dict()``. A whole component offloaded as one unit (model-level) is hooked at every entry
 point (:func:`_entries`), so ``vae.decode`` finds it resident."""
 
@@ -125,7 +125,7 @@ class Hooks:
         self._copy_stream: torch.cuda.Stream | None = None
 
     def _idle(self, sid: int) -> None:
-        """Binds a streamed storage's tensors as they are between forwards: an empty placeholder, except a storage
+        """Binds a streamed storage's tensors as they are between forwards: a placeholder, except a storage
         of buffers only (a VAE's ``latents_mean``, a scheduler table), which pipelines read outside any forward:
         those hold their true bytes on the CPU (a copy read once from the session; buffers are small). The attached
         parts of a weight (bitsandbytes' ``quant_state`` tensors) are no buffers: their class reads them outside a
@@ -313,8 +313,9 @@ class Hooks:
             if self.capture.complete:
                 self._finish_capture()  # inside the capture still: CUDA graph trees end it with the compiled call
             return
-        # Binding and emptying assign ``.data``, which bumps no version counter, and every placeholder's data
-        # pointer is 0: a streamed tensor's signature between forwards stays what rebind_idle recorded.
+        # Binding and emptying assign ``.data``, which bumps no version counter, and a placeholder's data pointer is
+        # the same every time (its dtype's sentinel): a streamed tensor's signature between forwards stays what
+        # rebind_idle recorded.
         static = self.static
         if static is None or path not in static.bound or not static.all_bound:
             if static is not None:
@@ -386,7 +387,7 @@ class Hooks:
     def idle_static(self) -> None:
         """At the end of a component's forward (also one that raised): a static block that compiled code opened and
         never closed (it raised between ``enter`` and ``leave``) is closed, and every static block's tensors are
-        empty placeholders again."""
+        placeholders again."""
         if self.static is None:
             return
         if self._thread == threading.get_ident():

@@ -3,8 +3,8 @@ LoRA goes into in its class's ``_lora_loadable_modules`` (diffusers' LoRA loader
 fuse, unfuse and unload read or write the weights of those components directly: FLUX's ``load_lora_weights`` reads
 each targeted layer's weight shape to widen a layer whose LoRA is wider (Control LoRAs), the pipeline's
 ``unfuse_lora`` unmerges every LoRA layer of a component in place (not through ``Module.apply``, see ``_walks``).
-While offloaded a streamed weight is an empty placeholder between forwards, so those calls would fail deep in
-diffusers or peft. While enabled, such a pipeline carries instance versions of the four methods that run the
+While offloaded a streamed weight is a placeholder between forwards (NaN values), so those calls would read NaN or
+write nothing that lasts. While enabled, such a pipeline carries instance versions of the four methods that run the
 pipeline's own inside ``Handle.editing()`` of the loadable components weightferry offloads: their weights are
 ordinary tensors of their true shapes and values meanwhile, what the call changed in them is written through, and
 the adapter layers it added are placed where the component runs (``_edits``). A call inside an ``editing()`` block

@@ -2,8 +2,8 @@
 
 Some models run a submodule of a block before the block itself: DiT's ``forward`` calls
 ``transformer_blocks[0].norm1.emb(...)`` to embed the timestep and class before any block runs. Between its forwards a
-streamed block's tensors are empty placeholders, so such a call would meet them. Every submodule of a hooked block
-gets one pre and one post hook (always called): the outermost call made while its block is not open on this thread
+streamed block's tensors are placeholders, so such a call would meet them (NaN values). Every submodule of a hooked
+block gets one pre and one post hook (always called): the outermost call made while its block is not open on this thread
 opens the block with the block's own hooks (a fetch, like an out-of-order forward) and closes it after; calls inside
 the block's forward do nothing.
 

@@ -9,7 +9,7 @@ same tensors, of their true shapes, at the same places on every call; :mod:`._tr
 - :meth:`StaticPlaces.prime` learns each block's place by running its hooks once in execution order (one pass of
   copies, at enable and after anything that rebuilds the stacks: a retune, a write) and prepares the tensors that
   view it. The component's forward hooks bind every block there when its forward starts (:meth:`bind_all`) and
-  empty them when it ends (:meth:`unbind_all`): between forwards a streamed tensor is an empty placeholder, as
+  empty them when it ends (:meth:`unbind_all`): between forwards a streamed tensor is a placeholder, as
   without a static schedule, never a view of a slot that may hold another block's bytes by then.
 - On CUDA the tensors view the device buffers in place (the binder's storage of each buffer): the copy stream fills
   a slot, compiled code reads it where it is. A block called out of order while its slot was busy lands in another
@@ -76,7 +76,7 @@ class StaticPlaces:
     def prime(self) -> None:
         """Learns every static block's place (one pass of its hooks, in execution order) and prepares the binding
         of its tensors there (bound by :meth:`bind_all` for each forward of their component). Leaves every tensor
-        an empty placeholder, its signature recorded. Run while no forward is under way."""
+        a placeholder, its signature recorded. Run while no forward is under way."""
         self.unbind_all()
         self.places.clear()
         self.offsets.clear()
@@ -188,7 +188,7 @@ class StaticPlaces:
         self.bound.add(path)
 
     def unbind(self, path: str) -> None:
-        """Gives block ``path``'s tensors their empty placeholders again."""
+        """Gives block ``path``'s tensors their placeholders again."""
         if path in self.bound:
             for sid, _ in self.offsets[path]:
                 self._binder.unbind(self._storages.views[sid])
@@ -204,7 +204,7 @@ class StaticPlaces:
 
     def unbind_all(self) -> None:
         """Empties every static block's tensors: at the end of a component's forward (between forwards a streamed
-        tensor is an empty placeholder, never a view of a slot that may hold another block's bytes)."""
+        tensor is a placeholder, never a view of a slot that may hold another block's bytes)."""
         for path in list(self.bound):
             self.unbind(path)
         self.all_bound = False

@@ -1,11 +1,12 @@
 """``Module.apply(fn)`` on an enabled pipeline: torch's walk over a module and its submodules, the way diffusers edits
 weights in place (``fuse_lora`` and ``unfuse_lora`` merge each LoRA layer's delta into its base weight through
-``apply``; ``apply(init_weights)`` initialises them). While offloaded a streamed weight is an empty placeholder
-between forwards, so such a walk would meet placeholders (torch's shape errors) or device copies weightferry's copy
-never sees. While enabled, every module of the pipeline carries an instance ``apply`` that runs the walk inside
-``Handle.editing(module)``: the weights of that module are ordinary CPU tensors holding their true values during the
-walk, and what it changed is written through after it, as an edit inside ``editing()`` is. A walk started inside an
-``editing()`` block or during a forward runs as is (its nested walks, torch's ``apply`` calling each child's, too).
+``apply``; ``apply(init_weights)`` initialises them). While offloaded a streamed weight is a placeholder between
+forwards, so such a walk would meet placeholders (NaN values, and writes that reach no weight) or device copies
+weightferry's copy never sees. While enabled, every module of the pipeline carries an instance ``apply`` that runs the
+walk inside ``Handle.editing(module)``: the weights of that module are ordinary CPU tensors holding their true values
+during the walk, and what it changed is written through after it, as an edit inside ``editing()`` is. A walk started
+inside an ``editing()`` block or during a forward runs as is (its nested walks, torch's ``apply`` calling each child's,
+too).
 
 The same holds for the other methods by which the libraries rewrite a module's own weights from their values
 (:data:`WALKS`): diffusers' attention projection fusion (``fuse_projections`` / ``unfuse_projections`` of
