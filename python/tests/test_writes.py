@@ -151,8 +151,10 @@ def test_an_edit_outside_editing_is_refused_at_the_next_forward_and_put_back(key
 def test_a_streamed_weight_between_forwards_has_its_true_shape_and_reads_nan_even_after_a_refused_edit():
     m, x = model()
     twin = copy.deepcopy(m)
+    planned = wf.plan({"transformer": m}, layer(2))
     with wf.enable({"transformer": m}, layer(2), device="sim"):
         expected = forward(m, x)
+        assert wf.plan({"transformer": m}, layer(2)) == planned, "a plan made while enabled sees the true sizes"
         w = param(m, STREAMED)
         placeholders = [n for n, p in m.named_parameters() if is_placeholder(p)]
         assert STREAMED in placeholders and "x_embedder.weight" not in placeholders

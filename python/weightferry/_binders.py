@@ -139,6 +139,9 @@ class SimBinder:
         for view in views:
             self.set_data(view, placeholder(view))
 
+    def prepare(self, views: list[View]) -> None:
+        """Makes the placeholders of ``views`` ahead (nothing to make here)."""
+
     def clear(self) -> None:
         """Forgets what the binder made of the device buffers (none here)."""
 
@@ -240,6 +243,12 @@ class CudaBinder:
         module still reports the device)."""
         for view in views:
             self.set_data(view, self._placeholder(view))
+
+    def prepare(self, views: list[View]) -> None:
+        """Makes the placeholders of ``views`` on the device now, at ``enable``: made at a block's first unbind, the
+        allocation and the filling of a sentinel could land inside a CUDA graph being captured."""
+        for view in views:
+            self._placeholder(view)
 
     def _placeholder(self, view: View) -> torch.Tensor:
         """The placeholder ``view``'s tensor holds between forwards, shared by every tensor of its dtype and shape."""

@@ -36,10 +36,18 @@ if TYPE_CHECKING:
 
     from ._static import StaticPlaces
 
-__all__ = ["CaptureRun", "CudaEmitter", "SimGraph", "SimRecorder", "capturing", "simulated_capture"]
+__all__ = ["CaptureRun", "CudaEmitter", "SimGraph", "SimRecorder", "capturing", "not_static", "simulated_capture"]
 
 Source = tuple[int, int, int, int, int]
 """One flat copy of a block: (device buffer, byte in it, host buffer, byte in it, bytes)."""
+
+
+def not_static(path: str) -> _core.OffloadError:
+    """The refusal of a capture that reaches block ``path``, which streams without a static schedule."""
+    return _core.OffloadError(
+        f"'{path}' streams without a static schedule and cannot be captured in a CUDA graph: set "
+        "static_slots = true for its component's layers, or do not capture it"
+    )
 
 
 def capturing() -> bool:
@@ -130,10 +138,7 @@ class CaptureRun:
     def _owner(self, path: str) -> ReplayPlan:
         plan = self._plans.get(path)
         if plan is None:
-            raise _core.OffloadError(
-                f"'{path}' streams without a static schedule and cannot be captured in a CUDA graph: set "
-                "static_slots = true for its component's layers, or do not capture it"
-            )
+            raise not_static(path)
         return plan
 
     def _issue(self, plan: ReplayPlan, ops: list[Op]) -> None:

@@ -109,6 +109,7 @@ def enable(
     try:
         # With a checkpoint, meta tensors become empty CPU tensors first; their bytes come from the file.
         storages = StorageMap(session, bound, materialize_meta(bound, undo) if ckpt else {}, composites)
+        binder.prepare([v for views in storages.views.values() for v in views])
         if ckpt:
             _check_held_match(session, storages, ckpt)
         handle = Handle(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import _core
 from ._binders import Binder, CudaBinder, Rebinding
-from ._capture import CaptureRun, CudaEmitter, SimGraph, SimRecorder, capturing
+from ._capture import CaptureRun, CudaEmitter, SimGraph, SimRecorder, capturing, not_static
 from ._clock import HookClock
 from ._compiler import compiler_disabled, reset_compiled
 from ._grad import inference_only
@@ -202,6 +202,10 @@ class Hooks:
         if self.capture is not None:
             self._open_captured(path)
             return
+        if path in self._storages.streamed_by and isinstance(self._binder, CudaBinder) and capturing():
+            # A graph being captured reached a unit the session streams: refused before any of its device work (its
+            # copies, its waits on other streams), which the graph would not replay, ends the capture in a CUDA error.
+            raise not_static(path)
         if self.captured and not self._scheduled:
             self._sync_with_replays()
         self._enter(path)
