@@ -24,20 +24,6 @@ import torch
 ALIGN = 2 << 20
 
 
-def rate(dst, srcs, runs=8):
-    """Median GB/s of copying every buffer of ``srcs`` into ``dst`` (one device buffer), skipping two runs."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(runs):
-        start.record()
-        for s in srcs:
-            dst.copy_(s, non_blocking=True)
-        end.record()
-        end.synchronize()
-        out.append(sum(s.numel() for s in srcs) / (start.elapsed_time(end) / 1e3) / 1e9)
-    return statistics.median(out[2:])
-
-
 def anon_huge_mb():
     """This process's anonymous memory in transparent huge pages, MB."""
     with open("/proc/self/smaps_rollup") as f:
@@ -72,7 +58,8 @@ def pages(kind):
         else:
             src = registered(n, mmap.MADV_HUGEPAGE if kind == "thp" else mmap.MADV_NOHUGEPAGE, keep)
         keep.append(src)
-        rows.append(f"{rate(dst, [src]):.1f}GB/s(huge {anon_huge_mb() - before}MB)")
+        gbps = timed(functools.partial(dst.copy_, src, non_blocking=True), n, runs=8)
+        rows.append(f"{gbps:.1f}GB/s(huge {anon_huge_mb() - before}MB)")
     print(kind, " ".join(rows))
 
 
@@ -121,14 +108,15 @@ def graph():
             with torch.cuda.graph(g):
                 fn(count)
             print(f"graph {name} kernels={count}: {timed(g.replay, k * n):.1f} GB/s")
-            rate = timed(functools.partial(after_copy, g), k * n)
-            print(f"graph {name} kernels={count} after a copy_: {rate:.1f} GB/s")
+            gbps = timed(functools.partial(after_copy, g), k * n)
+            print(f"graph {name} kernels={count} after a copy_: {gbps:.1f} GB/s")
 
 
-def timed(fn, nbytes):
+def timed(fn, nbytes, runs=7):
+    """Median GB/s of ``runs`` calls of ``fn`` that each move ``nbytes``, timed by events, the first two skipped."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     out = []
-    for _ in range(7):
+    for _ in range(runs):
         start.record()
         fn()
         end.record()
