@@ -218,7 +218,8 @@ class _Describer:
         if is_placeholder(t) and t.numel():
             # An offloaded tensor between forwards (a pipeline described while enabled): described as the dense
             # tensor of its own it stands for, not as a view of the placeholders' shared elements.
-            strides, offset, ptr, nbytes = _dense_strides(shape), 0, 0, t.numel() * t.element_size()
+            strides = list(torch.empty(shape, device="meta").stride())
+            offset, ptr, nbytes = 0, 0, t.numel() * t.element_size()
         span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
         entry = {"dtype": dtype, "shape": shape, "strides": strides, "kind": kind, "storage_offset": offset}
         # Storages without memory (empty, meta) have no address: each owns its own, except that one meta tensor
@@ -496,11 +497,3 @@ def _describe(
     discover(desc, items, declared, py if py is not None else Declared())
     return desc, d.bound, d.modules, d.composites
 
-
-def _dense_strides(shape: list[int]) -> list[int]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return strides[::-1]
