@@ -92,6 +92,27 @@ def test_views_are_made_once_per_block_and_slot_and_tensors_are_placeholders_bet
         assert w.device == CUDA and is_placeholder(w), "between forwards: a placeholder on the device"
 
 
+def test_an_edit_through_data_is_refused_by_name_at_state_dict_and_changes_nothing():
+    # Through .data no version counter moves: a streamed weight's write reaches its placeholder's shared elements
+    # (whose signalling NaN the device's arithmetic turns into other bytes), a fixed weight's its device copy; the
+    # next state_dict reads both, refuses by name and puts back, and the outputs stay the resident run's.
+    want = resident()
+    p = pipe()
+    with wf.enable(p, layer(2), device="cuda") as h:
+        assert_outputs_equal(run_on(p, CUDA), want)
+        w = p.transformer.blocks[0].fc.weight
+        assert is_placeholder(w)
+        w.data += 0.5
+        with pytest.raises(wf.OffloadError, match=r"was written between its block's forwards through \.data"):
+            h.state_dict()
+        assert torch.isnan(w).all(), "NaN again after the refusal"
+        assert_outputs_equal(run_on(p, CUDA), want)
+        p.transformer.x_embedder.weight.data += 0.5
+        with pytest.raises(wf.OffloadError, match=r"^'transformer\.x_embedder\.weight' changed while offloaded"):
+            p.transformer.state_dict()
+        assert_outputs_equal(run_on(p, CUDA), want)
+
+
 def test_a_forward_on_another_stream_is_ordered_with_the_enable_stream_and_exact():
     # The session orders its copies on the stream weightferry was enabled on; a forward on a side stream (as CUDA
     # graph trees warm up on) is bridged to it by events around each block: the outputs equal the resident run's,

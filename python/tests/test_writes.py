@@ -173,6 +173,26 @@ def test_a_streamed_weight_between_forwards_has_its_true_shape_and_reads_nan_eve
         assert str(e.value).startswith(f"'transformer.{STREAMED}' changed while offloaded, outside Handle.editing()")
         assert all(torch.isnan(m.get_parameter(n)).all() for n in placeholders), "NaN again after the refusal"
         assert torch.equal(forward(m, x), expected) and torch.equal(expected, forward(twin, x))
+        # Through .data no version counter moves, but the shared elements' bytes (a signalling NaN) change: refused
+        # at the next forward, naming the placeholders that reach them, and nothing changed.
+        w.data += 0.5
+        with pytest.raises(wf.OffloadError) as e:
+            forward(m, x)
+        reached = sorted(f"transformer.{n}" for n in placeholders)  # all bf16, all reaching element 0
+        assert str(e.value) == (
+            f"'{reached[0]}' or one of {len(reached) - 1} more was written between its block's forwards through "
+            ".data, outside Handle.editing() (weight.data += delta, weight.data.mul_(...)): between forwards a "
+            "streamed weight holds a placeholder, so the write reached no weight and nothing changed; make weight "
+            "edits inside `with handle.editing():` (or disable, edit, and enable again)"
+        )
+        assert torch.equal(forward(m, x), expected)
+        # A weight kept on the device edited through .data: its bytes differ from weightferry's copy, so a
+        # state_dict refuses it by name and puts it back, rather than read the copy without the edit.
+        param(m, FIXED).data += 0.5
+        with pytest.raises(wf.OffloadError) as e:
+            m.state_dict()
+        assert str(e.value).startswith(f"'transformer.{FIXED}' changed while offloaded, outside Handle.editing()")
+        assert torch.equal(forward(m, x), expected)
 
 
 def test_disable_after_an_edit_outside_editing_gives_back_the_true_weights_and_says_so():

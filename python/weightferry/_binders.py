@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Union
 
 from . import _core
+from ._capture import capturing
 from ._storages import View, assign, set_data, tensors_over
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "repoison",
     "sentinel",
     "shaped",
+    "stray_writes",
 ]
 
 SetData: TypeAlias = "Callable[[View, torch.Tensor], None]"
@@ -56,10 +58,10 @@ def _span(shape: tuple[int, ...]) -> int:
 
 def sentinel(dtype: torch.dtype, device: str | torch.device = "cpu", elements: int = 1) -> torch.Tensor:
     """A buffer of at least ``elements`` elements of ``dtype`` on ``device`` that placeholders view: the first made
-    that is long enough, else a new one (never freed: a few hundred KB at most). Its bytes are all ``0xff`` (NaN in
-    every float dtype, -1 or the largest value in an integer one; ``True`` for ``bool``). The same shape always gets
-    the same buffer, so a placeholder's data pointer is the same every time it is given back (the edit check
-    compares pointers, :mod:`._edits`)."""
+    that is long enough, else a new one (never freed: a few hundred KB at most). Its elements are a signalling NaN in
+    a float dtype that has one (``_SIGNALLING``), else bytes ``0xff`` (NaN, -1 or the largest value; ``True`` for
+    ``bool``). The same shape always gets the same buffer, so a placeholder's data pointer is the same every time it
+    is given back (the edit check compares pointers, :mod:`._edits`)."""
     import torch
 
     made = _sentinels.setdefault((str(torch.device(device)), dtype), [])
@@ -73,14 +75,37 @@ def sentinel(dtype: torch.dtype, device: str | torch.device = "cpu", elements: i
     return one
 
 
+# A signalling NaN per float dtype (sign set, exponent all ones, top mantissa bit clear, lowest bit set), as the
+# signed integer of its width: arithmetic on one gives a quiet NaN, other bytes, so an in-place write through
+# ``.data`` that bumps no version counter (``weight.data += delta``, ``weight.data.mul_(2)``) still changes them and
+# :func:`stray_writes` finds it. Other dtypes get bytes ``0xff``.
+_SIGNALLING = {"float64": 0xFFF0000000000001 - (1 << 64), "float32": 0xFF800001 - (1 << 32),
+               "bfloat16": 0xFF81 - (1 << 16), "float16": 0xFC01 - (1 << 16)}
+
+
+def _as_ints(one: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``one``'s bytes as integers of its element width and the value each of them holds while poisoned."""
+    import torch
+
+    if one.dtype == torch.bool:
+        return one.view(torch.uint8), 1
+    value = _SIGNALLING.get(str(one.dtype).removeprefix("torch."))
+    if value is None:
+        return one.view(torch.uint8), 0xFF
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[one.dtype.itemsize]
+    return one.view(ints), value
+
+
+_poisoned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(a sentinel) -> (its elements as integers, a copy)
+
+
 def _poison(one: torch.Tensor) -> None:
     import torch
 
+    ints, value = _as_ints(one)
     with torch.no_grad():
-        if one.dtype == torch.bool:
-            one.fill_(True)
-        else:
-            one.view(torch.uint8).fill_(0xFF)
+        ints.fill_(value)
+    _poisoned.setdefault(id(one), (ints, ints.clone()))
 
 
 def repoison() -> None:
@@ -89,6 +114,27 @@ def repoison() -> None:
     for made in _sentinels.values():
         for one in made:
             _poison(one)
+
+
+def stray_writes(devices: bool) -> dict[tuple[str, torch.dtype], int]:
+    """The sentinels written since they were poisoned, as ``(device, dtype)`` and the first element written: each
+    was reached by an in-place write to a placeholder. The CPU's sentinels always (a compare of a few hundred KB);
+    the devices' when ``devices`` (a read that waits for the device's queued work; never while capturing)."""
+    import torch
+
+    out: dict[tuple[str, torch.dtype], int] = {}
+    for (device, dtype), made in _sentinels.items():
+        if device != "cpu" and (not devices or (device.startswith("cuda") and capturing())):
+            continue
+        for one in made:
+            ints, poisoned = _poisoned[id(one)]
+            if torch.equal(ints, poisoned):  # a compare of bytes; the first element written only when one was
+                continue
+            written = (ints != poisoned).nonzero()
+            if written.numel():
+                first = int(written[0, 0]) * ints.itemsize // one.dtype.itemsize
+                out[(device, dtype)] = min(first, out.get((device, dtype), first))
+    return out
 
 
 def placeholder(view: View, device: str | torch.device = "cpu") -> torch.Tensor:

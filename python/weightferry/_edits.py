@@ -24,12 +24,12 @@ bytes in a shared slot. So:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from ._binders import repoison
+from ._binders import is_placeholder, repoison, stray_writes
 from ._storages import set_data, tensors_over
 
 if TYPE_CHECKING:
@@ -39,7 +39,10 @@ if TYPE_CHECKING:
     from ._storages import StorageMap, View
     from ._writes import Writer
 
-__all__ = ["Signatures", "editing", "new_on_cpu", "place_new"]
+__all__ = ["Drifted", "Signatures", "check", "drifted", "editing", "new_on_cpu", "place_new"]
+
+Drifted = Callable[[set[int]], "list[tuple[int, View]]"]
+"""Finds the tensors of some storages kept on the device whose bytes differ from weightferry's copy."""
 
 _FIX = "make weight edits inside `with handle.editing():` (or disable, edit, and enable again)"
 
@@ -48,7 +51,7 @@ class Signatures:
     """``(version counter, data pointer)`` of every managed tensor as weightferry last bound it."""
 
     def __init__(self, storages: StorageMap) -> None:
-        self._storages = storages
+        self.storages = storages
         self._sig: dict[int, tuple[int, int]] = {}
         self.editing: set[int] | None = None  # the storages an editing block holds as CPU tensors now
 
@@ -58,33 +61,96 @@ class Signatures:
             t = v.tensor
             self._sig[id(t)] = (t._version, t.data_ptr())
 
+    def placeholders(self, written: dict[tuple[str, torch.dtype], int]) -> list[str]:
+        """The paths, sorted, of the tensors holding a placeholder now whose elements reach an element of a sentinel
+        ``written`` names (``(device, dtype)`` and the first element written there)."""
+        import torch
+
+        out: list[str] = []
+        if not written:
+            return out
+        for views in self.storages.views.values():
+            for v in views:
+                t = v.tensor
+                first = written.get((str(torch.device(t.device)), t.dtype))
+                if first is not None and t.numel() and is_placeholder(t) and _reach(t) > first:
+                    out.append(v.path)
+        return sorted(out)
+
     def changed(self, sids: Iterator[int] | list[int] | set[int]) -> list[tuple[int, View]]:
         """The views of ``sids`` whose tensor changed since it was recorded."""
         out = []
         for sid in sids:
-            for v in self._storages.views[sid]:
+            for v in self.storages.views[sid]:
                 t = v.tensor
                 if self._sig.get(id(t)) != (t._version, t.data_ptr()):
                     out.append((sid, v))
         return out
 
 
-def check(sigs: Signatures, sids: Any, repair: Any, when: str) -> None:
+def _reach(t: torch.Tensor) -> int:
+    """How many elements of its storage a placeholder reaches (stride 1 in every dimension)."""
+    return int(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+
+
+def check(sigs: Signatures, sids: Any, repair: Any, when: str, drifted: Drifted | None = None) -> None:
     """Raises :class:`weightferry.OffloadError` naming the first managed tensor of ``sids`` changed outside
-    weightferry (after ``repair`` put every changed one back); nothing when none changed or while editing."""
+    weightferry (after ``repair`` put every changed one back), or the placeholders a write through ``.data`` may
+    have reached; nothing when none changed or while editing. ``drifted`` (at ``state_dict``, ``editing``,
+    ``retune``): the tensors of ``sids`` kept on the device whose bytes differ from weightferry's copy; with it the
+    devices' sentinels are read too (a read that waits for the device; before a forward only the CPU's are)."""
     if sigs.editing is not None:
         return
     changed = sigs.changed(sids)
-    if not changed:
-        return
-    repair({sid for sid, _ in changed})
-    repoison()  # the edit may have written into a placeholder's one element, which every placeholder views
-    paths = sorted({v.path for _, v in changed})
-    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
-    raise _core.OffloadError(
-        f"'{paths[0]}'{more} changed while offloaded, outside Handle.editing() (an in-place edit, or .data "
-        f"replaced): weightferry's copy of the weights does not have the change, {when}; {_FIX}"
-    )
+    if drifted is not None:
+        seen = {id(v.tensor) for _, v in changed}
+        changed += [(sid, v) for sid, v in drifted(set(sids)) if id(v.tensor) not in seen]
+    written = stray_writes(devices=drifted is not None)
+    if written and not changed:  # a placeholder written in place: by a counted edit of another storage's tensor?
+        changed = sigs.changed(list(sigs.storages.views))
+    if changed:
+        repair({sid for sid, _ in changed})
+        repoison()  # the edit may have written into a placeholder's elements, which many placeholders view
+        paths = sorted({v.path for _, v in changed})
+        more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        raise _core.OffloadError(
+            f"'{paths[0]}'{more} changed while offloaded, outside Handle.editing() (an in-place edit, or .data "
+            f"replaced): weightferry's copy of the weights does not have the change, {when}; {_FIX}"
+        )
+    reached = sigs.placeholders(written)
+    if reached:
+        repoison()
+        more = f" or one of {len(reached) - 1} more" if len(reached) > 1 else ""
+        raise _core.OffloadError(
+            f"'{reached[0]}'{more} was written between its block's forwards through .data, outside "
+            "Handle.editing() (weight.data += delta, weight.data.mul_(...)): between forwards a streamed weight "
+            f"holds a placeholder, so the write reached no weight and nothing changed; {_FIX}"
+        )
+
+
+def drifted(session: _core.Session, storages: StorageMap, sids: set[int]) -> list[tuple[int, View]]:
+    """Tensors of ``sids`` kept on the device (not streamed) whose bytes differ from weightferry's copy: an edit
+    through ``.data`` (``weight.data += delta`` bumps no version counter and keeps the pointer) made outside
+    ``editing()``, which the signatures cannot see. A tensor that cannot be compared is skipped."""
+    import torch
+
+    out = []
+    streamed = storages.streamed()
+    for sid in sorted(sids - streamed):
+        views = storages.views[sid]
+        true = tensors_over(session.read_storage(sid), views)
+        for view, t in zip(views, true):
+            try:
+                now = view.tensor.detach()
+                if now.shape != t.shape or now.dtype != t.dtype:
+                    continue
+                a = now.cpu().contiguous().reshape(-1).view(torch.uint8)
+                b = t.contiguous().reshape(-1).view(torch.uint8)
+            except (RuntimeError, TypeError):
+                continue
+            if not torch.equal(a, b):
+                out.append((sid, view))
+    return out
 
 
 @contextmanager

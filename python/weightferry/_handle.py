@@ -8,12 +8,14 @@ import json
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
 from ._added import AddedTensors
+from ._binders import repoison, stray_writes
 from ._config import ConfigLike, config_arg
-from ._edits import Signatures, check, editing
+from ._edits import Signatures, check, drifted, editing
 from ._guards import ConversionGuard
 from ._hooks import Hooks, StreamCheck
 from ._loads import LoadHooks
@@ -21,7 +23,6 @@ from ._lora import LoraGuard
 from ._pickling import CopyGuard
 from ._registry import mark
 from ._state_dict import StateDictHooks
-from ._storages import tensors_over
 from ._walks import WalkGuard
 from ._warnings import WeightferryWarning
 from ._writes import Writer
@@ -61,7 +62,7 @@ class Handle:
         self._sigs = Signatures(storages)
         self._hooks = Hooks(session, storages, binder, modules, stream, self._sigs)
         # While offloaded, the modules' own state_dict reads the true weights from the session.
-        self._state_hooks = StateDictHooks(session, storages, bound, self._sigs, self._check)
+        self._state_hooks = StateDictHooks(session, storages, bound, self._sigs, partial(self._check, thorough=True))
         # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
         self._guard = ConversionGuard(modules, lambda: self._forwards > 0 or self._hooks.busy())
         self._forwards = 0  # component forwards under way (a cast of dtype on the device is taken inside one)
@@ -157,12 +158,18 @@ class Handle:
         while self._watch:
             self._watch.pop().remove()
 
-    def _check(self, sids: set[int], when: str = "so it was put back") -> None:
+    def _check(self, sids: set[int], when: str = "so it was put back", thorough: bool = False) -> None:
         """Refuses tensors of ``sids`` changed outside weightferry (see ``_edits``), after putting them back; not
-        while a forward is under way (its open block's tensors are bound, and another thread is refused anyway)."""
+        while a forward is under way (its open block's tensors are bound, and another thread is refused anyway).
+        ``thorough`` (not before a forward): the bytes of those kept on the device are compared too, and the
+        devices' placeholders read."""
         if self._hooks.busy():
             return
-        check(self._sigs, sids, self._repair, when)
+        check(self._sigs, sids, self._repair, when, self._drifted if thorough else None)
+
+    def _drifted(self, sids: set[int]) -> list[tuple[int, View]]:
+        """Tensors of ``sids`` kept on the device whose bytes differ from weightferry's copy (``_edits.drifted``)."""
+        return drifted(self._session, self._storages, sids)
 
     def _repair(self, sids: set[int]) -> None:
         """Rewrites every device copy of ``sids`` from weightferry's copy and binds their tensors again."""
@@ -190,7 +197,7 @@ class Handle:
             )
         prefixes = tuple(paths[id(m)] + "." if paths[id(m)] else "" for m in chosen)
         sids = {sid for sid, vs in self._storages.views.items() if any(v.path.startswith(prefixes) for v in vs)}
-        self._check(sids)
+        self._check(sids, thorough=True)
         added = self._added_bytes()
         with editing(
             self._sigs, self._storages, self._session, self._writer, sids, chosen, self._hooks.rebind_idle,
@@ -250,10 +257,14 @@ class Handle:
             return
         if self._sigs.editing is not None:
             raise _core.OffloadError("disable() inside Handle.editing(): leave the editing block first")
-        changed = self._sigs.changed(set(self._storages.views)) if self._offloaded else []
+        changed, reached = [], []
         if self._offloaded:
+            changed = self._sigs.changed(set(self._storages.views))
             seen = {sid for sid, _ in changed}
-            changed += [(sid, v) for sid, v in self._drifted() if sid not in seen]
+            changed += [(sid, v) for sid, v in self._drifted(set(self._storages.views)) if sid not in seen]
+            reached = self._sigs.placeholders(stray_writes(devices=True))
+            if reached:
+                repoison()
         self._remove_watch()
         self._unwatch_added()
         self._hooks.remove()
@@ -270,38 +281,13 @@ class Handle:
         self._copies.remove()
         self._load_hooks.remove()
         self._disabled = True
-        if changed:
-            paths = sorted({v.path for _, v in changed})
+        if changed or reached:
+            paths = sorted({v.path for _, v in changed}) or reached
             raise _core.OffloadError(
                 f"'{paths[0]}' changed while offloaded, outside Handle.editing() (an in-place edit, or .data "
                 "replaced): disable gave back the weights weightferry held, without the change; make weight edits "
                 "inside `with handle.editing():` (or disable, edit, and enable again)"
             )
-
-    def _drifted(self) -> list[tuple[int, View]]:
-        """Tensors of the fixed placement whose bytes differ from weightferry's copy: an edit through ``.data``
-        (``weight.data += delta`` bumps no version counter and keeps the pointer) made outside ``editing()``, which
-        the signatures cannot see. Read once, at ``disable``; a tensor that cannot be compared is skipped."""
-        import torch
-
-        out = []
-        streamed = self._storages.streamed()
-        for sid, views in self._storages.views.items():
-            if sid in streamed:
-                continue
-            true = tensors_over(self._session.read_storage(sid), views)
-            for view, t in zip(views, true):
-                try:
-                    now = view.tensor.detach()
-                    if now.shape != t.shape or now.dtype != t.dtype:
-                        continue
-                    a = now.cpu().contiguous().reshape(-1).view(torch.uint8)
-                    b = t.contiguous().reshape(-1).view(torch.uint8)
-                except (RuntimeError, TypeError):
-                    continue
-                if not torch.equal(a, b):
-                    out.append((sid, view))
-        return out
 
     def stats(self) -> dict[str, Any]:
         """The backend's report as a dict: ``strategy``, ``enabled``, ``stacks`` (per stack: ``loads``,
@@ -359,7 +345,7 @@ class Handle:
         no longer fits beside them."""
         if not self.enabled:
             raise _core.OffloadError("retune needs an enabled handle; this one is disabled or offloads nothing")
-        self._check(set(self._storages.views))
+        self._check(set(self._storages.views), thorough=True)
         config = self._edited(config, prefetch_depth, resident_layers, device_budget)
         text, fmt = config_arg(config)
         free = 0
@@ -422,7 +408,7 @@ class Handle:
         ``component`` (``handle.state_dict("transformer")`` has the keys of ``transformer.state_dict()``). Tensors
         that shared a storage share one here too."""
         if self.enabled:
-            self._check(set(self._storages.views))
+            self._check(set(self._storages.views), thorough=True)
         return self._storages.state_dict(self._session, component)
 
     def __enter__(self) -> Handle:
