@@ -92,20 +92,26 @@ def test_views_are_made_once_per_block_and_slot_and_tensors_are_placeholders_bet
         assert w.device == CUDA and is_placeholder(w), "between forwards: a placeholder on the device"
 
 
-def test_an_edit_through_data_is_refused_by_name_at_state_dict_and_changes_nothing():
+def test_an_edit_through_data_is_refused_by_name_and_changes_nothing():
     # Through .data no version counter moves: a streamed weight's write reaches its placeholder's shared elements
-    # (whose signalling NaN the device's arithmetic turns into other bytes), a fixed weight's its device copy; the
-    # next state_dict reads both, refuses by name and puts back, and the outputs stay the resident run's.
+    # (whose signalling NaN the device's arithmetic turns into other bytes), a fixed weight's its device copy. The
+    # placeholders are read around each forward (refused at its end, its output dropped) and at state_dict; a fixed
+    # weight's bytes at state_dict: refused by name and put back, and the outputs stay the resident run's.
     want = resident()
     p = pipe()
+    stray = r"was written between its block's forwards through \.data"
     with wf.enable(p, layer(2), device="cuda") as h:
         assert_outputs_equal(run_on(p, CUDA), want)
         w = p.transformer.blocks[0].fc.weight
         assert is_placeholder(w)
         w.data += 0.5
-        with pytest.raises(wf.OffloadError, match=r"was written between its block's forwards through \.data"):
-            h.state_dict()
+        with pytest.raises(wf.OffloadError, match=stray):
+            run_on(p, CUDA)
         assert torch.isnan(w).all(), "NaN again after the refusal"
+        assert_outputs_equal(run_on(p, CUDA), want)
+        w.data.mul_(2)
+        with pytest.raises(wf.OffloadError, match=stray):
+            h.state_dict()
         assert_outputs_equal(run_on(p, CUDA), want)
         p.transformer.x_embedder.weight.data += 0.5
         with pytest.raises(wf.OffloadError, match=r"^'transformer\.x_embedder\.weight' changed while offloaded"):

@@ -31,6 +31,7 @@ __all__ = [
     "Binder",
     "CudaBinder",
     "Rebinding",
+    "SentinelProbe",
     "SetData",
     "SimBinder",
     "is_placeholder",
@@ -135,6 +136,45 @@ def stray_writes(devices: bool) -> dict[tuple[str, torch.dtype], int]:
                 first = int(written[0, 0]) * ints.itemsize // one.dtype.itemsize
                 out[(device, dtype)] = min(first, out.get((device, dtype), first))
     return out
+
+
+class SentinelProbe:
+    """Reads a CUDA device's sentinels without waiting for the device: :meth:`queue` (before a component's forward)
+    compares them with their poisoned copies on the current stream and copies the answer to pinned host memory;
+    :meth:`written` (after that forward) waits for that point of the stream only (long passed, as the host ran the
+    forward's launches since) and says whether a placeholder was written before the forward began. So a write
+    through ``.data`` between forwards, which no version counter shows, is refused at the end of the forward that
+    ran without it, and that forward's output never reaches the caller."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self._device = str(torch.device(device))
+        self._answer = torch.zeros(1, dtype=torch.bool, pin_memory=True)
+        self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._queued = False
+
+    def queue(self) -> None:
+        """Queues the compare on the current stream (not while it is being captured: nothing is queued then)."""
+        import torch
+
+        self._queued = False
+        pairs = [_poisoned[id(one)] for (dev, _), made in _sentinels.items() if dev == self._device for one in made]
+        if not pairs or capturing():
+            return
+        with torch.no_grad():
+            unequal = [torch.ne(ints, poisoned).any() for ints, poisoned in pairs]
+            self._answer.copy_(torch.stack(unequal).any(), non_blocking=True)
+        self._done.record()
+        self._queued = True
+
+    def written(self) -> bool:
+        """Whether the last :meth:`queue` found a sentinel written (``False`` when nothing was queued)."""
+        if not self._queued:
+            return False
+        self._queued = False
+        self._done.synchronize()
+        return bool(self._answer.item())
 
 
 def placeholder(view: View, device: str | torch.device = "cpu") -> torch.Tensor:

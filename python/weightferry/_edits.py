@@ -10,7 +10,10 @@ bytes in a shared slot. So:
   difference is an edit made outside weightferry. It is checked before each component's forward, before a
   ``state_dict`` reads the weights, at ``retune``, ``editing`` and ``disable``: a changed tensor is put back and the
   device copies are rewritten from weightferry's copy (so no slot keeps a stray write), then
-  :class:`weightferry.OffloadError` names it and the fix.
+  :class:`weightferry.OffloadError` names it and the fix. An edit through ``.data`` moves neither: of a tensor kept
+  on the device it is found by its bytes (at ``state_dict``, ``editing``, ``retune`` and ``disable``: a read of the
+  device), of a streamed tensor between forwards by the bytes of the placeholders' shared elements, a signalling
+  NaN (:func:`._binders.stray_writes`; before each forward on the CPU, around it on CUDA: ``SentinelProbe``).
 - :func:`editing` (``Handle.editing()``) is the way to edit: inside it the selected modules' managed tensors are
   ordinary CPU tensors holding their true values (one host copy of them while it lasts), so any edit works as on
   the module not offloaded (peft's ``fuse_lora`` / ``unfuse_lora`` / ``merge_and_unload``, in-place edits,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
 from ._added import AddedTensors
-from ._binders import repoison, stray_writes
+from ._binders import CudaBinder, SentinelProbe, repoison, stray_writes
 from ._config import ConfigLike, config_arg
 from ._edits import Signatures, check, drifted, editing
 from ._guards import ConversionGuard
@@ -66,6 +66,8 @@ class Handle:
         # While offloaded, converting a module (.to(dtype), .cuda(), ...) is refused before anything changes.
         self._guard = ConversionGuard(modules, lambda: self._forwards > 0 or self._hooks.busy())
         self._forwards = 0  # component forwards under way (a cast of dtype on the device is taken inside one)
+        # On CUDA, the placeholders read around each outermost component forward, without a wait (``_edits``).
+        self._probe = SentinelProbe(binder.device) if isinstance(binder, CudaBinder) else None
         # While offloaded, copying or pickling a module (deepcopy, torch.save of the module) is refused.
         self._copies = CopyGuard(modules)
         # While offloaded, Module.apply (diffusers' fuse_lora / unfuse_lora), attention projection fusion and peft's
@@ -130,6 +132,8 @@ class Handle:
                 self._check(sids)
                 self._forwards += 1
                 if self._forwards == 1:
+                    if self._probe is not None:
+                        self._probe.queue()
                     if self._added is not None and self._added.maybe_grew:
                         self._added.maybe_grew = False
                         self._over_budget(fit=False)
@@ -140,6 +144,8 @@ class Handle:
                 if not self._forwards:
                     self._guard.forward_ended()
                     self._hooks.idle_static()
+                    if self._probe is not None and self._probe.written() and output is not None:
+                        self._check(set(self._storages.views), thorough=True)  # names the placeholders reached
                 if output is None or not torch.is_grad_enabled():  # None: the forward raised
                     return None
                 return inference_only(output, comp)
