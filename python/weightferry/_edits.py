@@ -96,19 +96,21 @@ def _reach(t: torch.Tensor) -> int:
     return int(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
 
 
-def check(sigs: Signatures, sids: Any, repair: Any, when: str, drifted: Drifted | None = None) -> None:
+def check(
+    sigs: Signatures, sids: Any, repair: Any, when: str, drifted: Drifted | None = None, devices: bool = False
+) -> None:
     """Raises :class:`weightferry.OffloadError` naming the first managed tensor of ``sids`` changed outside
     weightferry (after ``repair`` put every changed one back), or the placeholders a write through ``.data`` may
     have reached; nothing when none changed or while editing. ``drifted`` (at ``state_dict``, ``editing``,
-    ``retune``): the tensors of ``sids`` kept on the device whose bytes differ from weightferry's copy; with it the
-    devices' sentinels are read too (a read that waits for the device; before a forward only the CPU's are)."""
+    ``retune``): the tensors of ``sids`` kept on the device whose bytes differ from weightferry's copy; ``devices``:
+    the devices' sentinels are read too, not only the CPU's (a read that waits for the device's queued work)."""
     if sigs.editing is not None:
         return
     changed = sigs.changed(sids)
     if drifted is not None:
         seen = {id(v.tensor) for _, v in changed}
         changed += [(sid, v) for sid, v in drifted(set(sids)) if id(v.tensor) not in seen]
-    written = stray_writes(devices=drifted is not None)
+    written = stray_writes(devices)
     if written and not changed:  # a placeholder written in place: by a counted edit of another storage's tensor?
         changed = sigs.changed(list(sigs.storages.views))
     if changed:

@@ -145,7 +145,7 @@ class Handle:
                     self._guard.forward_ended()
                     self._hooks.idle_static()
                     if self._probe is not None and self._probe.written() and output is not None:
-                        self._check(set(self._storages.views), thorough=True)  # names the placeholders reached
+                        self._check(set(self._storages.views), devices=True)  # names the placeholders reached
                 if output is None or not torch.is_grad_enabled():  # None: the forward raised
                     return None
                 return inference_only(output, comp)
@@ -164,14 +164,16 @@ class Handle:
         while self._watch:
             self._watch.pop().remove()
 
-    def _check(self, sids: set[int], when: str = "so it was put back", thorough: bool = False) -> None:
+    def _check(
+        self, sids: set[int], when: str = "so it was put back", thorough: bool = False, devices: bool = False
+    ) -> None:
         """Refuses tensors of ``sids`` changed outside weightferry (see ``_edits``), after putting them back; not
         while a forward is under way (its open block's tensors are bound, and another thread is refused anyway).
         ``thorough`` (not before a forward): the bytes of those kept on the device are compared too, and the
-        devices' placeholders read."""
+        devices' placeholders read; ``devices``: only the latter."""
         if self._hooks.busy():
             return
-        check(self._sigs, sids, self._repair, when, self._drifted if thorough else None)
+        check(self._sigs, sids, self._repair, when, self._drifted if thorough else None, thorough or devices)
 
     def _drifted(self, sids: set[int]) -> list[tuple[int, View]]:
         """Tensors of ``sids`` kept on the device whose bytes differ from weightferry's copy (``_edits.drifted``)."""
