@@ -39,6 +39,7 @@ __all__ = [
     "repoison",
     "sentinel",
     "shaped",
+    "span",
     "stray_writes",
 ]
 
@@ -52,7 +53,7 @@ _sentinels: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
 _SENTINEL_ELEMENTS = 1 << 16  # the least a sentinel holds: any weight whose dimensions sum to less views one
 
 
-def _span(shape: tuple[int, ...]) -> int:
+def span(shape: tuple[int, ...]) -> int:
     """The elements a tensor of ``shape`` with stride 1 in every dimension reaches (none when it has none)."""
     return 0 if 0 in shape else 1 + sum(n - 1 for n in shape)
 
@@ -191,7 +192,7 @@ def shaped(dtype: torch.dtype, shape: tuple[int, ...], device: str | torch.devic
     import torch
 
     t = torch.empty(0, dtype=dtype, device=device)
-    one = sentinel(dtype, device, _span(shape))
+    one = sentinel(dtype, device, span(shape))
     return t.set_(one.untyped_storage(), 0, shape, (1,) * len(shape))
 
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from ._binders import is_placeholder, repoison, stray_writes
+from ._binders import is_placeholder, repoison, span, stray_writes
 from ._storages import set_data, tensors_over
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Signatures:
             for v in views:
                 t = v.tensor
                 first = written.get((str(torch.device(t.device)), t.dtype))
-                if first is not None and t.numel() and is_placeholder(t) and _reach(t) > first:
+                if first is not None and is_placeholder(t) and span(tuple(t.shape)) > first:
                     out.append(v.path)
         return sorted(out)
 
@@ -89,11 +89,6 @@ class Signatures:
                 if self._sig.get(id(t)) != (t._version, t.data_ptr()):
                     out.append((sid, v))
         return out
-
-
-def _reach(t: torch.Tensor) -> int:
-    """How many elements of its storage a placeholder reaches (stride 1 in every dimension)."""
-    return int(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
 
 
 def check(
